@@ -1,0 +1,71 @@
+"""asyncio helpers: a uvloop-aware runner and supervised background tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+class Supervisor:
+    """Owns background tasks: none is lost, every failure is logged and reported.
+
+    A task that raises (anything but cancellation) is logged with its traceback
+    and passed to ``on_failure`` so its owner can react (restart it, mark a peer
+    dead, shut down); it is never silently dropped.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        on_failure: Callable[[str, BaseException], Any] | None = None,
+    ) -> None:
+        self.name = name
+        self.on_failure = on_failure
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.failures = 0
+
+    def spawn(self, coro: Awaitable[T], name: str) -> asyncio.Task[T]:
+        task: asyncio.Task[T] = asyncio.ensure_future(coro)  # type: ignore[assignment]
+        task.set_name(f"{self.name}:{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            return
+        self.failures += 1
+        log.error("task %s failed", task.get_name(), exc_info=exc)
+        if self.on_failure is not None:
+            try:
+                self.on_failure(task.get_name(), exc)
+            except Exception:
+                log.exception("on_failure handler of %s raised", self.name)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)

@@ -1,0 +1,1 @@
+"""Control plane: topology, planner, scheduler loop, registry, journal, coordinator."""

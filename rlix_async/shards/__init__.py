@@ -1,0 +1,1 @@
+"""Shards: engine protocol, vLLM adapter, worker process, router."""

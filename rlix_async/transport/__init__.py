@@ -1,0 +1,23 @@
+"""Async ZMQ RPC: ROUTER server, DEALER clients, typed messages, heartbeats, CURVE."""
+
+from rlix_async.transport.client import RpcClient
+from rlix_async.transport.endpoint import (
+    CallContext,
+    CallTimeout,
+    ConnectionLost,
+    PeerInfo,
+    Reply,
+    TransportConfig,
+)
+from rlix_async.transport.server import RpcServer
+
+__all__ = [
+    "CallContext",
+    "CallTimeout",
+    "ConnectionLost",
+    "PeerInfo",
+    "Reply",
+    "RpcClient",
+    "RpcServer",
+    "TransportConfig",
+]

@@ -1,0 +1,211 @@
+"""ROUTER side of the RPC transport: the coordinator's socket."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from rlix_async.protocol import (
+    PROTOCOL_VERSION,
+    Envelope,
+    ErrorCode,
+    Hello,
+    Kind,
+    Message,
+    ProtocolError,
+    Welcome,
+    decode_body,
+    decode_envelope,
+)
+from rlix_async.security import ServerKeys, check_endpoint
+from rlix_async.transport.endpoint import (
+    Buffer,
+    PeerInfo,
+    TransportConfig,
+    _call_hook,
+    _Endpoint,
+)
+
+log = logging.getLogger(__name__)
+
+
+class RpcServer(_Endpoint):
+    """ROUTER side. Peers say hello first; then any message counts as a heartbeat."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        config: TransportConfig | None = None,
+        keys: ServerKeys | None = None,
+        on_peer_joined: Callable[[PeerInfo], Any] | None = None,
+        on_peer_lost: Callable[[PeerInfo], Any] | None = None,
+        name: str = "rpc-server",
+    ) -> None:
+        super().__init__(config, name)
+        check_endpoint(endpoint, keys)
+        self.endpoint = endpoint
+        self.keys = keys
+        self.peers: dict[str, PeerInfo] = {}
+        self.on_peer_joined = on_peer_joined
+        self.on_peer_lost = on_peer_lost
+        self._auth: Any = None
+        self._copied_parts = 2  # routing id and header
+
+    async def start(self) -> RpcServer:
+        self._loop = asyncio.get_running_loop()
+        sock = self._ctx.socket(zmq.ROUTER)
+        self._configure(sock)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable -> error, never silent
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting identity takes over
+        if self.keys is not None:
+            from zmq.auth.asyncio import AsyncioAuthenticator
+
+            self._auth = AsyncioAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=str(self.keys.authorized_dir))
+            self.keys.apply(sock)
+        sock.bind(self.endpoint)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # resolves tcp port 0
+        self._sock = sock
+        self._start_reading()
+        self._tasks.spawn(self._heartbeat_loop(), "heartbeat")
+        self._tasks.spawn(self._expire_calls(), "call-timeouts")
+        return self
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        await self._close_socket()
+        if self._auth is not None:
+            self._auth.stop()
+        self._ctx.destroy(linger=0)
+
+    async def __aenter__(self) -> RpcServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def call(self, peer: str, msg: Message, *, timeout: float | None = None) -> Message:
+        return (await self._call(peer.encode(), msg, (), timeout, peer))[0]
+
+    async def call_with_frames(
+        self,
+        peer: str,
+        msg: Message,
+        frames: Sequence[Buffer] = (),
+        *,
+        timeout: float | None = None,
+    ) -> tuple[Message, list[memoryview]]:
+        return await self._call(peer.encode(), msg, frames, timeout, peer)
+
+    async def notify(self, peer: str, msg: Message, frames: Sequence[Buffer] = ()) -> bool:
+        """Push a one-way message; False when the peer is gone or its queue is full."""
+        return await self._notify(peer.encode(), msg, frames)
+
+    def _routed(self, route: Any, parts: list[Any]) -> list[Any]:
+        return [route, *parts]
+
+    def _receive(self, frames: list[Any]) -> None:
+        if len(frames) < 2:
+            return  # ZMQ always gives identity + at least one frame; be safe anyway
+        route = frames[0]
+        try:
+            peer = route.decode()
+        except UnicodeDecodeError:
+            peer = repr(route)
+        info = self.peers.get(peer)
+        now = time.monotonic()
+        if info is not None:
+            info.last_seen = now
+        body = frames[1:]
+        if info is None:
+            self._receive_unregistered(peer, route, body)
+        else:
+            self._dispatch(peer, body, route)
+
+    def _receive_unregistered(self, peer: str, route: bytes, body: list[Any]) -> None:
+        """Before hello only Hello is served; anything else is told to say hello."""
+        try:
+            env = decode_envelope(body[0]) if len(body[0]) < 65536 else None
+        except ProtocolError as exc:
+            self._send_error(route, 0, exc.code, exc.detail)
+            return
+        if env is None:
+            self._send_error(route, 0, ErrorCode.TOO_LARGE, "oversized message before hello")
+        elif env.type_name == Hello.type_name and env.kind == Kind.REQUEST:
+            self._dispatch(peer, body, route)
+        elif env.kind in (Kind.REQUEST, Kind.NOTIFY, Kind.HEARTBEAT):
+            call_id = env.call_id if env.kind == Kind.REQUEST else 0
+            self._send_error(
+                route,
+                call_id,
+                ErrorCode.NOT_REGISTERED,
+                f"{peer} has not said hello to this server (instance {self.instance})",
+            )
+
+    def _serve(self, peer: str, env: Envelope, frames: Sequence[Any], route: Any) -> None:
+        if env.type_name == Hello.type_name:
+            msg = decode_body(env)
+            assert isinstance(msg, Hello)
+            result = self._hello(peer, msg)
+            if env.kind == Kind.REQUEST:
+                self._send_result(route, env.call_id, result)
+            return
+        super()._serve(peer, env, frames, route)
+
+    def _hello(self, peer: str, msg: Hello) -> Welcome:
+        if msg.protocol != PROTOCOL_VERSION:
+            raise ProtocolError(
+                ErrorCode.VERSION_MISMATCH,
+                f"peer {peer} speaks protocol {msg.protocol}, this server speaks "
+                f"{PROTOCOL_VERSION}: upgrade rlix_async on one side",
+            )
+        if msg.identity != peer:
+            raise ProtocolError(
+                ErrorCode.INVALID, f"hello identity {msg.identity!r} != socket identity {peer!r}"
+            )
+        now = time.monotonic()
+        rejoined = peer in self.peers
+        info = PeerInfo(peer, msg.host, msg.pid, dict(msg.info), now, now, rejoined)
+        self.peers[peer] = info
+        self._tasks.spawn(_call_hook(self.on_peer_joined, info), "peer-joined")
+        c = self.config
+        return Welcome(
+            protocol=PROTOCOL_VERSION,
+            server_instance=self.instance,
+            heartbeat_interval_s=c.heartbeat_interval_s,
+            heartbeat_timeout_s=c.heartbeat_timeout_s,
+        )
+
+    def drop_peer(self, peer: str) -> None:
+        """Forget a peer without waiting for its heartbeats to stop (e.g. on unregister)."""
+        self.peers.pop(peer, None)
+
+    async def _heartbeat_loop(self) -> None:
+        c = self.config
+        tick = c.heartbeat_interval_s / 5
+        next_beat = 0.0
+        while not self._closed:
+            self._drain()  # safety net: a missed FD edge can stall a reader for one tick at most
+            now = time.monotonic()
+            for peer, info in list(self.peers.items()):
+                if now - info.last_seen > c.heartbeat_timeout_s:
+                    del self.peers[peer]
+                    log.warning(
+                        "peer %s silent for %.2fs: declared dead", peer, now - info.last_seen
+                    )
+                    self._tasks.spawn(_call_hook(self.on_peer_lost, info), "peer-lost")
+            if now >= next_beat:
+                next_beat = now + c.heartbeat_interval_s
+                for peer in list(self.peers):
+                    with contextlib.suppress(zmq.ZMQError):
+                        self._try_send([peer.encode(), self._heartbeat], True)
+            await asyncio.sleep(tick)

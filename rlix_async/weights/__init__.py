@@ -1,0 +1,1 @@
+"""Weights: bucket packing, versioned host cache, streaming to shards."""
