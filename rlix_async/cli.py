@@ -33,6 +33,54 @@ def _cmd_bench_rpc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from rlix_async.control.planner import SnapshotError, check_plan, decode_snapshot, plan
+
+    try:
+        snap = decode_snapshot(Path(args.snapshot).read_bytes())
+    except OSError as exc:
+        print(f"error: cannot read {args.snapshot}: {exc}", file=sys.stderr)
+        return 2
+    except SnapshotError as exc:
+        print(f"error: invalid snapshot {args.snapshot}: {exc}", file=sys.stderr)
+        return 2
+    result = plan(snap)
+    violations = check_plan(snap, result)
+    if violations:  # a planner bug: say so loudly, never print the plan as if sound
+        print("error: the plan breaks invariants:\n  " + "\n  ".join(violations), file=sys.stderr)
+        return 1
+    if args.json:
+        import msgspec
+
+        print(msgspec.json.encode(result).decode())
+        return 0
+    for g in result.grants:
+        print(f"grant   {g.pipeline}/{g.cluster} {g.priority} devices {g.devices}")
+    for ch in result.shrink:
+        print(f"shrink  {ch.pipeline}/{ch.cluster} ranks {ch.ranks}")
+    for ch in result.expand:
+        print(f"expand  {ch.pipeline}/{ch.cluster} ranks {ch.ranks}")
+    for w in result.waiting:
+        print(f"waiting {w.pipeline}/{w.cluster}: {w.reason}")
+    print(f"idle    {result.idle_devices}")
+    return 0
+
+
+def _cmd_bench_plan(args: argparse.Namespace) -> int:
+    from rlix_async.bench.plan import run_plan_bench
+
+    result = run_plan_bench(args.gpus, args.pipelines, args.snapshots, args.seed)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(
+            f"plan on {args.gpus} devices / {args.pipelines} pipelines "
+            f"({result['snapshots']} random snapshots): p50 {result['plan_ms_p50']:.2f} ms, "
+            f"p99 {result['plan_ms_p99']:.2f} ms; check_plan p50 {result['check_ms_p50']:.2f} ms"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlix-async",
@@ -51,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_keygen)
 
+    p = sub.add_parser("plan", help="run the planner once on a snapshot (what-if tool)")
+    p.add_argument("snapshot", help="snapshot JSON (format in docs/SCHEDULING.md)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_cmd_plan)
+
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     p = bsub.add_parser("rpc", help="RPC round trip p50/p99 and throughput between processes")
@@ -60,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vs-ray", action="store_true", help="same pattern against a Ray actor")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_bench_rpc)
+    p = bsub.add_parser("plan", help="planner latency on random realistic snapshots")
+    p.add_argument("--gpus", type=int, default=4096)
+    p.add_argument("--pipelines", type=int, default=256)
+    p.add_argument("--snapshots", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_bench_plan)
     return parser
 
 

@@ -1,0 +1,493 @@
+"""The planner: a pure function from a cluster snapshot to a plan.
+
+``plan(snapshot)`` decides, in this order:
+
+1. Gang requests (every priority but GENERATION), served by priority then
+   arrival (``seq``). A request takes its cluster's whole device list or nothing.
+   Generation shards on those devices are shrunk for it; devices held by another
+   non-generation stage are waited for. A blocked request *reserves* its
+   devices: later requests in the order cannot take them, and no new generation
+   shard is started on them, so a big request is never starved by a stream of
+   smaller ones. A request that has waited longer than ``policy.aging_s`` moves
+   ahead of every fresh request (still never preempting a non-generation stage).
+2. Generation gets what is left. Each pipeline's demand is its remaining
+   trajectories (``target - min(completed, target)`` summed over streams), or the
+   ``step_target_estimate`` of its pending GENERATION request when it reported no
+   progress yet. Devices are divided in proportion to ``demand x tp``
+   (water-filling, capped by the devices each pipeline can reach); every
+   pipeline with demand gets at least one bundle when one is free.
+3. Hysteresis: moving a shard costs a sleep, a wake and a weight sync, so a
+   pipeline whose current share is within one bundle of its ideal keeps it, and
+   shards of a pipeline without demand are only shrunk when another pipeline
+   with unmet demand could use their devices.
+
+:func:`check_plan` re-derives the resulting ownership and lists every broken
+invariant; the coordinator never applies a plan with violations.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import msgspec
+
+from rlix_async.control.topology import (
+    INFER,
+    ClusterName,
+    ClusterShape,
+    ClusterSpec,
+    Priority,
+    PriorityName,
+    TopologyError,
+    validate_topology,
+)
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+PipelineId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+
+
+# --- snapshot (input) ----------------------------------------------------------------
+
+
+class RequestIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    seq: NonNeg
+    cluster: ClusterName
+    priority: PriorityName
+    step_target_estimate: NonNeg | None = None
+    age_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+
+
+class ProgressIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    target: NonNeg
+    completed: NonNeg
+    stream: str = "default"
+
+
+class PipelineIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    id: PipelineId
+    clusters: dict[ClusterName, ClusterSpec]
+    held: dict[ClusterName, PriorityName] = {}
+    active_ranks: dict[ClusterName, list[NonNeg]] = {}
+    progress: ProgressIn | list[ProgressIn] | None = None
+    requests: list[RequestIn] = []
+
+    def remaining(self) -> int | None:
+        """Trajectories still to generate this step; None when never reported."""
+        if self.progress is None:
+            return None
+        streams = self.progress if isinstance(self.progress, list) else [self.progress]
+        return sum(p.target - min(p.completed, p.target) for p in streams)
+
+
+class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # A gang request waiting this long is served before every fresh request.
+    aging_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+
+
+class Snapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    cluster: ClusterShape
+    pipelines: list[PipelineIn]
+    policy: Policy = Policy()
+
+
+class SnapshotError(ValueError):
+    """An inconsistent snapshot; the message names the offending field."""
+
+
+# --- plan (output) -----------------------------------------------------------------
+
+
+class Grant(msgspec.Struct, frozen=True):
+    pipeline: str
+    cluster: str
+    priority: str
+    devices: list[int]
+
+
+class RankChange(msgspec.Struct, frozen=True):
+    pipeline: str
+    cluster: str
+    ranks: list[int]
+
+
+class Waiting(msgspec.Struct, frozen=True):
+    pipeline: str
+    cluster: str
+    reason: str
+
+
+class Plan(msgspec.Struct):
+    grants: list[Grant] = []
+    shrink: list[RankChange] = []
+    expand: list[RankChange] = []
+    waiting: list[Waiting] = []
+    idle_devices: list[int] = []
+
+
+# --- snapshot loading and validation --------------------------------------------------
+
+
+def decode_snapshot(data: bytes | str) -> Snapshot:
+    """Parse and fully validate a JSON snapshot (raises SnapshotError)."""
+    try:
+        snap = msgspec.json.decode(data, type=Snapshot)
+    except msgspec.ValidationError as exc:
+        raise SnapshotError(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise SnapshotError(f"not valid JSON: {exc}") from None
+    validate_snapshot(snap)
+    return snap
+
+
+def validate_snapshot(snap: Snapshot) -> None:
+    owner: dict[int, str] = {}
+    seen_ids: set[str] = set()
+    seen_seq: dict[int, str] = {}
+
+    def claim(devs: tuple[int, ...], who: str, where: str) -> None:
+        for d in devs:
+            if d in owner:
+                raise SnapshotError(f"{where}: device {d} is also held by {owner[d]}")
+            owner[d] = who
+
+    for i, p in enumerate(snap.pipelines):
+        at = f"$.pipelines[{i}]"
+        if p.id in seen_ids:
+            raise SnapshotError(f"{at}.id: duplicate pipeline id {p.id!r}")
+        seen_ids.add(p.id)
+        try:
+            validate_topology(dict(p.clusters), snap.cluster)
+        except TopologyError as exc:
+            raise SnapshotError(f"{at}.clusters: {exc}") from None
+        for cname, prio in p.held.items():
+            if cname not in p.clusters:
+                raise SnapshotError(f"{at}.held.{cname}: cluster not declared")
+            if prio == "GENERATION":
+                raise SnapshotError(f"{at}.held.{cname}: generation is held via active_ranks")
+            claim(p.clusters[cname].devices, f"{p.id}/{cname}", f"{at}.held.{cname}")
+        for cname, ranks in p.active_ranks.items():
+            if cname != INFER:
+                raise SnapshotError(f"{at}.active_ranks.{cname}: only {INFER} has generation ranks")
+            spec = p.clusters[INFER]
+            if len(set(ranks)) != len(ranks):
+                raise SnapshotError(f"{at}.active_ranks.{cname}: duplicate ranks {ranks}")
+            for r in ranks:
+                if r >= spec.dp:
+                    raise SnapshotError(
+                        f"{at}.active_ranks.{cname}: rank {r} out of range (dp={spec.dp})"
+                    )
+                claim(spec.bundle(r), f"{p.id}/{INFER}[{r}]", f"{at}.active_ranks.{cname}")
+        open_clusters: set[str] = set()
+        for j, r in enumerate(p.requests):
+            rat = f"{at}.requests[{j}]"
+            if r.seq in seen_seq:
+                raise SnapshotError(f"{rat}.seq: {r.seq} already used by {seen_seq[r.seq]}")
+            seen_seq[r.seq] = f"{p.id}"
+            if r.cluster not in p.clusters:
+                raise SnapshotError(f"{rat}.cluster: {r.cluster} is not declared by {p.id}")
+            if (r.priority == "GENERATION") != (r.cluster == INFER) and r.priority != (
+                "INITIALIZATION"
+            ):
+                raise SnapshotError(
+                    f"{rat}: GENERATION is requested on {INFER} and only there (got "
+                    f"{r.priority} on {r.cluster})"
+                )
+            if r.cluster in open_clusters:
+                raise SnapshotError(f"{rat}.cluster: a second open request for {r.cluster}")
+            if r.cluster in p.held:
+                raise SnapshotError(f"{rat}.cluster: {p.id} already holds {r.cluster}")
+            open_clusters.add(r.cluster)
+
+
+# --- planning ----------------------------------------------------------------------------
+
+
+@dataclass
+class _State:
+    shape: ClusterShape
+    pipes: dict[str, PipelineIn]
+    owner: dict[int, tuple[str, str]] = field(default_factory=dict)  # non-generation holders
+    active: dict[str, set[int]] = field(default_factory=dict)  # generation ranks awake
+    reserved: dict[int, str] = field(default_factory=dict)  # device -> blocked request
+    shrunk: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
+
+    def gen_holder(self) -> dict[int, tuple[str, int]]:
+        out: dict[int, tuple[str, int]] = {}
+        for pid, ranks in self.active.items():
+            spec = self.pipes[pid].clusters[INFER]
+            for r in ranks:
+                for d in spec.bundle(r):
+                    out[d] = (pid, r)
+        return out
+
+    def shrink(self, pid: str, rank: int) -> None:
+        self.active[pid].discard(rank)
+        self.shrunk[pid].add(rank)
+
+
+def plan(snap: Snapshot) -> Plan:
+    """Decide grants, shrinks and expands for one snapshot. Pure and deterministic."""
+    st = _State(snap.cluster, {p.id: p for p in snap.pipelines})
+    for p in snap.pipelines:
+        for cname in p.held:
+            for d in p.clusters[cname].devices:
+                st.owner[d] = (p.id, cname)
+        st.active[p.id] = set(p.active_ranks.get(INFER, ()))
+    out = Plan()
+    _serve_gang_requests(snap, st, out)
+    _allocate_generation(snap, st, out)
+    out.shrink = [
+        RankChange(pid, INFER, sorted(ranks)) for pid, ranks in sorted(st.shrunk.items()) if ranks
+    ]
+    busy = set(st.owner) | set(st.gen_holder())
+    out.idle_devices = [d for d in range(snap.cluster.num_devices) if d not in busy]
+    return out
+
+
+def _gang_order(snap: Snapshot) -> list[tuple[PipelineIn, RequestIn]]:
+    reqs = [(p, r) for p in snap.pipelines for r in p.requests if r.priority != "GENERATION"]
+    aging = snap.policy.aging_s
+    return sorted(reqs, key=lambda pr: (pr[1].age_s < aging, Priority[pr[1].priority], pr[1].seq))
+
+
+def _serve_gang_requests(snap: Snapshot, st: _State, out: Plan) -> None:
+    gen = st.gen_holder()
+    for p, r in _gang_order(snap):
+        devices = p.clusters[r.cluster].devices
+        holders = sorted({st.owner[d] for d in devices if d in st.owner})
+        reservers = sorted({st.reserved[d] for d in devices if d in st.reserved})
+        if holders or reservers:
+            if holders:
+                held = [d for d in devices if d in st.owner]
+                names = ", ".join(f"{a}/{b}" for a, b in holders)
+                reason = f"devices {','.join(map(str, held))} held by {names}"
+            else:
+                reason = f"devices reserved for earlier request {', '.join(reservers)}"
+            out.waiting.append(Waiting(p.id, r.cluster, reason))
+            for d in devices:
+                st.reserved.setdefault(d, f"{p.id}/{r.cluster}")
+            continue
+        for d in devices:
+            if d in gen:
+                pid, rank = gen.pop(d)
+                if rank in st.active[pid]:
+                    st.shrink(pid, rank)
+            st.owner[d] = (p.id, r.cluster)
+        out.grants.append(Grant(p.id, r.cluster, r.priority, list(devices)))
+
+
+def _demand(p: PipelineIn) -> int:
+    remaining = p.remaining()
+    if remaining is not None:
+        return remaining
+    for r in p.requests:
+        if r.priority == "GENERATION" and r.step_target_estimate:
+            return r.step_target_estimate
+    return 0
+
+
+def water_fill(
+    capacity: float, weights: dict[str, float], caps: dict[str, float]
+) -> dict[str, float]:
+    """Split ``capacity`` in proportion to ``weights``, no share above its cap."""
+    share = dict.fromkeys(weights, 0.0)
+    open_ = {k for k, w in weights.items() if w > 0 and caps[k] > 0}
+    left = capacity
+    while open_ and left > 1e-9:
+        total = sum(weights[k] for k in open_)
+        capped = {k for k in open_ if left * weights[k] / total >= caps[k] - share[k] - 1e-9}
+        if not capped:
+            for k in open_:
+                share[k] += left * weights[k] / total
+            break
+        for k in capped:
+            left -= caps[k] - share[k]
+            share[k] = caps[k]
+        open_ -= capped
+    return share
+
+
+def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> None:
+    pipes = [p for p in snap.pipelines if INFER in p.clusters]
+    spec = {p.id: p.clusters[INFER] for p in pipes}
+
+    def reachable(pid: str, rank: int) -> bool:
+        """A bundle this pipeline may run on: not held by a stage, not reserved
+        (unless the shard already runs there)."""
+        bundle = spec[pid].bundle(rank)
+        if any(d in st.owner for d in bundle):
+            return False
+        return rank in st.active[pid] or not any(d in st.reserved for d in bundle)
+
+    demand = {p.id: _demand(p) for p in pipes}
+    wanting = [p.id for p in pipes if demand[p.id] > 0]
+    caps = {
+        pid: sum(spec[pid].tp for r in range(spec[pid].dp) if reachable(pid, r)) for pid in wanting
+    }
+    usable: set[int] = set()
+    for pid in wanting:
+        for r in range(spec[pid].dp):
+            if reachable(pid, r):
+                usable.update(spec[pid].bundle(r))
+    ideal = water_fill(len(usable), {pid: demand[pid] * spec[pid].tp for pid in wanting}, caps)
+    target = _bundle_targets(wanting, ideal, spec, st, caps, len(usable))
+
+    # Devices each under-target pipeline could use: shrink others there first.
+    hungry = [pid for pid in wanting if len(st.active[pid]) < target[pid]]
+    hungry_devices: dict[int, int] = defaultdict(int)
+    for pid in hungry:
+        for r in range(spec[pid].dp):
+            if reachable(pid, r) and r not in st.active[pid]:
+                for d in spec[pid].bundle(r):
+                    hungry_devices[d] += 1
+
+    def contention(pid: str, rank: int) -> tuple[int, int]:
+        return (-sum(hungry_devices.get(d, 0) for d in spec[pid].bundle(rank)), -rank)
+
+    for p in pipes:
+        pid = p.id
+        ranks = st.active[pid]
+        if demand[pid] == 0:
+            for r in sorted(ranks):
+                if any(hungry_devices.get(d) for d in spec[pid].bundle(r)):
+                    st.shrink(pid, r)
+            continue
+        excess = len(ranks) - target[pid]
+        for r in sorted(ranks, key=lambda r: contention(pid, r))[: max(excess, 0)]:
+            st.shrink(pid, r)
+
+    taken = set(st.owner) | set(st.gen_holder())
+    expands: dict[str, list[int]] = defaultdict(list)
+    # Neediest first: the largest gap between target and current share.
+    for pid in sorted(hungry, key=lambda q: (len(st.active[q]) / max(target[q], 1), q)):
+        free = [
+            r
+            for r in range(spec[pid].dp)
+            if r not in st.active[pid]
+            and reachable(pid, r)
+            and not any(d in taken or d in st.reserved for d in spec[pid].bundle(r))
+        ]
+        # Prefer bundles other hungry pipelines cannot use, then low ranks.
+        free.sort(key=lambda r: (sum(hungry_devices.get(d, 0) for d in spec[pid].bundle(r)), r))
+        for r in free[: max(target[pid] - len(st.active[pid]), 0)]:
+            expands[pid].append(r)
+            taken.update(spec[pid].bundle(r))
+        st.active[pid].update(expands[pid])
+    # A rank shrunk and expanded in the same plan is simply kept.
+    for pid, ranks in expands.items():
+        kept = set(ranks) & st.shrunk[pid]
+        st.shrunk[pid] -= kept
+        fresh = sorted(set(ranks) - kept)
+        if fresh:
+            out.expand.append(RankChange(pid, INFER, fresh))
+    for pid in wanting:
+        if not st.active[pid]:
+            blocked = "every reachable bundle is held by a stage or reserved"
+            out.waiting.append(Waiting(pid, INFER, f"generation: {blocked}"))
+
+
+def _bundle_targets(
+    wanting: list[str],
+    ideal: dict[str, float],
+    spec: dict[str, ClusterSpec],
+    st: _State,
+    caps: dict[str, float],
+    capacity: int,
+) -> dict[str, int]:
+    """Whole bundles per pipeline: largest remainder, at least one, then hysteresis."""
+    exact = {pid: ideal[pid] / spec[pid].tp for pid in wanting}
+    target = {pid: int(exact[pid]) for pid in wanting}
+    room = capacity - sum(target[pid] * spec[pid].tp for pid in wanting)
+    for pid in sorted(wanting, key=lambda q: (-(exact[q] - target[q]), q)):
+        tp = spec[pid].tp
+        if exact[pid] > target[pid] and room >= tp and (target[pid] + 1) * tp <= caps[pid]:
+            target[pid] += 1
+            room -= tp
+    for pid in wanting:  # every pipeline with demand gets a bundle when it can reach one
+        if target[pid] == 0 and caps[pid] >= spec[pid].tp:
+            target[pid] = 1
+    for pid in wanting:  # hysteresis: a current share within one bundle of ideal stays
+        current = len(st.active[pid])
+        if current and abs(current - exact[pid]) <= 1 and current * spec[pid].tp <= caps[pid]:
+            target[pid] = current
+    # Keep the total feasible: trim those furthest above their ideal (never below one).
+    while sum(target[pid] * spec[pid].tp for pid in wanting) > capacity:
+        over = [pid for pid in wanting if target[pid] > 1]
+        if not over:
+            break
+        worst = max(over, key=lambda q: (target[q] - exact[q], q))
+        target[worst] -= 1
+    return target
+
+
+# --- invariants ----------------------------------------------------------------------------
+
+
+def check_plan(snap: Snapshot, result: Plan) -> list[str]:
+    """Every broken invariant of applying ``result`` to ``snap`` (empty when sound)."""
+    errors: list[str] = []
+    pipes = {p.id: p for p in snap.pipelines}
+    n = snap.cluster.num_devices
+    owner: dict[int, str] = {}
+
+    def claim(d: int, who: str) -> None:
+        if not 0 <= d < n:
+            errors.append(f"{who}: device {d} does not exist")
+        elif d in owner:
+            errors.append(f"device {d} double-booked: {owner[d]} and {who}")
+        else:
+            owner[d] = who
+
+    for p in snap.pipelines:
+        for cname in p.held:
+            for d in p.clusters[cname].devices:
+                claim(d, f"{p.id}/{cname}")
+    active = {p.id: set(p.active_ranks.get(INFER, ())) for p in snap.pipelines}
+    for ch in result.shrink:
+        p = pipes.get(ch.pipeline)
+        if p is None or ch.cluster != INFER:
+            errors.append(f"shrink of unknown {ch.pipeline}/{ch.cluster}")
+            continue
+        for r in ch.ranks:
+            if r not in active[p.id]:
+                errors.append(f"shrink of {p.id} rank {r}, which is not active")
+            active[p.id].discard(r)
+    pending = {(p.id, r.cluster): r for p in snap.pipelines for r in p.requests}
+    for g in result.grants:
+        req = pending.get((g.pipeline, g.cluster))
+        if req is None or req.priority == "GENERATION":
+            errors.append(f"grant {g.pipeline}/{g.cluster} answers no gang request")
+            continue
+        if g.devices != list(pipes[g.pipeline].clusters[g.cluster].devices):
+            errors.append(f"grant {g.pipeline}/{g.cluster} is not the whole device list")
+        for d in g.devices:
+            claim(d, f"{g.pipeline}/{g.cluster}")
+    for ch in result.expand:
+        p = pipes.get(ch.pipeline)
+        if p is None or ch.cluster != INFER:
+            errors.append(f"expand of unknown {ch.pipeline}/{ch.cluster}")
+            continue
+        for r in ch.ranks:
+            if not 0 <= r < p.clusters[INFER].dp:
+                errors.append(f"expand of {p.id} rank {r} out of range")
+            elif r in active[p.id]:
+                errors.append(f"expand of {p.id} rank {r}, which is already active")
+            active[p.id].add(r)
+    for pid, ranks in active.items():
+        spec = pipes[pid].clusters.get(INFER)
+        for r in ranks:
+            if spec is None or not 0 <= r < spec.dp:
+                errors.append(f"{pid} rank {r} out of range")
+                continue
+            for d in spec.bundle(r):
+                claim(d, f"{pid}/{INFER}[{r}]")
+    idle = [d for d in range(n) if d not in owner]
+    if sorted(result.idle_devices) != idle:
+        errors.append(f"idle_devices {result.idle_devices} != unowned devices {idle}")
+    return errors
+
+
+def plan_to_json(result: Plan) -> bytes:
+    return msgspec.json.encode(result)

@@ -1,0 +1,117 @@
+"""Pipeline topology: named clusters of devices split into tensor-parallel bundles.
+
+Vocabulary follows RLix: a pipeline declares clusters ``actor_train``,
+``actor_infer`` (required), ``critic`` and ``reference``, each with a TP size and
+a device list. Data-parallel rank ``r`` of a cluster is the bundle
+``devices[r*tp:(r+1)*tp]``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+import msgspec
+
+CLUSTER_NAMES = ("actor_train", "actor_infer", "critic", "reference")
+ClusterName = Literal["actor_train", "actor_infer", "critic", "reference"]
+INFER = "actor_infer"
+SMALL_TP = (1, 2, 4, 8)
+
+
+class Priority(enum.IntEnum):
+    """Lower is more important; only GENERATION is preemptable."""
+
+    INITIALIZATION = 0
+    ACTOR_TRAINING = 1
+    CRITIC_TRAINING = 2
+    OLD_LOG_PROBS = 3
+    REF_LOG_PROBS = 4
+    VALUE_COMPUTE = 5
+    GENERATION = 6
+
+
+PriorityName = Literal[
+    "INITIALIZATION",
+    "ACTOR_TRAINING",
+    "CRITIC_TRAINING",
+    "OLD_LOG_PROBS",
+    "REF_LOG_PROBS",
+    "VALUE_COMPUTE",
+    "GENERATION",
+]
+
+
+class TopologyError(ValueError):
+    """A topology that breaks a placement rule; the message names cluster and rule."""
+
+
+class ClusterShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    nodes: Annotated[int, msgspec.Meta(ge=1)]
+    gpus_per_node: Annotated[int, msgspec.Meta(ge=1)]
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    tp: Annotated[int, msgspec.Meta(ge=1)]
+    devices: tuple[int, ...]
+
+    @property
+    def dp(self) -> int:
+        return len(self.devices) // self.tp
+
+    def bundle(self, rank: int) -> tuple[int, ...]:
+        return self.devices[rank * self.tp : (rank + 1) * self.tp]
+
+    def bundles(self) -> list[tuple[int, ...]]:
+        return [self.bundle(r) for r in range(self.dp)]
+
+
+def validate_cluster(name: str, spec: ClusterSpec, shape: ClusterShape) -> None:
+    gpn = shape.gpus_per_node
+    where = f"cluster {name}"
+    if name not in CLUSTER_NAMES:
+        raise TopologyError(f"{where}: unknown cluster name (expected one of {CLUSTER_NAMES})")
+    if spec.tp not in SMALL_TP and spec.tp % gpn != 0:
+        raise TopologyError(
+            f"{where}: tp={spec.tp} must be in {SMALL_TP} or a multiple of gpus_per_node={gpn}"
+        )
+    if not spec.devices:
+        raise TopologyError(f"{where}: device list is empty")
+    if list(spec.devices) != sorted(set(spec.devices)):
+        raise TopologyError(f"{where}: devices must be sorted and unique, got {list(spec.devices)}")
+    bad = [d for d in spec.devices if not 0 <= d < shape.num_devices]
+    if bad:
+        raise TopologyError(
+            f"{where}: devices {bad} do not exist (cluster has {shape.num_devices}: "
+            f"{shape.nodes} nodes x {gpn})"
+        )
+    if len(spec.devices) % spec.tp:
+        raise TopologyError(
+            f"{where}: {len(spec.devices)} devices is not a multiple of tp={spec.tp}"
+        )
+    for rank, bundle in enumerate(spec.bundles()):
+        if bundle[-1] - bundle[0] != len(bundle) - 1:
+            raise TopologyError(f"{where}: TP bundle {rank} {list(bundle)} is not contiguous")
+        if spec.tp <= gpn:
+            if bundle[0] // gpn != bundle[-1] // gpn:
+                raise TopologyError(
+                    f"{where}: TP bundle {rank} {list(bundle)} crosses a node boundary "
+                    f"(gpus_per_node={gpn})"
+                )
+        elif bundle[0] % gpn:
+            raise TopologyError(
+                f"{where}: TP bundle {rank} {list(bundle)} spans nodes but does not start "
+                f"on a node boundary (gpus_per_node={gpn})"
+            )
+
+
+def validate_topology(clusters: dict[str, ClusterSpec], shape: ClusterShape) -> None:
+    """Raise :class:`TopologyError` naming the cluster and rule that is broken."""
+    if INFER not in clusters:
+        raise TopologyError(f"cluster {INFER} is required (declared: {sorted(clusters)})")
+    for name, spec in clusters.items():
+        validate_cluster(name, spec, shape)
