@@ -289,24 +289,57 @@ def _demand(p: PipelineIn) -> int:
 
 
 def water_fill(
-    capacity: float, weights: dict[str, float], caps: dict[str, float]
+    capacity: float,
+    weights: dict[str, float],
+    caps: dict[str, float],
+    floors: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """Split ``capacity`` in proportion to ``weights``, no share above its cap."""
+    """Split ``capacity`` in proportion to ``weights``, each share clamped to
+    ``[floor, cap]``: share = clamp(lam * weight), with lam found by bisection."""
+    floors = floors or {}
+    keys = [k for k, w in weights.items() if w > 0 and caps[k] > 0]
+    lo_of = {k: min(floors.get(k, 0.0), caps[k]) for k in keys}
+
+    def total(lam: float) -> float:
+        return sum(min(caps[k], max(lo_of[k], lam * weights[k])) for k in keys)
+
     share = dict.fromkeys(weights, 0.0)
-    open_ = {k for k, w in weights.items() if w > 0 and caps[k] > 0}
-    left = capacity
-    while open_ and left > 1e-9:
-        total = sum(weights[k] for k in open_)
-        capped = {k for k in open_ if left * weights[k] / total >= caps[k] - share[k] - 1e-9}
-        if not capped:
-            for k in open_:
-                share[k] += left * weights[k] / total
-            break
-        for k in capped:
-            left -= caps[k] - share[k]
-            share[k] = caps[k]
-        open_ -= capped
+    if not keys:
+        return share
+    if total(0.0) >= capacity:  # the floors alone use everything
+        for k in keys:
+            share[k] = lo_of[k]
+        return share
+    hi = 1.0
+    while total(hi) < capacity and hi < 1e18:
+        hi *= 2
+    lo = 0.0
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if total(mid) < capacity:
+            lo = mid
+        else:
+            hi = mid
+    for k in keys:
+        share[k] = min(caps[k], max(lo_of[k], hi * weights[k]))
     return share
+
+
+def guaranteed_floors(
+    capacity: int,
+    wanting: list[str],
+    weights: dict[str, float],
+    tp: dict[str, int],
+    caps: dict[str, float],
+) -> dict[str, float]:
+    """One bundle for every pipeline with demand, largest demand first, while it fits."""
+    floors: dict[str, float] = {}
+    left = capacity
+    for pid in sorted(wanting, key=lambda q: (-weights[q], q)):
+        if tp[pid] <= left and caps[pid] >= tp[pid]:
+            floors[pid] = tp[pid]
+            left -= tp[pid]
+    return floors
 
 
 def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> None:
@@ -331,7 +364,10 @@ def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> None:
         for r in range(spec[pid].dp):
             if reachable(pid, r):
                 usable.update(spec[pid].bundle(r))
-    ideal = water_fill(len(usable), {pid: demand[pid] * spec[pid].tp for pid in wanting}, caps)
+    weights = {pid: float(demand[pid] * spec[pid].tp) for pid in wanting}
+    tps = {pid: spec[pid].tp for pid in wanting}
+    floors = guaranteed_floors(len(usable), wanting, weights, tps, caps)
+    ideal = water_fill(len(usable), weights, caps, floors)
     target = _bundle_targets(wanting, ideal, spec, st, caps, len(usable))
 
     # Devices each under-target pipeline could use: shrink others there first.
