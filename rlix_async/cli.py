@@ -81,6 +81,64 @@ def _cmd_bench_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _transport_config(args: argparse.Namespace) -> object:
+    from rlix_async.transport import TransportConfig
+
+    hb = args.heartbeat_interval
+    return TransportConfig(heartbeat_interval_s=hb, heartbeat_timeout_s=2.5 * hb)
+
+
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    from rlix_async.aio import run
+    from rlix_async.control.coordinator import Coordinator, CoordinatorConfig
+    from rlix_async.control.topology import ClusterShape
+    from rlix_async.security import ServerKeys, ipc_endpoint
+
+    async def main() -> None:
+        import asyncio
+        import signal
+
+        endpoint = args.endpoint or ipc_endpoint("coordinator")
+        keys = ServerKeys.load(args.keys) if args.keys else None
+        coord = Coordinator(
+            endpoint,
+            ClusterShape(nodes=args.nodes, gpus_per_node=args.gpus_per_node),
+            journal=args.journal,
+            keys=keys,
+            transport=_transport_config(args),  # type: ignore[arg-type]
+            config=CoordinatorConfig(
+                lease_timeout_s=args.lease_timeout, rebalance_s=args.rebalance
+            ),
+            metrics_port=args.metrics_port,
+        )
+        await coord.start()
+        print(f"READY {coord.endpoint}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await coord.close()
+
+    run(main())
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from rlix_async.aio import run
+    from rlix_async.control.status import show_status
+
+    return run(show_status(args.endpoint, args.keys, watch=args.watch, interval=args.interval))
+
+
+def _cmd_timeline(args: argparse.Namespace) -> int:
+    from rlix_async.control.timeline import draw_timeline
+
+    out = draw_timeline(args.journal, args.output)
+    print(out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlix-async",
@@ -98,6 +156,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="client key pair name (repeatable; default: client)",
     )
     p.set_defaults(func=_cmd_keygen)
+
+    p = sub.add_parser("coordinator", help="run the coordinator (one per cluster)")
+    p.add_argument("--endpoint", help="ipc:// or tcp:// (default: ipc in the private dir)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--journal", help="append scheduling events here (JSONL); replayed on restart")
+    p.add_argument("--keys", help="CURVE key directory (required for tcp://)")
+    p.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a silent driver keeps its devices",
+    )
+    p.add_argument("--rebalance", type=float, default=2.0, help="slow rebalancing timer (s)")
+    p.add_argument("--heartbeat-interval", type=float, default=1.0)
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.set_defaults(func=_cmd_coordinator)
+
+    p = sub.add_parser("status", help="devices x pipelines, live from the coordinator")
+    p.add_argument("--endpoint", help="coordinator endpoint (default: local ipc)")
+    p.add_argument("--keys", help="CURVE key directory for tcp://")
+    p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    p.add_argument("--interval", type=float, default=1.0)
+    p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("timeline", help="per-device Gantt chart of a journal")
+    p.add_argument("journal")
+    p.add_argument("-o", "--output", default="timeline.png")
+    p.set_defaults(func=_cmd_timeline)
 
     p = sub.add_parser("plan", help="run the planner once on a snapshot (what-if tool)")
     p.add_argument("snapshot", help="snapshot JSON (format in docs/SCHEDULING.md)")

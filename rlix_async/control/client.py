@@ -1,0 +1,291 @@
+"""What a pipeline driver uses to join the cluster (async; RLix vocabulary).
+
+    pc = await PipelineClient.connect(endpoint, kind="ft")
+    await pc.register({"actor_train": ClusterSpec(1, (0, 1)),
+                       "actor_infer": ClusterSpec(1, (0, 1, 2, 3))})
+    await pc.admit()
+    ranks = await pc.request("actor_infer", "GENERATION", step_target_estimate=64)
+    ...
+    devices = await pc.release_and_request("actor_infer", "actor_train", "ACTOR_TRAINING")
+
+The client keeps its own view (topology, admission, stages held, requests
+queued) and re-asserts it with ``Resume`` whenever it reconnects, so a
+coordinator restart loses neither a lease nor a queued request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from rlix_async.control import messages as m
+from rlix_async.control.coordinator import driver_identity
+from rlix_async.control.topology import INFER, ClusterSpec, Priority
+from rlix_async.protocol import Message
+from rlix_async.security import ClientKeys
+from rlix_async.transport import CallContext, ConnectionLost, RpcClient, TransportConfig
+
+log = logging.getLogger(__name__)
+BUCKETS = 50  # progress is reported in 2% steps
+
+
+class PipelineClient:
+    def __init__(
+        self,
+        endpoint: str,
+        pipeline_id: str,
+        *,
+        keys: ClientKeys | None = None,
+        transport: TransportConfig | None = None,
+        on_ranks: Callable[[list[int]], Any] | None = None,
+    ) -> None:
+        self.pipeline_id = pipeline_id
+        self.clusters: dict[str, ClusterSpec] = {}
+        self.admitted = False
+        self.held: dict[str, str] = {}
+        self.active_ranks: list[int] = []
+        self.on_ranks = on_ranks
+        self._requests: dict[str, m.RequestStage] = {}
+        self._waiters: dict[str, asyncio.Future[list[int]]] = {}
+        self._buckets: dict[str, tuple[int, int]] = {}  # stream -> (target, 2% bucket)
+        self._progress: dict[str, tuple[int, int]] = {}  # stream -> last sent (target, completed)
+        self._ranks_changed = asyncio.Event()
+        self.rpc = RpcClient(
+            endpoint,
+            driver_identity(pipeline_id),
+            keys=keys,
+            config=transport,
+            on_connected=self._resume,
+            info={"role": "driver"},
+        )
+        self.rpc.on(m.Granted, self._granted)
+        self.rpc.on(m.ActiveRanks, self._active)
+
+    @classmethod
+    async def connect(
+        cls,
+        endpoint: str,
+        *,
+        pipeline_id: str | None = None,
+        kind: str = "ft",
+        keys: ClientKeys | None = None,
+        transport: TransportConfig | None = None,
+        on_ranks: Callable[[list[int]], Any] | None = None,
+        timeout: float | None = None,
+    ) -> PipelineClient:
+        """Connect; without ``pipeline_id`` the coordinator allocates one."""
+        if pipeline_id is None:
+            ident = f"anon-{uuid.uuid4().hex[:8]}/driver/0"
+            async with RpcClient(endpoint, ident, keys=keys, config=transport) as tmp:
+                reply = await tmp.call(m.AllocatePipelineId(kind=kind))
+                assert isinstance(reply, m.PipelineIdReply)
+                pipeline_id = reply.pipeline_id
+        self = cls(endpoint, pipeline_id, keys=keys, transport=transport, on_ranks=on_ranks)
+        await self.rpc.connect(timeout)
+        return self
+
+    async def close(self) -> None:
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.cancel()
+        await self.rpc.close()
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def register(self, clusters: dict[str, ClusterSpec]) -> None:
+        await self._call(m.RegisterPipeline(pipeline_id=self.pipeline_id, clusters=clusters))  # type: ignore[arg-type]
+        self.clusters = dict(clusters)
+
+    async def admit(self) -> None:
+        await self._call(m.AdmitPipeline(pipeline_id=self.pipeline_id))
+        self.admitted = True
+
+    async def unregister(self) -> None:
+        await self._call(m.Unregister(pipeline_id=self.pipeline_id))
+        self.held.clear()
+        self._requests.clear()
+
+    # --- stages ------------------------------------------------------------------------------
+
+    async def request(
+        self,
+        cluster: str,
+        priority: str | Priority,
+        step_target_estimate: int | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> list[int]:
+        """Wait for the stage: the cluster's devices, or for GENERATION the awake ranks."""
+        req = self._make_request(cluster, priority, step_target_estimate)
+        fut = self._arm(cluster)
+        self._requests[cluster] = req
+        await self._call(req)
+        return await self._await_grant(cluster, req, fut, timeout)
+
+    async def release(self, cluster: str) -> None:
+        self.held.pop(cluster, None)
+        self._requests.pop(cluster, None)
+        await self._call(m.ReleaseStage(pipeline_id=self.pipeline_id, cluster=cluster))
+
+    async def release_and_request(
+        self,
+        release: str,
+        cluster: str,
+        priority: str | Priority,
+        step_target_estimate: int | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> list[int]:
+        """Atomically give one stage back and queue the next."""
+        req = self._make_request(cluster, priority, step_target_estimate)
+        fut = self._arm(cluster)
+        self.held.pop(release, None)
+        self._requests[cluster] = req
+        await self._call(
+            m.ReleaseAndRequest(pipeline_id=self.pipeline_id, release=release, request=req)
+        )
+        return await self._await_grant(cluster, req, fut, timeout)
+
+    async def await_release(self) -> None:
+        """Shrink every rollout shard of this pipeline; returns when they are asleep."""
+        self._requests.pop(INFER, None)
+        await self._call(m.ShrinkAll(pipeline_id=self.pipeline_id), timeout=300)
+
+    async def report_progress(
+        self, target: int, completed: int, stream: str = "default", *, force: bool = False
+    ) -> bool:
+        """Send only when the 2% bucket changes (or ``force``, e.g. on a new batch)."""
+        bucket = BUCKETS if target == 0 else min(completed, target) * BUCKETS // target
+        if not force and self._buckets.get(stream) == (target, bucket):
+            return False
+        self._buckets[stream] = (target, bucket)
+        self._progress[stream] = (target, completed)
+        try:
+            return await self.rpc.notify(
+                m.ReportProgress(
+                    pipeline_id=self.pipeline_id, target=target, completed=completed, stream=stream
+                )
+            )
+        except (TimeoutError, ConnectionError) as exc:
+            # Advisory: the latest value is re-sent by Resume once we are back.
+            log.info("%s: progress not sent (%s)", self.pipeline_id, exc)
+            return False
+
+    async def clear_progress(self, stream: str | None = None) -> None:
+        if stream is None:
+            self._buckets.clear()
+            self._progress.clear()
+        else:
+            self._buckets.pop(stream, None)
+            self._progress.pop(stream, None)
+        await self.rpc.notify(m.ClearProgress(pipeline_id=self.pipeline_id, stream=stream))
+
+    async def wait_ranks_change(self, timeout: float) -> list[int]:
+        self._ranks_changed.clear()
+        await asyncio.wait_for(self._ranks_changed.wait(), timeout)
+        return self.active_ranks
+
+    # --- internals --------------------------------------------------------------------------
+
+    async def _call(self, msg: Message, *, timeout: float = 120.0) -> Message:
+        """Every control message is idempotent, so a call cut by a coordinator
+        restart is simply sent again once we are reconnected (and resumed)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return await self.rpc.call(msg, timeout=max(deadline - time.monotonic(), 0.01))
+            except ConnectionLost:
+                if time.monotonic() >= deadline:
+                    raise
+                log.info(
+                    "%s: %s cut by a reconnection; sending again", self.pipeline_id, msg.type_name
+                )
+
+    def _make_request(
+        self, cluster: str, priority: str | Priority, estimate: int | None
+    ) -> m.RequestStage:
+        name = priority.name if isinstance(priority, Priority) else priority
+        return m.RequestStage(
+            pipeline_id=self.pipeline_id,
+            cluster=cluster,  # type: ignore[arg-type]
+            priority=name,
+            step_target_estimate=estimate,
+        )  # type: ignore[arg-type]
+
+    def _arm(self, cluster: str) -> asyncio.Future[list[int]]:
+        old = self._waiters.get(cluster)
+        if old is not None and not old.done():
+            raise RuntimeError(f"{self.pipeline_id}: a request for {cluster} is already waiting")
+        fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        self._waiters[cluster] = fut
+        return fut
+
+    async def _await_grant(
+        self,
+        cluster: str,
+        req: m.RequestStage,
+        fut: asyncio.Future[list[int]],
+        timeout: float | None,
+    ) -> list[int]:
+        try:
+            result = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._waiters.pop(cluster, None)
+        self._requests.pop(cluster, None)
+        if req.priority != "GENERATION":
+            self.held[cluster] = req.priority
+        return result
+
+    def _granted(self, msg: m.Granted, ctx: CallContext) -> None:
+        if msg.priority == "GENERATION":
+            self._set_ranks(msg.ranks)
+        fut = self._waiters.get(msg.cluster)
+        if fut is not None and not fut.done():
+            fut.set_result(msg.ranks if msg.priority == "GENERATION" else msg.devices)
+
+    def _active(self, msg: m.ActiveRanks, ctx: CallContext) -> None:
+        self._set_ranks(msg.ranks)
+        fut = self._waiters.get(INFER)
+        req = self._requests.get(INFER)
+        if (
+            fut is not None
+            and not fut.done()
+            and req is not None
+            and msg.ranks
+            and (req.priority == "GENERATION")
+        ):
+            fut.set_result(list(msg.ranks))
+
+    def _set_ranks(self, ranks: list[int]) -> None:
+        if ranks != self.active_ranks:
+            self.active_ranks = list(ranks)
+            self._ranks_changed.set()
+            if self.on_ranks is not None:
+                try:
+                    self.on_ranks(list(ranks))
+                except Exception:
+                    log.exception("on_ranks hook failed")
+
+    async def _resume(self, rpc: RpcClient) -> None:
+        """Re-assert our state on every (re)connection after the first registration."""
+        if not self.clusters:
+            return
+        await rpc.call(
+            m.Resume(
+                pipeline_id=self.pipeline_id,
+                clusters=self.clusters,  # type: ignore[arg-type]
+                admitted=self.admitted,
+                held=self.held,  # type: ignore[arg-type]
+                requests=list(self._requests.values()),
+            )
+        )
+        for stream, (target, completed) in self._progress.items():
+            await rpc.notify(
+                m.ReportProgress(
+                    pipeline_id=self.pipeline_id, target=target, completed=completed, stream=stream
+                )
+            )

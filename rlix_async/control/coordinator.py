@@ -1,0 +1,529 @@
+"""The coordinator: one asyncio process that owns which device is held by whom.
+
+Handlers mutate the :class:`Registry` and wake the scheduler loop. The loop
+plans (pure planner), refuses any plan that breaks an invariant, records the
+plan's outcome in the registry and the journal, then realises it in background
+tasks: shrinks first; a grant or an expand waits only for the shrinks on its own
+devices; every command to a worker has a timeout.
+
+Fault isolation: a driver that stops heartbeating keeps its leases for
+``lease_timeout_s`` (it may be reconnecting), then loses them; nobody else is
+affected. Restart: the journal rebuilds registrations, stages held and ranks
+awake; reconnecting drivers re-assert their state with ``Resume``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rlix_async.aio import Supervisor
+from rlix_async.control import messages as m
+from rlix_async.control.journal import Journal, replay
+from rlix_async.control.planner import Plan, RankChange, check_plan, plan
+from rlix_async.control.registry import Registry, RegistryError
+from rlix_async.control.topology import INFER, ClusterShape, Priority
+from rlix_async.protocol import Ok
+from rlix_async.security import ServerKeys
+from rlix_async.transport import CallContext, PeerInfo, RpcServer, TransportConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    lease_timeout_s: float = 10.0  # a silent driver keeps its leases this long
+    rebalance_s: float = 2.0  # slow timer between event-driven plans
+    command_timeout_s: float = 60.0  # a shard's sleep/wake, waiting for shrinks
+
+
+def driver_identity(pipeline_id: str) -> str:
+    return f"{pipeline_id}/driver/0"
+
+
+def worker_identity(pipeline_id: str, rank: int) -> str:
+    return f"{pipeline_id}/infer/{rank}"
+
+
+class Coordinator:
+    def __init__(
+        self,
+        endpoint: str,
+        shape: ClusterShape,
+        *,
+        journal: str | Path | None = None,
+        keys: ServerKeys | None = None,
+        transport: TransportConfig | None = None,
+        config: CoordinatorConfig | None = None,
+        metrics_port: int | None = None,
+    ) -> None:
+        self.cfg = config or CoordinatorConfig()
+        self.metrics_port = metrics_port
+        self.metrics: Metrics | None = None
+        self.registry = Registry(shape)
+        self.journal_path = journal
+        self.journal = Journal(None)
+        self.server = RpcServer(
+            endpoint,
+            keys=keys,
+            config=transport,
+            name="coordinator",
+            on_peer_joined=self._peer_joined,
+            on_peer_lost=self._peer_lost,
+        )
+        self.tasks = Supervisor("coordinator")
+        self._wake = asyncio.Event()
+        self._freeing: dict[int, asyncio.Future[None]] = {}
+        self.plans = 0
+        self.rejected_plans = 0
+        self._closed = False
+        s = self.server
+        s.on(m.AllocatePipelineId, self._allocate)
+        s.on(m.RegisterPipeline, self._register)
+        s.on(m.AdmitPipeline, self._admit)
+        s.on(m.RequestStage, self._request)
+        s.on(m.ReleaseStage, self._release)
+        s.on(m.ReleaseAndRequest, self._release_and_request)
+        s.on(m.ShrinkAll, self._shrink_all)
+        s.on(m.ReportProgress, self._progress)
+        s.on(m.ClearProgress, self._clear_progress)
+        s.on(m.Unregister, self._unregister)
+        s.on(m.Resume, self._resume)
+        s.on(m.StatusRequest, lambda msg, ctx: self.status())
+
+    @property
+    def endpoint(self) -> str:
+        return self.server.endpoint
+
+    async def start(self) -> Coordinator:
+        if self.journal_path is not None:
+            n = replay(self.journal_path, self.registry)
+            now = time.monotonic()
+            for p in self.registry.pipelines.values():  # until their drivers come back
+                p.connected, p.lost_at = False, now
+            if n:
+                log.info(
+                    "journal %s: %d events replayed, %d pipelines recovered",
+                    self.journal_path,
+                    n,
+                    len(self.registry.pipelines),
+                )
+            self.journal = Journal(self.journal_path)
+        await self.server.start()
+        if self.metrics_port is not None:
+            self.metrics = Metrics(self.metrics_port)
+        self.tasks.spawn(self._scheduler_loop(), "scheduler")
+        self.tasks.spawn(self._lease_loop(), "leases")
+        return self
+
+    async def close(self) -> None:
+        self._closed = True
+        await self.tasks.close()
+        await self.server.close()
+        self.journal.close()
+        if self.metrics is not None:
+            self.metrics.server.shutdown()
+
+    async def __aenter__(self) -> Coordinator:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    # --- handlers ---------------------------------------------------------------------------
+
+    def _allocate(self, msg: m.AllocatePipelineId, ctx: CallContext) -> m.PipelineIdReply:
+        return m.PipelineIdReply(pipeline_id=self.registry.allocate_id(msg.kind))
+
+    def _register(self, msg: m.RegisterPipeline, ctx: CallContext) -> Ok:
+        p = self.registry.register(msg.pipeline_id, dict(msg.clusters))
+        p.connected, p.lost_at = True, None
+        self.journal.write("register", pipeline=p.id, clusters=msgspec.to_builtins(p.clusters))
+        return Ok()
+
+    def _admit(self, msg: m.AdmitPipeline, ctx: CallContext) -> Ok:
+        self.registry.admit(msg.pipeline_id)
+        self.journal.write("admit", pipeline=msg.pipeline_id)
+        self.kick()
+        return Ok()
+
+    def _request(self, msg: m.RequestStage, ctx: CallContext) -> Ok:
+        p = self.registry.get(msg.pipeline_id)
+        if p.held.get(msg.cluster) == Priority[msg.priority]:
+            # Already granted, the notification was lost (e.g. across a restart): repeat it.
+            self._regrant(p.id, msg.cluster)
+            return Ok()
+        req = self.registry.request(
+            msg.pipeline_id, msg.cluster, Priority[msg.priority], msg.step_target_estimate
+        )
+        self.journal.write(
+            "request",
+            pipeline=msg.pipeline_id,
+            cluster=msg.cluster,
+            priority=msg.priority,
+            seq=req.seq,
+        )
+        self.kick()
+        return Ok()
+
+    def _release(self, msg: m.ReleaseStage, ctx: CallContext) -> Ok:
+        if self.registry.release(msg.pipeline_id, msg.cluster):
+            self.journal.write("release", pipeline=msg.pipeline_id, cluster=msg.cluster)
+        self.kick()
+        return Ok()
+
+    def _release_and_request(self, msg: m.ReleaseAndRequest, ctx: CallContext) -> Ok:
+        self.registry.get(msg.pipeline_id)
+        self._release(m.ReleaseStage(pipeline_id=msg.pipeline_id, cluster=msg.release), ctx)
+        return self._request(msg.request, ctx)
+
+    async def _shrink_all(self, msg: m.ShrinkAll, ctx: CallContext) -> Ok:
+        p = self.registry.get(msg.pipeline_id)
+        p.progress.clear()
+        gen = p.requests.get(INFER)
+        if gen is not None and gen.priority == Priority.GENERATION:
+            del p.requests[INFER]
+        if p.active:
+            shrink = Plan(shrink=[RankChange(p.id, INFER, sorted(p.active))])
+            self.registry.apply(shrink)
+            self._journal_plan(shrink)
+            await self._realise(shrink, [])
+        self.kick()
+        return Ok()
+
+    def _progress(self, msg: m.ReportProgress, ctx: CallContext) -> None:
+        self.registry.report_progress(msg.pipeline_id, msg.stream, msg.target, msg.completed)
+        self.journal.write(
+            "progress",
+            pipeline=msg.pipeline_id,
+            stream=msg.stream,
+            target=msg.target,
+            completed=msg.completed,
+        )
+        self.kick()
+
+    def _clear_progress(self, msg: m.ClearProgress, ctx: CallContext) -> None:
+        self.registry.clear_progress(msg.pipeline_id, msg.stream)
+        self.journal.write("clear_progress", pipeline=msg.pipeline_id, stream=msg.stream)
+        self.kick()
+
+    def _unregister(self, msg: m.Unregister, ctx: CallContext) -> Ok:
+        self._drop_pipeline(msg.pipeline_id, "unregistered")
+        return Ok()
+
+    def _resume(self, msg: m.Resume, ctx: CallContext) -> Ok:
+        """A driver back after a coordinator restart (or a blip) re-asserts its state."""
+        pid = msg.pipeline_id
+        known = pid in self.registry.pipelines and self.registry.pipelines[pid].registered
+        p = self.registry.register(pid, dict(msg.clusters))
+        if not known:
+            self.journal.write("register", pipeline=pid, clusters=msgspec.to_builtins(p.clusters))
+        p.connected, p.lost_at = True, None
+        if msg.admitted and not p.admitted:
+            self.registry.admit(pid)
+            self.journal.write("admit", pipeline=pid)
+        owners = self.registry.owners()
+        for cluster, prio in msg.held.items():
+            if cluster in p.held:
+                continue
+            devices = p.clusters[cluster].devices
+            clash = {owners[d] for d in devices if owners[d]}
+            if clash:
+                raise RegistryError(
+                    "lease_conflict",
+                    f"{pid} claims {cluster} but devices are held by {sorted(clash)}",
+                )
+            p.held[cluster] = Priority[prio]
+            self.journal.write(
+                "grant", pipeline=pid, cluster=cluster, priority=prio, devices=list(devices)
+            )
+        waiting_for = {r.cluster: r.priority for r in msg.requests}
+        for cluster in [c for c in p.held if c not in msg.held]:
+            if waiting_for.get(cluster) == p.held[cluster].name:
+                self._regrant(pid, cluster)  # granted, but the driver never heard
+                continue
+            del p.held[cluster]
+            self.journal.write("release", pipeline=pid, cluster=cluster)
+        for r in msg.requests:
+            if r.cluster not in p.held:
+                self.registry.request(pid, r.cluster, Priority[r.priority], r.step_target_estimate)
+        self.tasks.spawn(self._notify_ranks(pid), "ranks")
+        self.kick()
+        return Ok()
+
+    def _regrant(self, pid: str, cluster: str) -> None:
+        p = self.registry.pipelines[pid]
+        grant = m.Granted(
+            cluster=cluster,
+            priority=p.held[cluster].name,
+            devices=list(p.clusters[cluster].devices),
+        )
+        self.tasks.spawn(self.server.notify(driver_identity(pid), grant), "regrant")
+
+    def status(self) -> m.StatusReply:
+        pipes = [
+            m.PipelineStatus(
+                id=p.id,
+                admitted=p.admitted,
+                connected=p.connected,
+                held={c: pr.name for c, pr in p.held.items()},
+                active_ranks=sorted(p.active),
+                remaining=p.remaining(),
+                requests=[f"{r.cluster}:{r.priority.name}" for r in p.requests.values()],
+            )
+            for p in self.registry.pipelines.values()
+        ]
+        return m.StatusReply(
+            devices=self.registry.shape.num_devices,
+            owners=self.registry.owners(),
+            pipelines=pipes,
+            plans=self.plans,
+            rejected_plans=self.rejected_plans,
+        )
+
+    # --- peers and leases ----------------------------------------------------------------------
+
+    def _peer_joined(self, info: PeerInfo) -> None:
+        pid, role, _ = ([*info.identity.split("/"), "", "", ""])[:3]
+        p = self.registry.pipelines.get(pid)
+        if role == "driver" and p is not None:
+            p.connected, p.lost_at = True, None
+
+    def _peer_lost(self, info: PeerInfo) -> None:
+        pid, role, _ = ([*info.identity.split("/"), "", "", ""])[:3]
+        p = self.registry.pipelines.get(pid)
+        if role == "driver" and p is not None:
+            p.connected, p.lost_at = False, time.monotonic()
+            log.warning(
+                "driver of %s lost; its leases expire in %.1fs unless it returns",
+                pid,
+                self.cfg.lease_timeout_s,
+            )
+
+    async def _lease_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(min(0.5, self.cfg.lease_timeout_s / 4))
+            now = time.monotonic()
+            for p in list(self.registry.pipelines.values()):
+                if p.lost_at is not None and now - p.lost_at > self.cfg.lease_timeout_s:
+                    self._drop_pipeline(p.id, "lease expired")
+
+    def _drop_pipeline(self, pid: str, reason: str) -> None:
+        p = self.registry.remove(pid)
+        if p is None:
+            return
+        log.warning(
+            "pipeline %s dropped (%s): releasing %s and %d rollout ranks",
+            pid,
+            reason,
+            sorted(p.held),
+            len(p.active),
+        )
+        for cluster in p.held:
+            self.journal.write("release", pipeline=pid, cluster=cluster)
+        if p.active:
+            self.journal.write(
+                "shrink",
+                pipeline=pid,
+                cluster=INFER,
+                ranks=sorted(p.active),
+                devices=_devices(p.clusters[INFER], p.active),
+            )
+            for r in p.active:  # put its shards to sleep if their workers are still alive
+                self.tasks.spawn(self._command(pid, r, "sleep"), "sleep-dropped")
+        self.journal.write("unregister", pipeline=pid, reason=reason)
+        self.kick()
+
+    # --- scheduling -------------------------------------------------------------------------------
+
+    async def _scheduler_loop(self) -> None:
+        while not self._closed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.cfg.rebalance_s)
+            self._wake.clear()
+            try:
+                self.schedule_once()
+            except Exception:  # a planner bug must not stop scheduling for everyone
+                log.exception("scheduling step failed; will retry on the next event")
+
+    def schedule_once(self) -> Plan | None:
+        snap = self.registry.snapshot()
+        result = plan(snap)
+        violations = check_plan(snap, result)
+        if violations:
+            self.rejected_plans += 1
+            if self.metrics is not None:
+                self.metrics.update(self)
+            log.error(
+                "plan rejected, not applied: %s\nsnapshot: %s\nplan: %s",
+                violations,
+                msgspec.json.encode(snap).decode(),
+                msgspec.json.encode(result).decode(),
+            )
+            return None
+        if not (result.grants or result.shrink or result.expand):
+            return result
+        self.plans += 1
+        answered = self.registry.apply(result)
+        self._journal_plan(result)
+        if self.metrics is not None:
+            self.metrics.update(self)
+        self.tasks.spawn(self._realise(result, answered), "realise")
+        return result
+
+    def _journal_plan(self, result: Plan) -> None:
+        for ch in result.shrink:
+            spec = self._infer_spec(ch.pipeline)
+            self.journal.write(
+                "shrink",
+                pipeline=ch.pipeline,
+                cluster=ch.cluster,
+                ranks=ch.ranks,
+                devices=_devices(spec, ch.ranks) if spec else [],
+            )
+        for g in result.grants:
+            self.journal.write(
+                "grant",
+                pipeline=g.pipeline,
+                cluster=g.cluster,
+                priority=g.priority,
+                devices=g.devices,
+            )
+        for ch in result.expand:
+            spec = self._infer_spec(ch.pipeline)
+            self.journal.write(
+                "expand",
+                pipeline=ch.pipeline,
+                cluster=ch.cluster,
+                ranks=ch.ranks,
+                devices=_devices(spec, ch.ranks) if spec else [],
+            )
+
+    def _infer_spec(self, pid: str) -> Any:
+        p = self.registry.pipelines.get(pid)
+        return p.clusters.get(INFER) if p else None
+
+    async def _realise(self, result: Plan, answered: list[str]) -> None:
+        """Shrinks now; each grant/expand waits only for shrinks on its own devices."""
+        loop = asyncio.get_running_loop()
+        shrinks = []
+        for ch in result.shrink:
+            spec = self._infer_spec(ch.pipeline)
+            for r in ch.ranks:
+                fut: asyncio.Future[None] = loop.create_future()
+                for d in spec.bundle(r) if spec else ():
+                    self._freeing[d] = fut
+                shrinks.append(self.tasks.spawn(self._shrink_rank(ch.pipeline, r, fut), "shrink"))
+        steps = [self._grant(g.pipeline, g.cluster, g.priority, g.devices) for g in result.grants]
+        for ch in result.expand:
+            spec = self._infer_spec(ch.pipeline)
+            if spec is not None:
+                steps.append(self._expand(ch.pipeline, ch.ranks, spec))
+        await asyncio.gather(*shrinks, *steps, return_exceptions=True)
+        for pid in {ch.pipeline for ch in result.shrink} | {ch.pipeline for ch in result.expand}:
+            await self._notify_ranks(pid)
+        for pid in answered:
+            p = self.registry.pipelines.get(pid)
+            if p is not None:
+                await self.server.notify(
+                    driver_identity(pid),
+                    m.Granted(cluster=INFER, priority="GENERATION", ranks=sorted(p.active)),
+                )
+
+    async def _shrink_rank(self, pid: str, rank: int, done: asyncio.Future[None]) -> None:
+        try:
+            await self._command(pid, rank, "sleep")
+        finally:
+            done.set_result(None)
+
+    async def _wait_devices_free(self, devices: list[int] | tuple[int, ...]) -> None:
+        pending = {self._freeing[d] for d in devices if d in self._freeing}
+        pending = {f for f in pending if not f.done()}
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=self.cfg.command_timeout_s)
+            if late:
+                log.error(
+                    "devices %s still not free after %.0fs; proceeding",
+                    list(devices),
+                    self.cfg.command_timeout_s,
+                )
+
+    async def _grant(self, pid: str, cluster: str, priority: str, devices: list[int]) -> None:
+        await self._wait_devices_free(devices)
+        await self.server.notify(
+            driver_identity(pid), m.Granted(cluster=cluster, priority=priority, devices=devices)
+        )
+
+    async def _expand(self, pid: str, ranks: list[int], spec: Any) -> None:
+        async def one(rank: int) -> None:
+            await self._wait_devices_free(spec.bundle(rank))
+            await self._command(pid, rank, "wake")
+
+        await asyncio.gather(*(one(r) for r in ranks))
+
+    async def _command(self, pid: str, rank: int, action: str) -> None:
+        """Tell shard worker ``pid/infer/rank`` to sleep or wake. Pipelines that run
+        their engines themselves (no worker registered) follow ActiveRanks instead."""
+        ident = worker_identity(pid, rank)
+        if ident not in self.server.peers:
+            return
+        try:
+            await self.server.call(
+                ident, m.ShardCommand(action=action), timeout=self.cfg.command_timeout_s
+            )
+        except Exception as exc:  # the worker is stuck or gone: its devices move on anyway
+            log.error("%s of %s failed: %s", action, ident, exc)
+
+    async def _notify_ranks(self, pid: str) -> None:
+        p = self.registry.pipelines.get(pid)
+        if p is not None and p.connected:
+            await self.server.notify(
+                driver_identity(pid), m.ActiveRanks(cluster=INFER, ranks=sorted(p.active))
+            )
+
+
+def _devices(spec: Any, ranks: Any) -> list[int]:
+    return sorted(d for r in ranks for d in spec.bundle(r))
+
+
+class Metrics:
+    """Prometheus gauges on ``--metrics-port`` (own registry: several coordinators per
+    process, as in tests, do not collide)."""
+
+    def __init__(self, port: int) -> None:
+        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+        self.registry = CollectorRegistry()
+        self.devices = Gauge(
+            "rlix_devices_held", "devices held", ["pipeline", "stage"], registry=self.registry
+        )
+        self.plans = Gauge("rlix_plans_applied", "plans applied", registry=self.registry)
+        self.rejected = Gauge(
+            "rlix_plans_rejected", "plans refused by the validator", registry=self.registry
+        )
+        self.pipelines = Gauge("rlix_pipelines", "pipelines registered", registry=self.registry)
+        self.server, self.thread = start_http_server(port, registry=self.registry)
+
+    def update(self, coord: Coordinator) -> None:
+        self.plans.set(coord.plans)
+        self.rejected.set(coord.rejected_plans)
+        self.pipelines.set(len(coord.registry.pipelines))
+        self.devices.clear()
+        counts: dict[tuple[str, str], int] = {}
+        for owner in coord.registry.owners():
+            if owner:
+                pid, rest = owner.split("/", 1)
+                stage = rest.split(":", 1)[1] if ":" in rest else "GENERATION"
+                counts[(pid, stage)] = counts.get((pid, stage), 0) + 1
+        for (pid, stage), n in counts.items():
+            self.devices.labels(pid, stage).set(n)
