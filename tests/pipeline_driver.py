@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlix_async.aio import run  # noqa: E402
-from rlix_async.control.client import PipelineClient  # noqa: E402
-from rlix_async.control.topology import ClusterSpec  # noqa: E402
-from rlix_async.transport import TransportConfig  # noqa: E402
+from rlix_async.aio import run
+from rlix_async.control.client import PipelineClient
+from rlix_async.control.topology import ClusterSpec
+from rlix_async.transport import TransportConfig
 
 
 def devices(text: str) -> tuple[int, ...]:
@@ -33,11 +33,16 @@ def devices(text: str) -> tuple[int, ...]:
 
 
 async def main(args: argparse.Namespace) -> None:
-    transport = TransportConfig(heartbeat_interval_s=args.hb, heartbeat_timeout_s=2.5 * args.hb,
-                                connect_timeout_s=60)
+    transport = TransportConfig(
+        heartbeat_interval_s=args.hb, heartbeat_timeout_s=2.5 * args.hb, connect_timeout_s=60
+    )
     pc = await PipelineClient.connect(args.endpoint, pipeline_id=args.id, transport=transport)
-    await pc.register({"actor_train": ClusterSpec(1, devices(args.train)),
-                       "actor_infer": ClusterSpec(1, devices(args.infer))})
+    await pc.register(
+        {
+            "actor_train": ClusterSpec(1, devices(args.train)),
+            "actor_infer": ClusterSpec(1, devices(args.infer)),
+        }
+    )
     await pc.admit()
     for step in range(args.steps):
         await pc.report_progress(args.target, 0, force=True)

@@ -33,8 +33,9 @@ class Proc:
     """A child process whose stdout lines are collected by a thread."""
 
     def __init__(self, *cmd: str) -> None:
-        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                  text=True, cwd=ROOT)
+        self.p = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -67,16 +68,44 @@ class Proc:
 
 
 def coordinator(endpoint: str, journal: Path) -> Proc:
-    proc = Proc(sys.executable, "-m", "rlix_async.cli", "coordinator", "--endpoint", endpoint,
-                "--gpus-per-node", "8", "--journal", str(journal), "--lease-timeout",
-                str(LEASE_S), "--heartbeat-interval", str(HB_S), "--rebalance", "0.5")
+    proc = Proc(
+        sys.executable,
+        "-m",
+        "rlix_async.cli",
+        "coordinator",
+        "--endpoint",
+        endpoint,
+        "--gpus-per-node",
+        "8",
+        "--journal",
+        str(journal),
+        "--lease-timeout",
+        str(LEASE_S),
+        "--heartbeat-interval",
+        str(HB_S),
+        "--rebalance",
+        "0.5",
+    )
     proc.wait_for(f"READY {endpoint}", 30)
     return proc
 
 
 def driver(endpoint: str, pid: str, train: str, steps: int) -> Proc:
-    return Proc(sys.executable, str(DRIVER), endpoint, "--id", pid, "--train", train,
-                "--infer", "0-7", "--steps", str(steps), "--hb", str(HB_S))
+    return Proc(
+        sys.executable,
+        str(DRIVER),
+        endpoint,
+        "--id",
+        pid,
+        "--train",
+        train,
+        "--infer",
+        "0-7",
+        "--steps",
+        str(steps),
+        "--hb",
+        str(HB_S),
+    )
 
 
 async def status(endpoint: str) -> m.StatusReply:
@@ -94,8 +123,10 @@ async def test_kill_a_driver_then_restart_the_coordinator(tmp_path: Path) -> Non
     try:
         coord = coordinator(endpoint, journal)
         procs.append(coord)
-        a, b, c = (driver(endpoint, pid, train, steps) for pid, train, steps in
-                   (("A", "0,1", 14), ("B", "2,3", 14), ("C", "4,5", 200)))
+        a, b, c = (
+            driver(endpoint, pid, train, steps)
+            for pid, train, steps in (("A", "0,1", 14), ("B", "2,3", 14), ("C", "4,5", 200))
+        )
         procs += [a, b, c]
         await asyncio.to_thread(c.wait_for, "STEP 1", 60)
 
@@ -130,9 +161,22 @@ async def test_kill_a_driver_then_restart_the_coordinator(tmp_path: Path) -> Non
             p.stop()
 
     # the journal covers the whole run, across the restart, and draws
-    out = subprocess.run([sys.executable, "-m", "rlix_async.cli", "timeline", str(journal),
-                          "-o", str(tmp_path / "timeline.png")],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [
+            sys.executable,
+            "-m",
+            "rlix_async.cli",
+            "timeline",
+            str(journal),
+            "-o",
+            str(tmp_path / "timeline.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     events = journal.read_text()
