@@ -371,10 +371,12 @@ class Coordinator:
                 msgspec.json.encode(result).decode(),
             )
             return None
-        if not (result.grants or result.shrink or result.expand):
-            return result
-        self.plans += 1
+        changes = bool(result.grants or result.shrink or result.expand)
+        # apply() also answers GENERATION requests of pipelines already rolling out.
         answered = self.registry.apply(result)
+        if not changes and not answered:
+            return result
+        self.plans += changes
         self._journal_plan(result)
         if self.metrics is not None:
             self.metrics.update(self)
