@@ -131,6 +131,25 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return run(show_status(args.endpoint, args.keys, watch=args.watch, interval=args.interval))
 
 
+def _cmd_kill(args: argparse.Namespace) -> int:
+    import uuid
+
+    from rlix_async.aio import run
+    from rlix_async.control.messages import Unregister
+    from rlix_async.security import ClientKeys, ipc_endpoint
+    from rlix_async.transport import RpcClient
+
+    async def main() -> None:
+        endpoint = args.endpoint or ipc_endpoint("coordinator")
+        keys = ClientKeys.load(args.keys) if args.keys else None
+        async with RpcClient(endpoint, f"admin-{uuid.uuid4().hex[:6]}/cli/0", keys=keys) as c:
+            await c.call(Unregister(pipeline_id=args.pipeline), timeout=10)
+
+    run(main())
+    print(f"{args.pipeline}: leases released, pipeline removed")
+    return 0
+
+
 def _cmd_timeline(args: argparse.Namespace) -> int:
     from rlix_async.control.timeline import draw_timeline
 
@@ -180,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     p.add_argument("--interval", type=float, default=1.0)
     p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("kill", help="drop a pipeline and release everything it holds")
+    p.add_argument("pipeline")
+    p.add_argument("--endpoint", help="coordinator endpoint (default: local ipc)")
+    p.add_argument("--keys", help="CURVE key directory for tcp://")
+    p.set_defaults(func=_cmd_kill)
 
     p = sub.add_parser("timeline", help="per-device Gantt chart of a journal")
     p.add_argument("journal")

@@ -166,3 +166,22 @@ async def test_metrics_and_status_table(ipc_ep: str) -> None:
             json.loads(json.dumps(co.status().owners))[:2] == ["A/actor_train:ACTOR_TRAINING"] * 2
         )
         await a.close()
+
+
+async def test_dead_shard_worker_frees_its_rank(ipc_ep: str) -> None:
+    from rlix_async.control import messages as m
+    from rlix_async.transport import RpcClient, TransportConfig
+
+    fast = TransportConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.25)
+    async with Coordinator(ipc_ep, SHAPE, transport=fast) as co:
+        a = await joined(co.endpoint, "A")
+        await a.report_progress(100, 0, force=True)
+        worker = RpcClient(co.endpoint, "A/infer/3", config=fast)
+        worker.on(m.ShardCommand, lambda msg, ctx: m.ShardAck(state="ACTIVE"))
+        await worker.connect()
+        ranks = await a.request("actor_infer", "GENERATION", timeout=5)
+        assert 3 in ranks
+        await worker.close()  # silent from now on, as after kill -9 (no goodbye message)
+        changed = await a.wait_ranks_change(timeout=5)
+        assert 3 not in changed and 3 not in co.registry.pipelines["A"].active
+        await a.close()

@@ -300,8 +300,18 @@ class Coordinator:
             p.connected, p.lost_at = True, None
 
     def _peer_lost(self, info: PeerInfo) -> None:
-        pid, role, _ = ([*info.identity.split("/"), "", "", ""])[:3]
+        pid, role, index = ([*info.identity.split("/"), "", "", ""])[:3]
         p = self.registry.pipelines.get(pid)
+        if role == "infer" and p is not None and index.isdigit() and int(index) in p.active:
+            # A dead shard worker holds nothing: free its bundle now, tell its driver.
+            rank = int(index)
+            lost = Plan(shrink=[RankChange(pid, INFER, [rank])])
+            self.registry.apply(lost)
+            self._journal_plan(lost)
+            self.tasks.spawn(self._notify_ranks(pid), "ranks")
+            self.kick()
+            log.warning("shard worker %s lost: rank %d freed", info.identity, rank)
+            return
         if role == "driver" and p is not None:
             p.connected, p.lost_at = False, time.monotonic()
             log.warning(

@@ -78,6 +78,8 @@ class RpcClient(_Endpoint):
         self._reconnect_task: asyncio.Task[Any] | None = None
         self._last_seen = 0.0
         self._monitor: zmq.Socket[Any] | None = None
+        self._hb_interval = self.config.heartbeat_interval_s
+        self._hb_timeout = self.config.heartbeat_timeout_s
 
     @property
     def connected(self) -> bool:
@@ -225,6 +227,10 @@ class RpcClient(_Endpoint):
                 raise ConnectionError(f"{self.endpoint} refused hello: {exc}") from exc
             assert isinstance(welcome, Welcome)
             self.server_instance = welcome.server_instance
+            # The server's liveness settings win: beat at least as often as it
+            # expects, and do not give up on it sooner than it would on us.
+            self._hb_interval = min(self.config.heartbeat_interval_s, welcome.heartbeat_interval_s)
+            self._hb_timeout = max(self.config.heartbeat_timeout_s, welcome.heartbeat_timeout_s)
             self._last_seen = time.monotonic()
             return welcome
 
@@ -254,19 +260,17 @@ class RpcClient(_Endpoint):
     # --- liveness and reconnection --------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        c = self.config
-        tick = c.heartbeat_interval_s / 5
         next_beat = 0.0
         while not self._closed:
             self._drain()  # safety net: a missed FD edge can stall a reader for one tick at most
             now = time.monotonic()
             if self._ready.is_set():
-                if now - self._last_seen > c.heartbeat_timeout_s:
+                if now - self._last_seen > self._hb_timeout:
                     self._start_reconnect(f"server silent for {now - self._last_seen:.2f}s")
                 elif now >= next_beat:
-                    next_beat = now + c.heartbeat_interval_s
+                    next_beat = now + self._hb_interval
                     self._try_send([self._heartbeat], True)
-            await asyncio.sleep(tick)
+            await asyncio.sleep(self._hb_interval / 5)
 
     def _start_reconnect(self, reason: str) -> None:
         if self._closed or (self._reconnect_task is not None and not self._reconnect_task.done()):
