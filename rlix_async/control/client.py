@@ -120,11 +120,7 @@ class PipelineClient:
         timeout: float | None = None,
     ) -> list[int]:
         """Wait for the stage: the cluster's devices, or for GENERATION the awake ranks."""
-        req = self._make_request(cluster, priority, step_target_estimate)
-        fut = self._arm(cluster)
-        self._requests[cluster] = req
-        await self._call(req)
-        return await self._await_grant(cluster, req, fut, timeout)
+        return await self._queue(cluster, priority, step_target_estimate, timeout, None)
 
     async def release(self, cluster: str) -> None:
         self.held.pop(cluster, None)
@@ -141,13 +137,26 @@ class PipelineClient:
         timeout: float | None = None,
     ) -> list[int]:
         """Atomically give one stage back and queue the next."""
-        req = self._make_request(cluster, priority, step_target_estimate)
+        return await self._queue(cluster, priority, step_target_estimate, timeout, release)
+
+    async def _queue(
+        self,
+        cluster: str,
+        priority: str | Priority,
+        estimate: int | None,
+        timeout: float | None,
+        release: str | None,
+    ) -> list[int]:
+        req = self._make_request(cluster, priority, estimate)
         fut = self._arm(cluster)
-        self.held.pop(release, None)
         self._requests[cluster] = req
-        await self._call(
-            m.ReleaseAndRequest(pipeline_id=self.pipeline_id, release=release, request=req)
-        )
+        if release is None:
+            await self._call(req)
+        else:
+            self.held.pop(release, None)
+            await self._call(
+                m.ReleaseAndRequest(pipeline_id=self.pipeline_id, release=release, request=req)
+            )
         return await self._await_grant(cluster, req, fut, timeout)
 
     async def await_release(self) -> None:
