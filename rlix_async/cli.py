@@ -158,6 +158,26 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_weights(args: argparse.Namespace) -> int:
+    from rlix_async.bench.weights import run_weights_bench
+
+    r = run_weights_bench(args.size_mb, args.bucket_mb, args.credits)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    print(
+        f"{r['size_mb']} MiB in {r['buckets']} buckets of {r['bucket_mb']} MiB "
+        f"({r['credits']} in flight)"
+    )
+    for key in ("memcpy_gibps", "local_gibps", "remote_gibps", "zmq_raw_gibps"):
+        print(f"  {key:14s} {r[key]:6.2f} GiB/s")
+    print(
+        f"  peak_extra_mb  {r['peak_extra_mb']:6.1f} MiB (local {r['local_extra_mb']:.1f}, "
+        f"remote {r['remote_extra_mb']:.1f})"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlix-async",
@@ -232,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_bench_plan)
+    p = bsub.add_parser("weights", help="weight sync: shared memory, tcp, raw ZMQ, memcpy")
+    p.add_argument("--size-mb", type=int, default=1024)
+    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--credits", type=int, default=2, help="buckets in flight (remote)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_bench_weights)
     return parser
 
 

@@ -112,6 +112,9 @@ class Reply:
 
     msg: Message
     frames: Sequence[Buffer] = ()
+    # Called with the ZMQ MessageTracker of the zero-copy send, for owners that
+    # must not reuse the frames' memory before ZMQ is done with it.
+    on_sent: Callable[[Any], None] | None = None
 
 
 Handler = Callable[[Any, CallContext], Any]
@@ -238,16 +241,23 @@ class _Endpoint:
             assert self._loop is not None
             self._loop.call_soon(self._drain)
 
-    def _try_send(self, parts: list[Any], copy: bool) -> bool:
-        """One non-blocking send; False when the queue is full."""
+    def _try_send(self, parts: list[Any], copy: bool | Callable[[Any], None]) -> bool:
+        """One non-blocking send; False when the queue is full.
+
+        ``copy`` may be a callback: the payload goes zero-copy and the callback
+        gets the ZMQ MessageTracker that says when its memory is free again.
+        """
         try:
-            self._sock.send_multipart(parts, _NOBLOCK, copy=copy)
+            if callable(copy):
+                copy(self._sock.send_multipart(parts, _NOBLOCK, copy=False, track=True))
+            else:
+                self._sock.send_multipart(parts, _NOBLOCK, copy=copy)
         except zmq.Again:
             return False
         self._after_send()
         return True
 
-    async def _send_parts(self, parts: list[Any], copy: bool, timeout: float) -> bool:
+    async def _send_parts(self, parts: list[Any], copy: Any, timeout: float) -> bool:
         """Send, waiting for a full queue to drain for at most ``timeout``."""
         if self._try_send(parts, copy):
             return True
@@ -278,11 +288,17 @@ class _Endpoint:
             if len(header) <= self.config.max_message_bytes:
                 env = decode_envelope(header)
             if size > self.config.max_message_bytes:
-                raise ProtocolError(
+                too_large = ProtocolError(
                     ErrorCode.TOO_LARGE,
                     f"message of {size} bytes exceeds max_message_bytes="
                     f"{self.config.max_message_bytes}",
                 )
+                fut = self._pending.get(env.call_id) if env is not None else None
+                if env is not None and env.kind == Kind.REPLY and fut is not None:
+                    if not fut.done():  # our own call's reply: fail it now, not at its timeout
+                        fut.set_exception(too_large)
+                    return env
+                raise too_large
             assert env is not None
             if env.kind in (Kind.REPLY, Kind.ERROR):
                 self._resolve(env, frames)
@@ -359,9 +375,10 @@ class _Endpoint:
                 "notification %s from %s failed: [%s] %s", msg.type_name, ctx.peer, code, detail
             )
 
-    def _reply_parts(self, call_id: int, result: Any) -> tuple[list[Any], bool]:
+    def _reply_parts(self, call_id: int, result: Any) -> tuple[list[Any], Any]:
         if isinstance(result, Reply):
-            return [encode(Kind.REPLY, call_id, result.msg), *result.frames], False
+            parts = [encode(Kind.REPLY, call_id, result.msg), *result.frames]
+            return parts, result.on_sent or False
         if result is None:
             result = Ok()
         if not isinstance(result, Message):
@@ -391,7 +408,7 @@ class _Endpoint:
         if not self._try_send(self._routed(route, parts), True):
             self._tasks.spawn(self._send_or_drop(route, parts, True), "error")
 
-    async def _send_or_drop(self, route: Any, parts: list[Any], copy: bool) -> None:
+    async def _send_or_drop(self, route: Any, parts: list[Any], copy: Any) -> None:
         try:
             ok = await self._send_parts(
                 self._routed(route, parts), copy, self.config.send_timeout_s

@@ -1,0 +1,162 @@
+"""Pack named tensors into contiguous byte buckets, and read them back zero-copy.
+
+The layout (names, dtypes, shapes, bucket and offset of each tensor) depends
+only on the model's parameter list, so it is computed once and reused every
+step; a sync then only needs the version id. Offsets are 512-byte aligned, so
+every tensor view is aligned for any dtype and for direct-I/O style copies.
+A tensor larger than the bucket size gets a bucket of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+ALIGN = 512
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype} for weight packing") from None
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Entry(msgspec.Struct, frozen=True, array_like=True):
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int
+    nbytes: int
+
+
+class Layout(msgspec.Struct, frozen=True):
+    entries: tuple[Entry, ...]
+    bucket_sizes: tuple[int, ...]  # bytes used per bucket (multiple of ALIGN)
+    bucket_bytes: int  # the configured bucket size
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bucket_sizes)
+
+    @property
+    def bucket_offsets(self) -> list[int]:
+        """Offset of each bucket when all buckets sit back to back in one segment."""
+        out, pos = [], 0
+        for size in self.bucket_sizes:
+            out.append(pos)
+            pos += size
+        return out
+
+    def fingerprint(self) -> str:
+        """Identifies the model layout: same names, dtypes, shapes and bucketing."""
+        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
+
+    def in_bucket(self, bucket: int) -> list[Entry]:
+        return [e for e in self.entries if e.bucket == bucket]
+
+
+def plan_layout(
+    params: Iterable[tuple[str, torch.dtype, Sequence[int]]], bucket_bytes: int
+) -> Layout:
+    """First-fit in declaration order (keeps a layer's tensors together)."""
+    if bucket_bytes < ALIGN:
+        raise ValueError(f"bucket_bytes must be >= {ALIGN}")
+    entries: list[Entry] = []
+    sizes: list[int] = []
+    current = -1
+    seen: set[str] = set()
+    for name, dtype, shape in params:
+        if name in seen:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        seen.add(name)
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        size = _align(max(nbytes, 1))
+        if size > bucket_bytes:  # oversized: a bucket of its own
+            sizes.append(size)
+            entries.append(Entry(name, dtype_name(dtype), tuple(shape), len(sizes) - 1, 0, nbytes))
+            current = -1
+            continue
+        if current < 0 or sizes[current] + size > bucket_bytes:
+            sizes.append(0)
+            current = len(sizes) - 1
+        entries.append(
+            Entry(name, dtype_name(dtype), tuple(shape), current, sizes[current], nbytes)
+        )
+        sizes[current] += size
+    return Layout(tuple(entries), tuple(sizes), bucket_bytes)
+
+
+def layout_of(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> Layout:
+    return plan_layout(((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()), bucket_bytes)
+
+
+@dataclass
+class BucketView:
+    """One bucket's bytes with the tensors inside it, as zero-copy views."""
+
+    index: int
+    data: memoryview
+
+    def tensors(self, layout: Layout) -> list[tuple[str, torch.Tensor]]:
+        raw = torch.frombuffer(self.data, dtype=torch.uint8) if len(self.data) else None
+        out = []
+        for e in layout.in_bucket(self.index):
+            if raw is None or e.nbytes == 0:
+                t = torch.empty(e.shape, dtype=_DTYPES[e.dtype])
+            else:
+                t = raw[e.offset : e.offset + e.nbytes].view(_DTYPES[e.dtype]).view(e.shape)
+            out.append((e.name, t))
+        return out
+
+
+def pack_into(tensors: Mapping[str, torch.Tensor], layout: Layout, dest: memoryview) -> None:
+    """Copy every tensor to its place in ``dest`` (all buckets back to back)."""
+    if len(dest) < layout.total_bytes:
+        raise ValueError(f"destination holds {len(dest)} bytes, layout needs {layout.total_bytes}")
+    raw = torch.frombuffer(dest, dtype=torch.uint8)
+    starts = layout.bucket_offsets
+    for e in layout.entries:
+        t = tensors.get(e.name)
+        if t is None:
+            raise KeyError(f"tensor {e.name!r} missing from the state to pack")
+        if dtype_name(t.dtype) != e.dtype or tuple(t.shape) != e.shape:
+            raise ValueError(
+                f"{e.name}: {t.dtype}{tuple(t.shape)} does not match the layout "
+                f"({e.dtype}{e.shape}); recompute the layout"
+            )
+        if e.nbytes:
+            start = starts[e.bucket] + e.offset
+            src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            raw[start : start + e.nbytes].copy_(src.cpu() if src.device.type != "cpu" else src)
+
+
+def buckets_of(layout: Layout, segment: memoryview) -> list[BucketView]:
+    starts = layout.bucket_offsets
+    return [
+        BucketView(i, segment[s : s + n])
+        for i, (s, n) in enumerate(zip(starts, layout.bucket_sizes, strict=True))
+    ]
