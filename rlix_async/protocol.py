@@ -153,6 +153,10 @@ class Welcome(Message):
     heartbeat_timeout_s: PosFloat
 
 
+class Bye(Message):
+    """A client closing on purpose: the server forgets it now, not after a timeout."""
+
+
 class Error(Message):
     code: str
     message: str

@@ -198,3 +198,16 @@ async def test_oversized_call_refused_before_sending(ipc_ep) -> None:
             with pytest.raises(ValueError, match="exceeds max_message_bytes=4096"):
                 await client.call_with_frames(Echo(), [b"x" * 5000])
             assert await client.call(Echo()) == Ok()
+
+
+async def test_closing_client_is_forgotten_at_once(ipc_ep) -> None:
+    left: asyncio.Queue[str] = asyncio.Queue()
+    cfg = TransportConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0)
+    async with RpcServer(
+        ipc_ep, config=cfg, on_peer_lost=lambda p: left.put_nowait(p.identity)
+    ) as server:
+        client = await RpcClient(server.endpoint, "p0/driver/0", config=cfg).connect()
+        assert "p0/driver/0" in server.peers
+        await client.close()
+        assert await asyncio.wait_for(left.get(), 5) == "p0/driver/0"  # not after 30 s
+        assert "p0/driver/0" not in server.peers

@@ -76,24 +76,39 @@ class VllmEngine:
         self._transfer_ready = False
 
     async def generate(
-        self, prompt_ids: list[int], *, max_tokens: int, temperature: float = 1.0,
-        top_p: float = 1.0, seed: int | None = None, logprobs: bool = True,
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        logprobs: bool = True,
         request_id: str | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                seed=seed, logprobs=0 if logprobs else None, detokenize=False)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            logprobs=0 if logprobs else None,
+            detokenize=False,
+        )
         rid = request_id or f"r{next(self._ids)}"
         version = self.weight_version
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
-                                           request_id=rid):
+        async for out in self.llm.generate(
+            TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=rid
+        ):
             comp = out.outputs[0]
             lps: list[float] = []
             if logprobs and comp.logprobs:
-                lps = [step[tok].logprob for tok, step in zip(comp.token_ids, comp.logprobs,
-                                                              strict=False)]
+                lps = [
+                    step[tok].logprob
+                    for tok, step in zip(comp.token_ids, comp.logprobs, strict=False)
+                ]
             yield GenerationChunk(list(comp.token_ids), lps, out.finished, version)
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -127,7 +142,8 @@ class VllmEngine:
         await self.llm.start_weight_update()
         try:
             await self.llm.update_weights(
-                WeightTransferUpdateRequest(update_info=msgspec.to_builtins(ref)))
+                WeightTransferUpdateRequest(update_info=msgspec.to_builtins(ref))
+            )
         finally:
             await self.llm.finish_weight_update(weight_version=ref.version)
         self.weight_version = ref.version

@@ -22,6 +22,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from rlix_async.protocol import (
+    Bye,
     Error,
     ErrorCode,
     Heartbeat,
@@ -31,6 +32,7 @@ from rlix_async.protocol import (
     RpcError,
     Welcome,
     decode_body,
+    encode,
     hello,
 )
 from rlix_async.security import ClientKeys, check_endpoint
@@ -109,9 +111,14 @@ class RpcClient(_Endpoint):
     async def close(self) -> None:
         if self._closed:
             return
+        linger = 0
+        if self._ready.is_set():  # tell the server now rather than let it time us out
+            with contextlib.suppress(zmq.ZMQError):
+                if self._try_send([encode(Kind.NOTIFY, 0, Bye())], True):
+                    linger = 200  # long enough for the goodbye to leave
         self._ready.clear()
         self._close_monitor()
-        await self._close_socket()
+        await self._close_socket(linger)
         self._ctx.destroy(linger=0)
 
     async def __aenter__(self) -> RpcClient:

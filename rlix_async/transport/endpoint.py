@@ -32,6 +32,7 @@ import itertools
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -131,6 +132,11 @@ class PeerInfo:
     rejoined: bool = False
 
 
+def _destroy_context(ctx: zmq.Context[Any]) -> None:
+    if not ctx.closed:
+        ctx.destroy(linger=0)
+
+
 def _payload(frames: Sequence[Any]) -> list[memoryview]:
     return [f.buffer for f in frames[1:]] if len(frames) > 1 else []
 
@@ -144,6 +150,9 @@ class _Endpoint:
         self.config = config or TransportConfig()
         self.instance = uuid.uuid4().hex[:12]
         self._ctx: zmq.Context[Any] = zmq.Context()
+        # An endpoint dropped without close() must not hang the interpreter in
+        # zmq's context termination (it waits for open sockets): destroy instead.
+        weakref.finalize(self, _destroy_context, self._ctx)
         self._handlers: dict[type[Message], tuple[Handler, bool]] = {}
         self._pending: dict[int, asyncio.Future[tuple[Message, list[memoryview]]]] = {}
         self._ids = itertools.count(1)
@@ -510,14 +519,14 @@ class _Endpoint:
             if not fut.done():
                 fut.set_exception(ConnectionLost(reason))
 
-    async def _close_socket(self) -> None:
+    async def _close_socket(self, linger_ms: int = 0) -> None:
         self._closed = True
         self._stop_reading()
         self._fail_pending(f"{self._tasks.name} closed")
         await self._tasks.close()
         sock = getattr(self, "_sock", None)  # absent when start/connect failed early
         if sock is not None:
-            sock.close(linger=0)
+            sock.close(linger=linger_ms)
 
 
 async def _call_hook(hook: Callable[..., Any] | None, *args: Any) -> None:

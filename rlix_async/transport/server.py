@@ -13,6 +13,7 @@ import zmq
 
 from rlix_async.protocol import (
     PROTOCOL_VERSION,
+    Bye,
     Envelope,
     ErrorCode,
     Hello,
@@ -152,6 +153,12 @@ class RpcServer(_Endpoint):
             )
 
     def _serve(self, peer: str, env: Envelope, frames: Sequence[Any], route: Any) -> None:
+        if env.type_name == Bye.type_name:
+            info = self.peers.pop(peer, None)
+            if info is not None:
+                log.info("peer %s left", peer)
+                self._tasks.spawn(_call_hook(self.on_peer_lost, info), "peer-left")
+            return
         if env.type_name == Hello.type_name:
             msg = decode_body(env)
             assert isinstance(msg, Hello)
