@@ -164,6 +164,10 @@ class PipelineClient:
         self._requests.pop(INFER, None)
         await self._call(m.ShrinkAll(pipeline_id=self.pipeline_id), timeout=300)
 
+    async def publish_weights(self, ref: Any) -> None:
+        """After ``WeightCache.promote``: awake stale shards of this pipeline pull it."""
+        await self._call(m.PublishWeights(pipeline_id=self.pipeline_id, ref=ref))
+
     async def report_progress(
         self, target: int, completed: int, stream: str = "default", *, force: bool = False
     ) -> bool:

@@ -33,6 +33,7 @@ from rlix_async.control.topology import INFER, ClusterShape, Priority
 from rlix_async.protocol import Ok
 from rlix_async.security import ServerKeys
 from rlix_async.transport import CallContext, PeerInfo, RpcServer, TransportConfig
+from rlix_async.weights.cache import CacheRef
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class Coordinator:
         self.tasks = Supervisor("coordinator")
         self._wake = asyncio.Event()
         self._freeing: dict[int, asyncio.Future[None]] = {}
+        self.weights: dict[str, CacheRef] = {}  # latest promoted version per pipeline
+        self.shard_versions: dict[tuple[str, int], str | None] = {}  # acked by workers
         self.plans = 0
         self.rejected_plans = 0
         self._closed = False
@@ -97,6 +100,7 @@ class Coordinator:
         s.on(m.Unregister, self._unregister)
         s.on(m.Resume, self._resume)
         s.on(m.StatusRequest, lambda msg, ctx: self.status())
+        s.on(m.PublishWeights, self._publish_weights)
 
     @property
     def endpoint(self) -> str:
@@ -217,6 +221,18 @@ class Coordinator:
         self.journal.write("clear_progress", pipeline=msg.pipeline_id, stream=msg.stream)
         self.kick()
 
+    def _publish_weights(self, msg: m.PublishWeights, ctx: CallContext) -> Ok:
+        """Selective sync: only this pipeline's awake, stale shards are told to pull;
+        sleeping ones catch up when they wake. Each sync runs on its own task, so
+        no pipeline or scheduling decision waits for another's transfer."""
+        p = self.registry.get(msg.pipeline_id)
+        self.weights[p.id] = msg.ref
+        self.journal.write("weights", pipeline=p.id, version=msg.ref.version)
+        for rank in sorted(p.active):
+            if self.shard_versions.get((p.id, rank)) != msg.ref.version:
+                self.tasks.spawn(self._command(p.id, rank, "sync"), "sync")
+        return Ok()
+
     def _unregister(self, msg: m.Unregister, ctx: CallContext) -> Ok:
         self._drop_pipeline(msg.pipeline_id, "unregistered")
         return Ok()
@@ -332,6 +348,7 @@ class Coordinator:
         p = self.registry.remove(pid)
         if p is None:
             return
+        self.weights.pop(pid, None)
         log.warning(
             "pipeline %s dropped (%s): releasing %s and %d rollout ranks",
             pid,
@@ -484,17 +501,25 @@ class Coordinator:
         await asyncio.gather(*(one(r) for r in ranks))
 
     async def _command(self, pid: str, rank: int, action: str) -> None:
-        """Tell shard worker ``pid/infer/rank`` to sleep or wake. Pipelines that run
-        their engines themselves (no worker registered) follow ActiveRanks instead."""
+        """Tell shard worker ``pid/infer/rank`` to sleep, wake or sync. Pipelines that
+        run their engines themselves (no worker registered) follow ActiveRanks."""
         ident = worker_identity(pid, rank)
         if ident not in self.server.peers:
             return
+        weights = self.weights.get(pid) if action != "sleep" else None
         try:
-            await self.server.call(
-                ident, m.ShardCommand(action=action), timeout=self.cfg.command_timeout_s
+            ack = await self.server.call(
+                ident,
+                m.ShardCommand(action=action, weights=weights),
+                timeout=self.cfg.command_timeout_s,
             )
         except Exception as exc:  # the worker is stuck or gone: its devices move on anyway
             log.error("%s of %s failed: %s", action, ident, exc)
+            return
+        if isinstance(ack, m.ShardAck):
+            self.shard_versions[(pid, rank)] = ack.weight_version
+            if weights is not None and ack.state == "ACTIVE":
+                self.journal.write("synced", pipeline=pid, rank=rank, version=ack.weight_version)
 
     async def _notify_ranks(self, pid: str) -> None:
         p = self.registry.pipelines.get(pid)

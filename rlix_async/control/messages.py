@@ -8,6 +8,7 @@ import msgspec
 
 from rlix_async.control.topology import ClusterName, ClusterSpec, PriorityName
 from rlix_async.protocol import Message
+from rlix_async.weights.cache import CacheRef
 
 PipelineId = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[\w.\-]+$")]
 Kind = Annotated[str, msgspec.Meta(min_length=1, max_length=32, pattern=r"^[\w\-]+$")]
@@ -124,12 +125,24 @@ class StatusReply(Message):
 
 
 class ShardCommand(Message):
-    """Coordinator -> shard worker ``<pipeline>/infer/<rank>``: sleep (shrink) or wake."""
+    """Coordinator -> shard worker ``<pipeline>/infer/<rank>``.
 
-    action: Annotated[str, msgspec.Meta(pattern=r"^(sleep|wake)$")]
-    weight_version: str | None = None
+    ``sleep``: abort, drain and sleep. ``wake``: wake, reach ``weights`` and
+    serve. ``sync``: reach ``weights`` if awake (a sleeping shard syncs when it
+    wakes, never before).
+    """
+
+    action: Annotated[str, msgspec.Meta(pattern=r"^(sleep|wake|sync)$")]
+    weights: CacheRef | None = None
 
 
 class ShardAck(Message):
     state: str
     weight_version: str | None = None
+
+
+class PublishWeights(Message):
+    """The owner promoted a new cached version: active shards should reach it."""
+
+    pipeline_id: PipelineId
+    ref: CacheRef

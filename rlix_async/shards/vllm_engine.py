@@ -73,6 +73,7 @@ class VllmEngine:
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self.weight_version: str | None = None
         self._ids = itertools.count()
+        self._inflight: set[str] = set()
         self._transfer_ready = False
 
     async def generate(
@@ -99,17 +100,28 @@ class VllmEngine:
         )
         rid = request_id or f"r{next(self._ids)}"
         version = self.weight_version
-        async for out in self.llm.generate(
-            TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=rid
-        ):
-            comp = out.outputs[0]
-            lps: list[float] = []
-            if logprobs and comp.logprobs:
-                lps = [
-                    step[tok].logprob
-                    for tok, step in zip(comp.token_ids, comp.logprobs, strict=False)
-                ]
-            yield GenerationChunk(list(comp.token_ids), lps, out.finished, version)
+        self._inflight.add(rid)
+        try:
+            async for out in self.llm.generate(
+                TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=rid
+            ):
+                comp = out.outputs[0]
+                lps: list[float] = []
+                if logprobs and comp.logprobs:
+                    lps = [
+                        step[tok].logprob
+                        for tok, step in zip(comp.token_ids, comp.logprobs, strict=False)
+                    ]
+                yield GenerationChunk(list(comp.token_ids), lps, out.finished, version)
+        finally:
+            self._inflight.discard(rid)
+
+    async def abort_all(self) -> int:
+        """Abort every request this engine is running; returns how many."""
+        ids = list(self._inflight)
+        if ids:
+            await self.llm.abort(ids)
+        return len(ids)
 
     async def abort(self, request_ids: list[str]) -> None:
         await self.llm.abort(request_ids)
@@ -150,3 +162,6 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+        # Drop it now: AsyncLLM.__del__ shuts down again, which fails noisily if
+        # it only runs during interpreter teardown.
+        del self.llm

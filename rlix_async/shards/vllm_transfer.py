@@ -23,7 +23,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from rlix_async.weights.cache import SHM_DIR, CacheRef
 from rlix_async.weights.packing import Layout
-from rlix_async.weights.sync import sync_local
+from rlix_async.weights.sync import pull_blocking
 
 
 @dataclass
@@ -41,6 +41,7 @@ class RlixUpdateInfo(WeightTransferUpdateInfo):
     fingerprint: str
     total_bytes: int
     host: str
+    server: str = ""
 
 
 class _ModelSink:
@@ -89,7 +90,7 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
 
     def receive_weights(self, update_info: RlixUpdateInfo) -> None:
         ref = msgspec.convert(update_info.__dict__, CacheRef)
-        self.layout = sync_local(ref, _ModelSink(self.model), self.layout, shm_dir=self.shm_dir)
+        self.layout = pull_blocking(ref, _ModelSink(self.model), self.layout, shm_dir=self.shm_dir)
 
     def shutdown(self) -> None:
         from rlix_async.weights.sync import forget_mappings

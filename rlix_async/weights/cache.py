@@ -150,6 +150,7 @@ class CacheRef(msgspec.Struct, frozen=True):
     fingerprint: str
     total_bytes: int
     host: str
+    server: str = ""  # the owner's WeightServer endpoint, for shards on other nodes
 
 
 class WeightCache:

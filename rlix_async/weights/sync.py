@@ -356,3 +356,33 @@ async def sync_remote(
         raise SyncError(f"sync of {ref.version} from {endpoint} failed: {exc}") from exc
     finally:
         await client.close()
+
+
+async def pull(
+    ref: CacheRef,
+    sink: WeightSink,
+    layout: Layout | None = None,
+    *,
+    keys: ClientKeys | None = None,
+    shm_dir: Path = SHM_DIR,
+) -> Layout:
+    """Reach ``ref`` the cheapest way: shared memory on the owner's node, else tcp."""
+    if ref.host == socket.gethostname() and (shm_dir / ref.segment).exists():
+        return sync_local(ref, sink, layout, shm_dir=shm_dir)
+    if not ref.server:
+        raise SyncError(f"{ref.version} lives on {ref.host} and its owner serves no endpoint")
+    return await sync_remote(ref, ref.server, sink, layout, keys=keys)
+
+
+def pull_blocking(
+    ref: CacheRef,
+    sink: WeightSink,
+    layout: Layout | None = None,
+    *,
+    keys: ClientKeys | None = None,
+    shm_dir: Path = SHM_DIR,
+) -> Layout:
+    """:func:`pull` for synchronous callers (e.g. inside an engine's worker)."""
+    if ref.host == socket.gethostname() and (shm_dir / ref.segment).exists():
+        return sync_local(ref, sink, layout, shm_dir=shm_dir)
+    return asyncio.run(pull(ref, sink, layout, keys=keys, shm_dir=shm_dir))

@@ -1,0 +1,203 @@
+"""A shard worker: one inference engine, obeying the coordinator.
+
+Identity ``<pipeline>/infer/<rank>``. State machine::
+
+    ASLEEP -> WAKING -> SYNCING -> ACTIVE -> DRAINING -> ASLEEP
+
+Commands (all idempotent, applied one at a time in arrival order):
+
+- ``wake``: wake the weights, reach the pipeline's promoted version, wake the
+  KV cache, serve. On GPUs vLLM wakes ``weights`` first so the sync has room,
+  then ``kv_cache``.
+- ``sync``: an awake shard pauses (keeping its requests), loads the version
+  and resumes; a sleeping shard ignores it and syncs when it wakes.
+- ``sleep``: abort-drain-sleep: stop taking requests, abort running ones,
+  wait until the engine reports none running (bounded by ``drain_timeout_s``,
+  then sleep anyway), sleep at level 2. Each phase's duration is recorded.
+
+A failed sync leaves the shard on its previous version and reports the error
+to the coordinator; the next sync starts over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import socket
+import time
+from typing import Protocol
+
+from rlix_async.control import messages as m
+from rlix_async.security import ClientKeys
+from rlix_async.transport import CallContext, RpcClient, TransportConfig
+from rlix_async.weights.cache import CacheRef
+
+log = logging.getLogger(__name__)
+
+
+class ShardState(enum.StrEnum):
+    ASLEEP = "ASLEEP"
+    WAKING = "WAKING"
+    SYNCING = "SYNCING"
+    ACTIVE = "ACTIVE"
+    DRAINING = "DRAINING"
+
+
+class ShardEngine(Protocol):
+    """What a worker needs from its engine (VllmEngine, or the scripted test engine)."""
+
+    weight_version: str | None
+
+    async def load_version(self, ref: CacheRef) -> None: ...
+    async def abort_all(self) -> int: ...
+    def num_running(self) -> int: ...
+    async def pause(self, mode: str = "abort") -> None: ...
+    async def resume(self) -> None: ...
+    async def sleep(self, level: int = 2) -> None: ...
+    async def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+
+class ShardWorker:
+    def __init__(
+        self,
+        engine: ShardEngine,
+        coordinator: str,
+        pipeline: str,
+        rank: int,
+        *,
+        keys: ClientKeys | None = None,
+        transport: TransportConfig | None = None,
+        drain_timeout_s: float = 30.0,
+    ) -> None:
+        self.engine = engine
+        self.pipeline = pipeline
+        self.rank = rank
+        self.state = ShardState.ASLEEP
+        self.preempted = True  # the router sends work only to ACTIVE, non-preempted shards
+        self.drain_timeout_s = drain_timeout_s
+        self.phase_ms: dict[str, float] = {}
+        self.synced_version: str | None = None
+        self.syncs = 0
+        self._lock = asyncio.Lock()
+        self.rpc = RpcClient(
+            coordinator,
+            f"{pipeline}/infer/{rank}",
+            keys=keys,
+            config=transport,
+            info={"role": "infer", "host": socket.gethostname()},
+        )
+        self.rpc.on(m.ShardCommand, self._on_command)
+
+    async def start(self) -> ShardWorker:
+        await self.rpc.connect()
+        return self
+
+    async def close(self) -> None:
+        await self.rpc.close()
+
+    def ack(self) -> m.ShardAck:
+        return m.ShardAck(state=self.state.value, weight_version=self.synced_version)
+
+    async def _on_command(self, msg: m.ShardCommand, ctx: CallContext) -> m.ShardAck:
+        async with self._lock:
+            if msg.action == "sleep":
+                await self.shrink()
+            elif msg.action == "wake":
+                await self.wake(msg.weights)
+            elif self.state == ShardState.ACTIVE and msg.weights is not None:
+                await self.sync(msg.weights)
+            return self.ack()
+
+    async def wake(self, ref: CacheRef | None) -> None:
+        if self.state == ShardState.ACTIVE:
+            if ref is not None and ref.version != self.synced_version:
+                await self.sync(ref)
+            return
+        t0 = time.monotonic()
+        self.state = ShardState.WAKING
+        await self.engine.wake_up(["weights"])
+        if ref is not None and ref.version != self.synced_version:
+            self.state = ShardState.SYNCING
+            try:
+                await self._load(ref)
+            except Exception:
+                await self.engine.sleep(2)  # never serve with weights in an unknown state
+                self.state = ShardState.ASLEEP
+                self.synced_version = None
+                raise
+        await self.engine.wake_up(["kv_cache"])
+        self.state = ShardState.ACTIVE
+        self.preempted = False
+        self.phase_ms["wake"] = (time.monotonic() - t0) * 1000
+
+    async def sync(self, ref: CacheRef) -> None:
+        """Reach ``ref`` while awake: in-flight requests are kept, then continue."""
+        if ref.version == self.synced_version:
+            return
+        t0 = time.monotonic()
+        await self.engine.pause("keep")
+        self.state = ShardState.SYNCING
+        try:
+            await self._load(ref)
+        finally:
+            self.state = ShardState.ACTIVE
+            await self.engine.resume()
+        self.phase_ms["sync"] = (time.monotonic() - t0) * 1000
+
+    async def _load(self, ref: CacheRef) -> None:
+        previous = self.synced_version
+        try:
+            await self.engine.load_version(ref)
+        except Exception as exc:
+            log.error(
+                "%s/infer/%d: sync to %s failed (%s); still on %s",
+                self.pipeline,
+                self.rank,
+                ref.version,
+                exc,
+                previous,
+            )
+            raise
+        self.synced_version = ref.version
+        self.syncs += 1
+
+    async def shrink(self) -> None:
+        """Abort-drain-sleep (idempotent)."""
+        if self.state == ShardState.ASLEEP:
+            return
+        t0 = time.monotonic()
+        self.preempted = True  # the router stops dispatching here first
+        self.state = ShardState.DRAINING
+        aborted = await self.engine.abort_all()
+        t1 = time.monotonic()
+        deadline = t1 + self.drain_timeout_s
+        # The engine only reports a count, so poll it (bounded by the drain timeout).
+        while self.engine.num_running() and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+        if self.engine.num_running():
+            log.warning(
+                "%s/infer/%d: %d requests still running after %.1fs; sleeping anyway",
+                self.pipeline,
+                self.rank,
+                self.engine.num_running(),
+                self.drain_timeout_s,
+            )
+        t2 = time.monotonic()
+        await self.engine.sleep(2)
+        self.synced_version = None  # level 2 drops the weights: resync on wake
+        self.state = ShardState.ASLEEP
+        t3 = time.monotonic()
+        self.phase_ms.update(
+            abort=(t1 - t0) * 1000,
+            drain=(t2 - t1) * 1000,
+            sleep=(t3 - t2) * 1000,
+            shrink=(t3 - t0) * 1000,
+        )
+        log.info(
+            "%s/infer/%d asleep: %d aborted, phases %s",
+            self.pipeline,
+            self.rank,
+            aborted,
+            {k: round(v, 1) for k, v in self.phase_ms.items()},
+        )
