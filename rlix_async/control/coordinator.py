@@ -230,7 +230,7 @@ class Coordinator:
         self.journal.write("weights", pipeline=p.id, version=msg.ref.version)
         for rank in sorted(p.active):
             if self.shard_versions.get((p.id, rank)) != msg.ref.version:
-                self.tasks.spawn(self._command(p.id, rank, "sync"), "sync")
+                self.tasks.spawn(self._sync_rank(p.id, rank), "sync")
         return Ok()
 
     def _unregister(self, msg: m.Unregister, ctx: CallContext) -> Ok:
@@ -318,15 +318,12 @@ class Coordinator:
     def _peer_lost(self, info: PeerInfo) -> None:
         pid, role, index = ([*info.identity.split("/"), "", "", ""])[:3]
         p = self.registry.pipelines.get(pid)
-        if role == "infer" and p is not None and index.isdigit() and int(index) in p.active:
+        if role == "infer" and p is not None and index.isdigit():
             # A dead shard worker holds nothing: free its bundle now, tell its driver.
-            rank = int(index)
-            lost = Plan(shrink=[RankChange(pid, INFER, [rank])])
-            self.registry.apply(lost)
-            self._journal_plan(lost)
-            self.tasks.spawn(self._notify_ranks(pid), "ranks")
-            self.kick()
-            log.warning("shard worker %s lost: rank %d freed", info.identity, rank)
+            if int(index) in p.active:
+                log.warning("shard worker %s lost: rank %s freed", info.identity, index)
+            self._give_up_rank(pid, int(index))
+            self.shard_versions.pop((pid, int(index)), None)
             return
         if role == "driver" and p is not None:
             p.connected, p.lost_at = False, time.monotonic()
@@ -496,16 +493,34 @@ class Coordinator:
     async def _expand(self, pid: str, ranks: list[int], spec: Any) -> None:
         async def one(rank: int) -> None:
             await self._wait_devices_free(spec.bundle(rank))
-            await self._command(pid, rank, "wake")
+            if not await self._command(pid, rank, "wake"):
+                self._give_up_rank(pid, rank)
 
         await asyncio.gather(*(one(r) for r in ranks))
 
-    async def _command(self, pid: str, rank: int, action: str) -> None:
+    async def _sync_rank(self, pid: str, rank: int) -> None:
+        if not await self._command(pid, rank, "sync"):
+            self._give_up_rank(pid, rank)
+
+    def _give_up_rank(self, pid: str, rank: int) -> None:
+        """A shard that could not wake (or sync) is not serving: free its bundle."""
+        p = self.registry.pipelines.get(pid)
+        if p is None or rank not in p.active:
+            return
+        lost = Plan(shrink=[RankChange(pid, INFER, [rank])])
+        self.registry.apply(lost)
+        self._journal_plan(lost)
+        self.shard_versions.pop((pid, rank), None)
+        self.tasks.spawn(self._command(pid, rank, "sleep"), "sleep-failed")  # if still alive
+        self.tasks.spawn(self._notify_ranks(pid), "ranks")
+        self.kick()
+
+    async def _command(self, pid: str, rank: int, action: str) -> bool:
         """Tell shard worker ``pid/infer/rank`` to sleep, wake or sync. Pipelines that
         run their engines themselves (no worker registered) follow ActiveRanks."""
         ident = worker_identity(pid, rank)
         if ident not in self.server.peers:
-            return
+            return True
         weights = self.weights.get(pid) if action != "sleep" else None
         try:
             ack = await self.server.call(
@@ -515,11 +530,12 @@ class Coordinator:
             )
         except Exception as exc:  # the worker is stuck or gone: its devices move on anyway
             log.error("%s of %s failed: %s", action, ident, exc)
-            return
+            return False
         if isinstance(ack, m.ShardAck):
             self.shard_versions[(pid, rank)] = ack.weight_version
             if weights is not None and ack.state == "ACTIVE":
                 self.journal.write("synced", pipeline=pid, rank=rank, version=ack.weight_version)
+        return True
 
     async def _notify_ranks(self, pid: str) -> None:
         p = self.registry.pipelines.get(pid)
