@@ -358,6 +358,10 @@ async def sync_remote(
         await client.close()
 
 
+def _on_owner_node(ref: CacheRef, shm_dir: Path) -> bool:
+    return ref.host == socket.gethostname() and (shm_dir / ref.segment).exists()
+
+
 async def pull(
     ref: CacheRef,
     sink: WeightSink,
@@ -367,7 +371,7 @@ async def pull(
     shm_dir: Path = SHM_DIR,
 ) -> Layout:
     """Reach ``ref`` the cheapest way: shared memory on the owner's node, else tcp."""
-    if ref.host == socket.gethostname() and (shm_dir / ref.segment).exists():
+    if _on_owner_node(ref, shm_dir):
         return sync_local(ref, sink, layout, shm_dir=shm_dir)
     if not ref.server:
         raise SyncError(f"{ref.version} lives on {ref.host} and its owner serves no endpoint")
@@ -383,6 +387,6 @@ def pull_blocking(
     shm_dir: Path = SHM_DIR,
 ) -> Layout:
     """:func:`pull` for synchronous callers (e.g. inside an engine's worker)."""
-    if ref.host == socket.gethostname() and (shm_dir / ref.segment).exists():
+    if _on_owner_node(ref, shm_dir):  # no event loop needed for shared memory
         return sync_local(ref, sink, layout, shm_dir=shm_dir)
     return asyncio.run(pull(ref, sink, layout, keys=keys, shm_dir=shm_dir))
