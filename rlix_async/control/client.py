@@ -54,6 +54,7 @@ class PipelineClient:
         self._buckets: dict[str, tuple[int, int]] = {}  # stream -> (target, 2% bucket)
         self._progress: dict[str, tuple[int, int]] = {}  # stream -> last sent (target, completed)
         self._ranks_changed = asyncio.Event()
+        self._weights: Any = None
         self.rpc = RpcClient(
             endpoint,
             driver_identity(pipeline_id),
@@ -166,6 +167,7 @@ class PipelineClient:
 
     async def publish_weights(self, ref: Any) -> None:
         """After ``WeightCache.promote``: awake stale shards of this pipeline pull it."""
+        self._weights = ref  # re-announced after a reconnection (see _resume)
         await self._call(m.PublishWeights(pipeline_id=self.pipeline_id, ref=ref))
 
     async def report_progress(
@@ -296,6 +298,8 @@ class PipelineClient:
                 requests=list(self._requests.values()),
             )
         )
+        if self._weights is not None:
+            await rpc.call(m.PublishWeights(pipeline_id=self.pipeline_id, ref=self._weights))
         for stream, (target, completed) in self._progress.items():
             await rpc.notify(
                 m.ReportProgress(
