@@ -48,6 +48,7 @@ class PipelineClient:
         self.admitted = False
         self.held: dict[str, str] = {}
         self.active_ranks: list[int] = []
+        self.endpoints: dict[int, str] = {}  # rank -> shard data plane (for the router)
         self.on_ranks = on_ranks
         self._requests: dict[str, m.RequestStage] = {}
         self._waiters: dict[str, asyncio.Future[list[int]]] = {}
@@ -263,6 +264,7 @@ class PipelineClient:
             fut.set_result(msg.ranks if msg.priority == "GENERATION" else msg.devices)
 
     def _active(self, msg: m.ActiveRanks, ctx: CallContext) -> None:
+        self.endpoints = dict(msg.endpoints)
         self._set_ranks(msg.ranks)
         fut = self._waiters.get(INFER)
         req = self._requests.get(INFER)

@@ -84,6 +84,7 @@ class Coordinator:
         self._freeing: dict[int, asyncio.Future[None]] = {}
         self.weights: dict[str, CacheRef] = {}  # latest promoted version per pipeline
         self.shard_versions: dict[tuple[str, int], str | None] = {}  # acked by workers
+        self.shard_endpoints: dict[tuple[str, int], str] = {}  # data planes, for routers
         self.plans = 0
         self.rejected_plans = 0
         self._closed = False
@@ -310,7 +311,9 @@ class Coordinator:
     # --- peers and leases ----------------------------------------------------------------------
 
     def _peer_joined(self, info: PeerInfo) -> None:
-        pid, role, _ = ([*info.identity.split("/"), "", "", ""])[:3]
+        pid, role, index = ([*info.identity.split("/"), "", "", ""])[:3]
+        if role == "infer" and index.isdigit() and info.info.get("data_endpoint"):
+            self.shard_endpoints[(pid, int(index))] = str(info.info["data_endpoint"])
         p = self.registry.pipelines.get(pid)
         if role == "driver" and p is not None:
             p.connected, p.lost_at = True, None
@@ -540,8 +543,14 @@ class Coordinator:
     async def _notify_ranks(self, pid: str) -> None:
         p = self.registry.pipelines.get(pid)
         if p is not None and p.connected:
+            endpoints = {
+                r: self.shard_endpoints[(pid, r)]
+                for r in p.active
+                if (pid, r) in self.shard_endpoints
+            }
             await self.server.notify(
-                driver_identity(pid), m.ActiveRanks(cluster=INFER, ranks=sorted(p.active))
+                driver_identity(pid),
+                m.ActiveRanks(cluster=INFER, ranks=sorted(p.active), endpoints=endpoints),
             )
 
 

@@ -100,6 +100,7 @@ class ActiveRanks(Message):
 
     cluster: str
     ranks: list[int]
+    endpoints: dict[int, str] = {}  # rank -> the shard worker's data-plane endpoint
 
 
 class StatusRequest(Message):

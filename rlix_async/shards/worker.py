@@ -26,12 +26,18 @@ import enum
 import logging
 import socket
 import time
-from typing import Protocol
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Protocol
 
 from rlix_async.control import messages as m
-from rlix_async.security import ClientKeys
-from rlix_async.transport import CallContext, RpcClient, TransportConfig
+from rlix_async.protocol import RpcError
+from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
+from rlix_async.shards.messages import Generate, GenerateResult
+from rlix_async.transport import CallContext, RpcClient, RpcServer, TransportConfig
 from rlix_async.weights.cache import CacheRef
+
+if TYPE_CHECKING:
+    from rlix_async.shards.vllm_engine import GenerationChunk
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,16 @@ class ShardEngine(Protocol):
 
     weight_version: str | None
 
+    def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[GenerationChunk]: ...
     async def load_version(self, ref: CacheRef) -> None: ...
     async def abort_all(self) -> int: ...
     def num_running(self) -> int: ...
@@ -69,6 +85,8 @@ class ShardWorker:
         keys: ClientKeys | None = None,
         transport: TransportConfig | None = None,
         drain_timeout_s: float = 30.0,
+        data_endpoint: str | None = None,
+        data_keys: ServerKeys | None = None,
     ) -> None:
         self.engine = engine
         self.pipeline = pipeline
@@ -80,6 +98,14 @@ class ShardWorker:
         self.synced_version: str | None = None
         self.syncs = 0
         self._lock = asyncio.Lock()
+        self.decoded_tokens = 0  # every token the engine produced here
+        self.data = RpcServer(
+            data_endpoint or ipc_endpoint(f"{pipeline}-infer-{rank}"),
+            keys=data_keys,
+            config=transport,
+            name=f"shard-{pipeline}-{rank}",
+        )
+        self.data.on(Generate, self._generate)
         self.rpc = RpcClient(
             coordinator,
             f"{pipeline}/infer/{rank}",
@@ -90,11 +116,41 @@ class ShardWorker:
         self.rpc.on(m.ShardCommand, self._on_command)
 
     async def start(self) -> ShardWorker:
+        await self.data.start()  # first, so the coordinator can hand its endpoint out
+        self.rpc.info["data_endpoint"] = self.data.endpoint
         await self.rpc.connect()
         return self
 
     async def close(self) -> None:
         await self.rpc.close()
+        await self.data.close()
+
+    async def _generate(self, msg: Generate, ctx: CallContext) -> GenerateResult:
+        """Serve one request; a shrink cuts it and returns what was decoded so far."""
+        if self.preempted or self.state != ShardState.ACTIVE:
+            raise RpcError("preempted", f"{self.pipeline}/infer/{self.rank} is {self.state}")
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        version = self.synced_version
+        async for chunk in self.engine.generate(
+            msg.prompt_ids,
+            max_tokens=msg.max_tokens,
+            temperature=msg.temperature,
+            top_p=msg.top_p,
+            seed=msg.seed,
+            request_id=msg.request_id,
+        ):
+            self.decoded_tokens += len(chunk.token_ids) - len(tokens)
+            tokens, logprobs = chunk.token_ids, chunk.logprobs
+            version = chunk.weight_version or version
+        cut = self.preempted and len(tokens) < msg.max_tokens
+        return GenerateResult(
+            request_id=msg.request_id,
+            token_ids=list(tokens),
+            logprobs=list(logprobs),
+            weight_version=version,
+            preempted=cut,
+        )
 
     def ack(self) -> m.ShardAck:
         return m.ShardAck(state=self.state.value, weight_version=self.synced_version)

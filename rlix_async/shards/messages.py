@@ -1,0 +1,28 @@
+"""Data-plane messages between a pipeline's router and its shard workers."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from rlix_async.protocol import Message
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class Generate(Message):
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    prompt_ids: Annotated[list[int], msgspec.Meta(min_length=1)]
+    max_tokens: Positive
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    seed: int | None = None
+
+
+class GenerateResult(Message):
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_version: str | None
+    preempted: bool = False  # cut by a shrink: resume elsewhere from token_ids

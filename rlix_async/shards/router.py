@@ -1,0 +1,146 @@
+"""The pipeline-side router: dispatch generation over the pipeline's awake shards.
+
+- Least-loaded among the ranks the coordinator reports awake (ActiveRanks);
+  when none is awake the call waits for one, it never fails for that.
+- A request cut by a shrink comes back with what it decoded so far and is
+  resumed on another shard from ``prompt + partial`` with the remaining
+  ``max_tokens``; tokens, logprobs and the weight version of every token are
+  kept, so preemption wastes no decoded token. A shard that dies mid-request
+  loses only that attempt's tokens (they never reached us); the request is
+  resumed from what we have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+from rlix_async.control.client import PipelineClient
+from rlix_async.protocol import RpcError
+from rlix_async.security import ClientKeys
+from rlix_async.shards.messages import Generate, GenerateResult
+from rlix_async.transport import CallTimeout, ConnectionLost, RpcClient, TransportConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str | None] = field(default_factory=list)  # weight version per token
+    resumes: int = 0  # times it was cut and continued elsewhere
+    ranks: list[int] = field(default_factory=list)  # shards that produced its tokens
+
+
+class Router:
+    def __init__(
+        self,
+        pipeline: PipelineClient,
+        *,
+        keys: ClientKeys | None = None,
+        transport: TransportConfig | None = None,
+        attempt_timeout_s: float = 600.0,
+        max_resumes: int = 1000,
+    ) -> None:
+        self.pipeline = pipeline
+        self.keys = keys
+        self.transport = transport
+        self.attempt_timeout_s = attempt_timeout_s
+        self.max_resumes = max_resumes
+        self.load: dict[int, int] = {}
+        self._clients: dict[str, RpcClient] = {}
+        self._ids = uuid.uuid4().hex[:8]
+        self._n = 0
+
+    async def close(self) -> None:
+        for c in self._clients.values():
+            await c.close()
+        self._clients.clear()
+
+    async def _pick(self) -> tuple[int, str]:
+        """The least-loaded awake shard; waits while there is none."""
+        while True:
+            ready = [
+                (r, self.pipeline.endpoints[r])
+                for r in self.pipeline.active_ranks
+                if r in self.pipeline.endpoints
+            ]
+            if ready:
+                return min(ready, key=lambda re: (self.load.get(re[0], 0), re[0]))
+            try:
+                await self.pipeline.wait_ranks_change(timeout=1.0)
+            except TimeoutError:
+                continue
+
+    async def _client(self, endpoint: str) -> RpcClient:
+        c = self._clients.get(endpoint)
+        if c is None or not c.connected:
+            if c is not None:
+                await c.close()
+            ident = f"{self.pipeline.pipeline_id}/router/{self._ids}-{len(self._clients)}"
+            c = self._clients[endpoint] = RpcClient(
+                endpoint, ident, keys=self.keys, config=self.transport
+            )
+            await c.connect(timeout=30)
+        return c
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> Trajectory:
+        traj = Trajectory(list(prompt_ids))
+        self._n += 1
+        rid = f"{self._ids}-{self._n}"
+        while len(traj.token_ids) < max_tokens:
+            if traj.resumes > self.max_resumes:
+                raise RuntimeError(f"request {rid} cut {traj.resumes} times; giving up")
+            rank, endpoint = await self._pick()
+            self.load[rank] = self.load.get(rank, 0) + 1
+            try:
+                client = await self._client(endpoint)
+                reply = await client.call(
+                    Generate(
+                        request_id=f"{rid}.{traj.resumes}",
+                        prompt_ids=traj.prompt_ids + traj.token_ids,
+                        max_tokens=max_tokens - len(traj.token_ids),
+                        temperature=temperature,
+                        top_p=top_p,
+                        seed=seed,
+                    ),
+                    timeout=self.attempt_timeout_s,
+                )
+            except RpcError as exc:
+                if exc.code != "preempted":
+                    raise
+                await self._settle()
+                continue  # refused before starting: nothing decoded, try elsewhere
+            except (ConnectionLost, CallTimeout, ConnectionError) as exc:
+                log.warning("shard %d failed mid-request (%s); resuming elsewhere", rank, exc)
+                traj.resumes += 1
+                await self._settle()
+                continue
+            finally:
+                self.load[rank] -= 1
+            assert isinstance(reply, GenerateResult)
+            traj.token_ids += reply.token_ids
+            traj.logprobs += reply.logprobs
+            traj.versions += [reply.weight_version] * len(reply.token_ids)
+            traj.ranks.append(rank)
+            if not reply.preempted:
+                break
+            traj.resumes += 1
+        return traj
+
+    async def _settle(self) -> None:
+        """After a refusal, give the coordinator's rank update a moment to arrive."""
+        with contextlib.suppress(TimeoutError):
+            await self.pipeline.wait_ranks_change(timeout=0.2)
