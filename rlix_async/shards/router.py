@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import uuid
@@ -53,6 +54,8 @@ class Router:
         self.max_resumes = max_resumes
         self.load: dict[int, int] = {}
         self._clients: dict[str, RpcClient] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._n_clients = 0
         self._ids = uuid.uuid4().hex[:8]
         self._n = 0
 
@@ -77,16 +80,19 @@ class Router:
                 continue
 
     async def _client(self, endpoint: str) -> RpcClient:
-        c = self._clients.get(endpoint)
-        if c is None or not c.connected:
-            if c is not None:
-                await c.close()
-            ident = f"{self.pipeline.pipeline_id}/router/{self._ids}-{len(self._clients)}"
-            c = self._clients[endpoint] = RpcClient(
-                endpoint, ident, keys=self.keys, config=self.transport
-            )
-            await c.connect(timeout=30)
-        return c
+        """One connection per shard, shared by all requests (connects once)."""
+        lock = self._locks.setdefault(endpoint, asyncio.Lock())
+        async with lock:  # concurrent requests must not each open their own
+            c = self._clients.get(endpoint)
+            if c is None or not c.connected:
+                if c is not None:
+                    await c.close()
+                ident = f"{self.pipeline.pipeline_id}/router/{self._ids}-{self._n_clients}"
+                self._n_clients += 1
+                c = RpcClient(endpoint, ident, keys=self.keys, config=self.transport)
+                await c.connect(timeout=30)
+                self._clients[endpoint] = c
+            return c
 
     async def generate(
         self,

@@ -13,7 +13,8 @@ same path as vLLM (shared memory or tcp) into a byte-counting sink.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import itertools
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -50,13 +51,14 @@ class ScriptedEngine:
     paused: bool = False
     loaded_bytes: int = 0
     _running: dict[int, asyncio.Event] = field(default_factory=dict)
+    _keys: Iterator[int] = field(default_factory=itertools.count)
     _layout: Layout | None = None
     _resumed: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def generate(
         self, prompt_ids: list[int], *, max_tokens: int, **_: object
     ) -> AsyncIterator[GenerationChunk]:
-        key = id(object())
+        key = next(self._keys)
         cancelled = self._running[key] = asyncio.Event()
         base = sum(prompt_ids)
         tokens: list[int] = []

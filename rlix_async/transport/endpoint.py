@@ -30,6 +30,7 @@ import heapq
 import inspect
 import itertools
 import logging
+import threading
 import time
 import uuid
 import weakref
@@ -133,8 +134,10 @@ class PeerInfo:
 
 
 def _destroy_context(ctx: zmq.Context[Any]) -> None:
+    # Runs from GC, at any point of any thread: never block there (zmq's context
+    # termination waits for sockets), so tear down on a daemon thread.
     if not ctx.closed:
-        ctx.destroy(linger=0)
+        threading.Thread(target=ctx.destroy, kwargs={"linger": 0}, daemon=True).start()
 
 
 def _payload(frames: Sequence[Any]) -> list[memoryview]:
