@@ -131,6 +131,58 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return run(show_status(args.endpoint, args.keys, watch=args.watch, interval=args.interval))
 
 
+def _cmd_shard(args: argparse.Namespace) -> int:
+    from rlix_async.aio import run
+    from rlix_async.security import ClientKeys, ipc_endpoint
+    from rlix_async.shards.worker import ShardWorker
+
+    async def main() -> None:
+        import asyncio
+        import signal
+
+        if args.engine == "vllm":
+            from rlix_async.shards.vllm_engine import VllmEngine, VllmEngineConfig
+
+            if not args.model:
+                raise SystemExit("--model is required with --engine vllm")
+            engine = VllmEngine(
+                VllmEngineConfig(
+                    model=args.model,
+                    dtype=args.dtype,
+                    max_model_len=args.max_model_len,
+                    kv_cache_memory_bytes=args.kv_cache_mb << 20 if args.kv_cache_mb else None,
+                    enable_sleep_mode=args.sleep_mode,
+                )
+            )
+        else:  # test double for control-plane runs with many shards (see scripted.py)
+            from rlix_async.shards.scripted import ScriptedEngine
+
+            engine = ScriptedEngine(token_delay_s=args.token_delay)
+        keys = ClientKeys.load(args.keys) if args.keys else None
+        worker = ShardWorker(
+            engine,
+            args.coordinator or ipc_endpoint("coordinator"),
+            args.pipeline,
+            args.rank,
+            keys=keys,
+            transport=_transport_config(args),  # type: ignore[arg-type]
+            data_endpoint=args.data_endpoint,
+        )
+        await worker.start()
+        print(f"READY {worker.data.endpoint}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await worker.close()
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()
+
+    run(main())
+    return 0
+
+
 def _cmd_kill(args: argparse.Namespace) -> int:
     import uuid
 
@@ -212,6 +264,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     p.set_defaults(func=_cmd_coordinator)
+
+    p = sub.add_parser("shard", help="run one shard worker (inference engine) process")
+    p.add_argument("--pipeline", required=True)
+    p.add_argument("--rank", type=int, required=True, help="DP rank in actor_infer")
+    p.add_argument("--coordinator", help="coordinator endpoint (default: local ipc)")
+    p.add_argument("--keys", help="CURVE key directory for tcp://")
+    p.add_argument("--data-endpoint", help="where the router reaches it (default: local ipc)")
+    p.add_argument(
+        "--engine",
+        choices=["vllm", "scripted"],
+        default="vllm",
+        help="scripted: a test double with no model, for control-plane runs",
+    )
+    p.add_argument("--model", help="HF model directory (vllm)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-mb", type=int, help="KV cache size (required on CPU)")
+    p.add_argument("--sleep-mode", action="store_true", help="GPU: enable vLLM sleep mode")
+    p.add_argument("--token-delay", type=float, default=0.01, help="scripted: s per token")
+    p.add_argument("--heartbeat-interval", type=float, default=1.0)
+    p.set_defaults(func=_cmd_shard)
 
     p = sub.add_parser("status", help="devices x pipelines, live from the coordinator")
     p.add_argument("--endpoint", help="coordinator endpoint (default: local ipc)")

@@ -81,3 +81,73 @@ async def test_callers_wait_while_every_shard_sleeps(ipc_ep: str) -> None:
             for w in workers:
                 await w.close()
             await driver.close()
+
+
+async def test_killed_shard_process_requests_resume_and_rank_is_freed(ipc_ep: str) -> None:
+    """Shard workers are real processes (`rlix-async shard --engine scripted`)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from rlix_async.transport import TransportConfig
+
+    fast = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=0.5)
+    async with Coordinator(ipc_ep, ClusterShape(1, 2), transport=fast) as co:
+        driver = await PipelineClient.connect(co.endpoint, pipeline_id="K", transport=fast)
+        await driver.register(TOPO)
+        await driver.admit()
+
+        def spawn(rank: int) -> subprocess.Popen[str]:
+            p = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "rlix_async.cli",
+                    "shard",
+                    "--engine",
+                    "scripted",
+                    "--pipeline",
+                    "K",
+                    "--rank",
+                    str(rank),
+                    "--coordinator",
+                    co.endpoint,
+                    "--heartbeat-interval",
+                    "0.2",
+                    "--token-delay",
+                    "0.02",
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert p.stdout is not None and p.stdout.readline().startswith("READY")
+            return p
+
+        procs = [await asyncio.to_thread(spawn, r) for r in range(2)]
+        router = Router(driver, transport=fast)
+        try:
+            await driver.report_progress(16, 0, force=True)
+            await driver.request("actor_infer", "GENERATION", timeout=10)
+            await asyncio.wait_for(_both_awake(driver), 10)
+            jobs = [asyncio.ensure_future(router.generate([i + 3], 30)) for i in range(16)]
+            await asyncio.sleep(0.25)
+            os.kill(procs[0].pid, signal.SIGKILL)  # mid-generation
+            trajs = await asyncio.wait_for(asyncio.gather(*jobs), 60)
+            assert all(len(t.token_ids) == 30 for t in trajs)  # none lost
+            assert any(t.resumes for t in trajs) and all(
+                t.ranks[-1] == 1 for t in trajs if t.resumes
+            )
+            assert 0 not in co.registry.pipelines["K"].active  # its device was freed
+            assert 0 not in driver.active_ranks
+        finally:
+            await router.close()
+            await driver.close()
+            for p in procs:
+                p.kill()
+                p.wait(timeout=10)
+
+
+async def _both_awake(driver: PipelineClient) -> None:
+    while sorted(driver.active_ranks) != [0, 1] or len(driver.endpoints) < 2:
+        await driver.wait_ranks_change(timeout=5)
