@@ -88,6 +88,18 @@ def _transport_config(args: argparse.Namespace) -> object:
     return TransportConfig(heartbeat_interval_s=hb, heartbeat_timeout_s=2.5 * hb)
 
 
+async def _until_signal() -> None:
+    """Serve until SIGINT or SIGTERM."""
+    import asyncio
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     from rlix_async.aio import run
     from rlix_async.control.coordinator import Coordinator, CoordinatorConfig
@@ -95,9 +107,6 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     from rlix_async.security import ServerKeys, ipc_endpoint
 
     async def main() -> None:
-        import asyncio
-        import signal
-
         endpoint = args.endpoint or ipc_endpoint("coordinator")
         keys = ServerKeys.load(args.keys) if args.keys else None
         coord = Coordinator(
@@ -113,11 +122,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         )
         await coord.start()
         print(f"READY {coord.endpoint}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await _until_signal()
         await coord.close()
 
     run(main())
@@ -137,9 +142,6 @@ def _cmd_shard(args: argparse.Namespace) -> int:
     from rlix_async.shards.worker import ShardWorker
 
     async def main() -> None:
-        import asyncio
-        import signal
-
         if args.engine == "vllm":
             from rlix_async.shards.vllm_engine import VllmEngine, VllmEngineConfig
 
@@ -170,11 +172,7 @@ def _cmd_shard(args: argparse.Namespace) -> int:
         )
         await worker.start()
         print(f"READY {worker.data.endpoint}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await _until_signal()
         await worker.close()
         if hasattr(engine, "shutdown"):
             engine.shutdown()

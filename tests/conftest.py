@@ -82,3 +82,13 @@ def spawn(peers: list[Peer]):  # type: ignore[no-untyped-def]
 @pytest.fixture
 def ipc_ep() -> str:
     return ipc_endpoint(f"test-{uuid.uuid4().hex[:10]}")
+
+
+async def joined_pipeline(endpoint: str, pid: str, topology: dict, transport=None):  # type: ignore[no-untyped-def]
+    """A pipeline driver that is connected, registered and admitted."""
+    from rlix_async.control.client import PipelineClient
+
+    pc = await PipelineClient.connect(endpoint, pipeline_id=pid, transport=transport)
+    await pc.register(topology)
+    await pc.admit()
+    return pc

@@ -8,6 +8,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import joined_pipeline
 
 from rlix_async.control import coordinator as coord_mod
 from rlix_async.control.client import PipelineClient
@@ -23,10 +24,7 @@ TOPO = {"actor_train": ClusterSpec(1, (0, 1)), "actor_infer": ClusterSpec(1, (0,
 
 
 async def joined(endpoint: str, pid: str, topo=TOPO) -> PipelineClient:
-    pc = await PipelineClient.connect(endpoint, pipeline_id=pid)
-    await pc.register(topo)
-    await pc.admit()
-    return pc
+    return await joined_pipeline(endpoint, pid, topo)
 
 
 def test_registry_refuses_bad_input() -> None:

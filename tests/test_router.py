@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
+from conftest import joined_pipeline
+
 from rlix_async.control.client import PipelineClient
 from rlix_async.control.coordinator import Coordinator
 from rlix_async.control.topology import ClusterShape, ClusterSpec
@@ -21,9 +23,7 @@ TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0, 1
 
 async def test_shrink_with_32_requests_in_flight_resumes_every_one(ipc_ep: str) -> None:
     async with Coordinator(ipc_ep, ClusterShape(1, 2)) as co:
-        driver = await PipelineClient.connect(co.endpoint, pipeline_id="P")
-        await driver.register(TOPO)
-        await driver.admit()
+        driver = await joined_pipeline(co.endpoint, "P", TOPO)
         workers = [
             await ShardWorker(ScriptedEngine(token_delay_s=0.01), co.endpoint, "P", r).start()
             for r in range(2)
@@ -60,9 +60,7 @@ async def test_shrink_with_32_requests_in_flight_resumes_every_one(ipc_ep: str) 
 
 async def test_callers_wait_while_every_shard_sleeps(ipc_ep: str) -> None:
     async with Coordinator(ipc_ep, ClusterShape(1, 2)) as co:
-        driver = await PipelineClient.connect(co.endpoint, pipeline_id="P")
-        await driver.register(TOPO)
-        await driver.admit()
+        driver = await joined_pipeline(co.endpoint, "P", TOPO)
         workers = [
             await ShardWorker(ScriptedEngine(token_delay_s=0.001), co.endpoint, "P", r).start()
             for r in range(2)
@@ -94,9 +92,7 @@ async def test_killed_shard_process_requests_resume_and_rank_is_freed(ipc_ep: st
 
     fast = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=0.5)
     async with Coordinator(ipc_ep, ClusterShape(1, 2), transport=fast) as co:
-        driver = await PipelineClient.connect(co.endpoint, pipeline_id="K", transport=fast)
-        await driver.register(TOPO)
-        await driver.admit()
+        driver = await joined_pipeline(co.endpoint, "K", TOPO, transport=fast)
 
         def spawn(rank: int) -> subprocess.Popen[str]:
             p = subprocess.Popen(

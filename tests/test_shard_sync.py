@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from rlix_async.control.client import PipelineClient
+from conftest import joined_pipeline
+
 from rlix_async.control.coordinator import Coordinator
 from rlix_async.control.topology import ClusterShape, ClusterSpec
 from rlix_async.shards.scripted import ScriptedEngine
@@ -38,9 +39,7 @@ async def test_wake_syncs_active_stale_shards_sync_sleeping_ones_wait(ipc_ep: st
     pid = "A"
     cache = WeightCache(f"ss{uuid.uuid4().hex[:6]}", bucket_bytes=16 << 10)
     async with Coordinator(ipc_ep, ClusterShape(1, 4)) as co:
-        driver = await PipelineClient.connect(co.endpoint, pipeline_id=pid)
-        await driver.register(TOPO)
-        await driver.admit()
+        driver = await joined_pipeline(co.endpoint, pid, TOPO)
         workers = [
             await ShardWorker(ScriptedEngine(), co.endpoint, pid, r).start() for r in range(4)
         ]

@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 BUCKETS = 50  # progress is reported in 2% steps
 
 
+def _bucket(target: int, completed: int) -> int:
+    return BUCKETS if target == 0 else min(completed, target) * BUCKETS // target
+
+
 class PipelineClient:
     def __init__(
         self,
@@ -52,7 +56,6 @@ class PipelineClient:
         self.on_ranks = on_ranks
         self._requests: dict[str, m.RequestStage] = {}
         self._waiters: dict[str, asyncio.Future[list[int]]] = {}
-        self._buckets: dict[str, tuple[int, int]] = {}  # stream -> (target, 2% bucket)
         self._progress: dict[str, tuple[int, int]] = {}  # stream -> last sent (target, completed)
         self._ranks_changed = asyncio.Event()
         self._weights: Any = None
@@ -175,10 +178,13 @@ class PipelineClient:
         self, target: int, completed: int, stream: str = "default", *, force: bool = False
     ) -> bool:
         """Send only when the 2% bucket changes (or ``force``, e.g. on a new batch)."""
-        bucket = BUCKETS if target == 0 else min(completed, target) * BUCKETS // target
-        if not force and self._buckets.get(stream) == (target, bucket):
+        last = self._progress.get(stream)
+        if (
+            not force
+            and last is not None
+            and (last[0], _bucket(*last)) == (target, _bucket(target, completed))
+        ):
             return False
-        self._buckets[stream] = (target, bucket)
         self._progress[stream] = (target, completed)
         try:
             return await self.rpc.notify(
@@ -193,10 +199,8 @@ class PipelineClient:
 
     async def clear_progress(self, stream: str | None = None) -> None:
         if stream is None:
-            self._buckets.clear()
             self._progress.clear()
         else:
-            self._buckets.pop(stream, None)
             self._progress.pop(stream, None)
         await self.rpc.notify(m.ClearProgress(pipeline_id=self.pipeline_id, stream=stream))
 
