@@ -228,6 +228,22 @@ def _cmd_bench_weights(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_preempt(args: argparse.Namespace) -> int:
+    from rlix_async.aio import run
+    from rlix_async.bench.preempt import format_preempt_result, run_preempt_bench
+
+    r = run(
+        run_preempt_bench(
+            requests=args.requests,
+            max_tokens=args.max_tokens,
+            rounds=args.rounds,
+            kv_cache_mb=args.kv_cache_mb,
+        )
+    )
+    print(json.dumps(r, indent=2) if args.json else format_preempt_result(r))
+    return 0 if r["lost_requests"] == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlix-async",
@@ -329,6 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--credits", type=int, default=2, help="buckets in flight (remote)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_bench_weights)
+    p = bsub.add_parser("preempt", help="shrink a vLLM shard under load: latency, waste, losses")
+    p.add_argument("--requests", type=int, default=32, help="requests in flight")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=3, help="shrink/expand rounds")
+    p.add_argument("--kv-cache-mb", type=int, default=64, help="KV cache per engine (CPU)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_bench_preempt)
     return parser
 
 

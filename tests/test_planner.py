@@ -455,3 +455,26 @@ def test_long_random_request_sequences_never_starve_a_gang_request(seed: int) ->
     bound = aging + n * 6
     assert worst_wait <= bound
     assert all(age <= bound for _, _, age in waiting.values())
+
+
+def test_idle_devices_are_used_even_within_one_bundle_of_the_ideal() -> None:
+    """Hysteresis must not leave a device idle while a pipeline has demand."""
+    snap = decode_snapshot(
+        b"""{"cluster": {"nodes": 1, "gpus_per_node": 2}, "pipelines": [{"id": "P",
+        "clusters": {"actor_train": {"tp": 1, "devices": [0]},
+                     "actor_infer": {"tp": 1, "devices": [0, 1]}},
+        "active_ranks": {"actor_infer": [1]}, "progress": {"target": 8, "completed": 0}}]}"""
+    )
+    result = plan(snap)
+    assert [(c.pipeline, c.ranks) for c in result.expand] == [("P", [0])]
+
+
+def test_offline_ranks_are_never_started() -> None:
+    snap = decode_snapshot(
+        b"""{"cluster": {"nodes": 1, "gpus_per_node": 2}, "pipelines": [{"id": "P",
+        "clusters": {"actor_infer": {"tp": 1, "devices": [0, 1]}},
+        "offline_ranks": {"actor_infer": [0]}, "progress": {"target": 8, "completed": 0}}]}"""
+    )
+    result = plan(snap)
+    assert [(c.pipeline, c.ranks) for c in result.expand] == [("P", [1])]
+    assert result.idle_devices == [0]

@@ -312,9 +312,13 @@ class Coordinator:
 
     def _peer_joined(self, info: PeerInfo) -> None:
         pid, role, index = ([*info.identity.split("/"), "", "", ""])[:3]
-        if role == "infer" and index.isdigit() and info.info.get("data_endpoint"):
-            self.shard_endpoints[(pid, int(index))] = str(info.info["data_endpoint"])
         p = self.registry.pipelines.get(pid)
+        if role == "infer" and index.isdigit():
+            if info.info.get("data_endpoint"):
+                self.shard_endpoints[(pid, int(index))] = str(info.info["data_endpoint"])
+            if p is not None and int(index) in p.offline:
+                p.offline.discard(int(index))  # back: it may be started again
+                self.kick()
         if role == "driver" and p is not None:
             p.connected, p.lost_at = True, None
 
@@ -325,6 +329,7 @@ class Coordinator:
             # A dead shard worker holds nothing: free its bundle now, tell its driver.
             if int(index) in p.active:
                 log.warning("shard worker %s lost: rank %s freed", info.identity, index)
+            p.offline.add(int(index))  # not started again until its worker returns
             self._give_up_rank(pid, int(index))
             self.shard_versions.pop((pid, int(index)), None)
             return

@@ -70,6 +70,8 @@ class PipelineIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     clusters: dict[ClusterName, ClusterSpec]
     held: dict[ClusterName, PriorityName] = {}
     active_ranks: dict[ClusterName, list[NonNeg]] = {}
+    # Ranks never to start: their shard worker died and has not come back.
+    offline_ranks: dict[ClusterName, list[NonNeg]] = {}
     progress: ProgressIn | list[ProgressIn] | None = None
     requests: list[RequestIn] = []
 
@@ -179,6 +181,12 @@ def validate_snapshot(snap: Snapshot) -> None:
                         f"{at}.active_ranks.{cname}: rank {r} out of range (dp={spec.dp})"
                     )
                 claim(spec.bundle(r), f"{p.id}/{INFER}[{r}]", f"{at}.active_ranks.{cname}")
+        for cname, ranks in p.offline_ranks.items():
+            if cname != INFER or INFER not in p.clusters:
+                raise SnapshotError(f"{at}.offline_ranks.{cname}: only {INFER} has shard ranks")
+            bad = [r for r in ranks if r >= p.clusters[INFER].dp]
+            if bad:
+                raise SnapshotError(f"{at}.offline_ranks.{cname}: ranks {bad} out of range")
         open_clusters: set[str] = set()
         for j, r in enumerate(p.requests):
             rat = f"{at}.requests[{j}]"
@@ -345,12 +353,13 @@ def guaranteed_floors(
 def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> None:
     pipes = [p for p in snap.pipelines if INFER in p.clusters]
     spec = {p.id: p.clusters[INFER] for p in pipes}
+    offline = {p.id: set(p.offline_ranks.get(INFER, ())) for p in pipes}
 
     def reachable(pid: str, rank: int) -> bool:
         """A bundle this pipeline may run on: not held by a stage, not reserved
         (unless the shard already runs there)."""
         bundle = spec[pid].bundle(rank)
-        if any(d in st.owner for d in bundle):
+        if any(d in st.owner for d in bundle) or rank in offline[pid]:
             return False
         return rank in st.active[pid] or not any(d in st.reserved for d in bundle)
 
@@ -368,7 +377,8 @@ def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> None:
     tps = {pid: spec[pid].tp for pid in wanting}
     floors = guaranteed_floors(len(usable), wanting, weights, tps, caps)
     ideal = water_fill(len(usable), weights, caps, floors)
-    target = _bundle_targets(wanting, ideal, spec, st, caps, len(usable))
+    idle = len(usable - set(st.owner) - set(st.gen_holder()))
+    target = _bundle_targets(wanting, ideal, spec, st, caps, len(usable), idle)
 
     # Devices each under-target pipeline could use: shrink others there first.
     hungry = [pid for pid in wanting if len(st.active[pid]) < target[pid]]
@@ -431,8 +441,13 @@ def _bundle_targets(
     st: _State,
     caps: dict[str, float],
     capacity: int,
+    idle: int,
 ) -> dict[str, int]:
-    """Whole bundles per pipeline: largest remainder, at least one, then hysteresis."""
+    """Whole bundles per pipeline: largest remainder, at least one, then hysteresis.
+
+    Hysteresis never leaves a device idle: a pipeline within one bundle of its
+    ideal still grows by that bundle when ``idle`` devices can hold it.
+    """
     exact = {pid: ideal[pid] / spec[pid].tp for pid in wanting}
     target = {pid: int(exact[pid]) for pid in wanting}
     room = capacity - sum(target[pid] * spec[pid].tp for pid in wanting)
@@ -447,7 +462,11 @@ def _bundle_targets(
     for pid in wanting:  # hysteresis: a current share within one bundle of ideal stays
         current = len(st.active[pid])
         if current and abs(current - exact[pid]) <= 1 and current * spec[pid].tp <= caps[pid]:
-            target[pid] = current
+            if target[pid] > current and idle >= spec[pid].tp:
+                target[pid] = current + 1
+                idle -= spec[pid].tp
+            else:
+                target[pid] = current
     # Keep the total feasible: trim those furthest above their ideal (never below one).
     while sum(target[pid] * spec[pid].tp for pid in wanting) > capacity:
         over = [pid for pid in wanting if target[pid] > 1]

@@ -54,6 +54,7 @@ class PipelineState:
     requests: dict[str, Pending] = field(default_factory=dict)
     connected: bool = True
     lost_at: float | None = None  # when its driver went silent (lease timer start)
+    offline: set[int] = field(default_factory=set)  # infer ranks whose shard worker died
 
     @property
     def registered(self) -> bool:
@@ -180,6 +181,7 @@ class Registry:
                     clusters=p.clusters,  # type: ignore[arg-type]
                     held={c: pr.name for c, pr in p.held.items()},  # type: ignore[misc]
                     active_ranks={INFER: sorted(p.active)} if p.active else {},
+                    offline_ranks={INFER: sorted(p.offline)} if p.offline else {},
                     progress=list(p.progress.values()) or None,
                     requests=[
                         RequestIn(

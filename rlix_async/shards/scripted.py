@@ -53,7 +53,6 @@ class ScriptedEngine:
     _running: dict[int, asyncio.Event] = field(default_factory=dict)
     _keys: Iterator[int] = field(default_factory=itertools.count)
     _layout: Layout | None = None
-    _resumed: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def generate(
         self, prompt_ids: list[int], *, max_tokens: int, **_: object
@@ -64,8 +63,8 @@ class ScriptedEngine:
         tokens: list[int] = []
         try:
             for i in range(max_tokens):
-                while self.paused:
-                    await self._resumed.wait()
+                while self.paused and not cancelled.is_set():
+                    await asyncio.sleep(0.001)  # an abort must end a paused request too
                 if cancelled.is_set():
                     yield GenerationChunk(tokens, [0.0] * len(tokens), True, self.weight_version)
                     return
@@ -89,11 +88,9 @@ class ScriptedEngine:
         if mode == "abort":
             await self.abort_all()
         self.paused = mode != "abort"
-        self._resumed.clear()
 
     async def resume(self) -> None:
         self.paused = False
-        self._resumed.set()
 
     async def sleep(self, level: int = 2) -> None:
         self.asleep = True

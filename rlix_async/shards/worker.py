@@ -11,9 +11,12 @@ Commands (all idempotent, applied one at a time in arrival order):
   then ``kv_cache``.
 - ``sync``: an awake shard pauses (keeping its requests), loads the version
   and resumes; a sleeping shard ignores it and syncs when it wakes.
-- ``sleep``: abort-drain-sleep: stop taking requests, abort running ones,
-  wait until the engine reports none running (bounded by ``drain_timeout_s``,
-  then sleep anyway), sleep at level 2. Each phase's duration is recorded.
+- ``sleep``: abort-drain-sleep: stop taking requests, freeze the engine
+  (pause ``keep``: the scheduler stops stepping and flushes what it already
+  decoded, so the abort that follows returns every decoded token and none is
+  wasted), abort running ones, wait until the engine reports none running
+  (bounded by ``drain_timeout_s``, then sleep anyway), sleep at level 2. Each
+  phase's duration is recorded.
 
 A failed sync leaves the shard on its previous version and reports the error
 to the coordinator; the next sync starts over.
@@ -183,6 +186,7 @@ class ShardWorker:
                 self.synced_version = None
                 raise
         await self.engine.wake_up(["kv_cache"])
+        await self.engine.resume()  # undo the shrink's pause
         self.state = ShardState.ACTIVE
         self.preempted = False
         self.phase_ms["wake"] = (time.monotonic() - t0) * 1000
@@ -225,6 +229,8 @@ class ShardWorker:
         t0 = time.monotonic()
         self.preempted = True  # the router stops dispatching here first
         self.state = ShardState.DRAINING
+        await self.engine.pause("keep")  # stop decoding tokens we would then throw away
+        tp = time.monotonic()
         aborted = await self.engine.abort_all()
         t1 = time.monotonic()
         deadline = t1 + self.drain_timeout_s
@@ -245,7 +251,8 @@ class ShardWorker:
         self.state = ShardState.ASLEEP
         t3 = time.monotonic()
         self.phase_ms.update(
-            abort=(t1 - t0) * 1000,
+            pause=(tp - t0) * 1000,
+            abort=(t1 - tp) * 1000,
             drain=(t2 - t1) * 1000,
             sleep=(t3 - t2) * 1000,
             shrink=(t3 - t0) * 1000,

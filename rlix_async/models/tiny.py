@@ -1,0 +1,45 @@
+"""Tiny Llama models built from a config (no model hub on CPU machines).
+
+Shapes fit vLLM's CPU attention (head_dim 64) and stay small enough that two
+vLLM engines and two trainers share a 2-core machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def tiny_llama_config(vocab_size: int = 512, layers: int = 2, hidden: int = 128) -> Any:
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        head_dim=64,  # vLLM CPU attention supports 32/64/80/96/112/128...
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+
+
+def tiny_llama(seed: int = 0, **config: Any) -> Any:
+    """A random float32 ``LlamaForCausalLM`` (same seed, same weights)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(tiny_llama_config(**config)).float()
+
+
+def save_tiny_llama(path: str | Path, seed: int = 0, **config: Any) -> Path:
+    """Write a random tiny Llama as a HF checkpoint directory vLLM can serve."""
+    path = Path(path)
+    tiny_llama(seed, **config).save_pretrained(path)
+    return path
