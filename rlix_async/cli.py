@@ -229,6 +229,9 @@ def _cmd_bench_weights(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_preempt(args: argparse.Namespace) -> int:
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs to stdout: keep it JSON
     from rlix_async.aio import run
     from rlix_async.bench.preempt import format_preempt_result, run_preempt_bench
 
@@ -242,6 +245,32 @@ def _cmd_bench_preempt(args: argparse.Namespace) -> int:
     )
     print(json.dumps(r, indent=2) if args.json else format_preempt_result(r))
     return 0 if r["lost_requests"] == 0 else 1
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from rlix_async.demo import format_summary, run_demo
+
+    summary = run_demo(args.out, steps=args.steps)
+    print(format_summary(summary))
+    print(f"wrote {args.out}/summary.json, journal.jsonl, timeline.png, reward.png")
+    return 0 if summary["lost_trajectories"] == 0 else 1
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from rlix_async.launch import Launcher, load_launch_config
+
+    cfg = load_launch_config(args.config)
+    launcher = Launcher(cfg, resume=args.resume)
+    try:
+        launcher.run()
+    except KeyboardInterrupt:
+        print("stopped (every process and shared-memory segment cleaned up)", file=sys.stderr)
+        return 130
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"all pipelines finished; logs and metrics under {cfg.out}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -322,6 +351,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("snapshot", help="snapshot JSON (format in docs/SCHEDULING.md)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("demo", help="two GRPO pipelines time-sharing 4 CPU devices (main job)")
+    p.add_argument("--out", default="rlix-demo", help="output directory")
+    p.add_argument("--steps", type=int, default=12, help="training steps per pipeline")
+    p.set_defaults(func=_cmd_demo)
+    p = sub.add_parser("launch", help="coordinator, shards and torchrun pipelines from a YAML")
+    p.add_argument("config", help="PIPELINES.yaml (format in rlix_async/launch.py)")
+    p.add_argument("--resume", action="store_true", help="pipelines continue from checkpoints")
+    p.set_defaults(func=_cmd_launch)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)

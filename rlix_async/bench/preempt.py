@@ -125,13 +125,16 @@ async def _round(
     await driver.report_progress(requests, 0, force=True)
     await driver.request("actor_infer", "GENERATION", timeout=timeout_s)
     await _until(
-        lambda: all(w.state == ShardState.ACTIVE for w in workers)
-        and sorted(driver.active_ranks) == [0, 1]
-        and len(driver.endpoints) == 2,
+        lambda: (
+            all(w.state == ShardState.ACTIVE for w in workers)
+            and sorted(driver.active_ranks) == [0, 1]
+            and len(driver.endpoints) == 2
+        ),
         timeout_s,
         "both shards awake",
     )
     decoded_before = sum(w.decoded_tokens for w in workers)
+    shard0_before = workers[0].decoded_tokens
     jobs = [
         asyncio.ensure_future(
             router.generate([(7 * i + index) % 500 + 1, 5, 9], max_tokens, seed=1000 * index + i)
@@ -140,11 +143,11 @@ async def _round(
     ]
     # shrink mid-decode: once shard 0 has produced about a third of its share
     await _until(
-        lambda: workers[0].decoded_tokens - decoded_before >= requests * max_tokens // 6,
+        lambda: workers[0].decoded_tokens - shard0_before >= requests * max_tokens // 6,
         timeout_s,
         "shard 0 decoding",
     )
-    cut_at = workers[0].decoded_tokens - decoded_before
+    cut_at = workers[0].decoded_tokens - shard0_before
     t0 = time.monotonic()
     await driver.report_progress(requests, requests)
     await driver.request("actor_train", "ACTOR_TRAINING", timeout=timeout_s)

@@ -319,6 +319,10 @@ class Coordinator:
             if p is not None and int(index) in p.offline:
                 p.offline.discard(int(index))  # back: it may be started again
                 self.kick()
+            if p is not None and int(index) in p.active:
+                # its rank was already awake in the plan (it started late, or we
+                # restarted): make the worker match; wake is idempotent
+                self.tasks.spawn(self._expand_joined(pid, int(index)), "wake-joined")
         if role == "driver" and p is not None:
             p.connected, p.lost_at = True, None
 
@@ -505,6 +509,11 @@ class Coordinator:
                 self._give_up_rank(pid, rank)
 
         await asyncio.gather(*(one(r) for r in ranks))
+
+    async def _expand_joined(self, pid: str, rank: int) -> None:
+        if not await self._command(pid, rank, "wake"):
+            self._give_up_rank(pid, rank)
+        await self._notify_ranks(pid)
 
     async def _sync_rank(self, pid: str, rank: int) -> None:
         if not await self._command(pid, rank, "sync"):

@@ -63,7 +63,7 @@ class ScriptedEngine:
         tokens: list[int] = []
         try:
             for i in range(max_tokens):
-                while self.paused and not cancelled.is_set():
+                while self.paused and not cancelled.is_set():  # noqa: ASYNC110
                     await asyncio.sleep(0.001)  # an abort must end a paused request too
                 if cancelled.is_set():
                     yield GenerationChunk(tokens, [0.0] * len(tokens), True, self.weight_version)

@@ -102,17 +102,22 @@ class VllmEngine:
         version = self.weight_version
         self._inflight.add(rid)
         try:
+            tokens: list[int] = []
+            lps: list[float] = []
             async for out in self.llm.generate(
                 TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=rid
             ):
                 comp = out.outputs[0]
-                lps: list[float] = []
-                if logprobs and comp.logprobs:
-                    lps = [
-                        step[tok].logprob
-                        for tok, step in zip(comp.token_ids, comp.logprobs, strict=False)
-                    ]
-                yield GenerationChunk(list(comp.token_ids), lps, out.finished, version)
+                # Outputs are cumulative, except the one an abort produces: without a
+                # tokenizer it carries no tokens. Never let what we hold shrink.
+                if len(comp.token_ids) >= len(tokens):
+                    tokens = list(comp.token_ids)
+                    if logprobs and comp.logprobs:
+                        lps = [
+                            step[tok].logprob
+                            for tok, step in zip(comp.token_ids, comp.logprobs, strict=False)
+                        ]
+                yield GenerationChunk(list(tokens), list(lps), out.finished, version)
         finally:
             self._inflight.discard(rid)
 

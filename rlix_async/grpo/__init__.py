@@ -1,0 +1,1 @@
+"""Async GRPO on time-shared devices: tasks, losses, replay buffer, trainer, pipeline."""

@@ -1,0 +1,87 @@
+"""Replay buffer of trajectory groups tagged with the weight versions that produced them.
+
+A group is every sampled response to one prompt (GRPO needs them together).
+Its age is ``trainer_version - oldest token version``; a group older than
+``max_trajectory_age_steps`` is dropped and counted when a batch is taken,
+never trained on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Group:
+    prompt: list[int]
+    responses: list[list[int]]
+    logprobs: list[list[float]]  # behaviour log-probs from the engine, per token
+    versions: list[list[int]]  # weight version (trainer step) of every token
+    rewards: list[float]
+    resumes: int = 0  # times any of its requests was cut by a shrink and resumed
+
+    def __post_init__(self) -> None:
+        n = len(self.responses)
+        if not n or not (len(self.logprobs) == len(self.versions) == len(self.rewards) == n):
+            raise ValueError("group: responses, logprobs, versions and rewards must align")
+        for r, lp, v in zip(self.responses, self.logprobs, self.versions, strict=True):
+            if not (len(r) == len(lp) == len(v)):
+                raise ValueError("group: every token needs a log-prob and a version")
+
+    @property
+    def oldest_version(self) -> int:
+        return min((min(v) for v in self.versions if v), default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ReplayBuffer:
+    max_age_steps: int = 1
+    groups: deque[Group] = field(default_factory=deque)
+    added: int = 0  # trajectories (responses), not groups
+    trained: int = 0
+    dropped_stale: int = 0
+
+    def add(self, group: Group) -> None:
+        self.groups.append(group)
+        self.added += len(group.responses)
+
+    def drop_stale(self, version: int) -> int:
+        """Drop groups too old for a trainer at ``version``; returns trajectories dropped."""
+        keep = deque(g for g in self.groups if version - g.oldest_version <= self.max_age_steps)
+        dropped = sum(len(g.responses) for g in self.groups) - sum(len(g.responses) for g in keep)
+        self.groups = keep
+        self.dropped_stale += dropped
+        return dropped
+
+    def ready(self, version: int, groups: int) -> bool:
+        return sum(version - g.oldest_version <= self.max_age_steps for g in self.groups) >= groups
+
+    def take(self, version: int, groups: int) -> list[Group]:
+        """The oldest ``groups`` fresh-enough groups (stale ones are dropped first)."""
+        self.drop_stale(version)
+        batch = [self.groups.popleft() for _ in range(min(groups, len(self.groups)))]
+        self.trained += sum(len(g.responses) for g in batch)
+        return batch
+
+    def __len__(self) -> int:
+        return sum(len(g.responses) for g in self.groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "max_age_steps": self.max_age_steps,
+            "groups": [g.to_dict() for g in self.groups],
+            "added": self.added,
+            "trained": self.trained,
+            "dropped_stale": self.dropped_stale,
+        }
+
+    @classmethod
+    def from_state_dict(cls, d: dict[str, Any]) -> ReplayBuffer:
+        buf = cls(d["max_age_steps"], deque(Group(**g) for g in d["groups"]))
+        buf.added, buf.trained, buf.dropped_stale = d["added"], d["trained"], d["dropped_stale"]
+        return buf

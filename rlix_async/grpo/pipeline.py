@@ -1,0 +1,356 @@
+"""One async GRPO pipeline: the torchrun entrypoint.
+
+    torchrun --nproc-per-node N -m rlix_async.grpo.pipeline --config P.json [--resume]
+
+Rank 0 drives: it joins the coordinator, collects trajectory groups through
+the router into a replay buffer while it has rollout shards, and for each
+step asks for its training devices (the coordinator shrinks the rollout
+shards there), trains with every rank, builds the weight cache, releases the
+devices and publishes the new version. The other ranks wait on the torchrun
+store for each step's batch. The collective group exists only during a step.
+
+Writes ``OUT/<id>/metrics.jsonl`` (one line per step) and checkpoints under
+``OUT/<id>/ckpt``; ``--resume`` continues from the newest one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import pickle
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from rlix_async.control.topology import ClusterSpec
+from rlix_async.grpo.algo import LossConfig
+from rlix_async.grpo.buffer import Group, ReplayBuffer
+from rlix_async.grpo.tasks import Task, make_task
+from rlix_async.grpo.trainer import TorchTrainer, TrainerConfig, latest_checkpoint
+from rlix_async.hooks import ClusterHooks, PipelineHooks
+
+log = logging.getLogger("rlix_async.grpo")
+STORE_TIMEOUT_S = 3600.0
+
+
+class ClusterIn(msgspec.Struct, forbid_unknown_fields=True):
+    tp: int = 1
+    devices: list[int] = []
+
+
+class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    clusters: dict[str, ClusterIn]
+    out: str = "rlix-out"
+    coordinator: str | None = None  # endpoint; None = run alone (no cluster)
+    task: dict[str, Any] = {"name": "target_tokens"}
+    steps: int = 10
+    groups_per_step: int = 8  # prompts per training step
+    group_size: int = 4  # responses per prompt
+    max_tokens: int = 12
+    temperature: float = 1.0
+    max_trajectory_age_steps: int = 1
+    max_groups_in_flight: int = 4
+    loss: str = "dapo"
+    lr: float = 2e-3
+    seed: int = 0
+    model: dict[str, int] = {}
+    checkpoint_every: int = 1
+
+    def topology(self) -> dict[str, ClusterSpec]:
+        return {name: ClusterSpec(c.tp, tuple(c.devices)) for name, c in self.clusters.items()}
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    data = Path(path).read_bytes()
+    try:
+        return msgspec.json.decode(data, type=PipelineConfig)
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"{path}: invalid pipeline config: {exc}") from None
+
+
+def version_str(step: int) -> str:
+    return f"s{step}"
+
+
+def version_int(v: str | None) -> int:
+    return int(v[1:]) if v and v.startswith("s") and v[1:].isdigit() else 0
+
+
+class Driver:
+    """Rank 0: collector + step loop."""
+
+    def __init__(
+        self, cfg: PipelineConfig, trainer: TorchTrainer, store: dist.Store | None
+    ) -> None:
+        self.cfg = cfg
+        self.trainer = trainer
+        self.store = store
+        self.task: Task = make_task(
+            cfg.task["name"], **{k: v for k, v in cfg.task.items() if k != "name"}
+        )
+        self.rng = random.Random(cfg.seed)
+        self.buffer = ReplayBuffer(cfg.max_trajectory_age_steps)
+        self.out = Path(cfg.out) / cfg.id
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.prompts_used = 0
+        self.in_flight = 0
+        self.failed = 0  # trajectories whose generation raised: counted, never hidden
+        self.generated = 0
+        self.resumed = 0
+        self.rewards_since_step: list[float] = []
+        self.hooks: PipelineHooks | None = None
+        self._room = asyncio.Event()
+
+    @property
+    def target(self) -> int:
+        return self.cfg.groups_per_step * self.cfg.group_size
+
+    def resume_from(self, ckpt: dict[str, Any]) -> None:
+        self.buffer = ReplayBuffer.from_state_dict(ckpt["buffer"])
+        self.prompts_used = ckpt["prompts_used"]
+        self.rng.setstate(ckpt["driver_rng"])
+        self.generated = ckpt.get("generated", 0)
+        self.failed = ckpt.get("failed", 0)
+
+    async def run(self, cache: Any) -> None:
+        hooks = (
+            await ClusterHooks.join(self.cfg.coordinator, self.cfg.id, self.cfg.topology())
+            if self.cfg.coordinator
+            else None
+        )
+        self.hooks = hooks
+        if hooks is None:
+            raise SystemExit("a pipeline needs --coordinator (or `coordinator` in its config)")
+        try:
+            await self._publish(cache)
+            await hooks.report_progress(self.target, 0)
+            collector = asyncio.ensure_future(self._collect())
+            try:
+                while self.trainer.step < self.cfg.steps:
+                    await self._one_step(cache, collector)
+            finally:
+                collector.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collector
+            await hooks.clear_progress()
+        finally:
+            await hooks.close()
+
+    async def _publish(self, cache: Any) -> None:
+        v = version_str(self.trainer.step)
+        cache.build(v, self.trainer.weights_for_cache())
+        assert self.hooks is not None
+        await self.hooks.after_training(self.trainer.step, cache.promote(v))
+
+    async def _one_step(self, cache: Any, collector: asyncio.Future[None]) -> None:
+        assert self.hooks is not None
+        version = self.trainer.step
+        while not self.buffer.ready(version, self.cfg.groups_per_step):
+            if collector.done():
+                collector.result()  # raises what killed it
+                raise RuntimeError("collector stopped")
+            self.buffer.drop_stale(version)
+            await asyncio.sleep(0.05)
+        batch = self.buffer.take(version, self.cfg.groups_per_step)
+        self._room.set()
+        rewards = [r for g in batch for r in g.rewards]
+        t0 = time.monotonic()
+        await self.hooks.report_progress(self.target, self.target)
+        await self.hooks.before_training(version)
+        t1 = time.monotonic()
+        if self.store is not None and self.trainer.world > 1:
+            self.store.set(f"batch/{version}", pickle.dumps(batch))
+        stats = await asyncio.to_thread(self._train, batch)
+        ckpt_path = None
+        if (
+            self.trainer.step % self.cfg.checkpoint_every
+        ) == 0 or self.trainer.step == self.cfg.steps:
+            ckpt_path = self.out / "ckpt" / f"step_{self.trainer.step}.pt"
+            await asyncio.to_thread(self._save, ckpt_path)
+        v = version_str(self.trainer.step)
+        await asyncio.to_thread(cache.build, v, self.trainer.weights_for_cache())
+        self.trainer.offload()
+        await self.hooks.after_training(self.trainer.step, cache.promote(v))
+        await self.hooks.report_progress(self.target, min(len(self.buffer), self.target))
+        row = {
+            "step": self.trainer.step,
+            "reward": sum(rewards) / len(rewards),
+            "trained_on_versions": sorted({g.oldest_version for g in batch}),
+            "wait_s": round(t1 - t0, 3),
+            "train_s": round(time.monotonic() - t1, 3),
+            "generated": self.generated,
+            "trained": self.buffer.trained,
+            "dropped_stale": self.buffer.dropped_stale,
+            "buffered": len(self.buffer),
+            "failed": self.failed,
+            "resumed": self.resumed,
+            "active_shards": len(self.hooks.client.active_ranks),
+            "time": time.time(),
+            **{k: round(v, 5) for k, v in stats.items()},
+        }
+        _append_jsonl(self.out / "metrics.jsonl", row)
+        log.info("%s step %d reward %.3f", self.cfg.id, row["step"], row["reward"])
+
+    def _train(self, batch: list[Group]) -> dict[str, float]:
+        self.trainer.reload()
+        self.trainer.init_group(self.store)
+        try:
+            return self.trainer.train_step(batch)
+        finally:
+            self.trainer.destroy_group()
+
+    def _save(self, path: Path) -> None:
+        self.trainer.save(
+            path,
+            {
+                "buffer": self.buffer.state_dict(),
+                "prompts_used": self.prompts_used,
+                "driver_rng": self.rng.getstate(),
+                "generated": self.generated,
+                "failed": self.failed,
+            },
+        )
+
+    async def _collect(self) -> None:
+        """Keep groups in flight while the buffer needs them (at most one step ahead)."""
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                room = 2 * self.cfg.groups_per_step * self.cfg.group_size - len(self.buffer)
+                if (
+                    self.in_flight < self.cfg.max_groups_in_flight
+                    and room > self.in_flight * self.cfg.group_size
+                ):
+                    self.in_flight += 1
+                    t = asyncio.ensure_future(self._one_group())
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
+                    continue
+                self._room.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), 1.0)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _one_group(self) -> None:
+        assert self.hooks is not None
+        prompt = self.task.prompt(self.rng)
+        self.prompts_used += 1
+        try:
+            results = await asyncio.gather(
+                *(
+                    self.hooks.router.generate(
+                        prompt, self.cfg.max_tokens, temperature=self.cfg.temperature
+                    )
+                    for _ in range(self.cfg.group_size)
+                ),
+                return_exceptions=True,
+            )
+            trajs = [r for r in results if not isinstance(r, BaseException)]
+            for r in results:
+                if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                    log.error("%s: a trajectory failed: %s", self.cfg.id, r)
+            self.failed += len(results) - len(trajs)
+            self.generated += len(trajs)
+            if len(trajs) < 2:
+                return
+            self.resumed += sum(1 for t in trajs if t.resumes)
+            group = Group(
+                prompt=prompt,
+                responses=[t.token_ids for t in trajs],
+                logprobs=[t.logprobs for t in trajs],
+                versions=[[version_int(v) for v in t.versions] for t in trajs],
+                rewards=[self.task.score(prompt, t.token_ids) for t in trajs],
+                resumes=sum(t.resumes for t in trajs),
+            )
+            self.buffer.add(group)
+            await self.hooks.report_progress(self.target, min(len(self.buffer), self.target))
+        finally:
+            self.in_flight -= 1
+            self._room.set()
+
+
+def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+def _follower(cfg: PipelineConfig, trainer: TorchTrainer, store: dist.Store) -> None:
+    """Ranks > 0: train on each step's batch when rank 0 posts it."""
+    while trainer.step < cfg.steps:
+        key = f"batch/{trainer.step}"
+        store.wait([key], __import__("datetime").timedelta(seconds=STORE_TIMEOUT_S))
+        batch = pickle.loads(store.get(key))
+        trainer.reload()
+        trainer.init_group(store)
+        try:
+            trainer.train_step(batch)
+        finally:
+            trainer.destroy_group()
+        trainer.offload()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rlix_async.grpo.pipeline")
+    ap.add_argument("--config", required=True, help="pipeline config JSON")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    args = ap.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    cfg = load_config(args.config)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    store: dist.Store | None = None
+    if world > 1:  # the torchrun agent's store outlives every per-step group
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=False,
+            timeout=__import__("datetime").timedelta(seconds=STORE_TIMEOUT_S),
+        )
+    torch.manual_seed(cfg.seed)
+    trainer = TorchTrainer(
+        TrainerConfig(lr=cfg.lr, loss=LossConfig(cfg.loss), seed=cfg.seed, model=cfg.model or None),
+        rank,
+        world,
+    )
+    ckpt_dir = Path(cfg.out) / cfg.id / "ckpt"
+    ckpt = None
+    if args.resume and (path := latest_checkpoint(ckpt_dir)) is not None:
+        ckpt = trainer.load(path)
+        print(f"{cfg.id}: resumed from {path} (step {trainer.step})", flush=True)
+    if rank != 0:
+        assert store is not None
+        _follower(cfg, trainer, store)
+        return 0
+
+    from rlix_async.aio import run
+    from rlix_async.weights.cache import WeightCache
+
+    driver = Driver(cfg, trainer, store)
+    if ckpt is not None:
+        driver.resume_from(ckpt)
+    cache = WeightCache(cfg.id)
+    try:
+        run(driver.run(cache))
+    finally:
+        cache.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

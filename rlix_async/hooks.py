@@ -1,0 +1,112 @@
+"""The four hooks a training loop calls to join a time-shared cluster.
+
+``before_training`` (take the training devices; the coordinator shrinks the
+rollout shards on them first), ``after_training`` (release them and publish
+the new weights to the shards that need them), ``report_progress`` (how much
+of the next batch is collected: the planner sizes rollout by what is left),
+``clear_progress`` (no more rollout demand). ``NoHooks`` is the default for
+a loop running alone; ``ClusterHooks`` talks to a coordinator::
+
+    hooks = await ClusterHooks.join(endpoint, "my-exp", topology)
+    traj = await hooks.router.generate(prompt_ids, max_tokens=64)
+    await hooks.report_progress(target=256, completed=n)
+    await hooks.before_training(step)
+    ...train...
+    await hooks.after_training(step, cache.promote(version))
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from rlix_async.control.client import PipelineClient
+from rlix_async.control.topology import ClusterSpec
+from rlix_async.security import ClientKeys
+from rlix_async.shards.router import Router
+from rlix_async.transport import TransportConfig
+from rlix_async.weights.cache import CacheRef
+
+TRAIN = "actor_train"
+
+
+class PipelineHooks(Protocol):
+    async def before_training(self, step: int) -> None: ...
+    async def after_training(self, step: int, weights: CacheRef | None) -> None: ...
+    async def report_progress(self, target: int, completed: int) -> None: ...
+    async def clear_progress(self) -> None: ...
+
+
+class NoHooks:
+    """Running alone: every hook is a no-op."""
+
+    async def before_training(self, step: int) -> None:
+        pass
+
+    async def after_training(self, step: int, weights: CacheRef | None) -> None:
+        pass
+
+    async def report_progress(self, target: int, completed: int) -> None:
+        pass
+
+    async def clear_progress(self) -> None:
+        pass
+
+
+class ClusterHooks:
+    def __init__(self, client: PipelineClient, router: Router, train_cluster: str = TRAIN) -> None:
+        self.client = client
+        self.router = router
+        self.train_cluster = train_cluster
+        self._holding = False
+
+    @classmethod
+    async def join(
+        cls,
+        endpoint: str,
+        pipeline_id: str,
+        topology: dict[str, ClusterSpec],
+        *,
+        keys: ClientKeys | None = None,
+        transport: TransportConfig | None = None,
+        connect_timeout_s: float = 120.0,
+    ) -> ClusterHooks:
+        """Connect, register the topology and get admitted."""
+        client = await PipelineClient.connect(
+            endpoint,
+            pipeline_id=pipeline_id,
+            keys=keys,
+            transport=transport,
+            timeout=connect_timeout_s,
+        )
+        await client.register(topology)
+        await client.admit()
+        return cls(client, Router(client, keys=keys, transport=transport))
+
+    async def before_training(self, step: int) -> None:
+        if self.train_cluster in self.client.clusters:
+            await self.client.request(self.train_cluster, "ACTOR_TRAINING")
+            self._holding = True
+
+    async def after_training(self, step: int, weights: CacheRef | None) -> None:
+        if self._holding:
+            await self.client.release(self.train_cluster)
+            self._holding = False
+        if weights is not None:
+            await self.client.publish_weights(weights)
+
+    async def report_progress(self, target: int, completed: int) -> None:
+        await self.client.report_progress(target, completed)
+
+    async def clear_progress(self) -> None:
+        await self.client.clear_progress()
+
+    async def close(self, *, unregister: bool = True) -> None:
+        await self.router.close()
+        if unregister:
+            try:
+                await self.client.unregister()
+            except Exception as exc:
+                import logging
+
+                logging.getLogger(__name__).warning("unregister failed: %s", exc)
+        await self.client.close()
