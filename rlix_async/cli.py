@@ -137,8 +137,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_shard(args: argparse.Namespace) -> int:
+    import asyncio
+
     from rlix_async.aio import run
-    from rlix_async.security import ClientKeys, ipc_endpoint
+    from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
     from rlix_async.shards.worker import ShardWorker
 
     async def main() -> None:
@@ -169,11 +171,21 @@ def _cmd_shard(args: argparse.Namespace) -> int:
             keys=keys,
             transport=_transport_config(args),  # type: ignore[arg-type]
             data_endpoint=args.data_endpoint,
+            # a tcp data plane (routers on other nodes) is authenticated like every tcp socket
+            data_keys=ServerKeys.load(args.keys)
+            if args.keys and (args.data_endpoint or "").startswith("tcp://")
+            else None,
         )
         await worker.start()
         print(f"READY {worker.data.endpoint}", flush=True)
-        await _until_signal()
+        dead = asyncio.ensure_future(worker.engine_dead.wait())
+        signalled = asyncio.ensure_future(_until_signal())
+        await asyncio.wait([dead, signalled], return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
         await worker.close()
+        if dead.done():  # exit non-zero so a launcher replaces this worker
+            raise SystemExit(3)
+        dead.cancel()
         if hasattr(engine, "shutdown"):
             engine.shutdown()
 
@@ -354,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="two GRPO pipelines time-sharing 4 CPU devices (main job)")
     p.add_argument("--out", default="rlix-demo", help="output directory")
-    p.add_argument("--steps", type=int, default=12, help="training steps per pipeline")
+    p.add_argument("--steps", type=int, default=15, help="training steps per pipeline")
     p.set_defaults(func=_cmd_demo)
     p = sub.add_parser("launch", help="coordinator, shards and torchrun pipelines from a YAML")
     p.add_argument("config", help="PIPELINES.yaml (format in rlix_async/launch.py)")

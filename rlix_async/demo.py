@@ -23,7 +23,7 @@ import msgspec
 
 from rlix_async.launch import LaunchConfig, Launcher
 
-STEPS = 12
+STEPS = 15
 
 
 def demo_config(out: str, steps: int = STEPS, engine: str = "vllm") -> LaunchConfig:
@@ -34,7 +34,7 @@ def demo_config(out: str, steps: int = STEPS, engine: str = "vllm") -> LaunchCon
         "max_tokens": 12,
         "max_trajectory_age_steps": 1,
         "max_groups_in_flight": 6,
-        "lr": 3e-3,
+        "lr": 1e-2,
     }
     raw = {
         "out": out,

@@ -49,14 +49,14 @@ from rlix_async.weights.cache import SHM_DIR, _safe
 log = logging.getLogger(__name__)
 
 
-class ShardIn(msgspec.Struct, forbid_unknown_fields=True):
+class ShardIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine: str = "vllm"  # vllm | scripted (scripted is a test double)
     kv_cache_mb: int = 64
     max_model_len: int = 256
     dtype: str = "float32"
 
 
-class ClusterShapeIn(msgspec.Struct, forbid_unknown_fields=True):
+class ClusterShapeIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nodes: int = 1
     gpus_per_node: int = 4
 
@@ -95,7 +95,8 @@ class Proc:
     _log: IO[bytes] | None = field(default=None, repr=False)
 
     def start(self, env: dict[str, str]) -> None:
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
+        # a fresh start truncates the log; a restart appends to it
+        self._log = open(self.log_path, "ab" if self.restarts else "wb")  # noqa: SIM115
         self.popen = subprocess.Popen(
             self.argv,
             stdout=self._log,
@@ -107,19 +108,22 @@ class Proc:
     def poll(self) -> int | None:
         return None if self.popen is None else self.popen.poll()
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def terminate(self) -> None:
         if self.popen is not None and self.popen.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.popen.pid, signal.SIGTERM)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM (if not already sent), wait, then SIGKILL whatever is left in its group."""
+        self.terminate()
+        if self.popen is not None:
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(10)
-        if self.popen is not None:  # anything left in its group (engine cores, ranks)
+                log.warning("%s ignored SIGTERM for %.0fs; killing it", self.name, timeout)
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
+                os.killpg(self.popen.pid, signal.SIGKILL)  # its children too (engine cores, ranks)
+            self.popen.wait(10)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -137,6 +141,7 @@ class Launcher:
         self.pipelines: dict[str, Proc] = {}
         self.exit_codes: dict[str, int] = {}
         self.env = _child_env()
+        self.max_shard_restarts = 3
 
     def _py(self, *args: str) -> list[str]:
         return [sys.executable, "-m", *args]
@@ -166,6 +171,7 @@ class Launcher:
         self.coordinator.start(self.env)
         for p in self.cfg.pipelines:
             self._start_shards(p)
+        self._wait_shards_ready()
         for p in self.cfg.pipelines:
             self.pipelines[p.id] = self._pipeline_proc(p, resume=self.resume)
             self.pipelines[p.id].start(self.env)
@@ -173,8 +179,8 @@ class Launcher:
     def _start_shards(self, p: PipelineIn) -> None:
         from rlix_async.models.tiny import save_tiny_llama
 
-        model_dir = self.out / p.id / "model"
-        if not (model_dir / "config.json").exists():
+        model_dir = Path(p.model_path) if p.model_path else self.out / p.id / "model"
+        if not p.model_path and not (model_dir / "config.json").exists():
             save_tiny_llama(model_dir, seed=p.seed, **p.model)
         infer = p.clusters.get("actor_infer")
         if infer is None:
@@ -204,6 +210,21 @@ class Launcher:
             proc = Proc(f"shard {p.id}/{rank}", argv, self.logs / f"shard-{p.id}-{rank}.log")
             proc.start(self.env)
             self.shards.append(proc)
+
+    def _wait_shards_ready(self, timeout_s: float = 900.0) -> None:
+        """Pipelines start once every shard worker is connected (engines load first)."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.shards)
+        while pending:
+            for proc in list(pending):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{proc.name} exited during startup; see {proc.log_path}")
+                if b"READY " in proc.log_path.read_bytes():
+                    pending.remove(proc)
+            if time.monotonic() > deadline:
+                names = ", ".join(p.name for p in pending)
+                raise RuntimeError(f"shard workers not ready after {timeout_s:.0f}s: {names}")
+            time.sleep(0.5)
 
     def _pipeline_proc(self, p: PipelineIn, *, resume: bool) -> Proc:
         conf = msgspec.to_builtins(p)
@@ -250,6 +271,15 @@ class Launcher:
                 "coordinator exited (%s); restarting it on its journal", self.coordinator.poll()
             )
             self.restart_coordinator()
+        for shard in self.shards:
+            code = shard.poll()
+            if code is not None and len(self.exit_codes) < len(self.pipelines):
+                if shard.restarts >= self.max_shard_restarts:
+                    raise RuntimeError(f"{shard.name} keeps failing; see {shard.log_path}")
+                log.warning("%s exited (%s); starting a new one", shard.name, code)
+                shard.stop()
+                shard.restarts += 1
+                shard.start(self.env)
         for pid, proc in self.pipelines.items():
             code = proc.poll()
             if code is not None and pid not in self.exit_codes:
@@ -269,12 +299,18 @@ class Launcher:
             self.stop()
 
     def stop(self) -> None:
+        """Pipelines first (they unregister), then shards and the coordinator, in parallel."""
         for proc in self.pipelines.values():
-            proc.stop()
-        for proc in self.shards:
-            proc.stop()
-        if self.coordinator is not None:
-            self.coordinator.stop()
+            proc.terminate()
+        deadline = time.monotonic() + 15
+        for proc in self.pipelines.values():
+            proc.stop(max(0.1, deadline - time.monotonic()))
+        rest = [*self.shards, *([self.coordinator] if self.coordinator else [])]
+        for proc in rest:
+            proc.terminate()
+        deadline = time.monotonic() + 15
+        for proc in rest:
+            proc.stop(max(0.1, deadline - time.monotonic()))
         for p in self.cfg.pipelines:
             for seg in SHM_DIR.glob(f"rlix-{_safe(p.id)}-*"):
                 with contextlib.suppress(OSError):

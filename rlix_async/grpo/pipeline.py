@@ -53,7 +53,8 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True):
     clusters: dict[str, ClusterIn]
     out: str = "rlix-out"
     coordinator: str | None = None  # endpoint; None = run alone (no cluster)
-    task: dict[str, Any] = {"name": "target_tokens"}
+    keys: str | None = None  # CURVE key directory, required for tcp:// endpoints
+    task: dict[str, Any] = msgspec.field(default_factory=lambda: {"name": "target_tokens"})
     steps: int = 10
     groups_per_step: int = 8  # prompts per training step
     group_size: int = 4  # responses per prompt
@@ -64,7 +65,8 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True):
     loss: str = "dapo"
     lr: float = 2e-3
     seed: int = 0
-    model: dict[str, int] = {}
+    model: dict[str, int] = {}  # tiny random Llama config (see rlix_async/models/tiny.py)
+    model_path: str | None = None  # or a HF checkpoint directory (trainer and shards)
     checkpoint_every: int = 1
 
     def topology(self) -> dict[str, ClusterSpec]:
@@ -124,8 +126,13 @@ class Driver:
         self.failed = ckpt.get("failed", 0)
 
     async def run(self, cache: Any) -> None:
+        from rlix_async.security import ClientKeys
+
+        keys = ClientKeys.load(self.cfg.keys) if self.cfg.keys else None
         hooks = (
-            await ClusterHooks.join(self.cfg.coordinator, self.cfg.id, self.cfg.topology())
+            await ClusterHooks.join(
+                self.cfg.coordinator, self.cfg.id, self.cfg.topology(), keys=keys
+            )
             if self.cfg.coordinator
             else None
         )
@@ -324,7 +331,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     torch.manual_seed(cfg.seed)
     trainer = TorchTrainer(
-        TrainerConfig(lr=cfg.lr, loss=LossConfig(cfg.loss), seed=cfg.seed, model=cfg.model or None),
+        TrainerConfig(
+            lr=cfg.lr,
+            loss=LossConfig(cfg.loss),
+            seed=cfg.seed,
+            model=cfg.model or None,
+            model_path=cfg.model_path,
+        ),
         rank,
         world,
     )

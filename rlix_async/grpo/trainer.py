@@ -31,6 +31,7 @@ class TrainerConfig:
     loss: LossConfig | None = None
     seed: int = 0
     model: dict[str, int] | None = None  # tiny_llama_config kwargs
+    model_path: str | None = None  # a HF checkpoint directory instead of a tiny random model
 
 
 class TorchTrainer:
@@ -45,7 +46,15 @@ class TorchTrainer:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        self.model = tiny_llama(cfg.seed, **(cfg.model or {})).to(self.device)
+        if cfg.model_path:
+            import transformers
+
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                cfg.model_path, torch_dtype=torch.float32
+            )
+        else:
+            model = tiny_llama(cfg.seed, **(cfg.model or {}))
+        self.model = model.to(self.device)
         self.optim = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )

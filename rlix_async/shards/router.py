@@ -46,12 +46,14 @@ class Router:
         transport: TransportConfig | None = None,
         attempt_timeout_s: float = 600.0,
         max_resumes: int = 1000,
+        max_errors: int = 3,
     ) -> None:
         self.pipeline = pipeline
         self.keys = keys
         self.transport = transport
         self.attempt_timeout_s = attempt_timeout_s
         self.max_resumes = max_resumes
+        self.max_errors = max_errors
         self.load: dict[int, int] = {}
         self._clients: dict[str, RpcClient] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -106,6 +108,7 @@ class Router:
         traj = Trajectory(list(prompt_ids))
         self._n += 1
         rid = f"{self._ids}-{self._n}"
+        errors = 0
         while len(traj.token_ids) < max_tokens:
             if traj.resumes > self.max_resumes:
                 raise RuntimeError(f"request {rid} cut {traj.resumes} times; giving up")
@@ -126,7 +129,14 @@ class Router:
                 )
             except RpcError as exc:
                 if exc.code != "preempted":
-                    raise
+                    # the shard's engine failed (its worker exits and is replaced):
+                    # resume elsewhere, but do not retry a bad request forever
+                    errors += 1
+                    if errors > self.max_errors:
+                        raise
+                    log.warning("shard %d failed the request (%s); resuming elsewhere", rank, exc)
+                    await self._settle()
+                    continue
                 await self._settle()
                 continue  # refused before starting: nothing decoded, try elsewhere
             except (ConnectionLost, CallTimeout, ConnectionError) as exc:

@@ -10,6 +10,8 @@ vLLM's own IPC backend uses, so in-place loading also works on the CPU build.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,10 @@ from vllm.distributed.weight_transfer.base import (
 
 from rlix_async.weights.cache import SHM_DIR, CacheRef
 from rlix_async.weights.packing import Layout
-from rlix_async.weights.sync import pull_blocking
+from rlix_async.weights.sync import SlotOverwritten, SyncError, current_slot_ref, pull_blocking
+
+logger = logging.getLogger(__name__)
+MAX_ATTEMPTS = 20
 
 
 @dataclass
@@ -71,6 +76,7 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
 
     shm_dir = SHM_DIR
     layout: Layout | None = None  # read from shared memory once per model layout
+    loaded_version: str | None = None
 
     def init_transfer_engine(self, init_info: RlixInitInfo) -> None:
         from pathlib import Path
@@ -89,8 +95,27 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
         finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: RlixUpdateInfo) -> None:
+        """Load the version, or a newer one if the owner overwrote it meanwhile.
+
+        A layerwise reload cannot be left half done (unloaded layers stay on
+        the meta device), so a torn read is retried from the consistent
+        version the slot now holds: every tensor is then loaded from it.
+        """
         ref = msgspec.convert(update_info.__dict__, CacheRef)
-        self.layout = pull_blocking(ref, _ModelSink(self.model), self.layout, shm_dir=self.shm_dir)
+        for _ in range(MAX_ATTEMPTS):
+            try:
+                self.layout = pull_blocking(
+                    ref, _ModelSink(self.model), self.layout, shm_dir=self.shm_dir
+                )
+                self.loaded_version = ref.version
+                return
+            except SlotOverwritten as exc:
+                logger.warning("%s; loading what the slot holds now", exc)
+                time.sleep(0.01)
+                ref = current_slot_ref(ref, self.shm_dir) or ref
+        raise SyncError(
+            f"no consistent version of {update_info.pipeline} after {MAX_ATTEMPTS} tries"
+        )
 
     def shutdown(self) -> None:
         from rlix_async.weights.sync import forget_mappings

@@ -102,6 +102,7 @@ class ShardWorker:
         self.syncs = 0
         self._lock = asyncio.Lock()
         self.decoded_tokens = 0  # every token the engine produced here
+        self.engine_dead = asyncio.Event()  # set when the engine can no longer serve
         self.data = RpcServer(
             data_endpoint or ipc_endpoint(f"{pipeline}-infer-{rank}"),
             keys=data_keys,
@@ -132,6 +133,17 @@ class ShardWorker:
         """Serve one request; a shrink cuts it and returns what was decoded so far."""
         if self.preempted or self.state != ShardState.ACTIVE:
             raise RpcError("preempted", f"{self.pipeline}/infer/{self.rank} is {self.state}")
+        try:
+            return await self._serve(msg)
+        except Exception as exc:
+            if type(exc).__name__ == "EngineDeadError":  # vLLM's engine core is gone
+                log.critical(
+                    "%s/infer/%d: engine dead (%s); exiting", self.pipeline, self.rank, exc
+                )
+                self.engine_dead.set()
+            raise
+
+    async def _serve(self, msg: Generate) -> GenerateResult:
         tokens: list[int] = []
         logprobs: list[float] = []
         version = self.synced_version

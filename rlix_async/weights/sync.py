@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
 import torch
 
 from rlix_async.protocol import Message, RpcError
@@ -69,6 +70,18 @@ def return_freed_buffers_to_os() -> None:
 
 class SyncError(RuntimeError):
     """The sync did not complete; the sink was aborted and kept its old weights."""
+
+
+class SlotOverwritten(SyncError):
+    """The owner rewrote the slot mid-sync (it promoted two newer versions meanwhile)."""
+
+
+def current_slot_ref(ref: CacheRef, shm_dir: Path = SHM_DIR) -> CacheRef | None:
+    """The consistent version the slot of ``ref`` holds now (None while being written)."""
+    gen, version, _ = read_header(_mapped_slot(ref.segment, shm_dir).buf)
+    if gen % 2 or not version:
+        return None
+    return msgspec.structs.replace(ref, version=version, generation=gen)
 
 
 class WeightSink(Protocol):
@@ -165,7 +178,7 @@ def sync_local(
     def check(when: str) -> None:
         gen, version, _ = read_header(seg.buf)
         if gen != ref.generation or version != ref.version:
-            raise SyncError(
+            raise SlotOverwritten(
                 f"{ref.version} was overwritten {when} the sync "
                 f"(slot now holds {version or 'a version being written'})"
             )

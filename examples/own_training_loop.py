@@ -1,0 +1,76 @@
+"""Join a time-shared cluster from your own training loop: the four hooks.
+
+Start a coordinator and shard workers first (or use `rlix-async launch`), then:
+
+    python examples/own_training_loop.py --coordinator ipc:///.../coordinator.sock
+
+Your loop keeps its own model, optimizer and data; rlix_async only decides
+when you may train (``before_training``), moves your new weights to the
+rollout shards that need them (``after_training``), and sizes your rollout by
+what your next batch still needs (``report_progress``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+
+from rlix_async.control.topology import ClusterSpec
+from rlix_async.grpo.buffer import Group
+from rlix_async.grpo.tasks import target_tokens
+from rlix_async.grpo.trainer import TorchTrainer, TrainerConfig
+from rlix_async.hooks import ClusterHooks
+from rlix_async.weights.cache import WeightCache
+
+PROMPTS, SAMPLES = 4, 4
+
+
+async def main(endpoint: str, steps: int) -> None:
+    topology = {
+        "actor_train": ClusterSpec(tp=1, devices=(0,)),
+        "actor_infer": ClusterSpec(tp=1, devices=(0, 1)),
+    }
+    hooks = await ClusterHooks.join(endpoint, "my-experiment", topology)
+    trainer = TorchTrainer(TrainerConfig(lr=1e-2))  # or your own model + optimizer
+    task = target_tokens()
+    cache = WeightCache("my-experiment")
+    rng = random.Random(0)
+    try:
+        cache.build("s0", trainer.weights_for_cache())
+        await hooks.after_training(0, cache.promote("s0"))  # shards start from s0
+        for step in range(1, steps + 1):
+            groups = []
+            for i in range(PROMPTS):  # rollout: the router picks an awake shard
+                prompt = task.prompt(rng)
+                trajs = await asyncio.gather(
+                    *(hooks.router.generate(prompt, max_tokens=8) for _ in range(SAMPLES))
+                )
+                groups.append(
+                    Group(
+                        prompt,
+                        [t.token_ids for t in trajs],
+                        [t.logprobs for t in trajs],
+                        [[step - 1] * len(t.token_ids) for t in trajs],
+                        [task.score(prompt, t.token_ids) for t in trajs],
+                    )
+                )
+                await hooks.report_progress(PROMPTS, i + 1)
+            await hooks.before_training(step)  # waits for the training devices
+            stats = trainer.train_step(groups)
+            cache.build(f"s{step}", trainer.weights_for_cache())
+            await hooks.after_training(step, cache.promote(f"s{step}"))  # release + publish
+            reward = sum(r for g in groups for r in g.rewards) / (PROMPTS * SAMPLES)
+            print(f"step {step}: reward {reward:.3f} loss {stats['loss']:.4f}")
+        await hooks.clear_progress()
+    finally:
+        await hooks.close()
+        cache.close()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--coordinator", required=True)
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    asyncio.run(main(args.coordinator, args.steps))
