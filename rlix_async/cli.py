@@ -262,7 +262,14 @@ def _cmd_bench_preempt(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from rlix_async.demo import format_summary, run_demo
 
-    summary = run_demo(args.out, steps=args.steps)
+    try:
+        summary = run_demo(args.out, steps=args.steps)
+    except KeyboardInterrupt:
+        print("stopped (every process and shared-memory segment cleaned up)", file=sys.stderr)
+        return 130
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(format_summary(summary))
     print(f"wrote {args.out}/summary.json, journal.jsonl, timeline.png, reward.png")
     return 0 if summary["lost_trajectories"] == 0 else 1

@@ -3,7 +3,9 @@
 Starts the coordinator (journal under ``out``), one shard worker process per
 rollout rank of every pipeline (vLLM), then each pipeline's torchrun job. It
 supervises them: a coordinator that dies is restarted on the same journal (the
-pipelines and shards reconnect), a failed pipeline stops the run. Ctrl-C,
+pipelines and shards reconnect), a pipeline that dies is restarted with
+``--resume`` from its newest checkpoint (twice at most, then the run stops),
+a shard worker whose engine died is replaced. Ctrl-C,
 SIGTERM or a failure stops every process group (no orphans: vLLM's engine
 cores and torchrun's ranks go with their parents) and removes the pipelines'
 shared-memory segments.
@@ -142,6 +144,7 @@ class Launcher:
         self.exit_codes: dict[str, int] = {}
         self.env = _child_env()
         self.max_shard_restarts = 3
+        self.max_pipeline_restarts = 2  # each resumes from its newest checkpoint
 
     def _py(self, *args: str) -> list[str]:
         return [sys.executable, "-m", *args]
@@ -280,17 +283,40 @@ class Launcher:
                 shard.stop()
                 shard.restarts += 1
                 shard.start(self.env)
-        for pid, proc in self.pipelines.items():
+        for pid, proc in list(self.pipelines.items()):
             code = proc.poll()
-            if code is not None and pid not in self.exit_codes:
+            if code is None or pid in self.exit_codes:
+                continue
+            if code == 0:
                 self.exit_codes[pid] = code
-                if code != 0:
-                    raise RuntimeError(f"pipeline {pid} failed (exit {code}); see {proc.log_path}")
+            elif proc.restarts < self.max_pipeline_restarts:
+                log.warning(
+                    "pipeline %s died (exit %s); resuming it from its checkpoint", pid, code
+                )
+                self.restart_pipeline(pid)
+            else:
+                self.exit_codes[pid] = code
+                raise RuntimeError(f"pipeline {pid} failed (exit {code}); see {proc.log_path}")
         return len(self.exit_codes) < len(self.pipelines)
 
     def run(self, poll_s: float = 0.5, on_poll: Any = None) -> None:
-        self.start()
+        """Start and supervise until every pipeline finished; always stops everything.
+
+        SIGTERM is turned into KeyboardInterrupt so the cleanup runs for it too.
+        """
+
+        def _terminated(signum: int, frame: Any) -> None:
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        previous = signal.signal(signal.SIGTERM, _terminated)
         try:
+            self._run(poll_s, on_poll)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _run(self, poll_s: float, on_poll: Any) -> None:
+        try:
+            self.start()
             while self.step():
                 if on_poll is not None:
                     on_poll(self)

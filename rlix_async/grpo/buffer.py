@@ -58,6 +58,14 @@ class ReplayBuffer:
         self.dropped_stale += dropped
         return dropped
 
+    def fresh(self, version: int) -> int:
+        """Trajectories a trainer at ``version`` may still use."""
+        return sum(
+            len(g.responses)
+            for g in self.groups
+            if version - g.oldest_version <= self.max_age_steps
+        )
+
     def ready(self, version: int, groups: int) -> bool:
         return sum(version - g.oldest_version <= self.max_age_steps for g in self.groups) >= groups
 

@@ -167,7 +167,10 @@ class Driver:
             if collector.done():
                 collector.result()  # raises what killed it
                 raise RuntimeError("collector stopped")
-            self.buffer.drop_stale(version)
+            if self.buffer.drop_stale(version):
+                # what was collected is stale: the planner must see the demand again
+                await self._report()
+                self._room.set()
             await asyncio.sleep(0.05)
         batch = self.buffer.take(version, self.cfg.groups_per_step)
         self._room.set()
@@ -185,11 +188,14 @@ class Driver:
         ) == 0 or self.trainer.step == self.cfg.steps:
             ckpt_path = self.out / "ckpt" / f"step_{self.trainer.step}.pt"
             await asyncio.to_thread(self._save, ckpt_path)
-        v = version_str(self.trainer.step)
-        await asyncio.to_thread(cache.build, v, self.trainer.weights_for_cache())
         self.trainer.offload()
-        await self.hooks.after_training(self.trainer.step, cache.promote(v))
-        await self.hooks.report_progress(self.target, min(len(self.buffer), self.target))
+        if self.trainer.step < self.cfg.steps:
+            v = version_str(self.trainer.step)
+            await asyncio.to_thread(cache.build, v, self.trainer.weights_for_cache())
+            await self.hooks.after_training(self.trainer.step, cache.promote(v))
+        else:  # the last step: no rollout will use these weights (the checkpoint has them)
+            await self.hooks.after_training(self.trainer.step, None)
+        await self._report()
         row = {
             "step": self.trainer.step,
             "reward": sum(rewards) / len(rewards),
@@ -208,6 +214,12 @@ class Driver:
         }
         _append_jsonl(self.out / "metrics.jsonl", row)
         log.info("%s step %d reward %.3f", self.cfg.id, row["step"], row["reward"])
+
+    async def _report(self) -> None:
+        """Progress toward the next batch: fresh trajectories only (stale ones get dropped)."""
+        assert self.hooks is not None
+        done = min(self.buffer.fresh(self.trainer.step), self.target)
+        await self.hooks.report_progress(self.target, done)
 
     def _train(self, batch: list[Group]) -> dict[str, float]:
         self.trainer.reload()
@@ -234,7 +246,7 @@ class Driver:
         tasks: set[asyncio.Task[None]] = set()
         try:
             while True:
-                room = 2 * self.cfg.groups_per_step * self.cfg.group_size - len(self.buffer)
+                room = 2 * self.target - self.buffer.fresh(self.trainer.step)
                 if (
                     self.in_flight < self.cfg.max_groups_in_flight
                     and room > self.in_flight * self.cfg.group_size
@@ -283,7 +295,7 @@ class Driver:
                 resumes=sum(t.resumes for t in trajs),
             )
             self.buffer.add(group)
-            await self.hooks.report_progress(self.target, min(len(self.buffer), self.target))
+            await self._report()
         finally:
             self.in_flight -= 1
             self._room.set()

@@ -22,7 +22,8 @@ from typing import Any
 import msgspec
 
 from rlix_async.shards.vllm_plugin import BACKEND
-from rlix_async.weights.cache import CacheRef
+from rlix_async.weights.cache import SHM_DIR, CacheRef
+from rlix_async.weights.sync import SyncError
 
 
 @dataclass
@@ -153,6 +154,10 @@ class VllmEngine:
             WeightTransferUpdateRequest,
         )
 
+        # Refuse before vLLM starts a layerwise reload: one begun and never fed
+        # leaves the model's layers on the meta device (the engine dies).
+        if not ref.server and not (SHM_DIR / ref.segment).exists():
+            raise SyncError(f"{ref.version}: the owner's cache is gone (pipeline finished?)")
         if not self._transfer_ready:
             await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
             self._transfer_ready = True
