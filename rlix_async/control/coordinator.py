@@ -151,9 +151,21 @@ class Coordinator:
         return m.PipelineIdReply(pipeline_id=self.registry.allocate_id(msg.kind))
 
     def _register(self, msg: m.RegisterPipeline, ctx: CallContext) -> Ok:
+        old = self.registry.pipelines.get(msg.pipeline_id)
+        restarted = old is not None and old.registered
         p = self.registry.register(msg.pipeline_id, dict(msg.clusters))
         p.connected, p.lost_at = True, None
         self.journal.write("register", pipeline=p.id, clusters=msgspec.to_builtins(p.clusters))
+        if restarted:
+            # A new driver process for a known pipeline (it was restarted, e.g. with
+            # --resume): it holds no stage and waits for nothing the old one asked;
+            # its awake rollout shards carry on, and it must hear which they are.
+            for cluster in list(p.held):
+                del p.held[cluster]
+                self.journal.write("release", pipeline=p.id, cluster=cluster)
+            p.requests.clear()
+            self.tasks.spawn(self._notify_ranks(p.id), "ranks")
+            self.kick()
         return Ok()
 
     def _admit(self, msg: m.AdmitPipeline, ctx: CallContext) -> Ok:

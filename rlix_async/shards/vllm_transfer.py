@@ -3,9 +3,10 @@
 It runs inside vLLM's worker process. The update info is a
 :class:`~rlix_async.weights.cache.CacheRef`: the worker maps the owner's
 shared-memory slot (once; later syncs reuse the mapping), and feeds the model
-bucket by bucket through ``model.load_weights`` inside vLLM's layerwise reload
+its tensors through ``model.load_weights`` inside vLLM's layerwise reload
 (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``), the same path
 vLLM's own IPC backend uses, so in-place loading also works on the CPU build.
+Each version is staged in private memory first (see ``receive_weights``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import torch
@@ -49,24 +49,23 @@ class RlixUpdateInfo(WeightTransferUpdateInfo):
     server: str = ""
 
 
-class _ModelSink:
-    """Hands each bucket's tensors to vLLM's weight loader."""
+class _StagingSink:
+    """Private copies of a version's tensors (the slot may be rewritten under us)."""
 
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.version: str | None = None
+    def __init__(self) -> None:
+        self.named: list[tuple[str, torch.Tensor]] = []
 
     def start(self, version: str, layout: Layout) -> None:
-        pass
+        self.named = []
 
     def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        self.model.load_weights(named)
+        self.named.extend((name, t.clone()) for name, t in named)
 
     def finish(self, version: str) -> None:
-        self.version = version
+        pass
 
     def abort(self) -> None:
-        pass
+        self.named = []
 
 
 class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
@@ -95,24 +94,28 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
         finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: RlixUpdateInfo) -> None:
-        """Load the version, or a newer one if the owner overwrote it meanwhile.
+        """Stage a consistent copy of the version, then load every tensor exactly once.
 
-        A layerwise reload cannot be left half done (unloaded layers stay on
-        the meta device), so a torn read is retried from the consistent
-        version the slot now holds: every tensor is then loaded from it.
+        vLLM's layerwise reload takes each weight once per session (a layer is
+        finalized when its last weight arrives), so a torn read must never
+        reach the model: the version is first copied out of the owner's slot
+        (the seqlock proves the copy consistent) and, if the owner overwrote
+        the slot meanwhile, the copy is retried from the newer version the
+        slot holds. Costs one transient host copy of the weights.
         """
         ref = msgspec.convert(update_info.__dict__, CacheRef)
         for _ in range(MAX_ATTEMPTS):
+            staged = _StagingSink()
             try:
-                self.layout = pull_blocking(
-                    ref, _ModelSink(self.model), self.layout, shm_dir=self.shm_dir
-                )
-                self.loaded_version = ref.version
-                return
+                self.layout = pull_blocking(ref, staged, self.layout, shm_dir=self.shm_dir)
             except SlotOverwritten as exc:
-                logger.warning("%s; loading what the slot holds now", exc)
+                logger.warning("%s; copying what the slot holds now", exc)
                 time.sleep(0.01)
                 ref = current_slot_ref(ref, self.shm_dir) or ref
+                continue
+            self.model.load_weights(staged.named)
+            self.loaded_version = ref.version
+            return
         raise SyncError(
             f"no consistent version of {update_info.pipeline} after {MAX_ATTEMPTS} tries"
         )
