@@ -243,7 +243,8 @@ def _cmd_bench_weights(args: argparse.Namespace) -> int:
 def _cmd_bench_preempt(args: argparse.Namespace) -> int:
     import os
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs to stdout: keep it JSON
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays JSON
     from rlix_async.aio import run
     from rlix_async.bench.preempt import format_preempt_result, run_preempt_bench
 
