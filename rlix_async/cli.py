@@ -293,6 +293,37 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from rlix_async.sim.engine import simulate
+    from rlix_async.sim.scenario import ScenarioError, load_scenario
+
+    try:
+        sc = load_scenario(args.scenario)
+    except ScenarioError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    policies = ["exclusive", "timeshare"] if args.policy == "all" else [args.policy]
+    out = {
+        pol: simulate(sc, pol, seed=args.seed, journal=args.journal if pol == "timeshare" else None)
+        for pol in policies
+    }
+    if args.json:
+        print(json.dumps({"policies": out}, indent=2))
+        return 0
+    for pol, r in out.items():
+        print(
+            f"{pol:10s} {r['steps_per_hour_per_gpu']:.3f} steps/h/GPU on {r['devices']} devices, "
+            f"makespan {r['makespan_s']:.0f} s, utilization {r['gpu_utilization']:.2f}, "
+            f"preemptions {r['preemptions']}, switching {r['wasted_gpu_s']:.0f} GPU-s"
+        )
+    if len(out) == 2 and out["exclusive"]["steps_per_hour_per_gpu"]:
+        gain = (
+            out["timeshare"]["steps_per_hour_per_gpu"] / out["exclusive"]["steps_per_hour_per_gpu"]
+        )
+        print(f"timeshare / exclusive: {gain:.2f}x")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlix-async",
@@ -380,6 +411,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="PIPELINES.yaml (format in rlix_async/launch.py)")
     p.add_argument("--resume", action="store_true", help="pipelines continue from checkpoints")
     p.set_defaults(func=_cmd_launch)
+
+    p = sub.add_parser("simulate", help="discrete-event simulation of a scenario (real planner)")
+    p.add_argument("scenario", help="SCENARIO.yaml (see scenarios/)")
+    p.add_argument("--policy", choices=["exclusive", "timeshare", "all"], default="all")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--journal", help="write the timeshare run's journal (rlix-async timeline)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_simulate)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)

@@ -1,0 +1,393 @@
+"""Discrete-event simulator driving the coordinator's own scheduling core.
+
+State lives in the coordinator's :class:`Registry`; every scheduling decision
+is the real :func:`rlix_async.control.planner.plan` on ``registry.snapshot``,
+checked by ``check_plan`` and recorded with ``registry.apply`` — the same path
+as the coordinator, with simulated time and simulated effects:
+
+- shrink: the shard's in-flight trajectories move to the pipeline's queue
+  with their remaining work plus ``reprefill_s`` (the router resumes cut
+  rollouts elsewhere); its devices are free after ``sleep_s``.
+- expand: the shard serves after the devices are free + ``wake_s`` + sync.
+- grant: training starts once the devices are free; it lasts the sum of the
+  pipeline's ``stages``. After it, awake shards pause for the weight sync.
+- A pipeline generates up to ``max_staleness`` batches ahead of training and
+  reports progress as the coordinator's client does (coarse buckets), which
+  is what the planner sizes its rollout share by.
+
+The planner runs on changes, debounced to ``plan_interval_s`` of simulated
+time (the coordinator debounces the same way, on its event loop).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlix_async.control import planner
+from rlix_async.control.registry import Registry
+from rlix_async.control.topology import INFER, Priority
+from rlix_async.sim.scenario import PipelineDecl, Scenario
+
+TRAIN = "actor_train"
+PROGRESS_BUCKETS = 20  # progress changes smaller than 5% do not wake the planner
+
+
+@dataclass
+class _Pipe:
+    decl: PipelineDecl
+    step: int = 0
+    produced: int = 0
+    training: bool = False
+    requested: bool = False
+    done: bool = False
+    ready: set[int] = field(default_factory=set)  # serving shards
+    slots: dict[int, int] = field(default_factory=dict)  # rank -> running trajectories
+    inflight: dict[int, tuple[int, float, int]] = field(
+        default_factory=dict
+    )  # tid -> (rank, end, token)
+    pending: deque[float] = field(default_factory=deque)  # remaining work of cut trajectories
+    epoch: dict[int, int] = field(default_factory=dict)  # rank -> wake generation
+    step_ends: list[float] = field(default_factory=list)
+    bucket: int = -1
+
+    @property
+    def target(self) -> int:
+        return self.decl.step_target
+
+    def consumed(self) -> int:
+        return self.target * (self.step + int(self.training))
+
+    def limit(self) -> int:
+        return self.target * (self.step + 1 + self.decl.max_staleness)
+
+
+class Simulation:
+    def __init__(
+        self,
+        scenario: Scenario,
+        pipelines: list[PipelineDecl] | None = None,
+        *,
+        seed: int = 0,
+        plan_interval_s: float | None = None,
+    ) -> None:
+        self.sc = scenario
+        self.registry = Registry(scenario.shape)
+        self.rng = random.Random(seed)
+        self.plan_interval_s = (
+            scenario.plan_interval_s if plan_interval_s is None else plan_interval_s
+        )
+        self.now = 0.0
+        self._events: list[tuple[float, int, str, tuple[Any, ...]]] = []
+        self._seq = itertools.count()
+        self._tids = itertools.count()
+        self._plan_pending = False
+        self.pipes = {p.id: _Pipe(p) for p in (pipelines or scenario.pipelines)}
+        self.free_at: dict[int, float] = {}  # device -> when its shrinking shard is asleep
+        self.journal: list[dict[str, Any]] = []
+        self.busy_device_s = 0.0
+        self.switch_device_s = 0.0
+        self.preemptions = 0
+        self.plans = 0
+        self._last_t = 0.0
+        for p in self.pipes.values():
+            self._push(p.decl.start_s, "start", p.decl.id)
+
+    # --- event loop ----------------------------------------------------------------------
+
+    def _push(self, t: float, kind: str, *data: Any) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, data))
+
+    def run(self, max_events: int = 50_000_000) -> dict[str, Any]:
+        handlers = {
+            "start": self._start,
+            "ready": self._ready,
+            "done": self._done,
+            "granted": self._granted,
+            "trained": self._trained,
+            "plan": self._plan,
+        }
+        for _ in range(max_events):
+            if not self._events:
+                break
+            t, _, kind, data = heapq.heappop(self._events)
+            self._account(t)
+            self.now = t
+            handlers[kind](*data)
+        else:
+            raise RuntimeError(f"simulation did not finish within {max_events} events")
+        unfinished = [p.decl.id for p in self.pipes.values() if not p.done]
+        if unfinished:
+            raise RuntimeError(f"simulation stalled with unfinished pipelines {unfinished}")
+        return self.report()
+
+    def _account(self, t: float) -> None:
+        dt = t - self._last_t
+        if dt > 0:
+            busy = 0
+            for p in self.pipes.values():
+                tp = p.decl.clusters["actor_infer"].tp
+                busy += tp * sum(1 for r in p.ready if p.slots.get(r, 0))
+                if p.training:
+                    busy += len(p.decl.clusters[TRAIN].devices)
+            self.busy_device_s += busy * dt
+        self._last_t = t
+
+    def _dirty(self) -> None:
+        if not self._plan_pending:
+            self._plan_pending = True
+            self._push(self.now + self.plan_interval_s, "plan")
+
+    # --- pipeline behaviour ---------------------------------------------------------------
+
+    def _start(self, pid: str) -> None:
+        p = self.pipes[pid]
+        self.registry.register(pid, p.decl.topology())
+        self.registry.admit(pid)
+        self._progress(p, force=True)
+        self._dirty()
+
+    def _progress(self, p: _Pipe, force: bool = False) -> None:
+        completed = min(max(p.produced - p.consumed(), 0), p.target)
+        if (
+            p.produced + len(p.inflight) + len(p.pending) >= p.limit()
+            and not p.inflight
+            and not p.pending
+        ):
+            completed = p.target  # nothing left to generate until training moves on
+        self.registry.report_progress(p.decl.id, "default", p.target, completed)
+        bucket = completed * PROGRESS_BUCKETS // p.target
+        if force or bucket != p.bucket:
+            p.bucket = bucket
+            self._dirty()
+
+    def _fill(self, p: _Pipe) -> None:
+        for rank in sorted(p.ready):
+            while p.slots.get(rank, 0) < p.decl.slots_per_shard:
+                if p.pending:
+                    work = p.pending.popleft()
+                elif p.produced + len(p.inflight) + len(p.pending) < p.limit():
+                    work = p.decl.rollout.sample(self.rng)
+                else:
+                    return
+                tid = next(self._tids)
+                p.inflight[tid] = (rank, self.now + work, 0)
+                p.slots[rank] = p.slots.get(rank, 0) + 1
+                self._push(self.now + work, "done", p.decl.id, tid, 0)
+
+    def _done(self, pid: str, tid: int, token: int) -> None:
+        p = self.pipes[pid]
+        entry = p.inflight.get(tid)
+        if entry is None or entry[2] != token or p.done:
+            return  # cut by a shrink, or delayed by a sync (a newer event stands)
+        del p.inflight[tid]
+        p.slots[entry[0]] -= 1
+        p.produced += 1
+        self._maybe_train(p)
+        self._progress(p)
+        self._fill(p)
+
+    def _maybe_train(self, p: _Pipe) -> None:
+        if not p.training and not p.requested and p.produced - p.consumed() >= p.target:
+            self.registry.request(p.decl.id, TRAIN, Priority.ACTOR_TRAINING, p.target, self.now)
+            p.requested = True
+            self._dirty()
+
+    def _granted(self, pid: str) -> None:
+        p = self.pipes[pid]
+        p.requested, p.training = False, True
+        self._progress(p)
+        self._push(self.now + p.decl.train_s, "trained", pid)
+
+    def _trained(self, pid: str) -> None:
+        p = self.pipes[pid]
+        self.registry.release(pid, TRAIN)
+        self._journal("release", pipeline=pid, cluster=TRAIN)
+        p.training = False
+        p.step += 1
+        p.step_ends.append(self.now)
+        if p.step >= p.decl.steps:
+            self._finish(p)
+        else:
+            self._sync_awake(p)
+            self._maybe_train(p)
+            self._progress(p, force=True)
+            self._fill(p)
+        self._dirty()
+
+    def _sync_awake(self, p: _Pipe) -> None:
+        """Awake shards pause for the new weights: their trajectories end later."""
+        sync_s = self.sc.switch.sync_s
+        if sync_s <= 0:
+            return
+        tp = p.decl.clusters["actor_infer"].tp
+        self.switch_device_s += sync_s * tp * len(p.ready)
+        for tid, (rank, end, token) in list(p.inflight.items()):
+            p.inflight[tid] = (rank, end + sync_s, token + 1)
+            self._push(end + sync_s, "done", p.decl.id, tid, token + 1)
+
+    def _finish(self, p: _Pipe) -> None:
+        p.done = True
+        p.inflight.clear()
+        p.pending.clear()
+        p.ready.clear()
+        state = self.registry.remove(p.decl.id)
+        if state is not None and state.active:
+            spec = p.decl.topology()[INFER]
+            self._journal(
+                "shrink",
+                pipeline=p.decl.id,
+                cluster=INFER,
+                ranks=sorted(state.active),
+                devices=sorted(d for r in state.active for d in spec.bundle(r)),
+            )
+
+    def _ready(self, pid: str, rank: int, epoch: int) -> None:
+        p = self.pipes[pid]
+        state = self.registry.pipelines.get(pid)
+        if p.done or state is None or rank not in state.active or p.epoch.get(rank) != epoch:
+            return  # shrunk again before it finished waking
+        p.ready.add(rank)
+        self._fill(p)
+
+    # --- the coordinator's scheduling path -------------------------------------------------
+
+    def _plan(self) -> None:
+        self._plan_pending = False
+        snap = self.registry.snapshot(self.now)
+        result = planner.plan(snap)
+        self.plans += 1
+        errors = planner.check_plan(snap, result)
+        if errors:
+            raise RuntimeError(f"planner produced an invalid plan at t={self.now}: {errors}")
+        if not (result.shrink or result.grants or result.expand):
+            return
+        self.registry.apply(result)
+        sw = self.sc.switch
+        for ch in result.shrink:
+            p = self.pipes[ch.pipeline]
+            spec = p.decl.topology()[INFER]
+            for rank in ch.ranks:
+                self.preemptions += 1
+                p.ready.discard(rank)
+                p.epoch[rank] = p.epoch.get(rank, 0) + 1
+                for tid, (r, end, _) in list(p.inflight.items()):
+                    if r == rank:  # resumed elsewhere from where it was
+                        del p.inflight[tid]
+                        p.pending.appendleft(max(end - self.now, 0.0) + p.decl.reprefill_s)
+                        self.switch_device_s += p.decl.reprefill_s * spec.tp
+                p.slots[rank] = 0
+                for d in spec.bundle(rank):
+                    self.free_at[d] = self.now + sw.sleep_s
+                self.switch_device_s += sw.sleep_s * spec.tp
+            self._journal_change("shrink", ch)
+        for g in result.grants:
+            t = max([self.now, *(self.free_at.get(d, 0.0) for d in g.devices)])
+            self._journal(
+                "grant",
+                pipeline=g.pipeline,
+                cluster=g.cluster,
+                priority=g.priority,
+                devices=g.devices,
+            )
+            self._push(t, "granted", g.pipeline)
+        for ch in result.expand:
+            p = self.pipes[ch.pipeline]
+            spec = p.decl.topology()[INFER]
+            for rank in ch.ranks:
+                free = max([self.now, *(self.free_at.get(d, 0.0) for d in spec.bundle(rank))])
+                p.epoch[rank] = p.epoch.get(rank, 0) + 1
+                self.switch_device_s += (sw.wake_s + sw.sync_s) * spec.tp
+                self._push(free + sw.wake_s + sw.sync_s, "ready", ch.pipeline, rank, p.epoch[rank])
+            self._journal_change("expand", ch)
+        for p in self.pipes.values():  # shrunk shards' trajectories continue on the others
+            if p.pending:
+                self._fill(p)
+
+    def _journal_change(self, ev: str, ch: Any) -> None:
+        spec = self.pipes[ch.pipeline].decl.topology()[INFER]
+        self._journal(
+            ev,
+            pipeline=ch.pipeline,
+            cluster=ch.cluster,
+            ranks=ch.ranks,
+            devices=sorted(d for r in ch.ranks for d in spec.bundle(r)),
+        )
+
+    def _journal(self, ev: str, **fields: Any) -> None:
+        self.journal.append({"t": round(self.now, 3), "ev": ev, **fields})
+
+    def write_journal(self, path: str | Path) -> None:
+        with open(path, "w") as fh:
+            for rec in self.journal:
+                fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+    # --- results -------------------------------------------------------------------------
+
+    def devices_used(self) -> set[int]:
+        return {d for p in self.pipes.values() for d in p.decl.devices()}
+
+    def report(self) -> dict[str, Any]:
+        makespan = max((p.step_ends[-1] for p in self.pipes.values() if p.step_ends), default=0.0)
+        mean_step = {}
+        for p in self.pipes.values():
+            starts = [p.decl.start_s, *p.step_ends[:-1]]
+            steps = [e - s for s, e in zip(starts, p.step_ends, strict=True)]
+            mean_step[p.decl.id] = round(sum(steps) / len(steps), 1) if steps else None
+        n = len(self.devices_used())
+        steps_total = sum(p.step for p in self.pipes.values())
+        return {
+            "steps": steps_total,
+            "devices": n,
+            "makespan_s": round(makespan, 1),
+            "steps_per_hour_per_gpu": steps_total / (makespan / 3600) / n if makespan else 0.0,
+            "gpu_utilization": self.busy_device_s / (n * makespan) if makespan else 0.0,
+            "mean_step_s": mean_step,
+            "preemptions": self.preemptions,
+            "wasted_gpu_s": round(self.switch_device_s, 1),
+            "plans": self.plans,
+        }
+
+
+def simulate(
+    scenario: Scenario,
+    policy: str = "timeshare",
+    *,
+    seed: int = 0,
+    journal: str | Path | None = None,
+    plan_interval_s: float | None = None,
+) -> dict[str, Any]:
+    """One policy's results. ``exclusive``: each pipeline alone on its own devices."""
+    if policy == "timeshare":
+        sim = Simulation(scenario, seed=seed, plan_interval_s=plan_interval_s)
+        out = sim.run()
+        if journal is not None:
+            sim.write_journal(journal)
+        return out
+    if policy != "exclusive":
+        raise ValueError(f"unknown policy {policy!r}: exclusive, timeshare or all")
+    runs = []
+    for i, p in enumerate(scenario.pipelines):
+        sim = Simulation(scenario, [p], seed=seed + i, plan_interval_s=plan_interval_s)
+        runs.append(sim.run())
+    makespan = max(r["makespan_s"] for r in runs)
+    devices = sum(r["devices"] for r in runs)
+    steps = sum(r["steps"] for r in runs)
+    return {
+        "steps": steps,
+        "devices": devices,
+        "makespan_s": makespan,
+        "steps_per_hour_per_gpu": steps / (makespan / 3600) / devices if makespan else 0.0,
+        "gpu_utilization": sum(r["gpu_utilization"] * r["devices"] * r["makespan_s"] for r in runs)
+        / (devices * makespan),
+        "mean_step_s": {k: v for r in runs for k, v in r["mean_step_s"].items()},
+        "preemptions": sum(r["preemptions"] for r in runs),
+        "wasted_gpu_s": round(sum(r["wasted_gpu_s"] for r in runs), 1),
+        "plans": sum(r["plans"] for r in runs),
+    }

@@ -1,0 +1,146 @@
+"""The simulator against hand-computed cases, on the coordinator's own planner."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlix_async.sim.engine import Simulation, simulate
+from rlix_async.sim.scenario import ScenarioError, load_scenario
+
+SOLO = """
+cluster: {{nodes: 1, gpus_per_node: 2}}
+pipelines:
+  - id: solo
+    steps: 3
+    step_target: 4
+    max_staleness: {staleness}
+    slots_per_shard: 4
+    rollout: {{dist: fixed, median_s: 10}}
+    stages: {{ACTOR_TRAINING: 5}}
+    clusters:
+      actor_train: {{tp: 1, devices: [1]}}
+      actor_infer: {{tp: 1, devices: [0]}}
+"""
+
+
+def _scenario(tmp_path: Path, text: str):  # type: ignore[no-untyped-def]
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    return load_scenario(path)
+
+
+def test_on_policy_step_is_rollout_plus_training(tmp_path: Path) -> None:
+    # 4 trajectories of 10 s on 4 slots, then 5 s of training, three times: 45 s.
+    r = simulate(_scenario(tmp_path, SOLO.format(staleness=0)), plan_interval_s=0.0)
+    assert r["makespan_s"] == 45.0
+    assert r["mean_step_s"] == {"solo": 15.0}
+    assert r["preemptions"] == 0
+
+
+def test_one_step_of_staleness_overlaps_rollout_with_training(tmp_path: Path) -> None:
+    # batch 1 at 10 s, trained 10-15; batch 2 rolls out 10-20, trained 20-25; ... 35 s.
+    r = simulate(_scenario(tmp_path, SOLO.format(staleness=1)), plan_interval_s=0.0)
+    assert r["makespan_s"] == 35.0
+    assert r["mean_step_s"] == {"solo": pytest.approx(35 / 3, abs=0.1)}
+
+
+def test_it_drives_the_coordinators_planner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlix_async.control import planner
+
+    calls = []
+    real = planner.plan
+
+    def spy(snap):  # type: ignore[no-untyped-def]
+        calls.append(snap)
+        return real(snap)
+
+    monkeypatch.setattr(planner, "plan", spy)
+    sim = Simulation(_scenario(tmp_path, SOLO.format(staleness=0)), plan_interval_s=0.0)
+    sim.run()
+    assert calls and len(calls) == sim.plans
+    assert type(sim.registry).__module__ == "rlix_async.control.registry"
+
+
+def test_unknown_and_invalid_keys_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ScenarioError, match="swtich"):
+        _scenario(tmp_path, SOLO.format(staleness=0) + "swtich: {sleep_s: 1}\n")
+    with pytest.raises(ScenarioError, match=r"out of range|device"):
+        _scenario(tmp_path, SOLO.format(staleness=0).replace("devices: [1]", "devices: [9]"))
+
+
+def test_shrunk_trajectories_resume_with_reprefill_cost(tmp_path: Path) -> None:
+    """Training on the rollout device cuts the in-flight rollout, which continues later."""
+    text = SOLO.format(staleness=1).replace("devices: [1]}", "devices: [0]}")
+    text = text.replace("gpus_per_node: 2", "gpus_per_node: 1").replace(
+        "slots_per_shard: 4", "slots_per_shard: 4\n    reprefill_s: 1"
+    )
+    r = simulate(_scenario(tmp_path, text), plan_interval_s=0.0)
+    assert r["preemptions"] >= 2 and r["steps"] == 3
+    assert r["wasted_gpu_s"] > 0
+
+
+def test_agentic_longtail_timeshare_beats_exclusive_per_gpu() -> None:
+    sc = load_scenario(Path(__file__).parents[1] / "scenarios" / "agentic_longtail.yaml")
+    ex = simulate(sc, "exclusive", seed=0)
+    ts = simulate(sc, "timeshare", seed=0)
+    assert ex["devices"] == 32 and ts["devices"] == 8
+    assert ts["steps_per_hour_per_gpu"] >= 3.0 * ex["steps_per_hour_per_gpu"]
+
+
+def test_cli_json_shape_and_journal_for_timeline(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(SOLO.format(staleness=0))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlix_async.cli",
+            "simulate",
+            str(path),
+            "--json",
+            "--journal",
+            str(tmp_path / "j.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    data = json.loads(out.stdout)
+    assert set(data["policies"]) == {"exclusive", "timeshare"}
+    for r in data["policies"].values():
+        assert {
+            "steps_per_hour_per_gpu",
+            "makespan_s",
+            "gpu_utilization",
+            "mean_step_s",
+            "preemptions",
+            "wasted_gpu_s",
+        } <= set(r)
+    png = tmp_path / "t.png"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlix_async.cli",
+            "timeline",
+            str(tmp_path / "j.jsonl"),
+            "-o",
+            str(png),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    assert png.stat().st_size > 0
+    bad = subprocess.run(
+        [sys.executable, "-m", "rlix_async.cli", "simulate", str(tmp_path / "nope.yaml")],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "cannot read" in bad.stderr
