@@ -96,6 +96,8 @@ class Simulation:
         self.preemptions = 0
         self.plans = 0
         self._last_t = 0.0
+        self._busy: dict[str, int] = {}
+        self._busy_total = 0
         for p in self.pipes.values():
             self._push(p.decl.start_s, "start", p.decl.id)
 
@@ -120,6 +122,11 @@ class Simulation:
             self._account(t)
             self.now = t
             handlers[kind](*data)
+            if kind == "plan":
+                for p in self.pipes.values():
+                    self._recount(p)
+            elif kind != "start":
+                self._recount(self.pipes[data[0]])
         else:
             raise RuntimeError(f"simulation did not finish within {max_events} events")
         unfinished = [p.decl.id for p in self.pipes.values() if not p.done]
@@ -128,16 +135,17 @@ class Simulation:
         return self.report()
 
     def _account(self, t: float) -> None:
-        dt = t - self._last_t
-        if dt > 0:
-            busy = 0
-            for p in self.pipes.values():
-                tp = p.decl.clusters["actor_infer"].tp
-                busy += tp * sum(1 for r in p.ready if p.slots.get(r, 0))
-                if p.training:
-                    busy += len(p.decl.clusters[TRAIN].devices)
-            self.busy_device_s += busy * dt
+        self.busy_device_s += self._busy_total * (t - self._last_t)
         self._last_t = t
+
+    def _recount(self, p: _Pipe) -> None:
+        """Devices this pipeline keeps busy (serving shards with work, training)."""
+        tp = p.decl.clusters["actor_infer"].tp
+        busy = tp * sum(1 for r in p.ready if p.slots.get(r, 0))
+        if p.training:
+            busy += len(p.decl.clusters[TRAIN].devices)
+        self._busy_total += busy - self._busy.get(p.decl.id, 0)
+        self._busy[p.decl.id] = busy
 
     def _dirty(self) -> None:
         if not self._plan_pending:
