@@ -63,6 +63,7 @@ class PipelineConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_trajectory_age_steps: int = 1
     max_groups_in_flight: int = 4
     loss: str = "dapo"
+    backend: str = "torch"  # torch (HF Llama, DDP) | megatron (megatron-core GPTModel)
     lr: float = 2e-3
     seed: int = 0
     model: dict[str, int] = {}  # tiny random Llama config (see rlix_async/models/tiny.py)
@@ -342,7 +343,14 @@ def main(argv: list[str] | None = None) -> int:
             timeout=__import__("datetime").timedelta(seconds=STORE_TIMEOUT_S),
         )
     torch.manual_seed(cfg.seed)
-    trainer = TorchTrainer(
+    if cfg.backend not in ("torch", "megatron"):
+        raise SystemExit(f"{args.config}: backend must be torch or megatron, not {cfg.backend!r}")
+    trainer_cls: type[TorchTrainer] = TorchTrainer
+    if cfg.backend == "megatron":
+        from rlix_async.grpo.megatron_trainer import MegatronTrainer
+
+        trainer_cls = MegatronTrainer
+    trainer = trainer_cls(
         TrainerConfig(
             lr=cfg.lr,
             loss=LossConfig(cfg.loss),

@@ -36,8 +36,6 @@ class TrainerConfig:
 
 class TorchTrainer:
     def __init__(self, cfg: TrainerConfig, rank: int = 0, world: int = 1) -> None:
-        from rlix_async.models.tiny import tiny_llama
-
         self.cfg = cfg
         self.loss_cfg = cfg.loss or LossConfig()
         self.rank, self.world = rank, world
@@ -46,21 +44,24 @@ class TorchTrainer:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        if cfg.model_path:
-            import transformers
-
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                cfg.model_path, torch_dtype=torch.float32
-            )
-        else:
-            model = tiny_llama(cfg.seed, **(cfg.model or {}))
-        self.model = model.to(self.device)
+        self.model = self._build_model().to(self.device)
         self.optim = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
         self.step = 0
         self._ddp: torch.nn.Module | None = None
-        self._group_gen = 0
+        self._group_gen = getattr(self, "_group_gen", 0)
+
+    def _build_model(self) -> torch.nn.Module:
+        if self.cfg.model_path:
+            import transformers
+
+            return transformers.AutoModelForCausalLM.from_pretrained(
+                self.cfg.model_path, torch_dtype=torch.float32
+            )
+        from rlix_async.models.tiny import tiny_llama
+
+        return tiny_llama(self.cfg.seed, **(self.cfg.model or {}))
 
     # --- collective group lifecycle ----------------------------------------------------
 
@@ -79,6 +80,9 @@ class TorchTrainer:
         self._ddp = torch.nn.parallel.DistributedDataParallel(
             self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
         )
+
+    def forward_logits(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids).logits
 
     def destroy_group(self) -> None:
         self._ddp = None
@@ -132,7 +136,7 @@ class TorchTrainer:
         }
 
     def _logp(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        logits = model(input_ids=ids).logits[:, :-1]
+        logits = self.forward_logits(model, ids)[:, :-1]
         return token_log_probs(logits, ids[:, 1:])
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
