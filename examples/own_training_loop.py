@@ -31,8 +31,8 @@ async def main(endpoint: str, steps: int) -> None:
         "actor_train": ClusterSpec(tp=1, devices=(0,)),
         "actor_infer": ClusterSpec(tp=1, devices=(0, 1)),
     }
-    hooks = await ClusterHooks.join(endpoint, "my-experiment", topology)
     trainer = TorchTrainer(TrainerConfig(lr=1e-2))  # or your own model + optimizer
+    hooks = await ClusterHooks.join(endpoint, "my-experiment", topology)
     task = target_tokens()
     cache = WeightCache("my-experiment")
     rng = random.Random(0)
@@ -41,6 +41,7 @@ async def main(endpoint: str, steps: int) -> None:
         await hooks.after_training(0, cache.promote("s0"))  # shards start from s0
         for step in range(1, steps + 1):
             groups = []
+            await hooks.report_progress(PROMPTS, 0)  # demand: the planner wakes shards
             for i in range(PROMPTS):  # rollout: the router picks an awake shard
                 prompt = task.prompt(rng)
                 trajs = await asyncio.gather(
@@ -57,7 +58,8 @@ async def main(endpoint: str, steps: int) -> None:
                 )
                 await hooks.report_progress(PROMPTS, i + 1)
             await hooks.before_training(step)  # waits for the training devices
-            stats = trainer.train_step(groups)
+            # off the event loop, so heartbeats and the router keep running
+            stats = await asyncio.to_thread(trainer.train_step, groups)
             cache.build(f"s{step}", trainer.weights_for_cache())
             await hooks.after_training(step, cache.promote(f"s{step}"))  # release + publish
             reward = sum(r for g in groups for r in g.rewards) / (PROMPTS * SAMPLES)
