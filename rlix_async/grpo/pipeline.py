@@ -157,7 +157,7 @@ class Driver:
 
     async def _publish(self, cache: Any) -> None:
         v = version_str(self.trainer.step)
-        cache.build(v, self.trainer.weights_for_cache())
+        await asyncio.to_thread(cache.build, v, self.trainer.weights_for_cache())
         assert self.hooks is not None
         await self.hooks.after_training(self.trainer.step, cache.promote(v))
 
@@ -189,7 +189,7 @@ class Driver:
         ) == 0 or self.trainer.step == self.cfg.steps:
             ckpt_path = self.out / "ckpt" / f"step_{self.trainer.step}.pt"
             await asyncio.to_thread(self._save, ckpt_path)
-        self.trainer.offload()
+        await asyncio.to_thread(self.trainer.offload)  # never block heartbeats
         if self.trainer.step < self.cfg.steps:
             v = version_str(self.trainer.step)
             await asyncio.to_thread(cache.build, v, self.trainer.weights_for_cache())
