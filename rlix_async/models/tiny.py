@@ -40,6 +40,9 @@ def tiny_llama(seed: int = 0, **config: Any) -> Any:
 
 def save_tiny_llama(path: str | Path, seed: int = 0, **config: Any) -> Path:
     """Write a random tiny Llama as a HF checkpoint directory vLLM can serve."""
+    import transformers
+
     path = Path(path)
+    transformers.utils.logging.disable_progress_bar()  # keep the demo's console clean
     tiny_llama(seed, **config).save_pretrained(path)
     return path
