@@ -122,7 +122,7 @@ class Proc:
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
-                log.warning("%s ignored SIGTERM for %.0fs; killing it", self.name, timeout)
+                log.warning("%s still running at the stop deadline; killing it", self.name)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.popen.pid, signal.SIGKILL)  # its children too (engine cores, ranks)
             self.popen.wait(10)
