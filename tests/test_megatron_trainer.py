@@ -63,58 +63,11 @@ def test_megatron_grpo_steps_learn() -> None:
     assert _mass_below_8(View) > 2 * before  # type: ignore[arg-type]
 
 
-CYCLES = r"""
-import gc, json, os, sys, torch, torch.distributed as dist
-from megatron.core import parallel_state
-from rlix_async.grpo.megatron_trainer import MegatronTrainer
-from rlix_async.grpo.trainer import TrainerConfig
-from rlix_async.grpo.buffer import Group
-rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
-t = MegatronTrainer(TrainerConfig(model={"vocab_size": 64, "layers": 1, "hidden": 64}), rank, world)
-g = [Group([1, 2], [[3, 4, 5], [6, 7, 8]], [[-4.0] * 3] * 2, [[0] * 3] * 2, [1.0, 0.0])] * 2
-def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-samples, losses = [], []
-for i in range(20):
-    t.reload(); t.init_group(store)
-    losses.append(t.train_step(g)["loss"])
-    w = t.weights_for_cache()
-    t.destroy_group(); t.offload()
-    assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
-    gc.collect()
-    samples.append(rss())
-first = {k: v.sum().item() for k, v in w.items()}
-with open(f"{sys.argv[1]}/rank{rank}.json", "w") as fh:
-    json.dump({"rank": rank, "rss": samples, "losses": losses, "weights": first}, fh)
-"""
-
-
 @pytest.mark.timeout(400)
 def test_twenty_megatron_cycles_under_torchrun(tmp_path: Path) -> None:
-    script = tmp_path / "cycles.py"
-    script.write_text(CYCLES)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(script),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=380,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert rows[0]["weights"] == rows[1]["weights"]  # DDP kept the replicas identical
-    for r in rows:
-        growth = r["rss"][-1] - r["rss"][5]
-        assert growth < 16 << 20, f"rank {r['rank']}: RSS grew {growth >> 20} MiB: {r['rss']}"
-        assert all(x == x for x in r["losses"])  # finite
+    from test_grpo_trainer import run_cycles
+
+    run_cycles(tmp_path, "megatron", timeout=380)
 
 
 @pytest.mark.timeout(300)
