@@ -167,9 +167,7 @@ def run_demo(out: str, steps: int = STEPS, engine: str = "vllm") -> dict[str, An
     if journal.exists():
         journal.unlink()  # a fresh run; `launch --resume` is the way to continue one
     for p in cfg.pipelines:
-        for f in (outp / p.id / "metrics.jsonl",):
-            if f.exists():
-                f.unlink()
+        (outp / p.id / "metrics.jsonl").unlink(missing_ok=True)
         for ck in (outp / p.id / "ckpt").glob("step_*.pt"):
             ck.unlink()
     t0 = time.monotonic()

@@ -17,6 +17,7 @@ a loop running alone; ``ClusterHooks`` talks to a coordinator::
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 from rlix_async.control.client import PipelineClient
@@ -27,6 +28,7 @@ from rlix_async.transport import TransportConfig
 from rlix_async.weights.cache import CacheRef
 
 TRAIN = "actor_train"
+log = logging.getLogger(__name__)
 
 
 class PipelineHooks(Protocol):
@@ -105,8 +107,6 @@ class ClusterHooks:
         if unregister:
             try:
                 await self.client.unregister()
-            except Exception as exc:
-                import logging
-
-                logging.getLogger(__name__).warning("unregister failed: %s", exc)
+            except Exception as exc:  # the lease frees it anyway
+                log.warning("unregister failed: %s", exc)
         await self.client.close()

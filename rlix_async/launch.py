@@ -46,7 +46,7 @@ import msgspec
 
 from rlix_async.grpo.pipeline import PipelineConfig
 from rlix_async.security import ipc_endpoint
-from rlix_async.weights.cache import SHM_DIR, _safe
+from rlix_async.weights.cache import remove_pipeline_segments
 
 log = logging.getLogger(__name__)
 
@@ -338,9 +338,7 @@ class Launcher:
         for proc in rest:
             proc.stop(max(0.1, deadline - time.monotonic()))
         for p in self.cfg.pipelines:
-            for seg in SHM_DIR.glob(f"rlix-{_safe(p.id)}-*"):
-                with contextlib.suppress(OSError):
-                    seg.unlink()
+            remove_pipeline_segments(p.id)
 
 
 def _child_env() -> dict[str, str]:

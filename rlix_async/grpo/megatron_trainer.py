@@ -78,7 +78,6 @@ class MegatronTrainer(TorchTrainer):
         from rlix_async.grpo import megatron_cpu_compat
 
         megatron_cpu_compat.apply()
-        self._group_gen = 0  # before super().__init__: building the model makes a group
         super().__init__(cfg, rank, world)
 
     def _parallel_state(self, store: dist.Store | None) -> None:

@@ -25,6 +25,7 @@ import pickle
 import random
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +112,6 @@ class Driver:
         self.failed = 0  # trajectories whose generation raised: counted, never hidden
         self.generated = 0
         self.resumed = 0
-        self.rewards_since_step: list[float] = []
         self.hooks: PipelineHooks | None = None
         self._room = asyncio.Event()
 
@@ -130,16 +130,12 @@ class Driver:
         from rlix_async.security import ClientKeys
 
         keys = ClientKeys.load(self.cfg.keys) if self.cfg.keys else None
-        hooks = (
-            await ClusterHooks.join(
-                self.cfg.coordinator, self.cfg.id, self.cfg.topology(), keys=keys
-            )
-            if self.cfg.coordinator
-            else None
+        if not self.cfg.coordinator:
+            raise SystemExit("a pipeline needs `coordinator` in its config")
+        hooks = await ClusterHooks.join(
+            self.cfg.coordinator, self.cfg.id, self.cfg.topology(), keys=keys
         )
         self.hooks = hooks
-        if hooks is None:
-            raise SystemExit("a pipeline needs --coordinator (or `coordinator` in its config)")
         try:
             await self._publish(cache)
             await hooks.report_progress(self.target, 0)
@@ -183,17 +179,12 @@ class Driver:
         if self.store is not None and self.trainer.world > 1:
             self.store.set(f"batch/{version}", pickle.dumps(batch))
         stats = await asyncio.to_thread(self._train, batch)
-        ckpt_path = None
-        if (
-            self.trainer.step % self.cfg.checkpoint_every
-        ) == 0 or self.trainer.step == self.cfg.steps:
-            ckpt_path = self.out / "ckpt" / f"step_{self.trainer.step}.pt"
-            await asyncio.to_thread(self._save, ckpt_path)
+        step = self.trainer.step
+        if step % self.cfg.checkpoint_every == 0 or step == self.cfg.steps:
+            await asyncio.to_thread(self._save, self.out / "ckpt" / f"step_{step}.pt")
         await asyncio.to_thread(self.trainer.offload)  # never block heartbeats
-        if self.trainer.step < self.cfg.steps:
-            v = version_str(self.trainer.step)
-            await asyncio.to_thread(cache.build, v, self.trainer.weights_for_cache())
-            await self.hooks.after_training(self.trainer.step, cache.promote(v))
+        if step < self.cfg.steps:
+            await self._publish(cache)
         else:  # the last step: no rollout will use these weights (the checkpoint has them)
             await self.hooks.after_training(self.trainer.step, None)
         await self._report()
@@ -311,7 +302,7 @@ def _follower(cfg: PipelineConfig, trainer: TorchTrainer, store: dist.Store) -> 
     """Ranks > 0: train on each step's batch when rank 0 posts it."""
     while trainer.step < cfg.steps:
         key = f"batch/{trainer.step}"
-        store.wait([key], __import__("datetime").timedelta(seconds=STORE_TIMEOUT_S))
+        store.wait([key], timedelta(seconds=STORE_TIMEOUT_S))
         batch = pickle.loads(store.get(key))
         trainer.reload()
         trainer.init_group(store)
@@ -340,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             int(os.environ["MASTER_PORT"]),
             world,
             is_master=False,
-            timeout=__import__("datetime").timedelta(seconds=STORE_TIMEOUT_S),
+            timeout=timedelta(seconds=STORE_TIMEOUT_S),
         )
     torch.manual_seed(cfg.seed)
     if cfg.backend not in ("torch", "megatron"):

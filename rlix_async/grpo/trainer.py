@@ -44,13 +44,13 @@ class TorchTrainer:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
+        self._ddp: torch.nn.Module | None = None
+        self._group_gen = 0  # before the model: a backend may need a group to build it
         self.model = self._build_model().to(self.device)
         self.optim = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
         self.step = 0
-        self._ddp: torch.nn.Module | None = None
-        self._group_gen = getattr(self, "_group_gen", 0)
 
     def _build_model(self) -> torch.nn.Module:
         if self.cfg.model_path:

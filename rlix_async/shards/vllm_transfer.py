@@ -75,7 +75,6 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
 
     shm_dir = SHM_DIR
     layout: Layout | None = None  # read from shared memory once per model layout
-    loaded_version: str | None = None
 
     def init_transfer_engine(self, init_info: RlixInitInfo) -> None:
         from pathlib import Path
@@ -114,7 +113,6 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
                 ref = current_slot_ref(ref, self.shm_dir) or ref
                 continue
             self.model.load_weights(staged.named)
-            self.loaded_version = ref.version
             return
         raise SyncError(
             f"no consistent version of {update_info.pipeline} after {MAX_ATTEMPTS} tries"

@@ -125,6 +125,12 @@ def _write_header(buf: memoryview, gen: int, data_bytes: int, version: str, fp: 
     buf[off + 256 : off + 272] = fp.encode()[:16].ljust(16, b"\0")
 
 
+def remove_pipeline_segments(pipeline: str, shm_dir: Path = SHM_DIR) -> None:
+    """Every segment of ``pipeline``, whatever its owner (a launcher's final cleanup)."""
+    for path in shm_dir.glob(f"rlix-{_safe(pipeline)}-*"):
+        path.unlink(missing_ok=True)
+
+
 def cleanup_stale(pipeline: str, owner: str, shm_dir: Path = SHM_DIR) -> list[str]:
     """Remove segments a crashed owner of this pipeline left behind."""
     removed = []
