@@ -8,6 +8,10 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlix_async.sim.scenario import Scenario
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -302,6 +306,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.seeds is not None:
+        return _simulate_seeds(sc, args)
     policies = ["exclusive", "timeshare"] if args.policy == "all" else [args.policy]
     out = {
         pol: simulate(sc, pol, seed=args.seed, journal=args.journal if pol == "timeshare" else None)
@@ -321,6 +327,30 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             out["timeshare"]["steps_per_hour_per_gpu"] / out["exclusive"]["steps_per_hour_per_gpu"]
         )
         print(f"timeshare / exclusive: {gain:.2f}x")
+    return 0
+
+
+def _simulate_seeds(sc: Scenario, args: argparse.Namespace) -> int:
+    from rlix_async.sim.engine import seed_sweep
+
+    if args.seeds < 1 or args.policy != "all" or args.journal:
+        print("error: --seeds N compares both policies and writes no journal", file=sys.stderr)
+        return 2
+    out = seed_sweep(sc, range(args.seed, args.seed + args.seeds))
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    for r in out["runs"]:
+        worst = max(r["slowdown"].values(), default=0.0)
+        print(
+            f"seed {r['seed']:3d}: timeshare / exclusive {r['gain']:.2f}x, "
+            f"slowest pipeline's step {worst:.2f}x its exclusive one"
+        )
+    g, s = out["gain"], out["slowdown"]
+    print(
+        f"gain min {g['min']:.2f}x, mean {g['mean']:.2f}x, max {g['max']:.2f}x; "
+        f"step slowdown mean {s['mean']:.2f}x, max {s['max']:.2f}x"
+    )
     return 0
 
 
@@ -418,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--journal", help="write the timeshare run's journal (rlix-async timeline)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seeds", type=int, metavar="N", help="both policies on seeds SEED..SEED+N-1: the spread"
+    )
     p.set_defaults(func=_cmd_simulate)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures")

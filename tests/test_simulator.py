@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlix_async.sim.engine import Simulation, simulate
+from rlix_async.sim.engine import Simulation, seed_sweep, simulate
 from rlix_async.sim.scenario import ScenarioError, load_scenario
 
 SOLO = """
@@ -86,12 +86,34 @@ def test_shrunk_trajectories_resume_with_reprefill_cost(tmp_path: Path) -> None:
     assert r["wasted_gpu_s"] > 0
 
 
-def test_agentic_longtail_timeshare_beats_exclusive_per_gpu() -> None:
+def test_agentic_longtail_timeshare_is_3x_exclusive_per_gpu_on_every_seed() -> None:
+    """The issue's target on the shipped scenario, on five seeds rather than one lucky one."""
     sc = load_scenario(Path(__file__).parents[1] / "scenarios" / "agentic_longtail.yaml")
     ex = simulate(sc, "exclusive", seed=0)
     ts = simulate(sc, "timeshare", seed=0)
     assert ex["devices"] == 32 and ts["devices"] == 8
-    assert ts["steps_per_hour_per_gpu"] >= 3.0 * ex["steps_per_hour_per_gpu"]
+    sweep = seed_sweep(sc, range(5))
+    assert sweep["gain"]["min"] >= 3.0, sweep["runs"]
+    assert sweep["slowdown"]["mean"] <= 1.33 and sweep["slowdown"]["max"] <= 1.4, sweep["runs"]
+
+
+def test_policies_are_compared_on_the_same_trajectories(tmp_path: Path) -> None:
+    """Common random numbers: two pipelines on disjoint devices never interact, so each
+    must step exactly as it does alone; a policy comparison is not a comparison of luck."""
+    solo = SOLO.format(staleness=0).replace(
+        "{dist: fixed, median_s: 10}", "{dist: lognormal, median_s: 10, sigma: 1.0}"
+    )
+    head, pipe = solo.split("pipelines:\n")
+    other = pipe.replace("id: solo", "id: other").replace("[1]", "[3]").replace("[0]", "[2]")
+    sc = _scenario(
+        tmp_path,
+        head.replace("gpus_per_node: 2", "gpus_per_node: 4") + ("pipelines:\n" + pipe + other),
+    )
+    for seed in (0, 1):
+        ex, ts = simulate(sc, "exclusive", seed=seed), simulate(sc, "timeshare", seed=seed)
+        assert ex["mean_step_s"] == ts["mean_step_s"]
+        assert ex["mean_step_s"]["solo"] != ex["mean_step_s"]["other"]
+    assert simulate(sc, seed=0)["makespan_s"] != simulate(sc, seed=1)["makespan_s"]
 
 
 def test_cli_json_shape_and_journal_for_timeline(tmp_path: Path) -> None:
@@ -144,3 +166,12 @@ def test_cli_json_shape_and_journal_for_timeline(tmp_path: Path) -> None:
         text=True,
     )
     assert bad.returncode == 2 and "cannot read" in bad.stderr
+    sweep = subprocess.run(
+        [sys.executable, "-m", "rlix_async.cli", "simulate", str(path), "--seeds", "3", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    data = json.loads(sweep.stdout)
+    assert [r["seed"] for r in data["runs"]] == [0, 1, 2]
+    assert data["gain"]["min"] <= data["gain"]["mean"] <= data["gain"]["max"]

@@ -54,6 +54,9 @@ class _Pipe:
     )  # tid -> (rank, end, token)
     pending: deque[float] = field(default_factory=deque)  # remaining work of cut trajectories
     epoch: dict[int, int] = field(default_factory=dict)  # rank -> wake generation
+    # Its own trajectory stream, the same under every policy (common random numbers:
+    # policies are compared on the same trajectories, not on different luck).
+    rng: random.Random = field(default_factory=random.Random)
     step_ends: list[float] = field(default_factory=list)
     bucket: int = -1
 
@@ -79,7 +82,6 @@ class Simulation:
     ) -> None:
         self.sc = scenario
         self.registry = Registry(scenario.shape)
-        self.rng = random.Random(seed)
         self.plan_interval_s = (
             scenario.plan_interval_s if plan_interval_s is None else plan_interval_s
         )
@@ -88,7 +90,11 @@ class Simulation:
         self._seq = itertools.count()
         self._tids = itertools.count()
         self._plan_pending = False
-        self.pipes = {p.id: _Pipe(p) for p in (pipelines or scenario.pipelines)}
+        index = {p.id: i for i, p in enumerate(scenario.pipelines)}
+        self.pipes = {
+            p.id: _Pipe(p, rng=random.Random(f"{seed}/{index[p.id]}"))
+            for p in (pipelines or scenario.pipelines)
+        }
         self.free_at: dict[int, float] = {}  # device -> when its shrinking shard is asleep
         self.journal: list[dict[str, Any]] = []
         self.busy_device_s = 0.0
@@ -181,7 +187,7 @@ class Simulation:
                 if p.pending:
                     work = p.pending.popleft()
                 elif p.produced + len(p.inflight) + len(p.pending) < p.limit():
-                    work = p.decl.rollout.sample(self.rng)
+                    work = p.decl.rollout.sample(p.rng)
                 else:
                     return
                 tid = next(self._tids)
@@ -381,8 +387,8 @@ def simulate(
     if policy != "exclusive":
         raise ValueError(f"unknown policy {policy!r}: exclusive, timeshare or all")
     runs = []
-    for i, p in enumerate(scenario.pipelines):
-        sim = Simulation(scenario, [p], seed=seed + i, plan_interval_s=plan_interval_s)
+    for p in scenario.pipelines:
+        sim = Simulation(scenario, [p], seed=seed, plan_interval_s=plan_interval_s)
         runs.append(sim.run())
     makespan = max(r["makespan_s"] for r in runs)
     devices = sum(r["devices"] for r in runs)
@@ -398,4 +404,30 @@ def simulate(
         "preemptions": sum(r["preemptions"] for r in runs),
         "wasted_gpu_s": round(sum(r["wasted_gpu_s"] for r in runs), 1),
         "plans": sum(r["plans"] for r in runs),
+    }
+
+
+def seed_sweep(scenario: Scenario, seeds: range) -> dict[str, Any]:
+    """Both policies over several seeds: the gain and each pipeline's step slowdown.
+
+    ``slowdown`` is a pipeline's mean step under ``timeshare`` over its mean step
+    under ``exclusive`` (the same trajectories: each pipeline's stream is seeded alike
+    under both policies).
+    """
+    runs = []
+    for s in seeds:
+        ex, ts = simulate(scenario, "exclusive", seed=s), simulate(scenario, "timeshare", seed=s)
+        gain = ts["steps_per_hour_per_gpu"] / ex["steps_per_hour_per_gpu"]
+        slowdown = {
+            pid: round(ts["mean_step_s"][pid] / step, 3)
+            for pid, step in ex["mean_step_s"].items()
+            if step and ts["mean_step_s"].get(pid)
+        }
+        runs.append({"seed": s, "gain": round(gain, 3), "slowdown": slowdown})
+    gains = [r["gain"] for r in runs]
+    slow = [v for r in runs for v in r["slowdown"].values()]
+    return {
+        "runs": runs,
+        "gain": {"min": min(gains), "mean": round(sum(gains) / len(gains), 3), "max": max(gains)},
+        "slowdown": {"mean": round(sum(slow) / len(slow), 3), "max": max(slow)},
     }
