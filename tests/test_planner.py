@@ -469,6 +469,35 @@ def test_idle_devices_are_used_even_within_one_bundle_of_the_ideal() -> None:
     assert [(c.pipeline, c.ranks) for c in result.expand] == [("P", [0])]
 
 
+def test_a_shard_with_nothing_to_generate_counts_as_free_for_hysteresis() -> None:
+    """Found by the simulator: B trains and keeps a rollout shard it has no work for,
+    while A (one shard, within one bundle of its ideal of two) has 40 trajectories
+    queued. B's shard is free for the taking, so A grows onto it."""
+    snap = Snapshot(
+        SHAPE4,
+        [
+            pipe(
+                "A",
+                None,
+                [0, 1, 2, 3],
+                active_ranks={INFER: [3]},
+                progress=ProgressIn(target=64, completed=24),
+            ),
+            pipe(
+                "B",
+                [0, 1],
+                [0, 1, 2, 3],
+                held={"actor_train": "ACTOR_TRAINING"},
+                active_ranks={INFER: [2]},
+                progress=ProgressIn(target=64, completed=64),
+            ),
+        ],
+    )
+    out = run(snap)
+    assert [(c.pipeline, c.ranks) for c in out.shrink] == [("B", [2])]
+    assert [(c.pipeline, c.ranks) for c in out.expand] == [("A", [2])]
+
+
 def test_offline_ranks_are_never_started() -> None:
     snap = decode_snapshot(
         b"""{"cluster": {"nodes": 1, "gpus_per_node": 2}, "pipelines": [{"id": "P",

@@ -377,7 +377,9 @@ def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> None:
     tps = {pid: spec[pid].tp for pid in wanting}
     floors = guaranteed_floors(len(usable), wanting, weights, tps, caps)
     ideal = water_fill(len(usable), weights, caps, floors)
-    idle = len(usable - set(st.owner) - set(st.gen_holder()))
+    # Free for the taking: unowned devices and shards of pipelines with nothing to generate.
+    busy_gen = {d for d, (pid, _) in st.gen_holder().items() if demand.get(pid, 0) > 0}
+    idle = len(usable - set(st.owner) - busy_gen)
     target = _bundle_targets(wanting, ideal, spec, st, caps, len(usable), idle)
 
     # Devices each under-target pipeline could use: shrink others there first.
@@ -446,7 +448,8 @@ def _bundle_targets(
     """Whole bundles per pipeline: largest remainder, at least one, then hysteresis.
 
     Hysteresis never leaves a device idle: a pipeline within one bundle of its
-    ideal still grows by that bundle when ``idle`` devices can hold it.
+    ideal still grows by that bundle when ``idle`` devices (unowned, or held by a
+    shard of a pipeline with nothing left to generate) can hold it.
     """
     exact = {pid: ideal[pid] / spec[pid].tp for pid in wanting}
     target = {pid: int(exact[pid]) for pid in wanting}
