@@ -37,3 +37,6 @@ def test_bench_rpc_json(transport: str) -> None:
     result = json.loads(out.stdout)
     assert result["p50_us"] > 0 and result["p99_us"] >= result["p50_us"]
     assert result["throughput_rps"] > 100
+    if transport == "ipc":  # the floors are timed in the same rounds
+        for floor in ("zmq_floor", "asyncio_floor"):
+            assert result[f"{floor}_p99_us"] >= result[f"{floor}_p50_us"] > 0

@@ -2,7 +2,8 @@
 
 The server runs in a child process (spawned, its own event loop); the client in
 this one times ``Ping -> Pong`` calls one at a time (p50/p99), then keeps a window
-of calls in flight (throughput). With ``--vs-ray`` the same call pattern runs
+of calls in flight (throughput). For ipc, two floors are timed in the same rounds:
+a blocking pyzmq echo and the same echo on our event loop without the protocol. With ``--vs-ray`` the same call pattern runs
 against a Ray actor in the same run, so the comparison shares the machine state.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 
 from rlix_async.aio import run as aio_run
 from rlix_async.protocol import Ping, Pong
-from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint, keygen
+from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint, keygen, remove_ipc_file
 from rlix_async.transport import RpcClient, RpcServer
 
 
@@ -49,41 +50,6 @@ def _serve(endpoint: str, keys_dir: str | None, ready: Any, stop: Any) -> None:
         await server.close()
 
     aio_run(main())
-
-
-async def _measure_rpc(
-    endpoint: str, keys: ClientKeys | None, cfg: RpcBenchConfig
-) -> dict[str, float]:
-    client = await RpcClient(endpoint, "bench/client/0", keys=keys).connect(timeout=30)
-    try:
-        for i in range(cfg.warmup):
-            await client.call(Ping(seq=i))
-        lat: list[float] = []
-        for i in range(cfg.calls):
-            t0 = time.perf_counter_ns()
-            await client.call(Ping(seq=i))
-            lat.append((time.perf_counter_ns() - t0) / 1000)
-        done = 0
-        deadline = time.perf_counter() + cfg.throughput_s
-
-        async def worker() -> None:
-            nonlocal done
-            while time.perf_counter() < deadline:
-                await client.call(Ping(seq=done))
-                done += 1
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(cfg.window)))
-        elapsed = time.perf_counter() - t0
-    finally:
-        await client.close()
-    lat.sort()
-    return {
-        "p50_us": _percentile(lat, 0.50),
-        "p99_us": _percentile(lat, 0.99),
-        "mean_us": statistics.fmean(lat),
-        "throughput_rps": done / elapsed,
-    }
 
 
 def _measure_ray(cfg: RpcBenchConfig) -> dict[str, float]:
@@ -134,41 +100,147 @@ def _raw_echo(endpoint: str, ready: Any) -> None:
         sock.send_multipart(frames)
     sock.close(linger=0)
     ctx.term()
+    remove_ipc_file(endpoint)
 
 
-def _measure_zmq_floor(cfg: RpcBenchConfig) -> dict[str, float]:
-    """Plain blocking pyzmq echo between two processes: the floor under any ZMQ RPC."""
+def _asyncio_echo(endpoint: str, ready: Any) -> None:
     import zmq
 
-    ctx_mp = mp.get_context("spawn")
-    endpoint = ipc_endpoint(f"bench-raw-{time.time_ns()}")
-    ready = ctx_mp.Queue()
-    proc = ctx_mp.Process(target=_raw_echo, args=(endpoint, ready), daemon=True)
-    proc.start()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(ready.get(timeout=60))
-        payload = b"\x94\x01\x01\xa4Ping\x81\xa3seq\x01"  # a Ping-sized msgpack frame
-        for _ in range(cfg.warmup):
-            sock.send(payload)
-            sock.recv()
-        lat: list[float] = []
-        for _ in range(cfg.calls):
-            t0 = time.perf_counter_ns()
-            sock.send(payload)
-            sock.recv()
-            lat.append((time.perf_counter_ns() - t0) / 1000)
-        sock.send(b"stop")
-    finally:
-        sock.close()
+    async def main() -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.bind(endpoint)
+        loop = asyncio.get_running_loop()
+        stopped = loop.create_future()
+
+        def drain() -> None:  # the edge-triggered ZMQ FD, read as the transport reads it
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+                if frames[1] == b"stop" and not stopped.done():
+                    stopped.set_result(None)
+                sock.send_multipart(frames, zmq.NOBLOCK)
+
+        loop.add_reader(sock.getsockopt(zmq.FD), drain)
+        ready.put(endpoint)
+        drain()
+        await stopped
+        loop.remove_reader(sock.getsockopt(zmq.FD))
+        sock.close(linger=0)
         ctx.term()
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-    lat.sort()
-    return {"zmq_floor_p50_us": _percentile(lat, 0.50), "zmq_floor_p99_us": _percentile(lat, 0.99)}
+        remove_ipc_file(endpoint)
+
+    aio_run(main())
+
+
+# A Ping-sized msgpack frame for the floors.
+_PAYLOAD = b"\x94\x01\x01\xa4Ping\x81\xa3seq\x01"
+
+
+class _Floors:
+    """Clients of the two floors, in this process: a blocking pyzmq echo (no event
+    loop, no protocol) and the same echo with our event loop on both ends."""
+
+    def __init__(self, raw_endpoint: str, aio_endpoint: str) -> None:
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.raw = self.ctx.socket(zmq.DEALER)
+        self.aio = self.ctx.socket(zmq.DEALER)
+        for sock, ep in ((self.raw, raw_endpoint), (self.aio, aio_endpoint)):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(ep)
+        self.loop = asyncio.get_running_loop()
+        self.waiting: list[asyncio.Future[bytes]] = []
+        self.loop.add_reader(self.aio.getsockopt(zmq.FD), self._drain)
+
+    def _drain(self) -> None:
+        import zmq
+
+        while self.aio.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frame = self.aio.recv(zmq.NOBLOCK)
+            if self.waiting and not self.waiting[0].done():
+                self.waiting.pop().set_result(frame)
+
+    def raw_call(self) -> None:
+        self.raw.send(_PAYLOAD)
+        self.raw.recv()
+
+    async def aio_call(self) -> None:
+        import zmq
+
+        fut = self.loop.create_future()
+        self.waiting.append(fut)
+        self.aio.send(_PAYLOAD, zmq.NOBLOCK)
+        self._drain()  # a send may consume the FD's edge
+        await asyncio.wait_for(fut, 10)
+
+    def close(self) -> None:
+        import zmq
+
+        self.loop.remove_reader(self.aio.getsockopt(zmq.FD))
+        for sock in (self.raw, self.aio):
+            sock.send(b"stop")
+            sock.close()
+        self.ctx.term()
+
+
+async def _measure(
+    endpoint: str,
+    keys: ClientKeys | None,
+    floors: tuple[str, str] | None,
+    cfg: RpcBenchConfig,
+) -> dict[str, float]:
+    """Round trips, interleaved in rounds with the floors so that all share the
+    machine's state (this VM's latency drifts by 2x within a minute), then throughput."""
+    client = await RpcClient(endpoint, "bench/client/0", keys=keys).connect(timeout=30)
+    fl = _Floors(*floors) if floors else None
+    lat: dict[str, list[float]] = {"": [], "zmq_floor_": [], "asyncio_floor_": []}
+    try:
+
+        async def ours() -> None:
+            await client.call(Ping(seq=0))
+
+        async def raw() -> None:
+            assert fl is not None
+            fl.raw_call()
+
+        kinds = [("", ours)]
+        if fl is not None:
+            kinds += [("zmq_floor_", raw), ("asyncio_floor_", fl.aio_call)]
+        for _, call in kinds:
+            for _ in range(cfg.warmup):
+                await call()
+        rounds = max(1, cfg.calls // 1000)
+        for r in range(rounds):
+            n = cfg.calls // rounds + (1 if r < cfg.calls % rounds else 0)
+            for key, call in kinds:
+                for _ in range(n):
+                    t0 = time.perf_counter_ns()
+                    await call()
+                    lat[key].append((time.perf_counter_ns() - t0) / 1000)
+        done = 0
+        deadline = time.perf_counter() + cfg.throughput_s
+
+        async def worker() -> None:
+            nonlocal done
+            while time.perf_counter() < deadline:
+                await client.call(Ping(seq=done))
+                done += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(cfg.window)))
+        elapsed = time.perf_counter() - t0
+    finally:
+        if fl is not None:
+            fl.close()
+        await client.close()
+    out = {"mean_us": statistics.fmean(lat[""]), "throughput_rps": done / elapsed}
+    for key, values in lat.items():
+        if values:
+            values.sort()
+            out[f"{key}p50_us"] = _percentile(values, 0.50)
+            out[f"{key}p99_us"] = _percentile(values, 0.99)
+    return out
 
 
 def run_rpc_bench(cfg: RpcBenchConfig) -> dict[str, Any]:
@@ -184,24 +256,37 @@ def run_rpc_bench(cfg: RpcBenchConfig) -> dict[str, Any]:
         else:
             raise ValueError(f"unknown transport {cfg.transport!r} (ipc or tcp)")
         ready, stop = ctx.Queue(), ctx.Event()
-        proc = ctx.Process(target=_serve, args=(endpoint, keys_dir, ready, stop), daemon=True)
-        proc.start()
+        procs = [ctx.Process(target=_serve, args=(endpoint, keys_dir, ready, stop), daemon=True)]
+        floor_ready = [ctx.Queue(), ctx.Queue()]
+        if cfg.transport == "ipc":  # the floors are ipc echoes
+            stamp = time.time_ns()
+            for target, name, q in zip(
+                (_raw_echo, _asyncio_echo), ("raw", "aio"), floor_ready, strict=True
+            ):
+                ep = ipc_endpoint(f"bench-{name}-{stamp}")
+                procs.append(ctx.Process(target=target, args=(ep, q), daemon=True))
+        for proc in procs:
+            proc.start()
         try:
             bound = ready.get(timeout=60)
+            floors = (
+                (floor_ready[0].get(timeout=60), floor_ready[1].get(timeout=60))
+                if len(procs) > 1
+                else None
+            )
             keys = ClientKeys.load(keys_dir) if keys_dir else None
             result: dict[str, Any] = {
                 "transport": cfg.transport,
                 "calls": cfg.calls,
                 "window": cfg.window,
             }
-            result.update(aio_run(_measure_rpc(bound, keys, cfg)))
+            result.update(aio_run(_measure(bound, keys, floors, cfg)))
         finally:
             stop.set()
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    if cfg.transport == "ipc":
-        result.update(_measure_zmq_floor(cfg))
+            for proc in procs:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
     if cfg.vs_ray:
         try:
             import ray  # noqa: F401
@@ -223,6 +308,11 @@ def format_rpc_result(r: dict[str, Any]) -> str:
         lines.append(
             f"  zmq floor   p50 {r['zmq_floor_p50_us']:8.1f} us   p99 {r['zmq_floor_p99_us']:8.1f} us"
             "   (blocking pyzmq echo, no asyncio, no validation)"
+        )
+    if "asyncio_floor_p50_us" in r:
+        lines.append(
+            f"  asyncio     p50 {r['asyncio_floor_p50_us']:8.1f} us   "
+            f"p99 {r['asyncio_floor_p99_us']:8.1f} us   (the echo on our event loop, no protocol)"
         )
     if "ray_p50_us" in r:
         lines.append(
