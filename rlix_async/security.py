@@ -18,6 +18,7 @@ put it on a shared filesystem only the job's user can read).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -66,6 +67,14 @@ def ipc_endpoint(name: str) -> str:
     if len(str(path)) > 100:  # sun_path is 108 bytes on Linux
         raise SecurityError(f"ipc path too long ({len(str(path))} chars): {path}")
     return f"ipc://{path}"
+
+
+def remove_ipc_file(endpoint: str) -> None:
+    """Unlink a closed ``ipc://`` socket's file: libzmq 4.3 leaves it behind on close
+    and unbind, and a long-lived host would collect thousands of them."""
+    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(endpoint[len("ipc://") :])
 
 
 def check_endpoint(endpoint: str, keys: ServerKeys | ClientKeys | None) -> None:

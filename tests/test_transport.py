@@ -211,3 +211,16 @@ async def test_closing_client_is_forgotten_at_once(ipc_ep) -> None:
         await client.close()
         assert await asyncio.wait_for(left.get(), 5) == "p0/driver/0"  # not after 30 s
         assert "p0/driver/0" not in server.peers
+
+
+async def test_closed_server_removes_its_ipc_socket_file(ipc_ep) -> None:
+    """libzmq leaves the file behind; a host running many jobs would collect them."""
+    from pathlib import Path
+
+    path = Path(ipc_ep.removeprefix("ipc://"))
+    async with RpcServer(ipc_ep) as server:
+        server.on(Ping, lambda msg, ctx: Pong(seq=msg.seq))
+        async with RpcClient(server.endpoint, "a/b/0") as client:
+            assert await client.call(Ping(seq=1)) == Pong(seq=1)
+        assert path.exists()
+    assert not path.exists()

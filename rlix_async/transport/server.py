@@ -24,7 +24,7 @@ from rlix_async.protocol import (
     decode_body,
     decode_envelope,
 )
-from rlix_async.security import ServerKeys, check_endpoint
+from rlix_async.security import ServerKeys, check_endpoint, remove_ipc_file
 from rlix_async.transport.endpoint import (
     Buffer,
     PeerInfo,
@@ -87,6 +87,8 @@ class RpcServer(_Endpoint):
         if self._auth is not None:
             self._auth.stop()
         self._ctx.destroy(linger=0)
+        if getattr(self, "_sock", None) is not None:  # bound by us, not by a failed start
+            remove_ipc_file(self.endpoint)
 
     async def __aenter__(self) -> RpcServer:
         return await self.start()
