@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -186,12 +187,19 @@ def _cmd_shard(args: argparse.Namespace) -> int:
         signalled = asyncio.ensure_future(_until_signal())
         await asyncio.wait([dead, signalled], return_when=asyncio.FIRST_COMPLETED)
         signalled.cancel()
+        t0 = time.monotonic()
         await worker.close()
         if dead.done():  # exit non-zero so a launcher replaces this worker
             raise SystemExit(3)
         dead.cancel()
+        t1 = time.monotonic()
         if hasattr(engine, "shutdown"):
             engine.shutdown()
+        print(
+            f"stopped: worker closed in {t1 - t0:.1f} s, engine in {time.monotonic() - t1:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     run(main())
     return 0

@@ -6,9 +6,10 @@ supervises them: a coordinator that dies is restarted on the same journal (the
 pipelines and shards reconnect), a pipeline that dies is restarted with
 ``--resume`` from its newest checkpoint (twice at most, then the run stops),
 a shard worker whose engine died is replaced. Ctrl-C,
-SIGTERM or a failure stops every process group (no orphans: vLLM's engine
-cores and torchrun's ranks go with their parents) and removes the pipelines'
-shared-memory segments.
+SIGTERM or a failure stops every process (each leader is asked first and
+stops its children in order; then its whole process group is killed, so no
+orphans: vLLM's engine cores and torchrun's ranks go with their parents) and
+removes the pipelines' shared-memory segments.
 
 Config (YAML or JSON)::
 
@@ -111,12 +112,17 @@ class Proc:
         return None if self.popen is None else self.popen.poll()
 
     def terminate(self) -> None:
+        """SIGTERM to the leader only: it stops its own children in order (a shard shuts
+        vLLM down, torchrun its ranks). Signalling the whole group made every vLLM
+        process stop at once; on a busy host their teardown outlasted the deadline,
+        got SIGKILLed and left vLLM's shared-memory queues behind."""
         if self.popen is not None and self.popen.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGTERM)
+                os.kill(self.popen.pid, signal.SIGTERM)
 
     def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM (if not already sent), wait, then SIGKILL whatever is left in its group."""
+        """SIGTERM the leader (if not already sent), wait, then SIGKILL whatever is
+        left in its group."""
         self.terminate()
         if self.popen is not None:
             try:
