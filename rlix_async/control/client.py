@@ -206,7 +206,8 @@ class PipelineClient:
 
     async def wait_ranks_change(self, timeout: float) -> list[int]:
         self._ranks_changed.clear()
-        await asyncio.wait_for(self._ranks_changed.wait(), timeout)
+        async with asyncio.timeout(timeout):  # unlike wait_for, never swallows a cancel
+            await self._ranks_changed.wait()
         return self.active_ranks
 
     # --- internals --------------------------------------------------------------------------
@@ -252,7 +253,8 @@ class PipelineClient:
         timeout: float | None,
     ) -> list[int]:
         try:
-            result = await asyncio.wait_for(fut, timeout)
+            async with asyncio.timeout(timeout):
+                result = await fut
         finally:
             self._waiters.pop(cluster, None)
         self._requests.pop(cluster, None)

@@ -396,8 +396,9 @@ class Coordinator:
 
     async def _scheduler_loop(self) -> None:
         while not self._closed:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.cfg.rebalance_s)
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout never swallows a cancel
+                async with asyncio.timeout(self.cfg.rebalance_s):
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 self.schedule_once()

@@ -163,7 +163,8 @@ class RpcClient(_Endpoint):
         if self._ready.is_set() or asyncio.current_task() is self._setup_task:
             return
         try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._ready.wait()
         except TimeoutError:
             raise CallTimeout(
                 f"{msg.type_name}: not connected to {self.endpoint} within {timeout}s"
