@@ -140,6 +140,36 @@ def test_replay_buffer_drops_and_counts_stale_groups() -> None:
     assert buf.added == buf.trained + buf.dropped_stale + len(buf)  # nothing lost
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    max_age=st.integers(0, 3),
+    groups_per_step=st.integers(1, 4),
+    events=st.lists(st.sampled_from(["gen", "take", "trained"]), max_size=200),
+)
+def test_a_collector_within_room_never_generates_stale(
+    max_age: int, groups_per_step: int, events: list[str]
+) -> None:
+    """The pipeline's rule: start a group only while ``room`` > 0, with the weights of
+    the trainer's current version. Whatever the interleaving of generation, batch
+    takes and finished steps, no trajectory is ever dropped as stale."""
+    from rlix_async.grpo.buffer import ReplayBuffer
+
+    size = 2
+    buf = ReplayBuffer(max_age_steps=max_age)
+    version, training = 0, False
+    for ev in events:
+        if ev == "gen" and buf.room(version, groups_per_step * size, training) > 0:
+            buf.add(_group(version, n=size))
+        elif ev == "take" and not training and buf.ready(version, groups_per_step):
+            buf.take(version, groups_per_step)
+            training = True
+        elif ev == "trained" and training:
+            version, training = version + 1, False
+    buf.drop_stale(version)
+    assert buf.dropped_stale == 0
+    assert buf.room(version, groups_per_step * size, False) >= 0
+
+
 def test_replay_buffer_state_round_trip_and_bad_groups() -> None:
     from rlix_async.grpo.buffer import Group, ReplayBuffer
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from conftest import joined_pipeline
 
 from rlix_async.control.client import PipelineClient
@@ -147,3 +148,42 @@ async def test_killed_shard_process_requests_resume_and_rank_is_freed(ipc_ep: st
 async def _both_awake(driver: PipelineClient) -> None:
     while sorted(driver.active_ranks) != [0, 1] or len(driver.endpoints) < 2:
         await driver.wait_ranks_change(timeout=5)
+
+
+async def test_requests_run_only_on_accepted_weight_versions(ipc_ep: str) -> None:
+    """A shard behind the accepted versions refuses before decoding: the request goes to
+    one that is current, or waits for the sync. (The versions are set on the workers
+    directly, as a finished sync would; tests/test_shard_sync.py covers real syncs.)"""
+    async with Coordinator(ipc_ep, ClusterShape(1, 2)) as co:
+        driver = await joined_pipeline(co.endpoint, "P", TOPO)
+        workers = [
+            await ShardWorker(ScriptedEngine(token_delay_s=0.001), co.endpoint, "P", r).start()
+            for r in range(2)
+        ]
+        router = Router(driver)
+        try:
+            await driver.report_progress(10, 0, force=True)
+            await driver.request("actor_infer", "GENERATION", timeout=10)
+            workers[0].synced_version, workers[1].synced_version = "s0", "s1"
+            trajs = await asyncio.gather(
+                *(router.generate([1, 2], 3, accept_versions=lambda: ["s1"]) for _ in range(6))
+            )
+            assert all(t.ranks == [1] and t.versions == ["s1"] * 3 for t in trajs)
+            workers[1].synced_version = "s0"  # both behind: it waits for a sync
+            pending = asyncio.ensure_future(router.generate([1], 3, accept_versions=lambda: ["s1"]))
+            await asyncio.sleep(0.5)
+            assert not pending.done()
+            workers[0].synced_version = "s1"
+            traj = await asyncio.wait_for(pending, 10)
+            assert traj.ranks == [0] and traj.versions == ["s1"] * 3
+            impatient = Router(driver, attempt_timeout_s=0.3)
+            try:
+                with pytest.raises(RuntimeError, match="no shard reached an accepted"):
+                    await impatient.generate([1], 3, accept_versions=lambda: ["s9"])
+            finally:
+                await impatient.close()
+        finally:
+            await router.close()
+            for w in workers:
+                await w.close()
+            await driver.close()

@@ -114,6 +114,7 @@ class Driver:
         self.resumed = 0
         self.hooks: PipelineHooks | None = None
         self._room = asyncio.Event()
+        self.training = False  # a batch is taken and its step not yet published
 
     @property
     def target(self) -> int:
@@ -170,6 +171,7 @@ class Driver:
                 self._room.set()
             await asyncio.sleep(0.05)
         batch = self.buffer.take(version, self.cfg.groups_per_step)
+        self.training = True
         self._room.set()
         rewards = [r for g in batch for r in g.rewards]
         t0 = time.monotonic()
@@ -187,6 +189,8 @@ class Driver:
             await self._publish(cache)
         else:  # the last step: no rollout will use these weights (the checkpoint has them)
             await self.hooks.after_training(self.trainer.step, None)
+        self.training = False
+        self._room.set()
         await self._report()
         row = {
             "step": self.trainer.step,
@@ -234,11 +238,11 @@ class Driver:
         )
 
     async def _collect(self) -> None:
-        """Keep groups in flight while the buffer needs them (at most one step ahead)."""
+        """Keep groups in flight while the buffer needs them and they cannot go stale."""
         tasks: set[asyncio.Task[None]] = set()
         try:
             while True:
-                room = 2 * self.target - self.buffer.fresh(self.trainer.step)
+                room = self.buffer.room(self.trainer.step, self.target, self.training)
                 if (
                     self.in_flight < self.cfg.max_groups_in_flight
                     and room > self.in_flight * self.cfg.group_size
@@ -249,8 +253,11 @@ class Driver:
                     t.add_done_callback(tasks.discard)
                     continue
                 self._room.clear()
+                # asyncio.timeout, not wait_for: wait_for swallows a cancel that lands
+                # as the event fires (3.11), and this loop would then run forever
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._room.wait(), 1.0)
+                    async with asyncio.timeout(1.0):
+                        await self._room.wait()
         finally:
             for t in tasks:
                 t.cancel()
@@ -259,11 +266,21 @@ class Driver:
         assert self.hooks is not None
         prompt = self.task.prompt(self.rng)
         self.prompts_used += 1
+        # The oldest weights it may start on: still within the staleness bound at the
+        # first batch that can take it (the next one when this step's is training).
+        oldest = self.trainer.step + int(self.training) - self.cfg.max_trajectory_age_steps
+
+        def accept_versions() -> list[str]:  # newer weights are always fine
+            return [version_str(v) for v in range(max(oldest, 0), self.trainer.step + 1)]
+
         try:
             results = await asyncio.gather(
                 *(
                     self.hooks.router.generate(
-                        prompt, self.cfg.max_tokens, temperature=self.cfg.temperature
+                        prompt,
+                        self.cfg.max_tokens,
+                        temperature=self.cfg.temperature,
+                        accept_versions=accept_versions,
                     )
                     for _ in range(self.cfg.group_size)
                 ),

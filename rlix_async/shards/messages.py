@@ -18,6 +18,10 @@ class Generate(Message):
     temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
     seed: int | None = None
+    # Weight versions this request may run on (None: any). A shard on another
+    # version refuses it with "stale_weights" before decoding anything, so a
+    # pipeline never collects trajectories its staleness bound would drop.
+    accept_versions: Annotated[list[str], msgspec.Meta(max_length=64)] | None = None
 
 
 class GenerateResult(Message):

@@ -8,6 +8,10 @@
   kept, so preemption wastes no decoded token. A shard that dies mid-request
   loses only that attempt's tokens (they never reached us); the request is
   resumed from what we have.
+- ``accept_versions`` (called before every attempt) names the weight versions
+  the request may run on; a shard still on older weights refuses it before
+  decoding, and the request goes to another shard or waits for the sync
+  (at most ``attempt_timeout_s``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlix_async.control.client import PipelineClient
@@ -66,13 +72,13 @@ class Router:
             await c.close()
         self._clients.clear()
 
-    async def _pick(self) -> tuple[int, str]:
-        """The least-loaded awake shard; waits while there is none."""
+    async def _pick(self, avoid: set[int]) -> tuple[int, str]:
+        """The least-loaded awake shard not in ``avoid``; waits while there is none."""
         while True:
             ready = [
                 (r, self.pipeline.endpoints[r])
                 for r in self.pipeline.active_ranks
-                if r in self.pipeline.endpoints
+                if r in self.pipeline.endpoints and r not in avoid
             ]
             if ready:
                 return min(ready, key=lambda re: (self.load.get(re[0], 0), re[0]))
@@ -104,15 +110,21 @@ class Router:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        accept_versions: Callable[[], list[str]] | None = None,
     ) -> Trajectory:
         traj = Trajectory(list(prompt_ids))
         self._n += 1
         rid = f"{self._ids}-{self._n}"
         errors = 0
+        stale: set[int] = set()  # shards that refused: weights older than accepted
+        stale_deadline: float | None = None
         while len(traj.token_ids) < max_tokens:
             if traj.resumes > self.max_resumes:
                 raise RuntimeError(f"request {rid} cut {traj.resumes} times; giving up")
-            rank, endpoint = await self._pick()
+            if stale and stale >= set(self.pipeline.active_ranks):
+                stale.clear()  # every awake shard is behind: wait for a sync, then retry
+                await self._settle()
+            rank, endpoint = await self._pick(stale)
             self.load[rank] = self.load.get(rank, 0) + 1
             try:
                 client = await self._client(endpoint)
@@ -124,10 +136,21 @@ class Router:
                         temperature=temperature,
                         top_p=top_p,
                         seed=seed,
+                        accept_versions=accept_versions() if accept_versions else None,
                     ),
                     timeout=self.attempt_timeout_s,
                 )
             except RpcError as exc:
+                if exc.code == "stale_weights":  # refused before decoding: try another
+                    now = time.monotonic()
+                    stale_deadline = stale_deadline or now + self.attempt_timeout_s
+                    if now > stale_deadline:
+                        raise RuntimeError(
+                            f"request {rid}: no shard reached an accepted weight version "
+                            f"within {self.attempt_timeout_s:.0f} s ({exc.detail})"
+                        ) from None
+                    stale.add(rank)
+                    continue
                 if exc.code != "preempted":
                     # the shard's engine failed (its worker exits and is replaced):
                     # resume elsewhere, but do not retry a bad request forever
@@ -151,6 +174,7 @@ class Router:
             traj.logprobs += reply.logprobs
             traj.versions += [reply.weight_version] * len(reply.token_ids)
             traj.ranks.append(rank)
+            stale_deadline = None
             if not reply.preempted:
                 break
             traj.resumes += 1

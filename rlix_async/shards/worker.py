@@ -133,6 +133,12 @@ class ShardWorker:
         """Serve one request; a shrink cuts it and returns what was decoded so far."""
         if self.preempted or self.state != ShardState.ACTIVE:
             raise RpcError("preempted", f"{self.pipeline}/infer/{self.rank} is {self.state}")
+        if msg.accept_versions is not None and self.synced_version not in msg.accept_versions:
+            raise RpcError(
+                "stale_weights",
+                f"{self.pipeline}/infer/{self.rank} holds weights {self.synced_version}, "
+                f"the request accepts {msg.accept_versions}",
+            )
         try:
             return await self._serve(msg)
         except Exception as exc:
