@@ -138,6 +138,10 @@ def test_replay_buffer_drops_and_counts_stale_groups() -> None:
     assert [g.oldest_version for g in batch] == [2, 2]
     assert buf.dropped_stale == 4 and buf.trained == 4 and len(buf) == 0
     assert buf.added == buf.trained + buf.dropped_stale + len(buf)  # nothing lost
+    for v in (2, 3, 2):  # finished out of order: the v2 groups are nearest the bound
+        buf.add(_group(v))
+    assert [g.oldest_version for g in buf.take(version=3, groups=2)] == [2, 2]
+    assert [g.oldest_version for g in buf.groups] == [3]
 
 
 @settings(max_examples=200, deadline=None)

@@ -80,9 +80,13 @@ class ReplayBuffer:
         return sum(version - g.oldest_version <= self.max_age_steps for g in self.groups) >= groups
 
     def take(self, version: int, groups: int) -> list[Group]:
-        """The oldest ``groups`` fresh-enough groups (stale ones are dropped first)."""
+        """``groups`` fresh-enough groups, oldest weights first (stale ones are dropped
+        first): a group near the staleness bound is trained on now rather than
+        dropped next step, whatever order the groups finished in."""
         self.drop_stale(version)
-        batch = [self.groups.popleft() for _ in range(min(groups, len(self.groups)))]
+        batch = sorted(self.groups, key=lambda g: g.oldest_version)[:groups]  # stable sort
+        taken = {id(g) for g in batch}
+        self.groups = deque(g for g in self.groups if id(g) not in taken)
         self.trained += sum(len(g.responses) for g in batch)
         return batch
 

@@ -267,8 +267,11 @@ class Driver:
         prompt = self.task.prompt(self.rng)
         self.prompts_used += 1
         # The oldest weights it may start on: still within the staleness bound at the
-        # first batch that can take it (the next one when this step's is training).
-        oldest = self.trainer.step + int(self.training) - self.cfg.max_trajectory_age_steps
+        # batch it will land in (the groups ahead of it fill the earlier ones, and
+        # this step's batch is gone while it trains).
+        queued = self.buffer.fresh(self.trainer.step) + (self.in_flight - 1) * self.cfg.group_size
+        batch_ahead = queued // self.target + int(self.training)
+        oldest = self.trainer.step + batch_ahead - self.cfg.max_trajectory_age_steps
 
         def accept_versions() -> list[str]:  # newer weights are always fine
             return [version_str(v) for v in range(max(oldest, 0), self.trainer.step + 1)]
