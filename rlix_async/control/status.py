@@ -18,13 +18,13 @@ def render(st: m.StatusReply) -> Table:
     table = Table(
         title=f"{st.devices} devices, {st.plans} plans applied, {st.rejected_plans} rejected"
     )
-    table.add_column("pipeline")
-    table.add_column("state")
-    table.add_column("devices")
-    table.add_column("held")
-    table.add_column("rollout ranks")
+    table.add_column("pipeline", no_wrap=True)
+    table.add_column("state", overflow="fold")
+    table.add_column("devices", no_wrap=True)  # one character per device: never broken
+    table.add_column("held", overflow="fold")  # narrow terminals fold, never truncate
+    table.add_column("rollout ranks", overflow="fold")
     table.add_column("remaining")
-    table.add_column("waiting for")
+    table.add_column("waiting for", overflow="fold")
     for p in st.pipelines:
         mine = "".join(
             "#"
