@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -84,7 +85,8 @@ async def test_greedy_matches_hf_across_weight_updates(models) -> None:
             assert await vllm_greedy(engine, p, 12) == hf_greedy(first, p, 12)
 
         cache.build("v2", second.state_dict())
-        await engine.load_version(cache.promote("v2"))
+        v2 = cache.promote("v2")
+        await engine.load_version(v2)
         assert engine.weight_version == "v2"
         changed = False
         for p in PROMPTS:
@@ -92,6 +94,15 @@ async def test_greedy_matches_hf_across_weight_updates(models) -> None:
             assert got == hf_greedy(second, p, 12)
             changed |= got != hf_greedy(first, p, 12)
         assert changed  # new weights, new greedy output
+
+        # A sync that fails before any weight arrives (here: the owner is on another
+        # node and serves no endpoint) leaves the engine serving what it had.
+        elsewhere = msgspec.structs.replace(v2, host="another-node")
+        with pytest.raises(Exception, match="serves no endpoint"):
+            await engine.load_version(elsewhere)
+        assert engine.weight_version == "v2"
+        for p in PROMPTS:
+            assert await vllm_greedy(engine, p, 12) == hf_greedy(second, p, 12)
 
         cache.build("v3", first.state_dict())  # restore: exactly the old output again
         await engine.load_version(cache.promote("v3"))

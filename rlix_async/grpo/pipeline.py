@@ -187,11 +187,13 @@ class Driver:
         await asyncio.to_thread(self.trainer.offload)  # never block heartbeats
         if step < self.cfg.steps:
             await self._publish(cache)
-        else:  # the last step: no rollout will use these weights (the checkpoint has them)
+            self.training = False
+            self._room.set()
+            await self._report()
+        else:  # the last step: no rollout will use these weights (the checkpoint has them),
+            # and nothing more is collected (shards woken now would sync a cache that
+            # is removed as the pipeline exits)
             await self.hooks.after_training(self.trainer.step, None)
-        self.training = False
-        self._room.set()
-        await self._report()
         row = {
             "step": self.trainer.step,
             "reward": sum(rewards) / len(rewards),
@@ -243,6 +245,8 @@ class Driver:
         try:
             while True:
                 room = self.buffer.room(self.trainer.step, self.target, self.training)
+                if self.trainer.step >= self.cfg.steps:
+                    room = 0  # done: start nothing new
                 if (
                     self.in_flight < self.cfg.max_groups_in_flight
                     and room > self.in_flight * self.cfg.group_size

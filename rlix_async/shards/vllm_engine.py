@@ -162,12 +162,12 @@ class VllmEngine:
             await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
             self._transfer_ready = True
         await self.llm.start_weight_update()
-        try:
-            await self.llm.update_weights(
-                WeightTransferUpdateRequest(update_info=msgspec.to_builtins(ref))
-            )
-        finally:
-            await self.llm.finish_weight_update(weight_version=ref.version)
+        # A failed update ends vLLM's session itself (and our transfer engine starts
+        # the reload only once the version is staged): finish only after success.
+        await self.llm.update_weights(
+            WeightTransferUpdateRequest(update_info=msgspec.to_builtins(ref))
+        )
+        await self.llm.finish_weight_update(weight_version=ref.version)
         self.weight_version = ref.version
 
     def shutdown(self) -> None:

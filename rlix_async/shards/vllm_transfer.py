@@ -82,15 +82,20 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
         if init_info.shm_dir:
             self.shm_dir = Path(init_info.shm_dir)
 
-    def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+    reloading = False  # the layerwise reload runs only once a version is staged
 
-        initialize_layerwise_reload(self.model)
+    def start_weight_update(self) -> None:
+        # The reload itself starts in receive_weights, after the copy succeeded: a
+        # sync that fails before (cache gone, owner unreachable) leaves the model
+        # untouched and serving its previous weights, not half-reloaded.
+        self.reloading = False
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        if self.reloading:
+            finalize_layerwise_reload(self.model, self.model_config)
+            self.reloading = False
 
     def receive_weights(self, update_info: RlixUpdateInfo) -> None:
         """Stage a consistent copy of the version, then load every tensor exactly once.
@@ -112,6 +117,10 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
                 time.sleep(0.01)
                 ref = current_slot_ref(ref, self.shm_dir) or ref
                 continue
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+            self.reloading = True
             self.model.load_weights(staged.named)
             return
         raise SyncError(
