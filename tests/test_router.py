@@ -8,6 +8,8 @@ workers and router are the real ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 from conftest import joined_pipeline
@@ -22,64 +24,61 @@ from rlix_async.shards.worker import ShardState, ShardWorker
 TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0, 1))}
 
 
-async def test_shrink_with_32_requests_in_flight_resumes_every_one(ipc_ep: str) -> None:
+@contextlib.asynccontextmanager
+async def two_shards(
+    ipc_ep: str, token_delay_s: float
+) -> AsyncIterator[tuple[PipelineClient, list[ShardWorker], Router]]:
+    """Coordinator, pipeline P joined, two in-process scripted shard workers, a router."""
     async with Coordinator(ipc_ep, ClusterShape(1, 2)) as co:
         driver = await joined_pipeline(co.endpoint, "P", TOPO)
         workers = [
-            await ShardWorker(ScriptedEngine(token_delay_s=0.01), co.endpoint, "P", r).start()
+            await ShardWorker(
+                ScriptedEngine(token_delay_s=token_delay_s), co.endpoint, "P", r
+            ).start()
             for r in range(2)
         ]
         router = Router(driver)
         try:
-            await driver.report_progress(32, 0, force=True)
-            await driver.request("actor_infer", "GENERATION", timeout=10)
-            max_tokens = 40
-            jobs = [
-                asyncio.ensure_future(router.generate([i + 1, 7], max_tokens)) for i in range(32)
-            ]
-            await asyncio.sleep(0.15)  # all in flight, partly decoded
-            # training needs device 0: shard 0 is shrunk under 16 running requests
-            await driver.report_progress(32, 32)
-            await driver.request("actor_train", "ACTOR_TRAINING", timeout=10)
-            trajs = await asyncio.wait_for(asyncio.gather(*jobs), 60)
-            assert workers[0].state == ShardState.ASLEEP
-            assert len(trajs) == 32  # lost_requests == 0
-            assert all(len(t.token_ids) == max_tokens for t in trajs)
-            assert all(len(t.logprobs) == len(t.versions) == max_tokens for t in trajs)
-            cut = [t for t in trajs if t.resumes]
-            assert cut and all(t.ranks[-1] == 1 for t in cut)
-            decoded = sum(w.decoded_tokens for w in workers)
-            kept = sum(len(t.token_ids) for t in trajs)
-            assert decoded == kept  # wasted_tokens == 0
-            assert {"abort", "drain", "sleep"} <= set(workers[0].phase_ms)
+            yield driver, workers, router
         finally:
             await router.close()
             for w in workers:
                 await w.close()
             await driver.close()
+
+
+async def test_shrink_with_32_requests_in_flight_resumes_every_one(ipc_ep: str) -> None:
+    async with two_shards(ipc_ep, token_delay_s=0.01) as (driver, workers, router):
+        await driver.report_progress(32, 0, force=True)
+        await driver.request("actor_infer", "GENERATION", timeout=10)
+        max_tokens = 40
+        jobs = [asyncio.ensure_future(router.generate([i + 1, 7], max_tokens)) for i in range(32)]
+        await asyncio.sleep(0.15)  # all in flight, partly decoded
+        # training needs device 0: shard 0 is shrunk under 16 running requests
+        await driver.report_progress(32, 32)
+        await driver.request("actor_train", "ACTOR_TRAINING", timeout=10)
+        trajs = await asyncio.wait_for(asyncio.gather(*jobs), 60)
+        assert workers[0].state == ShardState.ASLEEP
+        assert len(trajs) == 32  # lost_requests == 0
+        assert all(len(t.token_ids) == max_tokens for t in trajs)
+        assert all(len(t.logprobs) == len(t.versions) == max_tokens for t in trajs)
+        cut = [t for t in trajs if t.resumes]
+        assert cut and all(t.ranks[-1] == 1 for t in cut)
+        decoded = sum(w.decoded_tokens for w in workers)
+        kept = sum(len(t.token_ids) for t in trajs)
+        assert decoded == kept  # wasted_tokens == 0
+        assert {"abort", "drain", "sleep"} <= set(workers[0].phase_ms)
 
 
 async def test_callers_wait_while_every_shard_sleeps(ipc_ep: str) -> None:
-    async with Coordinator(ipc_ep, ClusterShape(1, 2)) as co:
-        driver = await joined_pipeline(co.endpoint, "P", TOPO)
-        workers = [
-            await ShardWorker(ScriptedEngine(token_delay_s=0.001), co.endpoint, "P", r).start()
-            for r in range(2)
-        ]
-        router = Router(driver)
-        try:
-            pending = asyncio.ensure_future(router.generate([1, 2, 3], 5))
-            await asyncio.sleep(0.5)
-            assert not pending.done()  # no shard awake: it waits, it does not fail
-            await driver.report_progress(10, 0, force=True)
-            await driver.request("actor_infer", "GENERATION", timeout=10)
-            traj = await asyncio.wait_for(pending, 10)
-            assert len(traj.token_ids) == 5
-        finally:
-            await router.close()
-            for w in workers:
-                await w.close()
-            await driver.close()
+    async with two_shards(ipc_ep, token_delay_s=0.001) as (driver, _, router):
+        pending = asyncio.ensure_future(router.generate([1, 2, 3], 5))
+        await asyncio.sleep(0.5)
+        assert not pending.done()  # no shard awake: it waits, it does not fail
+        await driver.report_progress(10, 0, force=True)
+        await driver.request("actor_infer", "GENERATION", timeout=10)
+        traj = await asyncio.wait_for(pending, 10)
+        assert len(traj.token_ids) == 5
 
 
 async def test_killed_shard_process_requests_resume_and_rank_is_freed(ipc_ep: str) -> None:
@@ -154,36 +153,24 @@ async def test_requests_run_only_on_accepted_weight_versions(ipc_ep: str) -> Non
     """A shard behind the accepted versions refuses before decoding: the request goes to
     one that is current, or waits for the sync. (The versions are set on the workers
     directly, as a finished sync would; tests/test_shard_sync.py covers real syncs.)"""
-    async with Coordinator(ipc_ep, ClusterShape(1, 2)) as co:
-        driver = await joined_pipeline(co.endpoint, "P", TOPO)
-        workers = [
-            await ShardWorker(ScriptedEngine(token_delay_s=0.001), co.endpoint, "P", r).start()
-            for r in range(2)
-        ]
-        router = Router(driver)
+    async with two_shards(ipc_ep, token_delay_s=0.001) as (driver, workers, router):
+        await driver.report_progress(10, 0, force=True)
+        await driver.request("actor_infer", "GENERATION", timeout=10)
+        workers[0].synced_version, workers[1].synced_version = "s0", "s1"
+        trajs = await asyncio.gather(
+            *(router.generate([1, 2], 3, accept_versions=lambda: ["s1"]) for _ in range(6))
+        )
+        assert all(t.ranks == [1] and t.versions == ["s1"] * 3 for t in trajs)
+        workers[1].synced_version = "s0"  # both behind: it waits for a sync
+        pending = asyncio.ensure_future(router.generate([1], 3, accept_versions=lambda: ["s1"]))
+        await asyncio.sleep(0.5)
+        assert not pending.done()
+        workers[0].synced_version = "s1"
+        traj = await asyncio.wait_for(pending, 10)
+        assert traj.ranks == [0] and traj.versions == ["s1"] * 3
+        impatient = Router(driver, attempt_timeout_s=0.3)
         try:
-            await driver.report_progress(10, 0, force=True)
-            await driver.request("actor_infer", "GENERATION", timeout=10)
-            workers[0].synced_version, workers[1].synced_version = "s0", "s1"
-            trajs = await asyncio.gather(
-                *(router.generate([1, 2], 3, accept_versions=lambda: ["s1"]) for _ in range(6))
-            )
-            assert all(t.ranks == [1] and t.versions == ["s1"] * 3 for t in trajs)
-            workers[1].synced_version = "s0"  # both behind: it waits for a sync
-            pending = asyncio.ensure_future(router.generate([1], 3, accept_versions=lambda: ["s1"]))
-            await asyncio.sleep(0.5)
-            assert not pending.done()
-            workers[0].synced_version = "s1"
-            traj = await asyncio.wait_for(pending, 10)
-            assert traj.ranks == [0] and traj.versions == ["s1"] * 3
-            impatient = Router(driver, attempt_timeout_s=0.3)
-            try:
-                with pytest.raises(RuntimeError, match="no shard reached an accepted"):
-                    await impatient.generate([1], 3, accept_versions=lambda: ["s9"])
-            finally:
-                await impatient.close()
+            with pytest.raises(RuntimeError, match="no shard reached an accepted"):
+                await impatient.generate([1], 3, accept_versions=lambda: ["s9"])
         finally:
-            await router.close()
-            for w in workers:
-                await w.close()
-            await driver.close()
+            await impatient.close()
