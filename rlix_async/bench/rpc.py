@@ -3,8 +3,9 @@
 The server runs in a child process (spawned, its own event loop); the client in
 this one times ``Ping -> Pong`` calls one at a time (p50/p99), then keeps a window
 of calls in flight (throughput). For ipc, two floors are timed in the same rounds:
-a blocking pyzmq echo and the same echo on our event loop without the protocol. With ``--vs-ray`` the same call pattern runs
-against a Ray actor in the same run, so the comparison shares the machine state.
+a blocking pyzmq echo and the same echo on our event loop without the protocol.
+With ``--vs-ray`` the same call pattern runs against a Ray actor in the same run,
+so the comparison shares the machine state.
 """
 
 from __future__ import annotations
@@ -257,12 +258,11 @@ def run_rpc_bench(cfg: RpcBenchConfig) -> dict[str, Any]:
             raise ValueError(f"unknown transport {cfg.transport!r} (ipc or tcp)")
         ready, stop = ctx.Queue(), ctx.Event()
         procs = [ctx.Process(target=_serve, args=(endpoint, keys_dir, ready, stop), daemon=True)]
-        floor_ready = [ctx.Queue(), ctx.Queue()]
+        floor_ready = []
         if cfg.transport == "ipc":  # the floors are ipc echoes
             stamp = time.time_ns()
-            for target, name, q in zip(
-                (_raw_echo, _asyncio_echo), ("raw", "aio"), floor_ready, strict=True
-            ):
+            for target, name in ((_raw_echo, "raw"), (_asyncio_echo, "aio")):
+                floor_ready.append(q := ctx.Queue())
                 ep = ipc_endpoint(f"bench-{name}-{stamp}")
                 procs.append(ctx.Process(target=target, args=(ep, q), daemon=True))
         for proc in procs:
@@ -271,7 +271,7 @@ def run_rpc_bench(cfg: RpcBenchConfig) -> dict[str, Any]:
             bound = ready.get(timeout=60)
             floors = (
                 (floor_ready[0].get(timeout=60), floor_ready[1].get(timeout=60))
-                if len(procs) > 1
+                if floor_ready
                 else None
             )
             keys = ClientKeys.load(keys_dir) if keys_dir else None
