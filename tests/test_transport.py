@@ -228,3 +228,17 @@ async def test_closed_server_removes_its_ipc_socket_file(ipc_ep) -> None:
             assert await client.call(Ping(seq=1)) == Pong(seq=1)
         assert exists()
     assert not exists()
+
+
+async def test_an_answer_to_a_peer_that_is_gone_is_dropped_not_raised(ipc_ep) -> None:
+    """A reply or error for a peer that left meanwhile (ROUTER_MANDATORY says
+    EHOSTUNREACH) is counted as dropped; it must not surface in the receive loop."""
+    from rlix_async.protocol import Error, Kind, encode
+
+    async with RpcServer(ipc_ep) as server:
+        server.on(Ping, lambda msg, ctx: Pong(seq=msg.seq))
+        parts = [encode(Kind.ERROR, 7, Error(code="x", message="y"))]
+        server._answer(b"gone/peer/0", parts, True)
+        assert server.stats["dropped_sends"] == 1
+        async with RpcClient(server.endpoint, "a/b/0") as client:
+            assert await client.call(Ping(seq=2)) == Pong(seq=2)

@@ -403,8 +403,7 @@ class _Endpoint:
         except Exception as exc:
             self._send_error(route, call_id, ErrorCode.HANDLER_FAILED, str(exc))
             return
-        if not self._try_send(self._routed(route, parts), copy):
-            self._tasks.spawn(self._send_or_drop(route, parts, copy), "reply")
+        self._answer(route, parts, copy)
 
     async def _send_result_async(self, route: Any, call_id: int, result: Any) -> None:
         try:
@@ -417,8 +416,19 @@ class _Endpoint:
     def _send_error(self, route: Any, call_id: int, code: str, detail: str) -> None:
         self.stats["errors_sent"] += 1
         parts = [encode(Kind.ERROR, call_id, Error(code=str(code), message=detail))]
-        if not self._try_send(self._routed(route, parts), True):
-            self._tasks.spawn(self._send_or_drop(route, parts, True), "error")
+        self._answer(route, parts, True)
+
+    def _answer(self, route: Any, parts: list[Any], copy: Any) -> None:
+        """Send a reply or an error now, or from a task once the queue drains; a peer
+        that is gone meanwhile (EHOSTUNREACH) just loses its answer."""
+        try:
+            sent = self._try_send(self._routed(route, parts), copy)
+        except zmq.ZMQError as exc:
+            self.stats["dropped_sends"] += 1
+            log.info("dropping answer to %r: %s", route, exc)
+            return
+        if not sent:
+            self._tasks.spawn(self._send_or_drop(route, parts, copy), "answer")
 
     async def _send_or_drop(self, route: Any, parts: list[Any], copy: Any) -> None:
         try:
