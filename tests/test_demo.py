@@ -39,7 +39,6 @@ def _steps(out: Path, pid: str) -> int:
 @pytest.mark.timeout(1500)
 def test_demo_survives_coordinator_and_pipeline_kills(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    vllm_shm_before = set(Path("/dev/shm").glob("psm_*"))  # vLLM's own queues
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlix_async.cli", "demo", "--out", str(out), "--steps", "12"],
         stdout=subprocess.PIPE,
@@ -85,5 +84,3 @@ def test_demo_survives_coordinator_and_pipeline_kills(tmp_path: Path) -> None:
         assert (out / name).stat().st_size > 0
     assert not _pids(str(out))  # no orphan process
     assert not list(Path("/dev/shm").glob("rlix-band-*"))  # no leftover shared memory
-    # ... not even vLLM's: every shard shut its engine down before the group was killed
-    assert not set(Path("/dev/shm").glob("psm_*")) - vllm_shm_before
