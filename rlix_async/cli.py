@@ -31,7 +31,11 @@ def _cmd_bench_rpc(args: argparse.Namespace) -> int:
     from rlix_async.bench.rpc import RpcBenchConfig, format_rpc_result, run_rpc_bench
 
     cfg = RpcBenchConfig(
-        transport=args.transport, calls=args.calls, window=args.window, vs_ray=args.vs_ray
+        transport=args.transport,
+        calls=args.calls,
+        window=args.window,
+        vs_ray=args.vs_ray,
+        pin=args.pin,
     )
     result = run_rpc_bench(cfg)
     print(json.dumps(result, indent=2) if args.json else format_rpc_result(result))
@@ -468,6 +472,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calls", type=int, default=5000, help="sequential calls timed")
     p.add_argument("--window", type=int, default=64, help="calls in flight for throughput")
     p.add_argument("--vs-ray", action="store_true", help="same pattern against a Ray actor")
+    p.add_argument(
+        "--pin",
+        choices=["none", "shared", "split"],
+        default="none",
+        help="CPU placement: kernel's choice, client and server on one CPU, or one CPU each",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_bench_rpc)
     p = bsub.add_parser("plan", help="planner latency on random realistic snapshots")

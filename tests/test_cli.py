@@ -40,3 +40,13 @@ def test_bench_rpc_json(transport: str) -> None:
     if transport == "ipc":  # the floors are timed in the same rounds
         for floor in ("zmq_floor", "asyncio_floor"):
             assert result[f"{floor}_p99_us"] >= result[f"{floor}_p50_us"] > 0
+
+
+def test_bench_rpc_pinned() -> None:
+    """--pin shared puts client and server on one CPU (the placement PERF.md quotes)."""
+    out = rlix("bench", "rpc", "--pin", "shared", "--calls", "300", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["pin"] == "shared"
+    assert result["client_cpus"] == result["server_cpus"] and len(result["server_cpus"]) == 1
+    assert result["p99_us"] >= result["p50_us"] > 0

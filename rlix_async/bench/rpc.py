@@ -6,12 +6,18 @@ of calls in flight (throughput). For ipc, two floors are timed in the same round
 a blocking pyzmq echo and the same echo on our event loop without the protocol.
 With ``--vs-ray`` the same call pattern runs against a Ray actor in the same run,
 so the comparison shares the machine state.
+
+``--pin`` places the processes: ``none`` leaves it to the kernel, ``shared`` puts
+client and server (and the floors, and Ray's processes) on one CPU, ``split`` the
+client on one CPU and the server on another. On a VM a wake-up across vCPUs costs
+tens of microseconds, which is most of an unpinned round trip (docs/PERF.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import statistics
 import tempfile
 import time
@@ -32,6 +38,27 @@ class RpcBenchConfig:
     window: int = 64
     throughput_s: float = 2.0
     vs_ray: bool = False
+    pin: str = "none"  # none | shared | split
+
+
+def _placement(pin: str) -> tuple[set[int] | None, set[int] | None]:
+    """(client CPUs, server CPUs) for a ``--pin`` mode; None leaves it to the kernel."""
+    if pin == "none":
+        return None, None
+    cpus = sorted(os.sched_getaffinity(0))
+    if pin == "shared":
+        return {cpus[0]}, {cpus[0]}
+    if pin == "split":
+        if len(cpus) < 2:
+            raise ValueError("--pin split needs two CPUs; this process may use one")
+        return {cpus[0]}, {cpus[1]}
+    raise ValueError(f"unknown --pin {pin!r} (none, shared or split)")
+
+
+def _pinned(cpus: set[int] | None, target: Any, *args: Any) -> None:
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    target(*args)
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -45,7 +72,7 @@ def _serve(endpoint: str, keys_dir: str | None, ready: Any, stop: Any) -> None:
         server = RpcServer(endpoint, keys=keys, name="bench-server")
         server.on(Ping, lambda msg, ctx: Pong(seq=msg.seq))
         await server.start()
-        ready.put(server.endpoint)
+        ready.put((server.endpoint, sorted(os.sched_getaffinity(0))))
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, stop.wait)
         await server.close()
@@ -53,17 +80,21 @@ def _serve(endpoint: str, keys_dir: str | None, ready: Any, stop: Any) -> None:
     aio_run(main())
 
 
-def _measure_ray(cfg: RpcBenchConfig) -> dict[str, float]:
+def _measure_ray(cfg: RpcBenchConfig, server_cpus: set[int] | None) -> dict[str, float]:
     import ray
 
     @ray.remote
     class Echo:
+        def __init__(self, cpus: set[int] | None) -> None:
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+
         def ping(self, seq: int) -> int:
             return seq
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        actor = Echo.remote()  # type: ignore[attr-defined]
+        actor = Echo.remote(server_cpus)  # type: ignore[attr-defined]
         for i in range(cfg.warmup):
             ray.get(actor.ping.remote(i))
         lat: list[float] = []
@@ -256,19 +287,31 @@ def run_rpc_bench(cfg: RpcBenchConfig) -> dict[str, Any]:
             endpoint = ipc_endpoint(f"bench-{time.time_ns()}")
         else:
             raise ValueError(f"unknown transport {cfg.transport!r} (ipc or tcp)")
+        client_cpus, server_cpus = _placement(cfg.pin)
         ready, stop = ctx.Queue(), ctx.Event()
-        procs = [ctx.Process(target=_serve, args=(endpoint, keys_dir, ready, stop), daemon=True)]
+        procs = [
+            ctx.Process(
+                target=_pinned,
+                args=(server_cpus, _serve, endpoint, keys_dir, ready, stop),
+                daemon=True,
+            )
+        ]
         floor_ready = []
         if cfg.transport == "ipc":  # the floors are ipc echoes
             stamp = time.time_ns()
             for target, name in ((_raw_echo, "raw"), (_asyncio_echo, "aio")):
                 floor_ready.append(q := ctx.Queue())
                 ep = ipc_endpoint(f"bench-{name}-{stamp}")
-                procs.append(ctx.Process(target=target, args=(ep, q), daemon=True))
+                procs.append(
+                    ctx.Process(target=_pinned, args=(server_cpus, target, ep, q), daemon=True)
+                )
         for proc in procs:
             proc.start()
+        own_cpus = os.sched_getaffinity(0)
+        if client_cpus is not None:
+            os.sched_setaffinity(0, client_cpus)  # Ray, started below, inherits it too
         try:
-            bound = ready.get(timeout=60)
+            bound, served_on = ready.get(timeout=60)
             floors = (
                 (floor_ready[0].get(timeout=60), floor_ready[1].get(timeout=60))
                 if floor_ready
@@ -277,6 +320,9 @@ def run_rpc_bench(cfg: RpcBenchConfig) -> dict[str, Any]:
             keys = ClientKeys.load(keys_dir) if keys_dir else None
             result: dict[str, Any] = {
                 "transport": cfg.transport,
+                "pin": cfg.pin,
+                "client_cpus": sorted(os.sched_getaffinity(0)),
+                "server_cpus": served_on,
                 "calls": cfg.calls,
                 "window": cfg.window,
             }
@@ -287,20 +333,24 @@ def run_rpc_bench(cfg: RpcBenchConfig) -> dict[str, Any]:
                 proc.join(timeout=10)
                 if proc.is_alive():
                     proc.kill()
-    if cfg.vs_ray:
         try:
-            import ray  # noqa: F401
-        except ImportError:
-            result["ray"] = "not installed (pip install 'rlix_async[bench]')"
-        else:
-            result.update(_measure_ray(cfg))
-            result["ray_speedup_p50"] = result["ray_p50_us"] / result["p50_us"]
+            if cfg.vs_ray:
+                try:
+                    import ray  # noqa: F401
+                except ImportError:
+                    result["ray"] = "not installed (pip install 'rlix_async[bench]')"
+                else:
+                    result.update(_measure_ray(cfg, server_cpus))
+                    result["ray_speedup_p50"] = result["ray_p50_us"] / result["p50_us"]
+        finally:
+            os.sched_setaffinity(0, own_cpus)
     return result
 
 
 def format_rpc_result(r: dict[str, Any]) -> str:
     lines = [
-        f"transport {r['transport']}: {r['calls']} sequential calls, window {r['window']}",
+        f"transport {r['transport']}, pin {r.get('pin', 'none')}: {r['calls']} sequential calls, "
+        f"window {r['window']}",
         f"  rlix_async  p50 {r['p50_us']:8.1f} us   p99 {r['p99_us']:8.1f} us   "
         f"throughput {r['throughput_rps']:10.0f} calls/s",
     ]
