@@ -17,9 +17,11 @@ from conftest import joined_pipeline
 from rlix_async.control.client import PipelineClient
 from rlix_async.control.coordinator import Coordinator
 from rlix_async.control.topology import ClusterShape, ClusterSpec
+from rlix_async.shards.messages import Cancel, Generate
 from rlix_async.shards.router import Router
 from rlix_async.shards.scripted import ScriptedEngine
 from rlix_async.shards.worker import ShardState, ShardWorker
+from rlix_async.transport import CallContext
 
 TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0, 1))}
 
@@ -174,3 +176,45 @@ async def test_requests_run_only_on_accepted_weight_versions(ipc_ep: str) -> Non
                 await impatient.generate([1], 3, accept_versions=lambda: ["s9"])
         finally:
             await impatient.close()
+
+
+async def test_cancelled_generate_stops_the_request_on_its_shard(ipc_ep: str) -> None:
+    """A caller that gives up (timeout, dropped group) frees the shard's slot at once
+    instead of leaving the engine decoding to max_tokens."""
+    async with two_shards(ipc_ep, token_delay_s=0.01) as (driver, workers, router):
+        await driver.report_progress(10, 0, force=True)
+        await driver.request("actor_infer", "GENERATION", timeout=10)
+        jobs = [asyncio.ensure_future(router.generate([i + 1, 3], 10_000)) for i in range(4)]
+        await asyncio.sleep(0.3)
+        assert sum(w.engine.num_running() for w in workers) == 4
+        for job in jobs[:3]:
+            job.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*jobs[:3])
+        for _ in range(200):  # the cancel is a notification: give it a moment
+            if sum(w.engine.num_running() for w in workers) == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert sum(w.engine.num_running() for w in workers) == 1  # the fourth runs on
+        assert sum(w.cancelled for w in workers) == 3 and router.cancelled == 3
+        decoded = sum(w.decoded_tokens for w in workers)
+        await asyncio.sleep(0.2)
+        # only the surviving request still decodes (~20 tokens in 0.2 s, not ~80)
+        assert sum(w.decoded_tokens for w in workers) - decoded < 40
+        jobs[3].cancel()
+
+
+async def test_cancel_that_overtakes_its_request_refuses_it(ipc_ep: str) -> None:
+    """Generate and Cancel can be read in one batch, before the request's task runs:
+    the shard remembers the cancel and refuses the request when it starts."""
+    async with two_shards(ipc_ep, token_delay_s=0.01) as (driver, workers, _):
+        await driver.report_progress(10, 0, force=True)
+        await driver.request("actor_infer", "GENERATION", timeout=10)
+        w = workers[0]  # its handlers, called in the order one read batch would
+        w._cancel(Cancel(request_ids=["early.0"]), CallContext("router", 0))
+        with pytest.raises(Exception, match="cancelled"):
+            await w._generate(
+                Generate(request_id="early.0", prompt_ids=[1, 2], max_tokens=5),
+                CallContext("router", 1),
+            )
+        assert w.cancelled == 1 and w.engine.num_running() == 0

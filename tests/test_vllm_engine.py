@@ -183,6 +183,18 @@ async def test_abort_and_pause_modes(engine: VllmEngine, models) -> None:
     await engine.resume()
     assert (await asyncio.wait_for(later, 30)).token_ids == hf_greedy(first, PROMPTS[1], 8)
 
+    # cancel: a consumer that stops reading (a shard whose caller gave up) aborts
+    # the request in vLLM, freeing its slot
+    seen = []
+    job = asyncio.ensure_future(_collect(engine, PROMPTS[0], 200, "c1", seen))
+    await _until_decoded(seen, 3)
+    job.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await job
+    async with asyncio.timeout(10):
+        while engine.num_running():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
 
 @pytest.mark.timeout(400)
 async def test_preempting_a_vllm_shard_with_32_requests_loses_and_wastes_nothing() -> None:

@@ -30,3 +30,10 @@ class GenerateResult(Message):
     logprobs: list[float]
     weight_version: str | None
     preempted: bool = False  # cut by a shrink: resume elsewhere from token_ids
+
+
+class Cancel(Message):
+    """Notification: the caller gave up on these requests (its call was cancelled);
+    the shard stops decoding them and frees their slots."""
+
+    request_ids: Annotated[list[str], msgspec.Meta(min_length=1, max_length=1024)]

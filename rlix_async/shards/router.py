@@ -8,6 +8,9 @@
   kept, so preemption wastes no decoded token. A shard that dies mid-request
   loses only that attempt's tokens (they never reached us); the request is
   resumed from what we have.
+- A caller that cancels ``generate`` (a timeout, a pipeline dropping a group)
+  also stops the request on its shard: the router tells the shard, which
+  aborts it in the engine, so the slot is not held until ``max_tokens``.
 - ``accept_versions`` (called before every attempt) names the weight versions
   the request may run on; a shard still on older weights refuses it before
   decoding, and the request goes to another shard or waits for the sync
@@ -24,10 +27,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rlix_async.aio import Supervisor
 from rlix_async.control.client import PipelineClient
 from rlix_async.protocol import RpcError
 from rlix_async.security import ClientKeys
-from rlix_async.shards.messages import Generate, GenerateResult
+from rlix_async.shards.messages import Cancel, Generate, GenerateResult
 from rlix_async.transport import CallTimeout, ConnectionLost, RpcClient, TransportConfig
 
 log = logging.getLogger(__name__)
@@ -66,8 +70,11 @@ class Router:
         self._n_clients = 0
         self._ids = uuid.uuid4().hex[:8]
         self._n = 0
+        self._tasks = Supervisor("router")
+        self.cancelled = 0  # requests whose caller gave up while a shard served them
 
     async def close(self) -> None:
+        await self._tasks.close()
         for c in self._clients.values():
             await c.close()
         self._clients.clear()
@@ -126,11 +133,13 @@ class Router:
                 await self._settle()
             rank, endpoint = await self._pick(stale)
             self.load[rank] = self.load.get(rank, 0) + 1
+            attempt = f"{rid}.{traj.resumes}"
+            client: RpcClient | None = None
             try:
                 client = await self._client(endpoint)
                 reply = await client.call(
                     Generate(
-                        request_id=f"{rid}.{traj.resumes}",
+                        request_id=attempt,
                         prompt_ids=traj.prompt_ids + traj.token_ids,
                         max_tokens=max_tokens - len(traj.token_ids),
                         temperature=temperature,
@@ -167,6 +176,11 @@ class Router:
                 traj.resumes += 1
                 await self._settle()
                 continue
+            except asyncio.CancelledError:
+                if client is not None:  # the request may be running there: stop it
+                    self.cancelled += 1
+                    self._tasks.spawn(self._cancel(client, attempt, rank), "cancel")
+                raise
             finally:
                 self.load[rank] -= 1
             assert isinstance(reply, GenerateResult)
@@ -179,6 +193,16 @@ class Router:
                 break
             traj.resumes += 1
         return traj
+
+    async def _cancel(self, client: RpcClient, request_id: str, rank: int) -> None:
+        """Best effort: a shard that is gone has no request left to stop."""
+        try:
+            sent = await client.notify(Cancel(request_ids=[request_id]))
+        except (CallTimeout, ConnectionError) as exc:
+            sent = False
+            log.info("shard %d: %s", rank, exc)
+        if not sent:
+            log.info("shard %d: cancel of %s not delivered", rank, request_id)
 
     async def _settle(self) -> None:
         """After a refusal, give the coordinator's rank update a moment to arrive."""

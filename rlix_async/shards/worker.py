@@ -29,13 +29,14 @@ import enum
 import logging
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
 from rlix_async.control import messages as m
 from rlix_async.protocol import RpcError
 from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
-from rlix_async.shards.messages import Generate, GenerateResult
+from rlix_async.shards.messages import Cancel, Generate, GenerateResult
 from rlix_async.transport import CallContext, RpcClient, RpcServer, TransportConfig
 from rlix_async.weights.cache import CacheRef
 
@@ -43,6 +44,10 @@ if TYPE_CHECKING:
     from rlix_async.shards.vllm_engine import GenerationChunk
 
 log = logging.getLogger(__name__)
+# Cancels that arrived before their request started (both come in one read batch);
+# remembered this long, at most this many.
+_EARLY_CANCEL_S = 60.0
+_EARLY_CANCEL_MAX = 4096
 
 
 class ShardState(enum.StrEnum):
@@ -103,6 +108,9 @@ class ShardWorker:
         self._lock = asyncio.Lock()
         self.decoded_tokens = 0  # every token the engine produced here
         self.engine_dead = asyncio.Event()  # set when the engine can no longer serve
+        self.cancelled = 0  # requests stopped because their caller gave up
+        self._requests: dict[str, asyncio.Task[object]] = {}
+        self._early_cancels: OrderedDict[str, float] = OrderedDict()
         self.data = RpcServer(
             data_endpoint or ipc_endpoint(f"{pipeline}-infer-{rank}"),
             keys=data_keys,
@@ -110,6 +118,7 @@ class ShardWorker:
             name=f"shard-{pipeline}-{rank}",
         )
         self.data.on(Generate, self._generate)
+        self.data.on(Cancel, self._cancel)
         self.rpc = RpcClient(
             coordinator,
             f"{pipeline}/infer/{rank}",
@@ -139,6 +148,12 @@ class ShardWorker:
                 f"{self.pipeline}/infer/{self.rank} holds weights {self.synced_version}, "
                 f"the request accepts {msg.accept_versions}",
             )
+        if self._early_cancels.pop(msg.request_id, None) is not None:
+            self.cancelled += 1
+            raise RpcError("cancelled", f"request {msg.request_id} was cancelled by its caller")
+        task = asyncio.current_task()
+        assert task is not None
+        self._requests[msg.request_id] = task
         try:
             return await self._serve(msg)
         except Exception as exc:
@@ -148,6 +163,25 @@ class ShardWorker:
                 )
                 self.engine_dead.set()
             raise
+        finally:
+            self._requests.pop(msg.request_id, None)
+
+    def _cancel(self, msg: Cancel, ctx: CallContext) -> None:
+        """Stop requests whose caller gave up: cancelling the serving task closes the
+        engine's stream, and vLLM aborts a request whose stream is cancelled."""
+        now = time.monotonic()
+        for rid in msg.request_ids:
+            task = self._requests.pop(rid, None)
+            if task is not None:
+                task.cancel()
+                self.cancelled += 1
+            else:  # not started yet (or already done): refuse it if it comes
+                self._early_cancels[rid] = now
+        while self._early_cancels and (
+            len(self._early_cancels) > _EARLY_CANCEL_MAX
+            or now - next(iter(self._early_cancels.values())) > _EARLY_CANCEL_S
+        ):
+            self._early_cancels.popitem(last=False)
 
     async def _serve(self, msg: Generate) -> GenerateResult:
         tokens: list[int] = []
