@@ -130,6 +130,8 @@ def summarize(cfg: LaunchConfig, wall_s: float) -> dict[str, Any]:
             "trajectories_generated": generated,
             "trajectories_trained": trained,
             "trajectories_dropped_stale": dropped,
+            # stopped unfinished: a finished sibling had made their group too old
+            "trajectories_cancelled_stale": last.get("cancelled_stale", 0),
             "trajectories_resumed": last.get("resumed", 0),
             **counts.get(p.id, {"shrinks": 0, "expands": 0, "weight_syncs": 0}),
         }
@@ -211,7 +213,8 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(
             f"  {pid:10s} steps {p['steps']:3d}  reward {p['reward_first']:.3f} -> "
             f"{p['reward_last']:.3f}  generated {p['trajectories_generated']}  trained "
-            f"{p['trajectories_trained']}  stale {p['trajectories_dropped_stale']}  shrinks "
+            f"{p['trajectories_trained']}  stale {p['trajectories_dropped_stale']} "
+            f"(+{p['trajectories_cancelled_stale']} stopped early)  shrinks "
             f"{p['shrinks']}  expands {p['expands']}  syncs {p['weight_syncs']}"
         )
     return "\n".join(lines)

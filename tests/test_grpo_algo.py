@@ -185,3 +185,34 @@ def test_replay_buffer_state_round_trip_and_bad_groups() -> None:
         Group([1], [[1]], [], [[0]], [0.0])
     with pytest.raises(ValueError, match="log-prob"):
         Group([1], [[1, 2]], [[0.0]], [[0, 0]], [0.0])
+
+
+async def test_a_group_is_stopped_once_a_finished_request_is_too_old() -> None:
+    """Driver._stop_if_doomed (called with the two attributes it reads): a finished
+    sibling older than the bound dooms the group, so its unfinished requests are
+    cancelled (the router then stops them on the shards); otherwise nothing happens."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rlix_async.grpo.buffer import ReplayBuffer
+    from rlix_async.grpo.pipeline import Driver
+    from rlix_async.shards.router import Trajectory
+
+    loop = asyncio.get_running_loop()
+
+    def group(*finished_versions: list[str | None]) -> list[asyncio.Future[Trajectory]]:
+        futs: list[asyncio.Future[Trajectory]] = []
+        for versions in finished_versions:
+            f: asyncio.Future[Trajectory] = loop.create_future()
+            f.set_result(Trajectory([1], [7] * len(versions), [0.0] * len(versions), versions))
+            futs.append(f)
+        return [*futs, loop.create_future(), loop.create_future()]  # two still running
+
+    driver = SimpleNamespace(buffer=ReplayBuffer(max_age_steps=1), trainer=SimpleNamespace(step=3))
+    fresh = group(["s2", "s3"])  # age 1 at step 3: usable
+    unknown = group([])  # finished without tokens: no age known
+    doomed = group(["s3"], ["s1", "s2"])  # s1 is two steps old at step 3
+    for requests in (fresh, unknown, doomed):
+        Driver._stop_if_doomed(driver, requests)  # type: ignore[arg-type]
+    assert not any(f.cancelled() for f in fresh + unknown)
+    assert [f.cancelled() for f in doomed] == [False, False, True, True]

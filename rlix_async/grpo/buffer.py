@@ -50,9 +50,14 @@ class ReplayBuffer:
         self.groups.append(group)
         self.added += len(group.responses)
 
+    def too_old(self, oldest_version: int, version: int) -> bool:
+        """Tokens from ``oldest_version`` are past the bound for a trainer at ``version``
+        (and for every later one: a group that is too old never becomes usable)."""
+        return version - oldest_version > self.max_age_steps
+
     def drop_stale(self, version: int) -> int:
         """Drop groups too old for a trainer at ``version``; returns trajectories dropped."""
-        keep = deque(g for g in self.groups if version - g.oldest_version <= self.max_age_steps)
+        keep = deque(g for g in self.groups if not self.too_old(g.oldest_version, version))
         dropped = sum(len(g.responses) for g in self.groups) - sum(len(g.responses) for g in keep)
         self.groups = keep
         self.dropped_stale += dropped
@@ -61,9 +66,7 @@ class ReplayBuffer:
     def fresh(self, version: int) -> int:
         """Trajectories a trainer at ``version`` may still use."""
         return sum(
-            len(g.responses)
-            for g in self.groups
-            if version - g.oldest_version <= self.max_age_steps
+            len(g.responses) for g in self.groups if not self.too_old(g.oldest_version, version)
         )
 
     def room(self, version: int, batch: int, training: bool) -> int:
@@ -77,7 +80,7 @@ class ReplayBuffer:
         return (self.max_age_steps + 1 - int(training)) * batch - self.fresh(version)
 
     def ready(self, version: int, groups: int) -> bool:
-        return sum(version - g.oldest_version <= self.max_age_steps for g in self.groups) >= groups
+        return sum(not self.too_old(g.oldest_version, version) for g in self.groups) >= groups
 
     def take(self, version: int, groups: int) -> list[Group]:
         """``groups`` fresh-enough groups, oldest weights first (stale ones are dropped

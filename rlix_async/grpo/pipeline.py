@@ -39,6 +39,7 @@ from rlix_async.grpo.buffer import Group, ReplayBuffer
 from rlix_async.grpo.tasks import Task, make_task
 from rlix_async.grpo.trainer import TorchTrainer, TrainerConfig, latest_checkpoint
 from rlix_async.hooks import ClusterHooks, PipelineHooks
+from rlix_async.shards.router import Trajectory
 
 log = logging.getLogger("rlix_async.grpo")
 STORE_TIMEOUT_S = 3600.0
@@ -112,6 +113,10 @@ class Driver:
         self.failed = 0  # trajectories whose generation raised: counted, never hidden
         self.generated = 0
         self.resumed = 0
+        # requests stopped unfinished because a finished sibling made their group too
+        # old to train on (the group was bound to be dropped: why finish decoding it)
+        self.cancelled_stale = 0
+        self._groups: list[list[asyncio.Future[Trajectory]]] = []  # requests in flight
         self.hooks: PipelineHooks | None = None
         self._room = asyncio.Event()
         self.training = False  # a batch is taken and its step not yet published
@@ -126,6 +131,7 @@ class Driver:
         self.rng.setstate(ckpt["driver_rng"])
         self.generated = ckpt.get("generated", 0)
         self.failed = ckpt.get("failed", 0)
+        self.cancelled_stale = ckpt.get("cancelled_stale", 0)
 
     async def run(self, cache: Any) -> None:
         from rlix_async.security import ClientKeys
@@ -182,6 +188,8 @@ class Driver:
             self.store.set(f"batch/{version}", pickle.dumps(batch))
         stats = await asyncio.to_thread(self._train, batch)
         step = self.trainer.step
+        for group in self._groups:  # the step moved on: some groups can no longer be used
+            self._stop_if_doomed(group)
         if step % self.cfg.checkpoint_every == 0 or step == self.cfg.steps:
             await asyncio.to_thread(self._save, self.out / "ckpt" / f"step_{step}.pt")
         await asyncio.to_thread(self.trainer.offload)  # never block heartbeats
@@ -205,6 +213,7 @@ class Driver:
             "dropped_stale": self.buffer.dropped_stale,
             "buffered": len(self.buffer),
             "failed": self.failed,
+            "cancelled_stale": self.cancelled_stale,
             "resumed": self.resumed,
             "active_shards": len(self.hooks.client.active_ranks),
             "time": time.time(),
@@ -236,6 +245,7 @@ class Driver:
                 "driver_rng": self.rng.getstate(),
                 "generated": self.generated,
                 "failed": self.failed,
+                "cancelled_stale": self.cancelled_stale,
             },
         )
 
@@ -280,28 +290,36 @@ class Driver:
         def accept_versions() -> list[str]:  # newer weights are always fine
             return [version_str(v) for v in range(max(oldest, 0), self.trainer.step + 1)]
 
-        try:
-            results = await asyncio.gather(
-                *(
-                    self.hooks.router.generate(
-                        prompt,
-                        self.cfg.max_tokens,
-                        temperature=self.cfg.temperature,
-                        accept_versions=accept_versions,
-                    )
-                    for _ in range(self.cfg.group_size)
-                ),
-                return_exceptions=True,
+        requests = [
+            asyncio.ensure_future(
+                self.hooks.router.generate(
+                    prompt,
+                    self.cfg.max_tokens,
+                    temperature=self.cfg.temperature,
+                    accept_versions=accept_versions,
+                )
             )
+            for _ in range(self.cfg.group_size)
+        ]
+        self._groups.append(requests)
+        for r in requests:
+            r.add_done_callback(lambda _: self._stop_if_doomed(requests))
+        try:
+            results = await asyncio.gather(*requests, return_exceptions=True)
             trajs = [r for r in results if not isinstance(r, BaseException)]
+            cancelled = sum(isinstance(r, asyncio.CancelledError) for r in results)
             for r in results:
                 if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
                     log.error("%s: a trajectory failed: %s", self.cfg.id, r)
-            self.failed += len(results) - len(trajs)
+            self.failed += len(results) - len(trajs) - cancelled
             self.generated += len(trajs)
+            self.resumed += sum(1 for t in trajs if t.resumes)
+            if cancelled:  # doomed: what finished is dropped as stale, nothing is trained
+                self.cancelled_stale += cancelled
+                self.buffer.dropped_stale += len(trajs)
+                return
             if len(trajs) < 2:
                 return
-            self.resumed += sum(1 for t in trajs if t.resumes)
             group = Group(
                 prompt=prompt,
                 responses=[t.token_ids for t in trajs],
@@ -313,8 +331,26 @@ class Driver:
             self.buffer.add(group)
             await self._report()
         finally:
+            self._groups.remove(requests)
+            for r in requests:  # this task cancelled (shutdown): its requests end with it
+                r.cancel()
             self.in_flight -= 1
             self._room.set()
+
+    def _stop_if_doomed(self, requests: list[asyncio.Future[Trajectory]]) -> None:
+        """Cancel a group's unfinished requests once a finished one is too old to train
+        on at the current step: the whole group would be dropped, so stop decoding it
+        (the router tells the shards) and let fresh groups have the slots."""
+        finished = [
+            r.result() for r in requests if r.done() and not r.cancelled() and not r.exception()
+        ]
+        oldest = min(
+            (version_int(v) for t in finished for v in t.versions if v is not None), default=None
+        )
+        if oldest is None or not self.buffer.too_old(oldest, self.trainer.step):
+            return
+        for r in requests:
+            r.cancel()
 
 
 def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
