@@ -142,6 +142,8 @@ def test_replay_buffer_drops_and_counts_stale_groups() -> None:
         buf.add(_group(v))
     assert [g.oldest_version for g in buf.take(version=3, groups=2)] == [2, 2]
     assert [g.oldest_version for g in buf.groups] == [3]
+    buf.add_stale(3)  # finished part of a group stopped early: dropped, still accounted
+    assert buf.dropped_stale == 7 and buf.added == buf.trained + buf.dropped_stale + len(buf)
 
 
 @settings(max_examples=200, deadline=None)

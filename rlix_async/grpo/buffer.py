@@ -50,6 +50,12 @@ class ReplayBuffer:
         self.groups.append(group)
         self.added += len(group.responses)
 
+    def add_stale(self, trajectories: int) -> None:
+        """Count trajectories known to be too old before they were added (a group
+        stopped early because a finished sibling was): added and dropped at once."""
+        self.added += trajectories
+        self.dropped_stale += trajectories
+
     def too_old(self, oldest_version: int, version: int) -> bool:
         """Tokens from ``oldest_version`` are past the bound for a trainer at ``version``
         (and for every later one: a group that is too old never becomes usable)."""

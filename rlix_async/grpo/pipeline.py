@@ -316,7 +316,7 @@ class Driver:
             self.resumed += sum(1 for t in trajs if t.resumes)
             if cancelled:  # doomed: what finished is dropped as stale, nothing is trained
                 self.cancelled_stale += cancelled
-                self.buffer.dropped_stale += len(trajs)
+                self.buffer.add_stale(len(trajs))
                 return
             if len(trajs) < 2:
                 return
