@@ -16,11 +16,13 @@ tens of microseconds, which is most of an unpinned round trip (docs/PERF.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +55,18 @@ def _placement(pin: str) -> tuple[set[int] | None, set[int] | None]:
             raise ValueError("--pin split needs two CPUs; this process may use one")
         return {cpus[0]}, {cpus[1]}
     raise ValueError(f"unknown --pin {pin!r} (none, shared or split)")
+
+
+@contextlib.contextmanager
+def _running_on(cpus: set[int] | None) -> Iterator[None]:
+    """This process on ``cpus`` for the block (processes started in it inherit them)."""
+    own = os.sched_getaffinity(0)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
 
 
 def _pinned(cpus: set[int] | None, target: Any, *args: Any) -> None:
@@ -307,10 +321,7 @@ def run_rpc_bench(cfg: RpcBenchConfig) -> dict[str, Any]:
                 )
         for proc in procs:
             proc.start()
-        own_cpus = os.sched_getaffinity(0)
-        if client_cpus is not None:
-            os.sched_setaffinity(0, client_cpus)  # Ray, started below, inherits it too
-        try:
+        with _running_on(client_cpus), _stopping(procs, stop):
             bound, served_on = ready.get(timeout=60)
             floors = (
                 (floor_ready[0].get(timeout=60), floor_ready[1].get(timeout=60))
@@ -327,24 +338,29 @@ def run_rpc_bench(cfg: RpcBenchConfig) -> dict[str, Any]:
                 "window": cfg.window,
             }
             result.update(aio_run(_measure(bound, keys, floors, cfg)))
-        finally:
-            stop.set()
-            for proc in procs:
-                proc.join(timeout=10)
-                if proc.is_alive():
-                    proc.kill()
+    if cfg.vs_ray:
         try:
-            if cfg.vs_ray:
-                try:
-                    import ray  # noqa: F401
-                except ImportError:
-                    result["ray"] = "not installed (pip install 'rlix_async[bench]')"
-                else:
-                    result.update(_measure_ray(cfg, server_cpus))
-                    result["ray_speedup_p50"] = result["ray_p50_us"] / result["p50_us"]
-        finally:
-            os.sched_setaffinity(0, own_cpus)
+            import ray  # noqa: F401
+        except ImportError:
+            result["ray"] = "not installed (pip install 'rlix_async[bench]')"
+        else:
+            with _running_on(client_cpus):  # Ray's processes, started there, inherit it
+                result.update(_measure_ray(cfg, server_cpus))
+            result["ray_speedup_p50"] = result["ray_p50_us"] / result["p50_us"]
     return result
+
+
+@contextlib.contextmanager
+def _stopping(procs: list[Any], stop: Any) -> Iterator[None]:
+    """Stop the server processes after the block, killing any that hang."""
+    try:
+        yield
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
 
 
 def format_rpc_result(r: dict[str, Any]) -> str:

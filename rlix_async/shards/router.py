@@ -198,9 +198,8 @@ class Router:
         """Best effort: a shard that is gone has no request left to stop."""
         try:
             sent = await client.notify(Cancel(request_ids=[request_id]))
-        except (CallTimeout, ConnectionError) as exc:
+        except (CallTimeout, ConnectionError):
             sent = False
-            log.info("shard %d: %s", rank, exc)
         if not sent:
             log.info("shard %d: cancel of %s not delivered", rank, request_id)
 
