@@ -16,12 +16,15 @@ import argparse
 import asyncio
 import random
 
-from rlix_async.control.topology import ClusterSpec
-from rlix_async.grpo.buffer import Group
-from rlix_async.grpo.tasks import target_tokens
-from rlix_async.grpo.trainer import TorchTrainer, TrainerConfig
-from rlix_async.hooks import ClusterHooks
-from rlix_async.weights.cache import WeightCache
+from rlix_async import (
+    ClusterHooks,
+    ClusterSpec,
+    Group,
+    TorchTrainer,
+    TrainConfig,
+    WeightCache,
+    target_tokens,
+)
 
 PROMPTS, SAMPLES = 4, 4
 
@@ -31,14 +34,14 @@ async def main(endpoint: str, steps: int) -> None:
         "actor_train": ClusterSpec(tp=1, devices=(0,)),
         "actor_infer": ClusterSpec(tp=1, devices=(0, 1)),
     }
-    trainer = TorchTrainer(TrainerConfig(lr=1e-2))  # or your own model + optimizer
+    trainer = TorchTrainer(TrainConfig(lr=1e-2))  # or your own model + optimizer
     hooks = await ClusterHooks.join(endpoint, "my-experiment", topology)
     task = target_tokens()
     cache = WeightCache("my-experiment")
     rng = random.Random(0)
     try:
-        cache.build("s0", trainer.weights_for_cache())
-        await hooks.after_training(0, cache.promote("s0"))  # shards start from s0
+        cache.build(0, trainer.weights_for_cache())
+        await hooks.after_training(0, cache.promote(0))  # shards start from version 0
         for step in range(1, steps + 1):
             groups = []
             await hooks.report_progress(PROMPTS, 0)  # demand: the planner wakes shards
@@ -60,8 +63,8 @@ async def main(endpoint: str, steps: int) -> None:
             await hooks.before_training(step)  # waits for the training devices
             # off the event loop, so heartbeats and the router keep running
             stats = await asyncio.to_thread(trainer.train_step, groups)
-            cache.build(f"s{step}", trainer.weights_for_cache())
-            await hooks.after_training(step, cache.promote(f"s{step}"))  # release + publish
+            cache.build(step, trainer.weights_for_cache())
+            await hooks.after_training(step, cache.promote(step))  # release + publish
             reward = sum(r for g in groups for r in g.rewards) / (PROMPTS * SAMPLES)
             print(f"step {step}: reward {reward:.3f} loss {stats['loss']:.4f}")
         await hooks.clear_progress()

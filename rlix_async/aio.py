@@ -69,3 +69,14 @@ class Supervisor:
             t.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
+
+
+async def until_signalled() -> None:
+    """Return on SIGINT or SIGTERM (a process main serves until then)."""
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -1,6 +1,7 @@
 """``rlix-async demo [--out DIR]``: two async GRPO pipelines time-sharing 4 logical devices.
 
-Pipeline ``band-low`` trains on device 0 and rolls out on 0-2; ``band-high``
+The config is ``rlix_async/demo.yaml`` (also ``examples/pipelines.yaml``):
+pipeline ``band-low`` trains on device 0 and rolls out on 0-2; ``band-high``
 trains on device 3 and rolls out on 1-3. Devices 1 and 2 are shared rollout
 capacity, and each trainer's device is also one of its own rollout shards, so
 every training step shrinks a shard and the other pipeline's demand decides
@@ -16,59 +17,27 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
-from rlix_async.launch import LaunchConfig, Launcher
+from rlix_async.config import LaunchConfig, convert
+from rlix_async.control.journal import Expanded, ShardSynced, Shrunk, read_journal
+from rlix_async.launch import Launcher
 
 STEPS = 15
 
 
-def demo_config(out: str, steps: int = STEPS, engine: str = "vllm") -> LaunchConfig:
-    common: dict[str, Any] = {
-        "steps": steps,
-        "groups_per_step": 8,
-        "group_size": 4,
-        "max_tokens": 12,
-        "max_trajectory_age_steps": 1,
-        "max_groups_in_flight": 6,
-        "lr": 1e-2,
-    }
-    raw = {
-        "out": out,
-        "cluster": {"nodes": 1, "gpus_per_node": 4},
-        "shard": {"engine": engine, "kv_cache_mb": 32, "max_model_len": 128},
-        "lease_timeout_s": 60.0,
-        "pipelines": [
-            {
-                "id": "band-low",
-                "nproc": 2,
-                "seed": 1,
-                "loss": "dapo",
-                "task": {"name": "target_tokens", "lo": 0, "hi": 32},
-                "clusters": {
-                    "actor_train": {"tp": 1, "devices": [0]},
-                    "actor_infer": {"tp": 1, "devices": [0, 1, 2]},
-                },
-                **common,
-            },
-            {
-                "id": "band-high",
-                "nproc": 1,
-                "seed": 2,
-                "loss": "cispo",
-                "task": {"name": "target_tokens", "lo": 256, "hi": 288},
-                "clusters": {
-                    "actor_train": {"tp": 1, "devices": [3]},
-                    "actor_infer": {"tp": 1, "devices": [1, 2, 3]},
-                },
-                **common,
-            },
-        ],
-    }
-    return msgspec.convert(raw, LaunchConfig)
+def demo_config(out: str, steps: int = STEPS, overrides: Sequence[str] = ()) -> LaunchConfig:
+    """The packaged demo config, writing to ``out``, every pipeline running ``steps``."""
+    import yaml
+
+    raw = yaml.safe_load(files("rlix_async").joinpath("demo.yaml").read_text())
+    raw["out"] = out
+    for p in raw["pipelines"]:
+        p["steps"] = steps
+    return convert(raw, LaunchConfig, "rlix_async/demo.yaml", overrides)
 
 
 def read_metrics(out: Path, pid: str) -> list[dict[str, Any]]:
@@ -87,24 +56,19 @@ def read_metrics(out: Path, pid: str) -> list[dict[str, Any]]:
 
 
 def journal_counts(journal: Path) -> dict[str, dict[str, int]]:
+    """Shard shrinks, expands and weight syncs per pipeline, from the journal."""
     counts: dict[str, dict[str, int]] = {}
     if not journal.exists():
         return counts
-    for line in journal.read_text().splitlines():
-        try:
-            ev = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        pid = ev.get("pipeline")
-        if pid is None:
-            continue
-        c = counts.setdefault(pid, {"shrinks": 0, "expands": 0, "weight_syncs": 0})
-        if ev["ev"] == "shrink":
-            c["shrinks"] += len(ev.get("ranks", []))
-        elif ev["ev"] == "expand":
-            c["expands"] += len(ev.get("ranks", []))
-        elif ev["ev"] == "synced":
-            c["weight_syncs"] += 1
+    for ev in read_journal(journal):
+        c = counts.setdefault(ev.pipeline, {"shrinks": 0, "expands": 0, "weight_syncs": 0})
+        match ev:
+            case Shrunk():
+                c["shrinks"] += len(ev.ranks)
+            case Expanded():
+                c["expands"] += len(ev.ranks)
+            case ShardSynced():
+                c["weight_syncs"] += 1
     return counts
 
 
@@ -158,12 +122,12 @@ def plot_rewards(cfg: LaunchConfig, path: Path) -> None:
     plt.close(fig)
 
 
-def run_demo(out: str, steps: int = STEPS, engine: str = "vllm") -> dict[str, Any]:
+def run_demo(out: str, steps: int = STEPS, overrides: Sequence[str] = ()) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from rlix_async.control.timeline import draw_timeline
+    from rlix_async.observe.timeline import draw_timeline
 
-    cfg = demo_config(out, steps, engine)
+    cfg = demo_config(out, steps, overrides)
     outp = Path(out)
     journal = outp / "journal.jsonl"
     if journal.exists():

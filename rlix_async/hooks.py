@@ -25,7 +25,7 @@ from rlix_async.control.topology import ClusterSpec
 from rlix_async.security import ClientKeys
 from rlix_async.shards.router import Router
 from rlix_async.transport import TransportConfig
-from rlix_async.weights.cache import CacheRef
+from rlix_async.weights.ref import CacheRef
 
 TRAIN = "actor_train"
 log = logging.getLogger(__name__)

@@ -1,37 +1,24 @@
 """``rlix-async launch PIPELINES.yaml``: everything on one machine, stopped cleanly.
 
-Starts the coordinator (journal under ``out``), one shard worker process per
-rollout rank of every pipeline (vLLM), then each pipeline's torchrun job. It
-supervises them: a coordinator that dies is restarted on the same journal (the
-pipelines and shards reconnect), a pipeline that dies is restarted with
+Reads a :class:`~rlix_async.config.LaunchConfig`, writes one config file per
+process it starts (``OUT/coordinator.yaml``, ``OUT/<id>/shard-<rank>.yaml``,
+``OUT/<id>/pipeline.yaml``: what each process runs with, every default
+written out) and starts the coordinator (journal under ``OUT``), one shard
+worker per rollout rank of every pipeline, then each pipeline's torchrun job.
+
+It supervises them: a coordinator that dies is restarted on the same journal
+(the pipelines and shards reconnect), a pipeline that dies is restarted with
 ``--resume`` from its newest checkpoint (twice at most, then the run stops),
-a shard worker whose engine died is replaced. Ctrl-C,
-SIGTERM or a failure stops every process (each leader is asked first and
-stops its children in order; then its whole process group is killed, so no
-orphans: vLLM's engine cores and torchrun's ranks go with their parents) and
-removes the pipelines' shared-memory segments.
-
-Config (YAML or JSON)::
-
-    out: rlix-out
-    cluster: {nodes: 1, gpus_per_node: 4}
-    shard: {engine: vllm, kv_cache_mb: 64, max_model_len: 256}
-    pipelines:
-      - id: math-a
-        nproc: 1                       # torchrun ranks (trainer DDP world)
-        steps: 10
-        task: {name: target_tokens, lo: 0, hi: 32}
-        clusters:
-          actor_train: {tp: 1, devices: [0]}
-          actor_infer: {tp: 1, devices: [0, 1, 2]}
-
-Every other pipeline key is a ``PipelineConfig`` field (rlix_async/grpo/pipeline.py).
+a shard worker whose engine died is replaced. Ctrl-C, SIGTERM or a failure
+stops every process (each leader is asked first and stops its children in
+order; then its whole process group is killed, so no orphans: vLLM's engine
+cores and torchrun's ranks go with their parents) and removes the pipelines'
+shared-memory segments.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -39,53 +26,26 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from types import FrameType
+from typing import IO
 
 import msgspec
 
-from rlix_async.grpo.pipeline import PipelineConfig
+from rlix_async.config import (
+    CoordinatorConfig,
+    LaunchConfig,
+    PipelineConfig,
+    ShardConfig,
+    dump,
+)
+from rlix_async.control.topology import INFER
 from rlix_async.security import ipc_endpoint
-from rlix_async.weights.cache import remove_pipeline_segments
+from rlix_async.weights.shm import remove_pipeline_segments
 
 log = logging.getLogger(__name__)
-
-
-class ShardIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    engine: str = "vllm"  # vllm | scripted (scripted is a test double)
-    kv_cache_mb: int = 64
-    max_model_len: int = 256
-    dtype: str = "float32"
-
-
-class ClusterShapeIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    nodes: int = 1
-    gpus_per_node: int = 4
-
-
-class PipelineIn(PipelineConfig, forbid_unknown_fields=True):
-    nproc: int = 1
-
-
-class LaunchConfig(msgspec.Struct, forbid_unknown_fields=True):
-    pipelines: list[PipelineIn]
-    out: str = "rlix-out"
-    cluster: ClusterShapeIn = ClusterShapeIn()
-    shard: ShardIn = ShardIn()
-    lease_timeout_s: float = 60.0
-
-
-def load_launch_config(path: str | Path) -> LaunchConfig:
-    import yaml
-
-    try:
-        raw = yaml.safe_load(Path(path).read_text())
-        return msgspec.convert(raw, LaunchConfig)
-    except (OSError, yaml.YAMLError) as exc:
-        raise SystemExit(f"{path}: cannot read launch config: {exc}") from None
-    except msgspec.ValidationError as exc:
-        raise SystemExit(f"{path}: invalid launch config: {exc}") from None
 
 
 @dataclass
@@ -137,6 +97,17 @@ class Proc:
             self._log = None
 
 
+def _write(path: Path, cfg: msgspec.Struct) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump(cfg))
+    return path
+
+
+def _cli(*args: str) -> list[str]:
+    """A child ``rlix-async`` process; its log keeps tracebacks (--debug)."""
+    return [sys.executable, "-m", "rlix_async.cli", "--debug", *args]
+
+
 class Launcher:
     def __init__(self, cfg: LaunchConfig, *, resume: bool = False) -> None:
         self.cfg = cfg
@@ -152,30 +123,18 @@ class Launcher:
         self.max_shard_restarts = 3
         self.max_pipeline_restarts = 2  # each resumes from its newest checkpoint
 
-    def _py(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", *args]
-
     def start(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
-        c = self.cfg.cluster
+        coordinator = CoordinatorConfig(
+            cluster=self.cfg.cluster,
+            endpoint=self.endpoint,
+            journal=str(self.out / "journal.jsonl"),
+            scheduler=self.cfg.scheduler,
+        )
+        path = _write(self.out / "coordinator.yaml", coordinator)
         self.coordinator = Proc(
-            "coordinator",
-            self._py(
-                "rlix_async.cli",
-                "coordinator",
-                "--endpoint",
-                self.endpoint,
-                "--nodes",
-                str(c.nodes),
-                "--gpus-per-node",
-                str(c.gpus_per_node),
-                "--journal",
-                str(self.out / "journal.jsonl"),
-                "--lease-timeout",
-                str(self.cfg.lease_timeout_s),
-            ),
-            self.logs / "coordinator.log",
+            "coordinator", _cli("coordinator", "--config", str(path)), self.logs / "coordinator.log"
         )
         self.coordinator.start(self.env)
         for p in self.cfg.pipelines:
@@ -185,38 +144,34 @@ class Launcher:
             self.pipelines[p.id] = self._pipeline_proc(p, resume=self.resume)
             self.pipelines[p.id].start(self.env)
 
-    def _start_shards(self, p: PipelineIn) -> None:
-        from rlix_async.models.tiny import save_tiny_llama
+    def _model_dir(self, p: PipelineConfig) -> Path:
+        """The pipeline's model directory; a tiny random Llama is written once if unset."""
+        if p.model.path:
+            return Path(p.model.path)
+        model_dir = self.out / p.id / "model"
+        if not (model_dir / "config.json").exists():
+            from rlix_async.models.tiny import save_tiny_llama
 
-        model_dir = Path(p.model_path) if p.model_path else self.out / p.id / "model"
-        if not p.model_path and not (model_dir / "config.json").exists():
-            save_tiny_llama(model_dir, seed=p.seed, **p.model)
-        infer = p.clusters.get("actor_infer")
-        if infer is None:
-            return
-        s = self.cfg.shard
-        for rank in range(len(infer.devices) // infer.tp):
-            argv = self._py(
-                "rlix_async.cli",
-                "shard",
-                "--engine",
-                s.engine,
-                "--pipeline",
-                p.id,
-                "--rank",
-                str(rank),
-                "--coordinator",
-                self.endpoint,
-                "--model",
-                str(model_dir),
-                "--dtype",
-                s.dtype,
-                "--max-model-len",
-                str(s.max_model_len),
-                "--kv-cache-mb",
-                str(s.kv_cache_mb),
+            save_tiny_llama(model_dir, seed=p.seed, **p.model.tiny)
+        return model_dir
+
+    def _start_shards(self, p: PipelineConfig) -> None:
+        model_dir = self._model_dir(p)
+        infer = p.clusters[INFER]
+        for rank in range(infer.dp):
+            shard = ShardConfig(
+                pipeline=p.id,
+                rank=rank,
+                model=str(model_dir),
+                coordinator=self.endpoint,
+                engine=self.cfg.engine,
             )
-            proc = Proc(f"shard {p.id}/{rank}", argv, self.logs / f"shard-{p.id}-{rank}.log")
+            path = _write(self.out / p.id / f"shard-{rank}.yaml", shard)
+            proc = Proc(
+                f"shard {p.id}/{rank}",
+                _cli("shard", "--config", str(path)),
+                self.logs / f"shard-{p.id}-{rank}.log",
+            )
             proc.start(self.env)
             self.shards.append(proc)
 
@@ -235,23 +190,20 @@ class Launcher:
                 raise RuntimeError(f"shard workers not ready after {timeout_s:.0f}s: {names}")
             time.sleep(0.5)
 
-    def _pipeline_proc(self, p: PipelineIn, *, resume: bool) -> Proc:
-        conf = msgspec.to_builtins(p)
-        conf.pop("nproc")
-        conf["out"] = str(self.out)
-        conf["coordinator"] = self.endpoint
-        path = self.out / p.id / "config.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(conf, indent=2))
-        argv = self._py(
+    def _pipeline_proc(self, p: PipelineConfig, *, resume: bool) -> Proc:
+        run = msgspec.structs.replace(p, out=str(self.out), coordinator=self.endpoint)
+        path = _write(self.out / p.id / "pipeline.yaml", run)
+        argv = [
+            sys.executable,
+            "-m",
             "torch.distributed.run",
             "--standalone",
             f"--nproc-per-node={p.nproc}",
             "-m",
-            "rlix_async.grpo.pipeline",
+            "rlix_async.pipeline",
             "--config",
             str(path),
-        )
+        ]
         if resume:
             argv.append("--resume")
         return Proc(f"pipeline {p.id}", argv, self.logs / f"pipeline-{p.id}.log")
@@ -305,13 +257,13 @@ class Launcher:
                 raise RuntimeError(f"pipeline {pid} failed (exit {code}); see {proc.log_path}")
         return len(self.exit_codes) < len(self.pipelines)
 
-    def run(self, poll_s: float = 0.5, on_poll: Any = None) -> None:
+    def run(self, poll_s: float = 0.5, on_poll: Callable[[Launcher], None] | None = None) -> None:
         """Start and supervise until every pipeline finished; always stops everything.
 
         SIGTERM is turned into KeyboardInterrupt so the cleanup runs for it too.
         """
 
-        def _terminated(signum: int, frame: Any) -> None:
+        def _terminated(signum: int, frame: FrameType | None) -> None:
             raise KeyboardInterrupt(f"signal {signum}")
 
         previous = signal.signal(signal.SIGTERM, _terminated)
@@ -320,7 +272,7 @@ class Launcher:
         finally:
             signal.signal(signal.SIGTERM, previous)
 
-    def _run(self, poll_s: float, on_poll: Any) -> None:
+    def _run(self, poll_s: float, on_poll: Callable[[Launcher], None] | None) -> None:
         try:
             self.start()
             while self.step():

@@ -22,7 +22,7 @@ import msgspec
 
 # Bump when a message changes incompatibly; peers of another version are refused
 # at hello with a message that names both versions.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]

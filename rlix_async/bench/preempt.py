@@ -28,10 +28,11 @@ from typing import Any
 
 from rlix_async.control.client import PipelineClient
 from rlix_async.control.coordinator import Coordinator
+from rlix_async.control.messages import ShardState
 from rlix_async.control.topology import ClusterShape, ClusterSpec
 from rlix_async.security import ipc_endpoint
 from rlix_async.shards.router import Router, Trajectory
-from rlix_async.shards.worker import ShardState, ShardWorker
+from rlix_async.shards.worker import ShardWorker
 from rlix_async.weights.cache import WeightCache
 
 TOPOLOGY = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0, 1))}
@@ -53,19 +54,15 @@ async def run_preempt_bench(
     kv_cache_mb: int = 64,
     timeout_s: float = 300.0,
 ) -> dict[str, Any]:
+    from rlix_async.config import EngineConfig
     from rlix_async.models.tiny import save_tiny_llama, tiny_llama
-    from rlix_async.shards.vllm_engine import VllmEngine, VllmEngineConfig
+    from rlix_async.shards.vllm_engine import VllmEngine
 
     pid = f"bp{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory(prefix="rlix-bench-preempt-") as tmp:
         model_dir = save_tiny_llama(Path(tmp) / "model", seed=0)
-        cfg = VllmEngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            max_model_len=512,
-            kv_cache_memory_bytes=kv_cache_mb << 20,
-        )
-        engines = [VllmEngine(cfg) for _ in range(2)]
+        cfg = EngineConfig(dtype="float32", max_model_len=512, kv_cache_mb=kv_cache_mb)
+        engines = [VllmEngine(str(model_dir), cfg) for _ in range(2)]
         cache = WeightCache(pid, bucket_bytes=1 << 20)
         workers: list[ShardWorker] = []
         co = Coordinator(ipc_endpoint(f"bench-preempt-{pid}"), ClusterShape(1, 2))
@@ -77,8 +74,8 @@ async def run_preempt_bench(
             await driver.admit()
             for rank, engine in enumerate(engines):
                 workers.append(await ShardWorker(engine, co.endpoint, pid, rank).start())
-            cache.build("v1", tiny_llama(seed=1).state_dict())
-            await driver.publish_weights(cache.promote("v1"))
+            cache.build(1, tiny_llama(seed=1).state_dict())
+            await driver.publish_weights(cache.promote(1))
             rows = [
                 await _round(driver, router, workers, i, requests, max_tokens, timeout_s)
                 for i in range(rounds)

@@ -21,8 +21,11 @@ import torch
 
 from rlix_async.aio import run as aio_run
 from rlix_async.security import ClientKeys, ServerKeys, keygen
-from rlix_async.weights.cache import CacheRef, WeightCache
-from rlix_async.weights.sync import TensorSink, WeightServer, sync_local, sync_remote
+from rlix_async.weights.cache import WeightCache
+from rlix_async.weights.ref import CacheRef
+from rlix_async.weights.shm import sync_local
+from rlix_async.weights.sinks import TensorSink
+from rlix_async.weights.tcp import WeightServer, sync_remote
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -92,8 +95,8 @@ def _owner(size: int, bucket: int, keys_dir: str, q_out: Any, q_in: Any) -> None
         for t in tensors.values():
             t.normal_()
         cache = WeightCache("bench", "owner0", bucket_bytes=bucket)
-        cache.build("v1", tensors)
-        ref = cache.promote("v1")
+        cache.build(1, tensors)
+        ref = cache.promote(1)
         del tensors
         server = await WeightServer(
             cache, "tcp://127.0.0.1:0", keys=ServerKeys.load(keys_dir)
@@ -119,14 +122,14 @@ def _owner(size: int, bucket: int, keys_dir: str, q_out: Any, q_in: Any) -> None
 
 
 def _push_all(push: Any, cache: WeightCache) -> None:
-    buf = cache.buffer("v1")
+    buf = cache.buffer(1)
     assert cache.layout is not None
     for start, n in zip(cache.layout.bucket_offsets, cache.layout.bucket_sizes, strict=True):
         push.send(buf[start : start + n], copy=False)
 
 
 def _push_all(push: Any, cache: WeightCache) -> None:
-    buf = cache.buffer("v1")
+    buf = cache.buffer(1)
     assert cache.layout is not None
     for start, n in zip(cache.layout.bucket_offsets, cache.layout.bucket_sizes, strict=True):
         push.send(buf[start : start + n], copy=False)

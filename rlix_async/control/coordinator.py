@@ -18,31 +18,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
-from rlix_async.aio import Supervisor
+from rlix_async.aio import Supervisor, until_signalled
+from rlix_async.config import CoordinatorConfig, SchedulerConfig
+from rlix_async.control import journal as ev
 from rlix_async.control import messages as m
 from rlix_async.control.journal import Journal, replay
-from rlix_async.control.planner import Plan, RankChange, check_plan, plan
+from rlix_async.control.planner import check_plan, plan
 from rlix_async.control.registry import Registry, RegistryError
-from rlix_async.control.topology import INFER, ClusterShape, Priority
+from rlix_async.control.snapshot import Plan, Policy, RankChange
+from rlix_async.control.topology import INFER, ClusterShape, ClusterSpec, Priority
 from rlix_async.protocol import Ok
-from rlix_async.security import ServerKeys
+from rlix_async.security import ServerKeys, ipc_endpoint
 from rlix_async.transport import CallContext, PeerInfo, RpcServer, TransportConfig
-from rlix_async.weights.cache import CacheRef
+from rlix_async.weights.ref import CacheRef
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CoordinatorConfig:
-    lease_timeout_s: float = 10.0  # a silent driver keeps its leases this long
-    rebalance_s: float = 2.0  # slow timer between event-driven plans
-    command_timeout_s: float = 60.0  # a shard's sleep/wake, waiting for shrinks
 
 
 def driver_identity(pipeline_id: str) -> str:
@@ -62,13 +57,13 @@ class Coordinator:
         journal: str | Path | None = None,
         keys: ServerKeys | None = None,
         transport: TransportConfig | None = None,
-        config: CoordinatorConfig | None = None,
-        metrics_port: int | None = None,
+        config: SchedulerConfig | None = None,
+        on_status: Callable[[m.StatusReply], None] | None = None,
     ) -> None:
-        self.cfg = config or CoordinatorConfig()
-        self.metrics_port = metrics_port
-        self.metrics: Metrics | None = None
-        self.registry = Registry(shape)
+        self.cfg = config or SchedulerConfig()
+        # told the status after every plan, applied or refused (Prometheus metrics)
+        self.on_status = on_status
+        self.registry = Registry(shape, Policy(aging_s=self.cfg.aging_s))
         self.journal_path = journal
         self.journal = Journal(None)
         self.server = RpcServer(
@@ -83,7 +78,7 @@ class Coordinator:
         self._wake = asyncio.Event()
         self._freeing: dict[int, asyncio.Future[None]] = {}
         self.weights: dict[str, CacheRef] = {}  # latest promoted version per pipeline
-        self.shard_versions: dict[tuple[str, int], str | None] = {}  # acked by workers
+        self.shard_versions: dict[tuple[str, int], int | None] = {}  # acked by workers
         self.shard_endpoints: dict[tuple[str, int], str] = {}  # data planes, for routers
         self.plans = 0
         self.rejected_plans = 0
@@ -122,8 +117,6 @@ class Coordinator:
                 )
             self.journal = Journal(self.journal_path)
         await self.server.start()
-        if self.metrics_port is not None:
-            self.metrics = Metrics(self.metrics_port)
         self.tasks.spawn(self._scheduler_loop(), "scheduler")
         self.tasks.spawn(self._lease_loop(), "leases")
         return self
@@ -133,8 +126,6 @@ class Coordinator:
         await self.tasks.close()
         await self.server.close()
         self.journal.close()
-        if self.metrics is not None:
-            self.metrics.server.shutdown()
 
     async def __aenter__(self) -> Coordinator:
         return await self.start()
@@ -155,14 +146,14 @@ class Coordinator:
         restarted = old is not None and old.registered
         p = self.registry.register(msg.pipeline_id, dict(msg.clusters))
         p.connected, p.lost_at = True, None
-        self.journal.write("register", pipeline=p.id, clusters=msgspec.to_builtins(p.clusters))
+        self.journal.record(ev.Registered(pipeline=p.id, clusters=p.clusters))  # type: ignore[arg-type]
         if restarted:
             # A new driver process for a known pipeline (it was restarted, e.g. with
             # --resume): it holds no stage and waits for nothing the old one asked;
             # its awake rollout shards carry on, and it must hear which they are.
             for cluster in list(p.held):
                 del p.held[cluster]
-                self.journal.write("release", pipeline=p.id, cluster=cluster)
+                self.journal.record(ev.Released(pipeline=p.id, cluster=cluster))  # type: ignore[arg-type]
             p.requests.clear()
             self.tasks.spawn(self._notify_ranks(p.id), "ranks")
             self.kick()
@@ -170,7 +161,7 @@ class Coordinator:
 
     def _admit(self, msg: m.AdmitPipeline, ctx: CallContext) -> Ok:
         self.registry.admit(msg.pipeline_id)
-        self.journal.write("admit", pipeline=msg.pipeline_id)
+        self.journal.record(ev.Admitted(pipeline=msg.pipeline_id))
         self.kick()
         return Ok()
 
@@ -183,19 +174,17 @@ class Coordinator:
         req = self.registry.request(
             msg.pipeline_id, msg.cluster, Priority[msg.priority], msg.step_target_estimate
         )
-        self.journal.write(
-            "request",
-            pipeline=msg.pipeline_id,
-            cluster=msg.cluster,
-            priority=msg.priority,
-            seq=req.seq,
+        self.journal.record(
+            ev.Requested(
+                pipeline=msg.pipeline_id, cluster=msg.cluster, priority=msg.priority, seq=req.seq
+            )
         )
         self.kick()
         return Ok()
 
     def _release(self, msg: m.ReleaseStage, ctx: CallContext) -> Ok:
         if self.registry.release(msg.pipeline_id, msg.cluster):
-            self.journal.write("release", pipeline=msg.pipeline_id, cluster=msg.cluster)
+            self.journal.record(ev.Released(pipeline=msg.pipeline_id, cluster=msg.cluster))
         self.kick()
         return Ok()
 
@@ -220,18 +209,19 @@ class Coordinator:
 
     def _progress(self, msg: m.ReportProgress, ctx: CallContext) -> None:
         self.registry.report_progress(msg.pipeline_id, msg.stream, msg.target, msg.completed)
-        self.journal.write(
-            "progress",
-            pipeline=msg.pipeline_id,
-            stream=msg.stream,
-            target=msg.target,
-            completed=msg.completed,
+        self.journal.record(
+            ev.ProgressReported(
+                pipeline=msg.pipeline_id,
+                stream=msg.stream,
+                target=msg.target,
+                completed=msg.completed,
+            )
         )
         self.kick()
 
     def _clear_progress(self, msg: m.ClearProgress, ctx: CallContext) -> None:
         self.registry.clear_progress(msg.pipeline_id, msg.stream)
-        self.journal.write("clear_progress", pipeline=msg.pipeline_id, stream=msg.stream)
+        self.journal.record(ev.ProgressCleared(pipeline=msg.pipeline_id, stream=msg.stream))
         self.kick()
 
     def _publish_weights(self, msg: m.PublishWeights, ctx: CallContext) -> Ok:
@@ -240,7 +230,7 @@ class Coordinator:
         no pipeline or scheduling decision waits for another's transfer."""
         p = self.registry.get(msg.pipeline_id)
         self.weights[p.id] = msg.ref
-        self.journal.write("weights", pipeline=p.id, version=msg.ref.version)
+        self.journal.record(ev.WeightsPublished(pipeline=p.id, version=msg.ref.version))
         for rank in sorted(p.active):
             if self.shard_versions.get((p.id, rank)) != msg.ref.version:
                 self.tasks.spawn(self._sync_rank(p.id, rank), "sync")
@@ -256,25 +246,25 @@ class Coordinator:
         known = pid in self.registry.pipelines and self.registry.pipelines[pid].registered
         p = self.registry.register(pid, dict(msg.clusters))
         if not known:
-            self.journal.write("register", pipeline=pid, clusters=msgspec.to_builtins(p.clusters))
+            self.journal.record(ev.Registered(pipeline=pid, clusters=p.clusters))  # type: ignore[arg-type]
         p.connected, p.lost_at = True, None
         if msg.admitted and not p.admitted:
             self.registry.admit(pid)
-            self.journal.write("admit", pipeline=pid)
+            self.journal.record(ev.Admitted(pipeline=pid))
         owners = self.registry.owners()
         for cluster, prio in msg.held.items():
             if cluster in p.held:
                 continue
             devices = p.clusters[cluster].devices
-            clash = {owners[d] for d in devices if owners[d]}
+            clash = {str(o) for d in devices if (o := owners[d]) is not None}
             if clash:
                 raise RegistryError(
                     "lease_conflict",
                     f"{pid} claims {cluster} but devices are held by {sorted(clash)}",
                 )
             p.held[cluster] = Priority[prio]
-            self.journal.write(
-                "grant", pipeline=pid, cluster=cluster, priority=prio, devices=list(devices)
+            self.journal.record(
+                ev.Granted(pipeline=pid, cluster=cluster, priority=prio, devices=list(devices))
             )
         waiting_for = {r.cluster: r.priority for r in msg.requests}
         for cluster in [c for c in p.held if c not in msg.held]:
@@ -282,7 +272,7 @@ class Coordinator:
                 self._regrant(pid, cluster)  # granted, but the driver never heard
                 continue
             del p.held[cluster]
-            self.journal.write("release", pipeline=pid, cluster=cluster)
+            self.journal.record(ev.Released(pipeline=pid, cluster=cluster))  # type: ignore[arg-type]
         for r in msg.requests:
             if r.cluster not in p.held:
                 self.registry.request(pid, r.cluster, Priority[r.priority], r.step_target_estimate)
@@ -293,8 +283,8 @@ class Coordinator:
     def _regrant(self, pid: str, cluster: str) -> None:
         p = self.registry.pipelines[pid]
         grant = m.Granted(
-            cluster=cluster,
-            priority=p.held[cluster].name,
+            cluster=cluster,  # type: ignore[arg-type]
+            priority=p.held[cluster].name,  # type: ignore[arg-type]
             devices=list(p.clusters[cluster].devices),
         )
         self.tasks.spawn(self.server.notify(driver_identity(pid), grant), "regrant")
@@ -305,10 +295,10 @@ class Coordinator:
                 id=p.id,
                 admitted=p.admitted,
                 connected=p.connected,
-                held={c: pr.name for c, pr in p.held.items()},
+                held={c: pr.name for c, pr in p.held.items()},  # type: ignore[misc]
                 active_ranks=sorted(p.active),
                 remaining=p.remaining(),
-                requests=[f"{r.cluster}:{r.priority.name}" for r in p.requests.values()],
+                requests={c: r.priority.name for c, r in p.requests.items()},  # type: ignore[misc]
             )
             for p in self.registry.pipelines.values()
         ]
@@ -378,18 +368,19 @@ class Coordinator:
             len(p.active),
         )
         for cluster in p.held:
-            self.journal.write("release", pipeline=pid, cluster=cluster)
+            self.journal.record(ev.Released(pipeline=pid, cluster=cluster))  # type: ignore[arg-type]
         if p.active:
-            self.journal.write(
-                "shrink",
-                pipeline=pid,
-                cluster=INFER,
-                ranks=sorted(p.active),
-                devices=_devices(p.clusters[INFER], p.active),
+            self.journal.record(
+                ev.Shrunk(
+                    pipeline=pid,
+                    cluster=INFER,
+                    ranks=sorted(p.active),
+                    devices=_devices(p.clusters[INFER], p.active),
+                )
             )
             for r in p.active:  # put its shards to sleep if their workers are still alive
                 self.tasks.spawn(self._command(pid, r, "sleep"), "sleep-dropped")
-        self.journal.write("unregister", pipeline=pid, reason=reason)
+        self.journal.record(ev.Unregistered(pipeline=pid, reason=reason))
         self.kick()
 
     # --- scheduling -------------------------------------------------------------------------------
@@ -411,8 +402,7 @@ class Coordinator:
         violations = check_plan(snap, result)
         if violations:
             self.rejected_plans += 1
-            if self.metrics is not None:
-                self.metrics.update(self)
+            self._tell_status()
             log.error(
                 "plan rejected, not applied: %s\nsnapshot: %s\nplan: %s",
                 violations,
@@ -427,40 +417,37 @@ class Coordinator:
             return result
         self.plans += changes
         self._journal_plan(result)
-        if self.metrics is not None:
-            self.metrics.update(self)
+        self._tell_status()
         self.tasks.spawn(self._realise(result, answered), "realise")
         return result
 
+    def _tell_status(self) -> None:
+        if self.on_status is not None:
+            try:
+                self.on_status(self.status())
+            except Exception:  # an observer's failure must not stop scheduling
+                log.exception("status observer failed")
+
     def _journal_plan(self, result: Plan) -> None:
         for ch in result.shrink:
-            spec = self._infer_spec(ch.pipeline)
-            self.journal.write(
-                "shrink",
-                pipeline=ch.pipeline,
-                cluster=ch.cluster,
-                ranks=ch.ranks,
-                devices=_devices(spec, ch.ranks) if spec else [],
-            )
+            self.journal.record(self._rank_event(ev.Shrunk, ch))
         for g in result.grants:
-            self.journal.write(
-                "grant",
-                pipeline=g.pipeline,
-                cluster=g.cluster,
-                priority=g.priority,
-                devices=g.devices,
+            self.journal.record(
+                ev.Granted(
+                    pipeline=g.pipeline, cluster=g.cluster, priority=g.priority, devices=g.devices
+                )
             )
         for ch in result.expand:
-            spec = self._infer_spec(ch.pipeline)
-            self.journal.write(
-                "expand",
-                pipeline=ch.pipeline,
-                cluster=ch.cluster,
-                ranks=ch.ranks,
-                devices=_devices(spec, ch.ranks) if spec else [],
-            )
+            self.journal.record(self._rank_event(ev.Expanded, ch))
 
-    def _infer_spec(self, pid: str) -> Any:
+    def _rank_event(
+        self, kind: type[ev.Shrunk] | type[ev.Expanded], ch: RankChange
+    ) -> ev.Shrunk | ev.Expanded:
+        spec = self._infer_spec(ch.pipeline)
+        devices = _devices(spec, ch.ranks) if spec else []
+        return kind(pipeline=ch.pipeline, cluster=ch.cluster, ranks=ch.ranks, devices=devices)
+
+    def _infer_spec(self, pid: str) -> ClusterSpec | None:
         p = self.registry.pipelines.get(pid)
         return p.clusters.get(INFER) if p else None
 
@@ -515,7 +502,7 @@ class Coordinator:
             driver_identity(pid), m.Granted(cluster=cluster, priority=priority, devices=devices)
         )
 
-    async def _expand(self, pid: str, ranks: list[int], spec: Any) -> None:
+    async def _expand(self, pid: str, ranks: list[int], spec: ClusterSpec) -> None:
         async def one(rank: int) -> None:
             await self._wait_devices_free(spec.bundle(rank))
             if not await self._command(pid, rank, "wake"):
@@ -545,7 +532,7 @@ class Coordinator:
         self.tasks.spawn(self._notify_ranks(pid), "ranks")
         self.kick()
 
-    async def _command(self, pid: str, rank: int, action: str) -> bool:
+    async def _command(self, pid: str, rank: int, action: m.ShardAction) -> bool:
         """Tell shard worker ``pid/infer/rank`` to sleep, wake or sync. Pipelines that
         run their engines themselves (no worker registered) follow ActiveRanks."""
         ident = worker_identity(pid, rank)
@@ -563,8 +550,10 @@ class Coordinator:
             return False
         if isinstance(ack, m.ShardAck):
             self.shard_versions[(pid, rank)] = ack.weight_version
-            if weights is not None and ack.state == "ACTIVE":
-                self.journal.write("synced", pipeline=pid, rank=rank, version=ack.weight_version)
+            if weights is not None and ack.state == m.ShardState.ACTIVE:
+                self.journal.record(
+                    ev.ShardSynced(pipeline=pid, rank=rank, version=ack.weight_version)
+                )
         return True
 
     async def _notify_ranks(self, pid: str) -> None:
@@ -581,38 +570,30 @@ class Coordinator:
             )
 
 
-def _devices(spec: Any, ranks: Any) -> list[int]:
+def _devices(spec: ClusterSpec, ranks: Iterable[int]) -> list[int]:
     return sorted(d for r in ranks for d in spec.bundle(r))
 
 
-class Metrics:
-    """Prometheus gauges on ``--metrics-port`` (own registry: several coordinators per
-    process, as in tests, do not collide)."""
+async def serve(cfg: CoordinatorConfig) -> None:
+    """The coordinator process: serve until SIGINT or SIGTERM (``rlix-async coordinator``)."""
+    from rlix_async.observe.metrics import Metrics
 
-    def __init__(self, port: int) -> None:
-        from prometheus_client import CollectorRegistry, Gauge, start_http_server
-
-        self.registry = CollectorRegistry()
-        self.devices = Gauge(
-            "rlix_devices_held", "devices held", ["pipeline", "stage"], registry=self.registry
-        )
-        self.plans = Gauge("rlix_plans_applied", "plans applied", registry=self.registry)
-        self.rejected = Gauge(
-            "rlix_plans_rejected", "plans refused by the validator", registry=self.registry
-        )
-        self.pipelines = Gauge("rlix_pipelines", "pipelines registered", registry=self.registry)
-        self.server, self.thread = start_http_server(port, registry=self.registry)
-
-    def update(self, coord: Coordinator) -> None:
-        self.plans.set(coord.plans)
-        self.rejected.set(coord.rejected_plans)
-        self.pipelines.set(len(coord.registry.pipelines))
-        self.devices.clear()
-        counts: dict[tuple[str, str], int] = {}
-        for owner in coord.registry.owners():
-            if owner:
-                pid, rest = owner.split("/", 1)
-                stage = rest.split(":", 1)[1] if ":" in rest else "GENERATION"
-                counts[(pid, stage)] = counts.get((pid, stage), 0) + 1
-        for (pid, stage), n in counts.items():
-            self.devices.labels(pid, stage).set(n)
+    hb = cfg.heartbeat_interval_s
+    metrics = Metrics(cfg.metrics_port) if cfg.metrics_port is not None else None
+    coord = Coordinator(
+        cfg.endpoint or ipc_endpoint("coordinator"),
+        cfg.cluster,
+        journal=cfg.journal,
+        keys=ServerKeys.load(cfg.keys) if cfg.keys else None,
+        transport=TransportConfig(heartbeat_interval_s=hb, heartbeat_timeout_s=2.5 * hb),
+        config=cfg.scheduler,
+        on_status=metrics.update if metrics is not None else None,
+    )
+    try:
+        await coord.start()
+        print(f"READY {coord.endpoint}", flush=True)
+        await until_signalled()
+        await coord.close()
+    finally:
+        if metrics is not None:
+            metrics.close()

@@ -1,46 +1,158 @@
-"""Append-only JSONL journal of scheduling events, and replay after a restart.
+"""The scheduling journal: typed events, appended as JSON lines, replayed after a restart.
 
-Each line: ``{"t": unix_time, "ev": EVENT, "pipeline": ID, ...}``. Events:
-register (clusters), admit, unregister, request, grant (cluster, priority,
-devices), release (cluster), shrink / expand (cluster, ranks, devices),
-progress (stream, target, completed). ``rlix-async timeline`` draws the same file.
+Every line is one :data:`Event`, tagged by ``ev`` (``{"ev": "grant", "t": ...,
+"pipeline": ...}``). The coordinator writes them, the simulator writes the
+same events on simulated time, ``rlix-async timeline`` draws them and a
+restarted coordinator replays them into its registry (``Event.apply``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import BinaryIO
 
 import msgspec
 
 from rlix_async.control.registry import Registry
-from rlix_async.control.topology import ClusterSpec, Priority
+from rlix_async.control.topology import ClusterName, ClusterSpec, Priority, PriorityName
 
 log = logging.getLogger(__name__)
 
 
+class JournalEvent(msgspec.Struct, tag_field="ev", kw_only=True):
+    pipeline: str
+    t: float = 0.0  # unix time (coordinator) or simulated seconds (simulator); set on record
+
+    def apply(self, registry: Registry) -> None:
+        """Replay into a registry: nothing, unless the event changes what it holds."""
+
+
+class Registered(JournalEvent, tag="register"):
+    clusters: dict[ClusterName, ClusterSpec]
+
+    def apply(self, registry: Registry) -> None:
+        registry.register(self.pipeline, dict(self.clusters))
+
+
+class Admitted(JournalEvent, tag="admit"):
+    def apply(self, registry: Registry) -> None:
+        registry.admit(self.pipeline)
+
+
+class Unregistered(JournalEvent, tag="unregister"):
+    reason: str = ""
+
+    def apply(self, registry: Registry) -> None:
+        registry.remove(self.pipeline)
+
+
+class Requested(JournalEvent, tag="request"):
+    """Not replayed: a reconnecting driver re-sends its queued requests (Resume)."""
+
+    cluster: ClusterName
+    priority: PriorityName
+    seq: int
+
+
+class Granted(JournalEvent, tag="grant"):
+    cluster: ClusterName
+    priority: PriorityName
+    devices: list[int]
+
+    def apply(self, registry: Registry) -> None:
+        registry.pipelines[self.pipeline].held[self.cluster] = Priority[self.priority]
+
+
+class Released(JournalEvent, tag="release"):
+    cluster: ClusterName
+
+    def apply(self, registry: Registry) -> None:
+        registry.pipelines[self.pipeline].held.pop(self.cluster, None)
+
+
+class Expanded(JournalEvent, tag="expand"):
+    cluster: ClusterName
+    ranks: list[int]
+    devices: list[int]
+
+    def apply(self, registry: Registry) -> None:
+        registry.pipelines[self.pipeline].active.update(self.ranks)
+
+
+class Shrunk(JournalEvent, tag="shrink"):
+    cluster: ClusterName
+    ranks: list[int]
+    devices: list[int]
+
+    def apply(self, registry: Registry) -> None:
+        registry.pipelines[self.pipeline].active.difference_update(self.ranks)
+
+
+class ProgressReported(JournalEvent, tag="progress"):
+    stream: str
+    target: int
+    completed: int
+
+    def apply(self, registry: Registry) -> None:
+        registry.report_progress(self.pipeline, self.stream, self.target, self.completed)
+
+
+class ProgressCleared(JournalEvent, tag="clear_progress"):
+    stream: str | None = None
+
+    def apply(self, registry: Registry) -> None:
+        registry.clear_progress(self.pipeline, self.stream)
+
+
+class WeightsPublished(JournalEvent, tag="weights"):
+    version: int
+
+
+class ShardSynced(JournalEvent, tag="synced"):
+    rank: int
+    version: int | None
+
+
+Event = (
+    Registered
+    | Admitted
+    | Unregistered
+    | Requested
+    | Granted
+    | Released
+    | Expanded
+    | Shrunk
+    | ProgressReported
+    | ProgressCleared
+    | WeightsPublished
+    | ShardSynced
+)
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Event)
+
+
 class Journal:
-    def __init__(self, path: str | Path | None) -> None:
+    """Appends events to a JSONL file (nothing when ``path`` is None), one write each."""
+
+    def __init__(self, path: str | Path | None, clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path) if path else None
-        self._fh: TextIO | None = None
+        self.clock = clock
+        self._fh: BinaryIO | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = self.path.open("a", buffering=1)  # line-buffered: each event hits the OS
+            self._fh = self.path.open("ab", buffering=0)  # each event reaches the OS at once
 
-    def write(self, ev: str, **fields: Any) -> None:
-        if self._fh is None:
-            return
-        record = {"t": round(time.time(), 6), "ev": ev, **fields}
-        self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
+    def record(self, event: Event) -> None:
+        event.t = round(self.clock(), 6)
+        if self._fh is not None:
+            self._fh.write(_encoder.encode(event) + b"\n")
 
     def sync(self) -> None:
         if self._fh is not None:
-            self._fh.flush()
             os.fsync(self._fh.fileno())
 
     def close(self) -> None:
@@ -49,17 +161,24 @@ class Journal:
             self._fh = None
 
 
-def read_journal(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Events in order; a torn last line (crash mid-write) is skipped."""
-    with Path(path).open() as fh:
+def write_journal(path: str | Path, events: Iterable[Event]) -> None:
+    with open(path, "wb") as fh:
+        for ev in events:
+            fh.write(_encoder.encode(ev) + b"\n")
+
+
+def read_journal(path: str | Path) -> Iterator[Event]:
+    """Events in order; a line that is not a known event (a torn last line after a
+    crash mid-write, an event from a newer version) is skipped with a warning."""
+    with Path(path).open("rb") as fh:
         for lineno, line in enumerate(fh, 1):
             line = line.strip()
             if not line:
                 continue
             try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                log.warning("%s:%d: unreadable journal line skipped", path, lineno)
+                yield _decoder.decode(line)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("%s:%d: unreadable journal line skipped (%s)", path, lineno, exc)
 
 
 def replay(path: str | Path, registry: Registry) -> int:
@@ -71,34 +190,11 @@ def replay(path: str | Path, registry: Registry) -> int:
     if not Path(path).exists():
         return 0
     n = 0
-    for e in read_journal(path):
-        n += 1
-        pid = e.get("pipeline")
-        ev = e.get("ev")
+    for n, ev in enumerate(read_journal(path), 1):
+        if not isinstance(ev, Registered) and ev.pipeline not in registry.pipelines:
+            continue
         try:
-            if ev == "register":
-                clusters = {
-                    name: msgspec.convert(spec, ClusterSpec) for name, spec in e["clusters"].items()
-                }
-                registry.register(pid, clusters)
-            elif pid not in registry.pipelines:
-                continue
-            elif ev == "admit":
-                registry.admit(pid)
-            elif ev == "unregister":
-                registry.remove(pid)
-            elif ev == "grant":
-                registry.pipelines[pid].held[e["cluster"]] = Priority[e["priority"]]
-            elif ev == "release":
-                registry.pipelines[pid].held.pop(e["cluster"], None)
-            elif ev == "expand":
-                registry.pipelines[pid].active.update(e["ranks"])
-            elif ev == "shrink":
-                registry.pipelines[pid].active.difference_update(e["ranks"])
-            elif ev == "progress":
-                registry.report_progress(pid, e["stream"], e["target"], e["completed"])
-            elif ev == "clear_progress":
-                registry.clear_progress(pid, e.get("stream"))
-        except (KeyError, ValueError, TypeError, msgspec.ValidationError) as exc:
-            log.warning("journal event %d (%s) not replayed: %s", n, ev, exc)
+            ev.apply(registry)
+        except (KeyError, ValueError, TypeError) as exc:
+            log.warning("journal event %d (%s) not replayed: %s", n, type(ev).__name__, exc)
     return n

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import enum
+from typing import Annotated, Literal
 
 import msgspec
 
-from rlix_async.control.topology import ClusterName, ClusterSpec, PriorityName
+from rlix_async.control.topology import ClusterName, ClusterSpec, PipelineId, PriorityName
 from rlix_async.protocol import Message
-from rlix_async.weights.cache import CacheRef
+from rlix_async.weights.ref import CacheRef
 
-PipelineId = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[\w.\-]+$")]
 Kind = Annotated[str, msgspec.Meta(min_length=1, max_length=32, pattern=r"^[\w\-]+$")]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -89,8 +89,8 @@ class Resume(Message):
 class Granted(Message):
     """Pushed to a driver: a gang stage is ready (devices) or rollout ranks changed."""
 
-    cluster: str
-    priority: str
+    cluster: ClusterName
+    priority: PriorityName
     devices: list[int] = []
     ranks: list[int] = []
 
@@ -98,7 +98,7 @@ class Granted(Message):
 class ActiveRanks(Message):
     """Pushed to a driver whenever its awake generation ranks change."""
 
-    cluster: str
+    cluster: ClusterName
     ranks: list[int]
     endpoints: dict[int, str] = {}  # rank -> the shard worker's data-plane endpoint
 
@@ -107,22 +107,49 @@ class StatusRequest(Message):
     pass
 
 
+class DeviceOwner(msgspec.Struct, frozen=True):
+    """Who holds a device: a gang stage (``rank`` None) or a rollout shard."""
+
+    pipeline: str
+    cluster: ClusterName
+    priority: PriorityName  # GENERATION for a rollout shard
+    rank: int | None = None
+
+    def __str__(self) -> str:
+        if self.rank is not None:
+            return f"{self.pipeline}/{self.cluster}[{self.rank}]"
+        return f"{self.pipeline}/{self.cluster}:{self.priority}"
+
+
 class PipelineStatus(msgspec.Struct):
     id: str
     admitted: bool
     connected: bool
-    held: dict[str, str]
+    held: dict[ClusterName, PriorityName]
     active_ranks: list[int]
     remaining: int | None
-    requests: list[str]
+    requests: dict[ClusterName, PriorityName]  # queued, not yet granted
 
 
 class StatusReply(Message):
     devices: int
-    owners: list[str]  # per device: "" idle, "p/cluster:PRIORITY" or "p/infer[r]"
+    owners: list[DeviceOwner | None]  # per device; None: idle
     pipelines: list[PipelineStatus]
     plans: int
     rejected_plans: int
+
+
+ShardAction = Literal["sleep", "wake", "sync"]
+
+
+class ShardState(enum.StrEnum):
+    """A shard worker's life: ASLEEP -> WAKING -> SYNCING -> ACTIVE -> DRAINING -> ASLEEP."""
+
+    ASLEEP = "ASLEEP"
+    WAKING = "WAKING"
+    SYNCING = "SYNCING"
+    ACTIVE = "ACTIVE"
+    DRAINING = "DRAINING"
 
 
 class ShardCommand(Message):
@@ -133,13 +160,13 @@ class ShardCommand(Message):
     wakes, never before).
     """
 
-    action: Annotated[str, msgspec.Meta(pattern=r"^(sleep|wake|sync)$")]
+    action: ShardAction
     weights: CacheRef | None = None
 
 
 class ShardAck(Message):
-    state: str
-    weight_version: str | None = None
+    state: ShardState
+    weight_version: int | None = None
 
 
 class PublishWeights(Message):

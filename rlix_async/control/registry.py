@@ -11,7 +11,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from rlix_async.control.planner import (
+from rlix_async.control.messages import DeviceOwner
+from rlix_async.control.snapshot import (
     PipelineIn,
     Plan,
     Policy,
@@ -220,15 +221,16 @@ class Registry:
                 answered.append(p.id)
         return answered
 
-    def owners(self) -> list[str]:
-        out = [""] * self.shape.num_devices
+    def owners(self) -> list[DeviceOwner | None]:
+        """Per device: the stage or rollout shard holding it (None: idle)."""
+        out: list[DeviceOwner | None] = [None] * self.shape.num_devices
         for p in self.pipelines.values():
             for c, pr in p.held.items():
                 for d in p.clusters[c].devices:
-                    out[d] = f"{p.id}/{c}:{pr.name}"
+                    out[d] = DeviceOwner(p.id, c, pr.name)  # type: ignore[arg-type]
             if INFER in p.clusters:
                 spec = p.clusters[INFER]
                 for r in p.active:
                     for d in spec.bundle(r):
-                        out[d] = f"{p.id}/{INFER}[{r}]"
+                        out[d] = DeviceOwner(p.id, INFER, "GENERATION", r)
         return out

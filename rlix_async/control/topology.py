@@ -17,6 +17,15 @@ CLUSTER_NAMES = ("actor_train", "actor_infer", "critic", "reference")
 ClusterName = Literal["actor_train", "actor_infer", "critic", "reference"]
 INFER = "actor_infer"
 SMALL_TP = (1, 2, 4, 8)
+PipelineId = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[\w.\-]+$",
+        description="Pipeline id: letters, digits, '.', '_' or '-'.",
+    ),
+]
 
 
 class Priority(enum.IntEnum):
@@ -47,8 +56,10 @@ class TopologyError(ValueError):
 
 
 class ClusterShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    nodes: Annotated[int, msgspec.Meta(ge=1)]
-    gpus_per_node: Annotated[int, msgspec.Meta(ge=1)]
+    nodes: Annotated[int, msgspec.Meta(ge=1, description="Nodes in the cluster.")]
+    gpus_per_node: Annotated[
+        int, msgspec.Meta(ge=1, description="Devices per node (device d is on node d // this).")
+    ]
 
     @property
     def num_devices(self) -> int:
@@ -56,8 +67,13 @@ class ClusterShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    tp: Annotated[int, msgspec.Meta(ge=1)]
-    devices: tuple[int, ...]
+    tp: Annotated[
+        int, msgspec.Meta(ge=1, description="Tensor-parallel size: devices per rank (bundle).")
+    ] = 1
+    devices: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=0)], ...],
+        msgspec.Meta(description="Global device ids, sorted; rank r is devices[r*tp:(r+1)*tp]."),
+    ] = ()
 
     @property
     def dp(self) -> int:

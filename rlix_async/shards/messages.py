@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated
 
 import msgspec
@@ -11,6 +12,14 @@ from rlix_async.protocol import Message
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
+class ShardRefusal(enum.StrEnum):
+    """Why a shard refused a request before decoding it (the RpcError's code)."""
+
+    PREEMPTED = "preempted"  # not serving (asleep, draining): try another shard
+    STALE_WEIGHTS = "stale_weights"  # older weights than the request accepts
+    CANCELLED = "cancelled"  # its caller gave up before it started
+
+
 class Generate(Message):
     request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
     prompt_ids: Annotated[list[int], msgspec.Meta(min_length=1)]
@@ -18,17 +27,17 @@ class Generate(Message):
     temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
     seed: int | None = None
-    # Weight versions this request may run on (None: any). A shard on another
-    # version refuses it with "stale_weights" before decoding anything, so a
-    # pipeline never collects trajectories its staleness bound would drop.
-    accept_versions: Annotated[list[str], msgspec.Meta(max_length=64)] | None = None
+    # The oldest weight version this request may run on (None: any). A shard on
+    # older weights refuses it with "stale_weights" before decoding anything, so
+    # a pipeline never collects trajectories its staleness bound would drop.
+    min_version: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class GenerateResult(Message):
     request_id: str
     token_ids: list[int]
     logprobs: list[float]
-    weight_version: str | None
+    weight_version: int | None
     preempted: bool = False  # cut by a shrink: resume elsewhere from token_ids
 
 

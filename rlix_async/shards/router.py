@@ -11,10 +11,10 @@
 - A caller that cancels ``generate`` (a timeout, a pipeline dropping a group)
   also stops the request on its shard: the router tells the shard, which
   aborts it in the engine, so the slot is not held until ``max_tokens``.
-- ``accept_versions`` (called before every attempt) names the weight versions
-  the request may run on; a shard still on older weights refuses it before
-  decoding, and the request goes to another shard or waits for the sync
-  (at most ``attempt_timeout_s``).
+- ``min_version`` (called before every attempt) names the oldest weight
+  version the request may run on; a shard still on older weights refuses it
+  before decoding, and the request goes to another shard or waits for the
+  sync (at most ``attempt_timeout_s``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from rlix_async.aio import Supervisor
 from rlix_async.control.client import PipelineClient
 from rlix_async.protocol import RpcError
 from rlix_async.security import ClientKeys
-from rlix_async.shards.messages import Cancel, Generate, GenerateResult
+from rlix_async.shards.messages import Cancel, Generate, GenerateResult, ShardRefusal
 from rlix_async.transport import CallTimeout, ConnectionLost, RpcClient, TransportConfig
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class Trajectory:
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[str | None] = field(default_factory=list)  # weight version per token
+    versions: list[int | None] = field(default_factory=list)  # weight version per token
     resumes: int = 0  # times it was cut and continued elsewhere
     ranks: list[int] = field(default_factory=list)  # shards that produced its tokens
 
@@ -117,7 +117,7 @@ class Router:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
-        accept_versions: Callable[[], list[str]] | None = None,
+        min_version: Callable[[], int] | None = None,
     ) -> Trajectory:
         traj = Trajectory(list(prompt_ids))
         self._n += 1
@@ -145,12 +145,12 @@ class Router:
                         temperature=temperature,
                         top_p=top_p,
                         seed=seed,
-                        accept_versions=accept_versions() if accept_versions else None,
+                        min_version=min_version() if min_version else None,
                     ),
                     timeout=self.attempt_timeout_s,
                 )
             except RpcError as exc:
-                if exc.code == "stale_weights":  # refused before decoding: try another
+                if exc.code == ShardRefusal.STALE_WEIGHTS:  # refused before decoding: next
                     now = time.monotonic()
                     stale_deadline = stale_deadline or now + self.attempt_timeout_s
                     if now > stale_deadline:
@@ -160,7 +160,7 @@ class Router:
                         ) from None
                     stale.add(rank)
                     continue
-                if exc.code != "preempted":
+                if exc.code != ShardRefusal.PREEMPTED:
                     # the shard's engine failed (its worker exits and is replaced):
                     # resume elsewhere, but do not retry a bad request forever
                     errors += 1

@@ -16,38 +16,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
+from rlix_async.config import EngineConfig
+from rlix_async.shards.engine import GenerationChunk, PauseMode
 from rlix_async.shards.vllm_plugin import BACKEND
-from rlix_async.weights.cache import SHM_DIR, CacheRef
-from rlix_async.weights.sync import SyncError
-
-
-@dataclass
-class GenerationChunk:
-    token_ids: list[int]  # all tokens generated so far for this request
-    logprobs: list[float] = field(default_factory=list)
-    finished: bool = False
-    weight_version: str | None = None
-
-
-@dataclass
-class VllmEngineConfig:
-    model: str
-    dtype: str = "auto"
-    max_model_len: int = 2048
-    kv_cache_memory_bytes: int | None = None  # CPU: required; GPU: None uses the fraction
-    gpu_memory_utilization: float = 0.8
-    enable_sleep_mode: bool = False  # GPU only
-    seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+from rlix_async.weights.ref import CacheRef
+from rlix_async.weights.shm import SHM_DIR
+from rlix_async.weights.sinks import SyncError
 
 
 class VllmEngine:
-    def __init__(self, config: VllmEngineConfig) -> None:
+    def __init__(self, model: str, config: EngineConfig | None = None, *, seed: int = 0) -> None:
         from vllm.config import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -55,24 +37,25 @@ class VllmEngine:
         from rlix_async.shards import vllm_plugin
 
         vllm_plugin.register()  # this process too (the entry point covers the others)
+        config = config or EngineConfig()
         kwargs: dict[str, Any] = dict(
-            model=config.model,
+            model=model,
             skip_tokenizer_init=True,  # we generate on token ids
             dtype=config.dtype,
             max_model_len=config.max_model_len,
-            seed=config.seed,
+            seed=seed,
             enforce_eager=True,
             weight_transfer_config=WeightTransferConfig(backend=BACKEND),
         )
-        if config.kv_cache_memory_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
+        if config.kv_cache_mb is not None:
+            kwargs["kv_cache_memory_bytes"] = config.kv_cache_mb << 20
         else:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-        if config.enable_sleep_mode:
+        if config.sleep_mode:
             kwargs["enable_sleep_mode"] = True
-        kwargs.update(config.extra)
+        kwargs.update(config.vllm_args)
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-        self.weight_version: str | None = None
+        self.weight_version: int | None = None
         self._ids = itertools.count()
         self._inflight: set[str] = set()
         self._transfer_ready = False
@@ -135,7 +118,7 @@ class VllmEngine:
     def num_running(self) -> int:
         return int(self.llm.get_num_unfinished_requests())
 
-    async def pause(self, mode: str = "abort") -> None:
+    async def pause(self, mode: PauseMode = "abort") -> None:
         await self.llm.pause_generation(mode=mode)
 
     async def resume(self) -> None:
@@ -157,7 +140,9 @@ class VllmEngine:
         # Refuse before vLLM starts a layerwise reload: one begun and never fed
         # leaves the model's layers on the meta device (the engine dies).
         if not ref.server and not (SHM_DIR / ref.segment).exists():
-            raise SyncError(f"{ref.version}: the owner's cache is gone (pipeline finished?)")
+            raise SyncError(
+                f"version {ref.version}: the owner's cache is gone (pipeline finished?)"
+            )
         if not self._transfer_ready:
             await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
             self._transfer_ready = True
@@ -167,7 +152,7 @@ class VllmEngine:
         await self.llm.update_weights(
             WeightTransferUpdateRequest(update_info=msgspec.to_builtins(ref))
         )
-        await self.llm.finish_weight_update(weight_version=ref.version)
+        await self.llm.finish_weight_update(weight_version=str(ref.version))  # vLLM: a str
         self.weight_version = ref.version
 
     def shutdown(self) -> None:

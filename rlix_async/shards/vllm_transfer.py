@@ -1,7 +1,7 @@
 """Our weight-transfer backend for vLLM (``WeightTransferConfig(backend="rlix_shm")``).
 
 It runs inside vLLM's worker process. The update info is a
-:class:`~rlix_async.weights.cache.CacheRef`: the worker maps the owner's
+:class:`~rlix_async.weights.ref.CacheRef`: the worker maps the owner's
 shared-memory slot (once; later syncs reuse the mapping), and feeds the model
 its tensors through ``model.load_weights`` inside vLLM's layerwise reload
 (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``), the same path
@@ -23,9 +23,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rlix_async.weights.cache import SHM_DIR, CacheRef
 from rlix_async.weights.packing import Layout
-from rlix_async.weights.sync import SlotOverwritten, SyncError, current_slot_ref, pull_blocking
+from rlix_async.weights.pull import pull_blocking
+from rlix_async.weights.ref import CacheRef
+from rlix_async.weights.shm import SHM_DIR, current_slot_ref, forget_mappings
+from rlix_async.weights.sinks import SlotOverwritten, SyncError
 
 logger = logging.getLogger(__name__)
 MAX_ATTEMPTS = 20
@@ -40,7 +42,7 @@ class RlixInitInfo(WeightTransferInitInfo):
 class RlixUpdateInfo(WeightTransferUpdateInfo):
     pipeline: str
     owner: str
-    version: str
+    version: int
     segment: str
     generation: int
     fingerprint: str
@@ -55,13 +57,13 @@ class _StagingSink:
     def __init__(self) -> None:
         self.named: list[tuple[str, torch.Tensor]] = []
 
-    def start(self, version: str, layout: Layout) -> None:
+    def start(self, version: int, layout: Layout) -> None:
         self.named = []
 
     def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         self.named.extend((name, t.clone()) for name, t in named)
 
-    def finish(self, version: str) -> None:
+    def finish(self, version: int) -> None:
         pass
 
     def abort(self) -> None:
@@ -128,6 +130,4 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
         )
 
     def shutdown(self) -> None:
-        from rlix_async.weights.sync import forget_mappings
-
         forget_mappings()

@@ -25,61 +25,28 @@ to the coordinator; the next sync starts over.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import socket
+import sys
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Protocol
 
+from rlix_async.aio import until_signalled
+from rlix_async.config import EngineConfig, ShardConfig
 from rlix_async.control import messages as m
+from rlix_async.control.messages import ShardState
 from rlix_async.protocol import RpcError
 from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
-from rlix_async.shards.messages import Cancel, Generate, GenerateResult
+from rlix_async.shards.engine import ShardEngine
+from rlix_async.shards.messages import Cancel, Generate, GenerateResult, ShardRefusal
 from rlix_async.transport import CallContext, RpcClient, RpcServer, TransportConfig
-from rlix_async.weights.cache import CacheRef
-
-if TYPE_CHECKING:
-    from rlix_async.shards.vllm_engine import GenerationChunk
+from rlix_async.weights.ref import CacheRef
 
 log = logging.getLogger(__name__)
 # Cancels that arrived before their request started (both come in one read batch);
 # remembered this long, at most this many.
 _EARLY_CANCEL_S = 60.0
 _EARLY_CANCEL_MAX = 4096
-
-
-class ShardState(enum.StrEnum):
-    ASLEEP = "ASLEEP"
-    WAKING = "WAKING"
-    SYNCING = "SYNCING"
-    ACTIVE = "ACTIVE"
-    DRAINING = "DRAINING"
-
-
-class ShardEngine(Protocol):
-    """What a worker needs from its engine (VllmEngine, or the scripted test engine)."""
-
-    weight_version: str | None
-
-    def generate(
-        self,
-        prompt_ids: list[int],
-        *,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        request_id: str | None = None,
-    ) -> AsyncIterator[GenerationChunk]: ...
-    async def load_version(self, ref: CacheRef) -> None: ...
-    async def abort_all(self) -> int: ...
-    def num_running(self) -> int: ...
-    async def pause(self, mode: str = "abort") -> None: ...
-    async def resume(self) -> None: ...
-    async def sleep(self, level: int = 2) -> None: ...
-    async def wake_up(self, tags: list[str] | None = None) -> None: ...
 
 
 class ShardWorker:
@@ -103,7 +70,7 @@ class ShardWorker:
         self.preempted = True  # the router sends work only to ACTIVE, non-preempted shards
         self.drain_timeout_s = drain_timeout_s
         self.phase_ms: dict[str, float] = {}
-        self.synced_version: str | None = None
+        self.synced_version: int | None = None
         self.syncs = 0
         self._lock = asyncio.Lock()
         self.decoded_tokens = 0  # every token the engine produced here
@@ -141,16 +108,22 @@ class ShardWorker:
     async def _generate(self, msg: Generate, ctx: CallContext) -> GenerateResult:
         """Serve one request; a shrink cuts it and returns what was decoded so far."""
         if self.preempted or self.state != ShardState.ACTIVE:
-            raise RpcError("preempted", f"{self.pipeline}/infer/{self.rank} is {self.state}")
-        if msg.accept_versions is not None and self.synced_version not in msg.accept_versions:
             raise RpcError(
-                "stale_weights",
+                ShardRefusal.PREEMPTED, f"{self.pipeline}/infer/{self.rank} is {self.state}"
+            )
+        if msg.min_version is not None and (
+            self.synced_version is None or self.synced_version < msg.min_version
+        ):
+            raise RpcError(
+                ShardRefusal.STALE_WEIGHTS,
                 f"{self.pipeline}/infer/{self.rank} holds weights {self.synced_version}, "
-                f"the request accepts {msg.accept_versions}",
+                f"the request needs version {msg.min_version} or newer",
             )
         if self._early_cancels.pop(msg.request_id, None) is not None:
             self.cancelled += 1
-            raise RpcError("cancelled", f"request {msg.request_id} was cancelled by its caller")
+            raise RpcError(
+                ShardRefusal.CANCELLED, f"request {msg.request_id} was cancelled by its caller"
+            )
         task = asyncio.current_task()
         assert task is not None
         self._requests[msg.request_id] = task
@@ -202,7 +175,8 @@ class ShardWorker:
                 continue
             self.decoded_tokens += len(chunk.token_ids) - len(tokens)
             tokens, logprobs = chunk.token_ids, chunk.logprobs
-            version = chunk.weight_version or version
+            if chunk.weight_version is not None:
+                version = chunk.weight_version
         cut = self.preempted and len(tokens) < msg.max_tokens
         return GenerateResult(
             request_id=msg.request_id,
@@ -213,7 +187,7 @@ class ShardWorker:
         )
 
     def ack(self) -> m.ShardAck:
-        return m.ShardAck(state=self.state.value, weight_version=self.synced_version)
+        return m.ShardAck(state=self.state, weight_version=self.synced_version)
 
     async def _on_command(self, msg: m.ShardCommand, ctx: CallContext) -> m.ShardAck:
         async with self._lock:
@@ -321,3 +295,59 @@ class ShardWorker:
             aborted,
             {k: round(v, 1) for k, v in self.phase_ms.items()},
         )
+
+
+def build_engine(engine: EngineConfig, model: str | None, *, seed: int = 0) -> ShardEngine:
+    if engine.kind == "custom":
+        from rlix_async.loading import load_object
+
+        assert engine.custom is not None  # the config refuses custom without it
+        return load_object(engine.custom)(**engine.custom_args)  # type: ignore[no-any-return]
+    from rlix_async.shards.vllm_engine import VllmEngine
+
+    assert model is not None  # the config refuses vllm without it
+    return VllmEngine(model, engine, seed=seed)
+
+
+async def serve(cfg: ShardConfig) -> int:
+    """The shard worker process (``rlix-async shard``): serve until signalled. Returns 3
+    when the engine died, so a launcher replaces this worker."""
+    engine = build_engine(cfg.engine, cfg.model)
+    keys = ClientKeys.load(cfg.keys) if cfg.keys else None
+    hb = cfg.heartbeat_interval_s
+    transport = TransportConfig(heartbeat_interval_s=hb, heartbeat_timeout_s=2.5 * hb)
+    worker = ShardWorker(
+        engine,
+        cfg.coordinator or ipc_endpoint("coordinator"),
+        cfg.pipeline,
+        cfg.rank,
+        keys=keys,
+        transport=transport,
+        drain_timeout_s=cfg.drain_timeout_s,
+        data_endpoint=cfg.data_endpoint,
+        # a tcp data plane (routers on other nodes) is authenticated like every tcp socket
+        data_keys=ServerKeys.load(cfg.keys)
+        if cfg.keys and (cfg.data_endpoint or "").startswith("tcp://")
+        else None,
+    )
+    await worker.start()
+    print(f"READY {worker.data.endpoint}", flush=True)
+    dead = asyncio.ensure_future(worker.engine_dead.wait())
+    signalled = asyncio.ensure_future(until_signalled())
+    await asyncio.wait([dead, signalled], return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    t0 = time.monotonic()
+    await worker.close()
+    if dead.done():
+        return 3
+    dead.cancel()
+    t1 = time.monotonic()
+    shutdown = getattr(engine, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    print(
+        f"stopped: worker closed in {t1 - t0:.1f} s, engine in {time.monotonic() - t1:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 0

@@ -11,9 +11,9 @@ as the coordinator, with simulated time and simulated effects:
 - expand: the shard serves after the devices are free + ``wake_s`` + sync.
 - grant: training starts once the devices are free; it lasts the sum of the
   pipeline's ``stages``. After it, awake shards pause for the weight sync.
-- A pipeline generates up to ``max_staleness`` batches ahead of training and
-  reports progress as the coordinator's client does (coarse buckets), which
-  is what the planner sizes its rollout share by.
+- A pipeline generates up to ``max_trajectory_age_steps`` batches ahead of
+  training and reports progress as the coordinator's client does (coarse
+  buckets), which is what the planner sizes its rollout share by.
 
 The planner runs on changes, debounced to ``plan_interval_s`` of simulated
 time (the coordinator debounces the same way, on its event loop).
@@ -23,25 +23,38 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import json
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlix_async.config import RolloutTimes, Scenario, ScenarioPipeline
+from rlix_async.control import journal as ev
 from rlix_async.control import planner
 from rlix_async.control.registry import Registry
+from rlix_async.control.snapshot import RankChange
 from rlix_async.control.topology import INFER, Priority
-from rlix_async.sim.scenario import PipelineDecl, Scenario
 
 TRAIN = "actor_train"
 PROGRESS_BUCKETS = 20  # progress changes smaller than 5% do not wake the planner
 
 
+def sample_duration(rollout: RolloutTimes, rng: random.Random) -> float:
+    """One trajectory's generation time."""
+    if rollout.dist == "fixed":
+        d = rollout.median_s
+    elif rollout.dist == "lognormal":
+        d = rng.lognormvariate(math.log(rollout.median_s), rollout.sigma)
+    else:  # pareto with this median: scale = median / 2^(1/alpha)
+        d = rollout.median_s / 2 ** (1 / rollout.alpha) * rng.paretovariate(rollout.alpha)
+    return min(d, rollout.max_s)
+
+
 @dataclass
 class _Pipe:
-    decl: PipelineDecl
+    decl: ScenarioPipeline
     step: int = 0
     produced: int = 0
     training: bool = False
@@ -68,14 +81,14 @@ class _Pipe:
         return self.target * (self.step + int(self.training))
 
     def limit(self) -> int:
-        return self.target * (self.step + 1 + self.decl.max_staleness)
+        return self.target * (self.step + 1 + self.decl.max_trajectory_age_steps)
 
 
 class Simulation:
     def __init__(
         self,
         scenario: Scenario,
-        pipelines: list[PipelineDecl] | None = None,
+        pipelines: list[ScenarioPipeline] | None = None,
         *,
         seed: int = 0,
         plan_interval_s: float | None = None,
@@ -96,7 +109,7 @@ class Simulation:
             for p in (pipelines or scenario.pipelines)
         }
         self.free_at: dict[int, float] = {}  # device -> when its shrinking shard is asleep
-        self.journal: list[dict[str, Any]] = []
+        self.journal: list[ev.Event] = []
         self.busy_device_s = 0.0
         self.switch_device_s = 0.0
         self.preemptions = 0
@@ -187,7 +200,7 @@ class Simulation:
                 if p.pending:
                     work = p.pending.popleft()
                 elif p.produced + len(p.inflight) + len(p.pending) < p.limit():
-                    work = p.decl.rollout.sample(p.rng)
+                    work = sample_duration(p.decl.rollout, p.rng)
                 else:
                     return
                 tid = next(self._tids)
@@ -222,7 +235,7 @@ class Simulation:
     def _trained(self, pid: str) -> None:
         p = self.pipes[pid]
         self.registry.release(pid, TRAIN)
-        self._journal("release", pipeline=pid, cluster=TRAIN)
+        self._record(ev.Released(pipeline=pid, cluster=TRAIN))
         p.training = False
         p.step += 1
         p.step_ends.append(self.now)
@@ -253,13 +266,14 @@ class Simulation:
         p.ready.clear()
         state = self.registry.remove(p.decl.id)
         if state is not None and state.active:
-            spec = p.decl.topology()[INFER]
-            self._journal(
-                "shrink",
-                pipeline=p.decl.id,
-                cluster=INFER,
-                ranks=sorted(state.active),
-                devices=sorted(d for r in state.active for d in spec.bundle(r)),
+            spec = p.decl.clusters[INFER]
+            self._record(
+                ev.Shrunk(
+                    pipeline=p.decl.id,
+                    cluster=INFER,
+                    ranks=sorted(state.active),
+                    devices=sorted(d for r in state.active for d in spec.bundle(r)),
+                )
             )
 
     def _ready(self, pid: str, rank: int, epoch: int) -> None:
@@ -286,7 +300,7 @@ class Simulation:
         sw = self.sc.switch
         for ch in result.shrink:
             p = self.pipes[ch.pipeline]
-            spec = p.decl.topology()[INFER]
+            spec = p.decl.clusters[INFER]
             for rank in ch.ranks:
                 self.preemptions += 1
                 p.ready.discard(rank)
@@ -300,47 +314,41 @@ class Simulation:
                 for d in spec.bundle(rank):
                     self.free_at[d] = self.now + sw.sleep_s
                 self.switch_device_s += sw.sleep_s * spec.tp
-            self._journal_change("shrink", ch)
+            self._record_change(ev.Shrunk, ch)
         for g in result.grants:
             t = max([self.now, *(self.free_at.get(d, 0.0) for d in g.devices)])
-            self._journal(
-                "grant",
-                pipeline=g.pipeline,
-                cluster=g.cluster,
-                priority=g.priority,
-                devices=g.devices,
+            self._record(
+                ev.Granted(
+                    pipeline=g.pipeline, cluster=g.cluster, priority=g.priority, devices=g.devices
+                )
             )
             self._push(t, "granted", g.pipeline)
         for ch in result.expand:
             p = self.pipes[ch.pipeline]
-            spec = p.decl.topology()[INFER]
+            spec = p.decl.clusters[INFER]
             for rank in ch.ranks:
                 free = max([self.now, *(self.free_at.get(d, 0.0) for d in spec.bundle(rank))])
                 p.epoch[rank] = p.epoch.get(rank, 0) + 1
                 self.switch_device_s += (sw.wake_s + sw.sync_s) * spec.tp
                 self._push(free + sw.wake_s + sw.sync_s, "ready", ch.pipeline, rank, p.epoch[rank])
-            self._journal_change("expand", ch)
+            self._record_change(ev.Expanded, ch)
         for p in self.pipes.values():  # shrunk shards' trajectories continue on the others
             if p.pending:
                 self._fill(p)
 
-    def _journal_change(self, ev: str, ch: Any) -> None:
-        spec = self.pipes[ch.pipeline].decl.topology()[INFER]
-        self._journal(
-            ev,
-            pipeline=ch.pipeline,
-            cluster=ch.cluster,
-            ranks=ch.ranks,
-            devices=sorted(d for r in ch.ranks for d in spec.bundle(r)),
+    def _record_change(self, kind: type[ev.Shrunk] | type[ev.Expanded], ch: RankChange) -> None:
+        spec = self.pipes[ch.pipeline].decl.clusters[INFER]
+        devices = sorted(d for r in ch.ranks for d in spec.bundle(r))
+        self._record(
+            kind(pipeline=ch.pipeline, cluster=ch.cluster, ranks=ch.ranks, devices=devices)
         )
 
-    def _journal(self, ev: str, **fields: Any) -> None:
-        self.journal.append({"t": round(self.now, 3), "ev": ev, **fields})
+    def _record(self, event: ev.Event) -> None:
+        event.t = round(self.now, 3)
+        self.journal.append(event)
 
     def write_journal(self, path: str | Path) -> None:
-        with open(path, "w") as fh:
-            for rec in self.journal:
-                fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        ev.write_journal(path, self.journal)
 
     # --- results -------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ A tensor larger than the bucket size gets a bucket of its own.
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -160,3 +161,8 @@ def buckets_of(layout: Layout, segment: memoryview) -> list[BucketView]:
         BucketView(i, segment[s : s + n])
         for i, (s, n) in enumerate(zip(starts, layout.bucket_sizes, strict=True))
     ]
+
+
+def bucket_checksums(layout: Layout, buf: memoryview) -> list[int]:
+    """CRC32 of every bucket of a packed version (to verify a transfer end to end)."""
+    return [zlib.crc32(b.data) for b in buckets_of(layout, buf)]

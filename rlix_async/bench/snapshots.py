@@ -1,0 +1,113 @@
+"""Random but realistic cluster snapshots, for the planner benchmark and property tests.
+
+Pipelines sit on node-aligned device ranges (as a cluster operator would place
+them), several pipelines share each range, training devices are a prefix of the
+inference devices (partial overlap), and the current state (stages held,
+generation ranks awake, progress, queued requests) is consistent.
+"""
+
+from __future__ import annotations
+
+import random
+
+from rlix_async.control.snapshot import PipelineIn, ProgressIn, RequestIn, Snapshot
+from rlix_async.control.topology import INFER, ClusterShape, ClusterSpec, Priority
+
+GANG_PRIORITIES = [p.name for p in Priority if p is not Priority.GENERATION]
+
+
+def random_snapshot(
+    rng: random.Random,
+    gpus: int = 16,
+    pipelines: int = 4,
+    gpus_per_node: int = 8,
+    overlap: bool = True,
+) -> Snapshot:
+    gpn = min(gpus_per_node, gpus)
+    nodes = max(1, gpus // gpn)
+    shape = ClusterShape(nodes=nodes, gpus_per_node=gpn)
+    owner: set[int] = set()
+    seq = iter(range(10**9))
+    out: list[PipelineIn] = []
+    for i in range(pipelines):
+        span_nodes = rng.choice([n for n in (1, 2, 4, 8) if n <= nodes] or [1])
+        start_node = rng.randrange(0, nodes - span_nodes + 1)
+        infer_devs = list(range(start_node * gpn, (start_node + span_nodes) * gpn))
+        if not overlap:
+            infer_devs = list(range(gpn * nodes))
+        tp = rng.choice([t for t in (1, 2, 4, 8) if t <= gpn and len(infer_devs) % t == 0])
+        train_len = max(gpn // 2, 1) if rng.random() < 0.7 else len(infer_devs)
+        clusters = {
+            "actor_train": ClusterSpec(tp=1, devices=tuple(infer_devs[:train_len])),
+            INFER: ClusterSpec(tp=tp, devices=tuple(infer_devs)),
+        }
+        held: dict[str, str] = {}
+        if rng.random() < 0.25 and not owner & set(clusters["actor_train"].devices):
+            held["actor_train"] = rng.choice(GANG_PRIORITIES[1:])
+            owner.update(clusters["actor_train"].devices)
+        active: list[int] = []
+        for r, bundle in enumerate(clusters[INFER].bundles()):
+            if rng.random() < 0.5 and not owner & set(bundle):
+                active.append(r)
+                owner.update(bundle)
+        target = rng.choice([0, 64, 256, 512])
+        progress = (
+            ProgressIn(target=target, completed=rng.randrange(0, target + 1) if target else 0)
+            if rng.random() < 0.8
+            else None
+        )
+        requests: list[RequestIn] = []
+        roll = rng.random()
+        if "actor_train" not in held and roll < 0.4:
+            requests.append(
+                RequestIn(
+                    seq=next(seq),
+                    cluster="actor_train",
+                    priority=rng.choice(GANG_PRIORITIES),
+                    age_s=rng.choice([0.0, 0.0, 5.0, 500.0]),
+                )
+            )
+        elif roll < 0.7:
+            requests.append(
+                RequestIn(
+                    seq=next(seq),
+                    cluster=INFER,
+                    priority="GENERATION",
+                    step_target_estimate=rng.choice([None, 64, 256]),
+                )
+            )
+        out.append(
+            PipelineIn(
+                id=f"p{i}",
+                clusters=clusters,  # type: ignore[arg-type]
+                held=held,  # type: ignore[arg-type]
+                active_ranks={INFER: active} if active else {},
+                progress=progress,
+                requests=requests,
+            )
+        )
+    # Requests arrive in random order across pipelines.
+    order = list(range(sum(len(p.requests) for p in out)))
+    rng.shuffle(order)
+    it = iter(order)
+    out = [
+        PipelineIn(
+            id=p.id,
+            clusters=p.clusters,
+            held=p.held,
+            active_ranks=p.active_ranks,
+            progress=p.progress,
+            requests=[
+                RequestIn(
+                    seq=next(it),
+                    cluster=r.cluster,
+                    priority=r.priority,
+                    step_target_estimate=r.step_target_estimate,
+                    age_s=r.age_s,
+                )
+                for r in p.requests
+            ],
+        )
+        for p in out
+    ]
+    return Snapshot(cluster=shape, pipelines=out)

@@ -1,0 +1,128 @@
+"""``rlix-async bench ...``: benchmarks that print figures (record them in docs/PERF.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def _rpc(args: argparse.Namespace) -> int:
+    from rlix_async.bench.rpc import RpcBenchConfig, format_rpc_result, run_rpc_bench
+
+    cfg = RpcBenchConfig(
+        transport=args.transport,
+        calls=args.calls,
+        window=args.window,
+        vs_ray=args.vs_ray,
+        pin=args.pin,
+    )
+    result = run_rpc_bench(cfg)
+    print(json.dumps(result, indent=2) if args.json else format_rpc_result(result))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rlix_async.bench.plan import run_plan_bench
+
+    result = run_plan_bench(args.gpus, args.pipelines, args.snapshots, args.seed)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(
+        f"plan on {args.gpus} devices / {args.pipelines} pipelines "
+        f"({result['snapshots']} random snapshots): p50 {result['plan_ms_p50']:.2f} ms, "
+        f"p99 {result['plan_ms_p99']:.2f} ms; check_plan p50 {result['check_ms_p50']:.2f} ms"
+    )
+    return 0
+
+
+def _weights(args: argparse.Namespace) -> int:
+    from rlix_async.bench.weights import run_weights_bench
+
+    r = run_weights_bench(args.size_mb, args.bucket_mb, args.credits)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    print(
+        f"{r['size_mb']} MiB in {r['buckets']} buckets of {r['bucket_mb']} MiB "
+        f"({r['credits']} in flight)"
+    )
+    for key in ("memcpy_gibps", "local_gibps", "remote_gibps", "zmq_raw_gibps"):
+        print(f"  {key:14s} {r[key]:6.2f} GiB/s")
+    print(
+        f"  peak_extra_mb  {r['peak_extra_mb']:6.1f} MiB (local {r['local_extra_mb']:.1f}, "
+        f"remote {r['remote_extra_mb']:.1f})"
+    )
+    return 0
+
+
+def _preempt(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays JSON
+    from rlix_async.aio import run
+    from rlix_async.bench.preempt import format_preempt_result, run_preempt_bench
+
+    r = run(
+        run_preempt_bench(
+            requests=args.requests,
+            max_tokens=args.max_tokens,
+            rounds=args.rounds,
+            kv_cache_mb=args.kv_cache_mb,
+        )
+    )
+    print(json.dumps(r, indent=2) if args.json else format_preempt_result(r))
+    return 0 if r["lost_requests"] == 0 else 1
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _json_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _register_rpc(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = bsub.add_parser("rpc", help="RPC round trip p50/p99 and throughput between processes")
+    p.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
+    p.add_argument("--calls", type=_positive, default=5000, help="sequential calls timed")
+    p.add_argument("--window", type=_positive, default=64, help="calls in flight for throughput")
+    p.add_argument("--vs-ray", action="store_true", help="same pattern against a Ray actor")
+    p.add_argument(
+        "--pin",
+        choices=["none", "shared", "split"],
+        default="none",
+        help="CPU placement: kernel's choice, client and server on one CPU, or one CPU each",
+    )
+    _json_flag(p)
+    p.set_defaults(func=_rpc)
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = sub.add_parser("bench", help="benchmarks that print figures")
+    bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    _register_rpc(bsub)
+    p = bsub.add_parser("plan", help="planner latency on random realistic snapshots")
+    p.add_argument("--gpus", type=_positive, default=4096)
+    p.add_argument("--pipelines", type=_positive, default=256)
+    p.add_argument("--snapshots", type=_positive, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    _json_flag(p)
+    p.set_defaults(func=_plan)
+    p = bsub.add_parser("weights", help="weight sync: shared memory, tcp, raw ZMQ, memcpy")
+    p.add_argument("--size-mb", type=_positive, default=1024)
+    p.add_argument("--bucket-mb", type=_positive, default=64)
+    p.add_argument("--credits", type=_positive, default=2, help="buckets in flight (remote)")
+    _json_flag(p)
+    p.set_defaults(func=_weights)
+    p = bsub.add_parser("preempt", help="shrink a vLLM shard under load: latency, waste, losses")
+    p.add_argument("--requests", type=_positive, default=32, help="requests in flight")
+    p.add_argument("--max-tokens", type=_positive, default=96)
+    p.add_argument("--rounds", type=_positive, default=3, help="shrink/expand rounds")
+    p.add_argument("--kv-cache-mb", type=_positive, default=64, help="KV cache per engine (CPU)")
+    _json_flag(p)
+    p.set_defaults(func=_preempt)

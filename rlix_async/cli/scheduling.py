@@ -1,0 +1,117 @@
+"""The scheduler offline: ``plan`` (the planner once, on a snapshot) and ``simulate``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlix_async.cli import UsageError, add_overrides
+
+if TYPE_CHECKING:
+    from rlix_async.config import Scenario
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from rlix_async.control.planner import check_plan, plan
+    from rlix_async.control.snapshot import SnapshotError, decode_snapshot
+
+    try:
+        snap = decode_snapshot(Path(args.snapshot).read_bytes())
+    except OSError as exc:
+        raise UsageError(f"cannot read {args.snapshot}: {exc.strerror or exc}") from None
+    except SnapshotError as exc:
+        raise UsageError(f"invalid snapshot {args.snapshot}: {exc}") from None
+    result = plan(snap)
+    violations = check_plan(snap, result)
+    if violations:  # a planner bug: say so loudly, never print the plan as if sound
+        print("error: the plan breaks invariants:\n  " + "\n  ".join(violations), file=sys.stderr)
+        return 1
+    if args.json:
+        print(msgspec.json.encode(result).decode())
+        return 0
+    for g in result.grants:
+        print(f"grant   {g.pipeline}/{g.cluster} {g.priority} devices {g.devices}")
+    for ch in result.shrink:
+        print(f"shrink  {ch.pipeline}/{ch.cluster} ranks {ch.ranks}")
+    for ch in result.expand:
+        print(f"expand  {ch.pipeline}/{ch.cluster} ranks {ch.ranks}")
+    for w in result.waiting:
+        print(f"waiting {w.pipeline}/{w.cluster}: {w.reason}")
+    print(f"idle    {result.idle_devices}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from rlix_async.config import Scenario, load_config
+    from rlix_async.sim.engine import simulate
+
+    sc = load_config(args.scenario, Scenario, args.overrides)
+    if args.seeds is not None:
+        return _simulate_seeds(sc, args)
+    policies = ["exclusive", "timeshare"] if args.policy == "all" else [args.policy]
+    out = {
+        pol: simulate(sc, pol, seed=args.seed, journal=args.journal if pol == "timeshare" else None)
+        for pol in policies
+    }
+    if args.json:
+        print(json.dumps({"policies": out}, indent=2))
+        return 0
+    for pol, r in out.items():
+        print(
+            f"{pol:10s} {r['steps_per_hour_per_gpu']:.3f} steps/h/GPU on {r['devices']} devices, "
+            f"makespan {r['makespan_s']:.0f} s, utilization {r['gpu_utilization']:.2f}, "
+            f"preemptions {r['preemptions']}, switching {r['wasted_gpu_s']:.0f} GPU-s"
+        )
+    if len(out) == 2 and out["exclusive"]["steps_per_hour_per_gpu"]:
+        gain = (
+            out["timeshare"]["steps_per_hour_per_gpu"] / out["exclusive"]["steps_per_hour_per_gpu"]
+        )
+        print(f"timeshare / exclusive: {gain:.2f}x")
+    return 0
+
+
+def _simulate_seeds(sc: Scenario, args: argparse.Namespace) -> int:
+    from rlix_async.sim.engine import seed_sweep
+
+    if args.seeds < 1 or args.policy != "all" or args.journal:
+        raise UsageError("--seeds N compares both policies and writes no journal")
+    out = seed_sweep(sc, range(args.seed, args.seed + args.seeds))
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    for r in out["runs"]:
+        worst = max(r["slowdown"].values(), default=0.0)
+        print(
+            f"seed {r['seed']:3d}: timeshare / exclusive {r['gain']:.2f}x, "
+            f"slowest pipeline's step {worst:.2f}x its exclusive one"
+        )
+    g, s = out["gain"], out["slowdown"]
+    print(
+        f"gain min {g['min']:.2f}x, mean {g['mean']:.2f}x, max {g['max']:.2f}x; "
+        f"step slowdown mean {s['mean']:.2f}x, max {s['max']:.2f}x"
+    )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("plan", help="run the planner once on a snapshot (what-if tool)")
+    p.add_argument("snapshot", help="snapshot JSON (format in docs/SCHEDULING.md)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_plan)
+
+    p = sub.add_parser("simulate", help="discrete-event simulation of a scenario (real planner)")
+    p.add_argument("scenario", help="Scenario file (see scenarios/ and docs/CONFIG.md)")
+    p.add_argument("--policy", choices=["exclusive", "timeshare", "all"], default="all")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--journal", help="write the timeshare run's journal (rlix-async timeline)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seeds", type=int, metavar="N", help="both policies on seeds SEED..SEED+N-1: the spread"
+    )
+    add_overrides(p, "plan_interval_s=0")
+    p.set_defaults(func=_simulate)

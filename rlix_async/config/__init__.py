@@ -1,0 +1,67 @@
+"""Every user-facing configuration, torch-free (msgspec only).
+
+One struct per concept (:mod:`~rlix_async.config.schema`), each field with
+its bounds and a description (``rlix-async config reference`` prints them
+all; docs/CONFIG.md is that output). Processes each read one file:
+
+- :class:`LaunchConfig`: ``rlix-async launch`` (cluster, engine, scheduler,
+  pipelines); it writes the three below for the processes it starts.
+- :class:`CoordinatorConfig`: ``rlix-async coordinator --config``.
+- :class:`ShardConfig`: ``rlix-async shard --config`` (one shard worker).
+- :class:`PipelineConfig`: ``python -m rlix_async.pipeline --config`` (torchrun).
+- :class:`Scenario`: ``rlix-async simulate``.
+
+:func:`load_config` (:mod:`~rlix_async.config.loading`) reads YAML or JSON,
+applies ``key.path=value`` overrides (as verl and Hydra users write them) and
+turns every validation error into one line, ``FILE: field: what is wrong``.
+New keys (data, reward, env, lora) land in the schema.
+"""
+
+from rlix_async.config.loading import ConfigError, convert, dump, load_config
+from rlix_async.config.schema import (
+    ClusterShape,
+    ClusterSpec,
+    CoordinatorConfig,
+    CopyFirstTask,
+    EngineConfig,
+    LaunchConfig,
+    LossConfig,
+    ModelConfig,
+    PipelineConfig,
+    RolloutConfig,
+    RolloutTimes,
+    Scenario,
+    ScenarioPipeline,
+    SchedulerConfig,
+    ShardConfig,
+    SwitchCosts,
+    TargetTokensTask,
+    TaskConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "ClusterShape",
+    "ClusterSpec",
+    "ConfigError",
+    "CoordinatorConfig",
+    "CopyFirstTask",
+    "EngineConfig",
+    "LaunchConfig",
+    "LossConfig",
+    "ModelConfig",
+    "PipelineConfig",
+    "RolloutConfig",
+    "RolloutTimes",
+    "Scenario",
+    "ScenarioPipeline",
+    "SchedulerConfig",
+    "ShardConfig",
+    "SwitchCosts",
+    "TargetTokensTask",
+    "TaskConfig",
+    "TrainConfig",
+    "convert",
+    "dump",
+    "load_config",
+]

@@ -1,0 +1,375 @@
+"""The config structs: one per concept, every field with its bounds and a description."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from rlix_async.control.topology import (
+    ClusterName,
+    ClusterShape,
+    ClusterSpec,
+    PipelineId,
+    PriorityName,
+    TopologyError,
+    validate_topology,
+)
+
+
+def doc(description: str, **bounds: Any) -> msgspec.Meta:
+    """A field's description and bounds (``ge``, ``gt``, ``le``, ``pattern``...)."""
+    return msgspec.Meta(description=description, **bounds)
+
+
+Endpoint = Annotated[str, msgspec.Meta(pattern=r"^(ipc|tcp)://.+")]
+
+
+class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Base of every config struct: unknown keys are refused, values are immutable."""
+
+
+def invalid(field: str, what: str) -> ValueError:
+    """A cross-field rule broken; ``field`` is relative to the struct raising it."""
+    return ValueError(f"{field}: {what}")
+
+
+# --- coordinator ------------------------------------------------------------------------
+
+
+class SchedulerConfig(Config):
+    lease_timeout_s: Annotated[
+        float, doc("Seconds a silent pipeline driver keeps its devices (it may reconnect).", gt=0)
+    ] = 10.0
+    rebalance_s: Annotated[
+        float, doc("Seconds between plans when no event asks for one (a slow timer).", gt=0)
+    ] = 2.0
+    command_timeout_s: Annotated[
+        float,
+        doc("Seconds a shard's sleep, wake or sync, or a wait for shrinks, may take.", gt=0),
+    ] = 60.0
+    aging_s: Annotated[
+        float, doc("A gang request waiting this long is served before every fresh one.", gt=0)
+    ] = 120.0
+
+
+class CoordinatorConfig(Config):
+    cluster: Annotated[ClusterShape, doc("Nodes and devices per node of the cluster.")] = (
+        ClusterShape(nodes=1, gpus_per_node=8)
+    )
+    endpoint: Annotated[
+        Endpoint | None,
+        doc("Where to listen: ipc:// or tcp:// (tcp needs keys). Default: local ipc."),
+    ] = None
+    journal: Annotated[
+        str | None, doc("Append scheduling events to this JSONL file; replayed on restart.")
+    ] = None
+    keys: Annotated[str | None, doc("CURVE key directory (rlix-async keygen); for tcp.")] = None
+    metrics_port: Annotated[
+        Annotated[int, msgspec.Meta(ge=1, le=65535)] | None,
+        doc("Serve Prometheus metrics on this port (all interfaces)."),
+    ] = None
+    heartbeat_interval_s: Annotated[
+        float, doc("Heartbeat period; a peer silent 2.5 periods is dead.", gt=0)
+    ] = 1.0
+    scheduler: Annotated[SchedulerConfig, doc("Leases, timers and timeouts.")] = SchedulerConfig()
+
+
+# --- shards ----------------------------------------------------------------------------
+
+
+class EngineConfig(Config):
+    kind: Annotated[
+        Literal["vllm", "custom"],
+        doc("vllm (AsyncLLM in the worker), or custom: your own ShardEngine class."),
+    ] = "vllm"
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        doc("vLLM dtype. float32 matches the trainer exactly; auto is vLLM's choice."),
+    ] = "float32"
+    max_model_len: Annotated[int, doc("Longest prompt + response, in tokens.", ge=16)] = 256
+    kv_cache_mb: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        doc("KV cache size in MiB (required on CPU); unset: gpu_memory_utilization."),
+    ] = 64
+    gpu_memory_utilization: Annotated[
+        float, doc("GPU memory fraction vLLM may use when kv_cache_mb is unset.", gt=0, le=1)
+    ] = 0.8
+    sleep_mode: Annotated[bool, doc("GPU: vLLM sleep mode (frees memory when asleep).")] = False
+    vllm_args: Annotated[
+        dict[str, Any], doc("More vLLM AsyncEngineArgs, passed as they are (kind vllm).")
+    ] = {}
+    custom: Annotated[
+        str | None,
+        doc(
+            "kind custom: 'package.module:Class' or 'path/to/file.py:Class', a ShardEngine "
+            "(rlix_async/shards/engine.py) built as Class(**custom_args)."
+        ),
+    ] = None
+    custom_args: Annotated[dict[str, Any], doc("kind custom: keyword arguments.")] = {}
+
+    def __post_init__(self) -> None:
+        if self.kind == "custom" and not self.custom:
+            raise invalid("custom", "kind custom needs the engine class ('module:Class')")
+        if self.kind == "vllm" and self.custom:
+            raise invalid("custom", "set kind: custom to use an engine of your own")
+
+
+class ShardConfig(Config):
+    pipeline: PipelineId
+    rank: Annotated[int, doc("Data-parallel rank of the shard in actor_infer.", ge=0)]
+    model: Annotated[str | None, doc("Hugging Face model directory the engine serves.")] = None
+    coordinator: Annotated[Endpoint | None, doc("Coordinator endpoint. Default: local ipc.")] = None
+    keys: Annotated[str | None, doc("CURVE key directory, for tcp endpoints.")] = None
+    data_endpoint: Annotated[
+        Endpoint | None, doc("Where the pipeline's router reaches this shard. Default: ipc.")
+    ] = None
+    heartbeat_interval_s: Annotated[float, doc("Heartbeat period (seconds).", gt=0)] = 1.0
+    drain_timeout_s: Annotated[
+        float, doc("Longest wait for aborted requests to leave the engine on a shrink.", gt=0)
+    ] = 30.0
+    engine: Annotated[EngineConfig, doc("The inference engine.")] = EngineConfig()
+
+    def __post_init__(self) -> None:
+        if self.engine.kind == "vllm" and not self.model:
+            raise invalid("model", "a vllm engine needs a model directory")
+
+
+# --- pipelines ---------------------------------------------------------------------------
+
+
+class TargetTokensTask(Config, tag="target_tokens", tag_field="name"):
+    """Reward: share of response tokens in [lo, hi) of the vocabulary."""
+
+    vocab: Annotated[int, doc("Prompt tokens are drawn from [1, vocab).", ge=2)] = 512
+    lo: Annotated[int, doc("First rewarded token id.", ge=0)] = 0
+    hi: Annotated[int, doc("One past the last rewarded token id.", ge=1)] = 32
+    prompt_len: Annotated[int, doc("Prompt length in tokens.", ge=1)] = 4
+
+    def __post_init__(self) -> None:
+        if not self.lo < self.hi <= self.vocab:
+            raise invalid("hi", f"need lo < hi <= vocab, got {self.lo}, {self.hi}, {self.vocab}")
+
+
+class CopyFirstTask(Config, tag="copy_first", tag_field="name"):
+    """Reward: share of response tokens equal to the prompt's first token."""
+
+    vocab: Annotated[int, doc("Prompt tokens are drawn from [1, vocab).", ge=2)] = 512
+    prompt_len: Annotated[int, doc("Prompt length in tokens.", ge=1)] = 4
+
+
+TaskConfig = TargetTokensTask | CopyFirstTask
+
+
+class RolloutConfig(Config):
+    groups_per_step: Annotated[int, doc("Prompts (groups) per training step.", ge=1)] = 8
+    group_size: Annotated[
+        int, doc("Responses sampled per prompt (GRPO needs two or more).", ge=2)
+    ] = 4
+    max_tokens: Annotated[int, doc("Longest response, in tokens.", ge=1)] = 12
+    temperature: Annotated[float, doc("Sampling temperature.", ge=0)] = 1.0
+    max_groups_in_flight: Annotated[int, doc("Groups being generated at once, at most.", ge=1)] = 4
+
+
+class LossConfig(Config):
+    kind: Annotated[
+        Literal["dapo", "cispo"],
+        doc("dapo: clipped ratio, clip-higher; cispo: clipped IS weight on every token."),
+    ] = "dapo"
+    eps_low: Annotated[float, doc("Lower clip: ratio >= 1 - eps_low.", ge=0, lt=1)] = 0.2
+    eps_high: Annotated[float, doc("Upper clip: ratio <= 1 + eps_high (clip-higher).", ge=0)] = 0.28
+    is_cap: Annotated[
+        float, doc("Truncation of the importance weight pi_old / pi_behaviour.", gt=0)
+    ] = 2.0
+    kl_coef: Annotated[float, doc("Weight of the k3 KL penalty to a reference model.", ge=0)] = 0.0
+
+
+class TrainConfig(Config):
+    backend: Annotated[
+        Literal["torch", "megatron"],
+        doc("torch: HF model under DDP; megatron: megatron-core GPTModel (Llama shape)."),
+    ] = "torch"
+    lr: Annotated[float, doc("AdamW learning rate.", gt=0)] = 2e-3
+    weight_decay: Annotated[float, doc("AdamW weight decay.", ge=0)] = 0.0
+    max_grad_norm: Annotated[float, doc("Gradient clipping norm.", gt=0)] = 1.0
+    minibatches: Annotated[int, doc("Optimizer steps per training step.", ge=1)] = 2
+    loss: Annotated[LossConfig, doc("The policy loss.")] = LossConfig()
+
+
+class ModelConfig(Config):
+    path: Annotated[
+        str | None,
+        doc("Hugging Face model directory (trainer and shards). Unset: a random tiny Llama."),
+    ] = None
+    vocab_size: Annotated[int, doc("Tiny Llama: vocabulary size.", ge=2)] = 512
+    layers: Annotated[int, doc("Tiny Llama: decoder layers.", ge=1)] = 2
+    hidden: Annotated[
+        int, doc("Tiny Llama: hidden size (heads of 64, as vLLM's CPU attention needs).", ge=64)
+    ] = 128
+
+    def __post_init__(self) -> None:
+        if self.hidden % 64:
+            raise invalid("hidden", f"must be a multiple of 64, got {self.hidden}")
+
+    @property
+    def tiny(self) -> dict[str, int]:
+        return {"vocab_size": self.vocab_size, "layers": self.layers, "hidden": self.hidden}
+
+
+class PipelineConfig(Config):
+    id: PipelineId
+    clusters: Annotated[
+        dict[ClusterName, ClusterSpec],
+        doc("actor_train (training devices) and actor_infer (rollout devices), at least."),
+    ]
+    nproc: Annotated[int, doc("torchrun ranks of the trainer (data parallel).", ge=1)] = 1
+    steps: Annotated[int, doc("Training steps to run.", ge=1)] = 10
+    seed: Annotated[int, doc("Seed of the model init, prompts and sampling.")] = 0
+    max_trajectory_age_steps: Annotated[
+        int,
+        doc(
+            "Staleness bound: train only on tokens at most this many steps old (0: on-policy).",
+            ge=0,
+        ),
+    ] = 1
+    checkpoint_every: Annotated[
+        int, doc("Save a checkpoint every N steps (and the last).", ge=1)
+    ] = 1
+    task: Annotated[TaskConfig, doc("The reward task (by `name`).")] = TargetTokensTask()
+    rollout: Annotated[RolloutConfig, doc("Batch shape and sampling.")] = RolloutConfig()
+    train: Annotated[TrainConfig, doc("Trainer backend, optimizer and loss.")] = TrainConfig()
+    model: Annotated[ModelConfig, doc("The policy model.")] = ModelConfig()
+    out: Annotated[
+        str | None,
+        doc("Run directory (OUT/ID/metrics.jsonl, OUT/ID/ckpt). Set by the launcher."),
+    ] = None
+    coordinator: Annotated[Endpoint | None, doc("Coordinator endpoint. Set by the launcher.")] = (
+        None
+    )
+    keys: Annotated[str | None, doc("CURVE key directory, for tcp endpoints.")] = None
+
+    def __post_init__(self) -> None:
+        for name in ("actor_train", "actor_infer"):
+            if name not in self.clusters:
+                raise invalid("clusters", f"{name} is required")
+        if self.model.path is None and self.task.vocab > self.model.vocab_size:
+            raise invalid(
+                "task.vocab",
+                f"{self.task.vocab} exceeds the model's vocab_size {self.model.vocab_size}",
+            )
+
+
+class LaunchConfig(Config):
+    pipelines: Annotated[list[PipelineConfig], doc("The pipelines to run.", min_length=1)]
+    out: Annotated[str, doc("Output directory: journal, logs, one directory per pipeline.")] = (
+        "rlix-out"
+    )
+    cluster: Annotated[ClusterShape, doc("Nodes and devices per node.")] = ClusterShape(
+        nodes=1, gpus_per_node=4
+    )
+    engine: Annotated[EngineConfig, doc("Every shard worker's inference engine.")] = EngineConfig()
+    scheduler: Annotated[
+        SchedulerConfig, doc("The coordinator's timers (leases of 60 s: long CPU steps).")
+    ] = SchedulerConfig(lease_timeout_s=60.0)
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for i, p in enumerate(self.pipelines):
+            at = f"pipelines[{i}]"
+            if p.id in seen:
+                raise invalid(f"{at}.id", f"duplicate pipeline id {p.id!r}")
+            seen.add(p.id)
+            for key in ("out", "coordinator", "keys"):
+                if getattr(p, key) is not None:
+                    raise invalid(f"{at}.{key}", "set by the launcher; remove it")
+            _check_topology(f"{at}.clusters", p.clusters, self.cluster)
+
+
+def _check_topology(at: str, clusters: dict[ClusterName, ClusterSpec], shape: ClusterShape) -> None:
+    try:
+        validate_topology(dict(clusters), shape)
+    except TopologyError as exc:
+        raise invalid(at, str(exc)) from None
+
+
+# --- simulator -------------------------------------------------------------------------
+
+
+class SwitchCosts(Config):
+    sleep_s: Annotated[float, doc("Seconds a shard takes to abort, drain and sleep.", ge=0)] = 0.0
+    wake_s: Annotated[float, doc("Seconds a shard takes to wake.", ge=0)] = 0.0
+    sync_gib_per_s: Annotated[float, doc("Weight sync bandwidth per shard, GiB/s.", gt=0)] = 2.0
+    model_gib: Annotated[float, doc("Weights moved per sync, GiB.", ge=0)] = 0.0
+
+    @property
+    def sync_s(self) -> float:
+        return self.model_gib / self.sync_gib_per_s
+
+
+class RolloutTimes(Config):
+    dist: Annotated[
+        Literal["lognormal", "pareto", "fixed"],
+        doc("Distribution of one trajectory's generation time."),
+    ] = "lognormal"
+    median_s: Annotated[float, doc("Median trajectory time, seconds.", gt=0)] = 60.0
+    sigma: Annotated[float, doc("lognormal: sigma of the log.", ge=0)] = 1.0
+    alpha: Annotated[float, doc("pareto: tail index.", gt=0)] = 1.5
+    max_s: Annotated[float, doc("Trajectories are cut at this many seconds.", gt=0)] = 3600.0
+
+
+class ScenarioPipeline(Config):
+    id: PipelineId
+    clusters: Annotated[
+        dict[ClusterName, ClusterSpec], doc("actor_train and actor_infer, at least.")
+    ]
+    start_s: Annotated[float, doc("Simulated second the pipeline starts.", ge=0)] = 0.0
+    steps: Annotated[int, doc("Training steps to simulate.", ge=1)] = 10
+    step_target: Annotated[int, doc("Trajectories per training step.", ge=1)] = 64
+    max_trajectory_age_steps: Annotated[
+        int, doc("Staleness bound, as in PipelineConfig (0: on-policy).", ge=0)
+    ] = 1
+    slots_per_shard: Annotated[int, doc("Trajectories one shard runs at once.", ge=1)] = 16
+    reprefill_s: Annotated[
+        float, doc("Seconds to resume a cut trajectory elsewhere (re-prefill).", ge=0)
+    ] = 0.0
+    rollout: Annotated[RolloutTimes, doc("How long trajectories take.")] = RolloutTimes()
+    stages: Annotated[
+        dict[PriorityName, Annotated[float, msgspec.Meta(ge=0)]],
+        doc("Seconds per training stage, run in order on actor_train."),
+    ] = msgspec.field(default_factory=lambda: {"ACTOR_TRAINING": 60.0})
+
+    def __post_init__(self) -> None:
+        for name in ("actor_train", "actor_infer"):
+            if name not in self.clusters:
+                raise invalid("clusters", f"{name} is required")
+
+    def topology(self) -> dict[str, ClusterSpec]:
+        return dict(self.clusters)
+
+    @property
+    def train_s(self) -> float:
+        return sum(self.stages.values())
+
+    def devices(self) -> set[int]:
+        return {d for c in self.clusters.values() for d in c.devices}
+
+
+class Scenario(Config):
+    cluster: Annotated[ClusterShape, doc("Nodes and devices per node.")]
+    pipelines: Annotated[list[ScenarioPipeline], doc("The pipelines.", min_length=1)]
+    switch: Annotated[SwitchCosts, doc("What moving a shard costs.")] = SwitchCosts()
+    plan_interval_s: Annotated[
+        float, doc("Planner debounce, simulated seconds (0: plan on every change).", ge=0)
+    ] = 1.0
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for i, p in enumerate(self.pipelines):
+            if p.id in seen:
+                raise invalid(f"pipelines[{i}].id", f"duplicate pipeline id {p.id!r}")
+            seen.add(p.id)
+            _check_topology(f"pipelines[{i}].clusters", p.clusters, self.cluster)
+
+    @property
+    def shape(self) -> ClusterShape:
+        return self.cluster

@@ -1,0 +1,187 @@
+"""The planner's contract: the cluster snapshot it reads and the plan it returns.
+
+Documented in docs/SCHEDULING.md (the JSON format of ``rlix-async plan``).
+The coordinator builds a :class:`Snapshot` from its registry, the simulator
+from its own, and ``rlix-async plan`` from a file (:func:`decode_snapshot`
+validates it fully).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from rlix_async.control.topology import (
+    INFER,
+    ClusterName,
+    ClusterShape,
+    ClusterSpec,
+    PipelineId,
+    PriorityName,
+    TopologyError,
+    validate_topology,
+)
+
+# --- snapshot (input) ---------------------------------------------------------------
+
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class RequestIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    seq: NonNeg
+    cluster: ClusterName
+    priority: PriorityName
+    step_target_estimate: NonNeg | None = None
+    age_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+
+
+class ProgressIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    target: NonNeg
+    completed: NonNeg
+    stream: str = "default"
+
+
+class PipelineIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    id: PipelineId
+    clusters: dict[ClusterName, ClusterSpec]
+    held: dict[ClusterName, PriorityName] = {}
+    active_ranks: dict[ClusterName, list[NonNeg]] = {}
+    # Ranks never to start: their shard worker died and has not come back.
+    offline_ranks: dict[ClusterName, list[NonNeg]] = {}
+    progress: ProgressIn | list[ProgressIn] | None = None
+    requests: list[RequestIn] = []
+
+    def remaining(self) -> int | None:
+        """Trajectories still to generate this step; None when never reported."""
+        if self.progress is None:
+            return None
+        streams = self.progress if isinstance(self.progress, list) else [self.progress]
+        return sum(p.target - min(p.completed, p.target) for p in streams)
+
+
+class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # A gang request waiting this long is served before every fresh request.
+    aging_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+
+
+class Snapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    cluster: ClusterShape
+    pipelines: list[PipelineIn]
+    policy: Policy = Policy()
+
+
+class SnapshotError(ValueError):
+    """An inconsistent snapshot; the message names the offending field."""
+
+
+# --- plan (output) -----------------------------------------------------------------
+
+
+class Grant(msgspec.Struct, frozen=True):
+    pipeline: str
+    cluster: ClusterName
+    priority: PriorityName
+    devices: list[int]
+
+
+class RankChange(msgspec.Struct, frozen=True):
+    pipeline: str
+    cluster: ClusterName
+    ranks: list[int]
+
+
+class Waiting(msgspec.Struct, frozen=True):
+    pipeline: str
+    cluster: ClusterName
+    reason: str
+
+
+class Plan(msgspec.Struct):
+    grants: list[Grant] = []
+    shrink: list[RankChange] = []
+    expand: list[RankChange] = []
+    waiting: list[Waiting] = []
+    idle_devices: list[int] = []
+
+
+# --- snapshot loading and validation --------------------------------------------------
+
+
+def decode_snapshot(data: bytes | str) -> Snapshot:
+    """Parse and fully validate a JSON snapshot (raises SnapshotError)."""
+    try:
+        snap = msgspec.json.decode(data, type=Snapshot)
+    except msgspec.ValidationError as exc:
+        raise SnapshotError(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise SnapshotError(f"not valid JSON: {exc}") from None
+    validate_snapshot(snap)
+    return snap
+
+
+def validate_snapshot(snap: Snapshot) -> None:
+    owner: dict[int, str] = {}
+    seen_ids: set[str] = set()
+    seen_seq: dict[int, str] = {}
+
+    def claim(devs: tuple[int, ...], who: str, where: str) -> None:
+        for d in devs:
+            if d in owner:
+                raise SnapshotError(f"{where}: device {d} is also held by {owner[d]}")
+            owner[d] = who
+
+    for i, p in enumerate(snap.pipelines):
+        at = f"$.pipelines[{i}]"
+        if p.id in seen_ids:
+            raise SnapshotError(f"{at}.id: duplicate pipeline id {p.id!r}")
+        seen_ids.add(p.id)
+        try:
+            validate_topology(dict(p.clusters), snap.cluster)
+        except TopologyError as exc:
+            raise SnapshotError(f"{at}.clusters: {exc}") from None
+        for cname, prio in p.held.items():
+            if cname not in p.clusters:
+                raise SnapshotError(f"{at}.held.{cname}: cluster not declared")
+            if prio == "GENERATION":
+                raise SnapshotError(f"{at}.held.{cname}: generation is held via active_ranks")
+            claim(p.clusters[cname].devices, f"{p.id}/{cname}", f"{at}.held.{cname}")
+        for cname, ranks in p.active_ranks.items():
+            if cname != INFER:
+                raise SnapshotError(f"{at}.active_ranks.{cname}: only {INFER} has generation ranks")
+            spec = p.clusters[INFER]
+            if len(set(ranks)) != len(ranks):
+                raise SnapshotError(f"{at}.active_ranks.{cname}: duplicate ranks {ranks}")
+            for r in ranks:
+                if r >= spec.dp:
+                    raise SnapshotError(
+                        f"{at}.active_ranks.{cname}: rank {r} out of range (dp={spec.dp})"
+                    )
+                claim(spec.bundle(r), f"{p.id}/{INFER}[{r}]", f"{at}.active_ranks.{cname}")
+        for cname, ranks in p.offline_ranks.items():
+            if cname != INFER or INFER not in p.clusters:
+                raise SnapshotError(f"{at}.offline_ranks.{cname}: only {INFER} has shard ranks")
+            bad = [r for r in ranks if r >= p.clusters[INFER].dp]
+            if bad:
+                raise SnapshotError(f"{at}.offline_ranks.{cname}: ranks {bad} out of range")
+        open_clusters: set[str] = set()
+        for j, r in enumerate(p.requests):
+            rat = f"{at}.requests[{j}]"
+            if r.seq in seen_seq:
+                raise SnapshotError(f"{rat}.seq: {r.seq} already used by {seen_seq[r.seq]}")
+            seen_seq[r.seq] = f"{p.id}"
+            if r.cluster not in p.clusters:
+                raise SnapshotError(f"{rat}.cluster: {r.cluster} is not declared by {p.id}")
+            if (r.priority == "GENERATION") != (r.cluster == INFER) and r.priority != (
+                "INITIALIZATION"
+            ):
+                raise SnapshotError(
+                    f"{rat}: GENERATION is requested on {INFER} and only there (got "
+                    f"{r.priority} on {r.cluster})"
+                )
+            if r.cluster in open_clusters:
+                raise SnapshotError(f"{rat}.cluster: a second open request for {r.cluster}")
+            if r.cluster in p.held:
+                raise SnapshotError(f"{rat}.cluster: {p.id} already holds {r.cluster}")
+            open_clusters.add(r.cluster)

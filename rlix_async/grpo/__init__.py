@@ -1,1 +1,0 @@
-"""Async GRPO on time-shared devices: tasks, losses, replay buffer, trainer, pipeline."""

@@ -1,0 +1,260 @@
+"""The pipeline process: one async GRPO pipeline, launched by torchrun.
+
+    torchrun --nproc-per-node N -m rlix_async.pipeline --config P.yaml [--resume] [KEY=VALUE ...]
+
+Rank 0 drives: it joins the coordinator, runs the collector (trajectory
+groups through the router into the replay buffer) while it has rollout
+shards, and for each step asks for its training devices (the coordinator
+shrinks the rollout shards there), trains with every rank, builds the weight
+cache, releases the devices and publishes the new version. The other ranks
+wait on the torchrun store for each step's batch. The collective group exists
+only during a step.
+
+Writes ``OUT/<id>/metrics.jsonl`` (one line per step) and checkpoints under
+``OUT/<id>/ckpt``; ``--resume`` continues from the newest one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import pickle
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlix_async.config import ConfigError, PipelineConfig, load_config
+from rlix_async.hooks import ClusterHooks
+from rlix_async.rollout.collector import Collector
+from rlix_async.train.buffer import Group, ReplayBuffer
+from rlix_async.train.trainer import TorchTrainer, latest_checkpoint
+from rlix_async.weights.cache import WeightCache
+
+log = logging.getLogger("rlix_async.pipeline")
+STORE_TIMEOUT_S = 3600.0
+
+
+class Driver:
+    """Rank 0: the collector and the step loop."""
+
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        trainer: TorchTrainer,
+        store: dist.Store | None,
+        ckpt: dict[str, Any] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.trainer = trainer
+        self.store = store
+        self.ckpt = ckpt  # the checkpoint resumed from: buffer and collector state
+        self.buffer = (
+            ReplayBuffer.from_state_dict(ckpt["buffer"])
+            if ckpt is not None
+            else ReplayBuffer(cfg.max_trajectory_age_steps)
+        )
+        self.out = Path(cfg.out or "rlix-out") / cfg.id
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    async def run(self, cache: WeightCache) -> None:
+        from rlix_async.security import ClientKeys
+
+        if not self.cfg.coordinator:
+            raise ConfigError(f"pipeline {self.cfg.id}: coordinator: required (an endpoint)")
+        keys = ClientKeys.load(self.cfg.keys) if self.cfg.keys else None
+        hooks = await ClusterHooks.join(
+            self.cfg.coordinator, self.cfg.id, dict(self.cfg.clusters), keys=keys
+        )
+        collector = Collector(self.cfg, self.buffer, hooks, lambda: self.trainer.step)
+        if self.ckpt is not None:
+            collector.load_state_dict(self.ckpt)
+        try:
+            await self._publish(hooks, cache)
+            await hooks.report_progress(collector.target, 0)
+            collecting = asyncio.ensure_future(collector.run())
+            try:
+                while self.trainer.step < self.cfg.steps:
+                    await self._one_step(hooks, cache, collector, collecting)
+            finally:
+                collecting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collecting
+            await hooks.clear_progress()
+        finally:
+            await hooks.close()
+
+    async def _publish(self, hooks: ClusterHooks, cache: WeightCache) -> None:
+        v = self.trainer.step
+        await asyncio.to_thread(cache.build, v, self.trainer.weights_for_cache())
+        await hooks.after_training(v, cache.promote(v))
+
+    async def _wait_for_batch(self, collector: Collector, collecting: asyncio.Future[None]) -> None:
+        version = self.trainer.step
+        while not self.buffer.ready(version, self.cfg.rollout.groups_per_step):
+            if collecting.done():
+                collecting.result()  # raises what killed it
+                raise RuntimeError("collector stopped")
+            if self.buffer.drop_stale(version):
+                # what was collected is stale: the planner must see the demand again
+                await collector.report()
+                collector.wake()
+            await asyncio.sleep(0.05)
+
+    async def _one_step(
+        self,
+        hooks: ClusterHooks,
+        cache: WeightCache,
+        collector: Collector,
+        collecting: asyncio.Future[None],
+    ) -> None:
+        await self._wait_for_batch(collector, collecting)
+        version = self.trainer.step
+        batch = self.buffer.take(version, self.cfg.rollout.groups_per_step)
+        collector.set_training(True)
+        t0 = time.monotonic()
+        await hooks.report_progress(collector.target, collector.target)
+        await hooks.before_training(version)
+        t1 = time.monotonic()
+        if self.store is not None and self.trainer.world > 1:
+            self.store.set(f"batch/{version}", pickle.dumps(batch))
+        stats = await asyncio.to_thread(self._train, batch)
+        step = self.trainer.step
+        collector.stop_doomed()  # the step moved on: some groups can no longer be used
+        if step % self.cfg.checkpoint_every == 0 or step == self.cfg.steps:
+            await asyncio.to_thread(
+                self._save, self.out / "ckpt" / f"step_{step}.pt", collector.state_dict()
+            )
+        await asyncio.to_thread(self.trainer.offload)  # never block heartbeats
+        if step < self.cfg.steps:
+            await self._publish(hooks, cache)
+            collector.set_training(False)
+            await collector.report()
+        else:  # the last step: no rollout will use these weights (the checkpoint has them),
+            # and nothing more is collected (shards woken now would sync a cache that
+            # is removed as the pipeline exits)
+            await hooks.after_training(step, None)
+        rewards = [r for g in batch for r in g.rewards]
+        row = {
+            "step": step,
+            "reward": sum(rewards) / len(rewards),
+            "trained_on_versions": sorted({g.oldest_version for g in batch}),
+            "wait_s": round(t1 - t0, 3),
+            "train_s": round(time.monotonic() - t1, 3),
+            "generated": collector.generated,
+            "trained": self.buffer.trained,
+            "dropped_stale": self.buffer.dropped_stale,
+            "buffered": len(self.buffer),
+            "failed": collector.failed,
+            "cancelled_stale": collector.cancelled_stale,
+            "resumed": collector.resumed,
+            "active_shards": len(hooks.client.active_ranks),
+            "time": time.time(),
+            **{k: round(v, 5) for k, v in stats.items()},
+        }
+        _append_jsonl(self.out / "metrics.jsonl", row)
+        log.info("%s step %d reward %.3f", self.cfg.id, row["step"], row["reward"])
+
+    def _train(self, batch: list[Group]) -> dict[str, float]:
+        self.trainer.reload()
+        self.trainer.init_group(self.store)
+        try:
+            return self.trainer.train_step(batch)
+        finally:
+            self.trainer.destroy_group()
+
+    def _save(self, path: Path, collector_state: dict[str, Any]) -> None:
+        self.trainer.save(path, {"buffer": self.buffer.state_dict(), **collector_state})
+
+
+def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+def _follower(cfg: PipelineConfig, trainer: TorchTrainer, store: dist.Store) -> None:
+    """Ranks > 0: train on each step's batch when rank 0 posts it."""
+    while trainer.step < cfg.steps:
+        key = f"batch/{trainer.step}"
+        store.wait([key], timedelta(seconds=STORE_TIMEOUT_S))
+        batch = pickle.loads(store.get(key))
+        trainer.reload()
+        trainer.init_group(store)
+        try:
+            trainer.train_step(batch)
+        finally:
+            trainer.destroy_group()
+        trainer.offload()
+
+
+def build_trainer(cfg: PipelineConfig, rank: int, world: int) -> TorchTrainer:
+    trainer_cls: type[TorchTrainer] = TorchTrainer
+    if cfg.train.backend == "megatron":
+        from rlix_async.train.megatron import MegatronTrainer
+
+        trainer_cls = MegatronTrainer
+    return trainer_cls(cfg.train, cfg.model, seed=cfg.seed, rank=rank, world=world)
+
+
+def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> None:
+    """This rank's part of the pipeline (torchrun sets RANK and WORLD_SIZE)."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    store: dist.Store | None = None
+    if world > 1:  # the torchrun agent's store outlives every per-step group
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=False,
+            timeout=timedelta(seconds=STORE_TIMEOUT_S),
+        )
+    torch.manual_seed(cfg.seed)
+    trainer = build_trainer(cfg, rank, world)
+    ckpt = None
+    ckpt_dir = Path(cfg.out or "rlix-out") / cfg.id / "ckpt"
+    if resume and (path := latest_checkpoint(ckpt_dir)) is not None:
+        ckpt = trainer.load(path)
+        print(f"{cfg.id}: resumed from {path} (step {trainer.step})", flush=True)
+    if rank != 0:
+        assert store is not None
+        _follower(cfg, trainer, store)
+        return
+
+    from rlix_async.aio import run
+
+    cache = WeightCache(cfg.id)
+    try:
+        run(Driver(cfg, trainer, store, ckpt).run(cache))
+    finally:
+        cache.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rlix_async.pipeline")
+    ap.add_argument("--config", required=True, help="pipeline config (YAML or JSON)")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. steps=20")
+    args = ap.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        cfg = load_config(args.config, PipelineConfig, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    run_pipeline(cfg, resume=args.resume)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

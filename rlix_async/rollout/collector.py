@@ -1,0 +1,201 @@
+"""The collector: trajectory groups in flight while the buffer has room for them.
+
+A group is ``group_size`` samples of one prompt (GRPO's unit). The collector
+starts a group only when the replay buffer has room for it within the
+staleness bound (``ReplayBuffer.room``), so what it generates can still be
+trained on; every request names the oldest weights it may run on, and a group
+whose finished sample has become too old is stopped (its shards stop decoding
+it) instead of being decoded to the end and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+
+from rlix_async.config import PipelineConfig
+from rlix_async.hooks import ClusterHooks
+from rlix_async.rollout.tasks import Task, make_task
+from rlix_async.shards.router import Trajectory
+from rlix_async.train.buffer import Group, ReplayBuffer
+
+log = logging.getLogger("rlix_async.rollout")
+
+
+class Collector:
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        buffer: ReplayBuffer,
+        hooks: ClusterHooks,
+        step: Callable[[], int],
+    ) -> None:
+        self.cfg = cfg
+        self.buffer = buffer
+        self.hooks = hooks
+        self.step = step  # the trainer's current step: the newest weight version
+        self.task: Task = make_task(cfg.task)
+        self.rng = random.Random(cfg.seed)
+        self.prompts_used = 0
+        self.in_flight = 0
+        self.failed = 0  # trajectories whose generation raised: counted, never hidden
+        self.generated = 0
+        self.resumed = 0
+        # requests stopped unfinished because a finished sibling made their group too
+        # old to train on (the group was bound to be dropped: why finish decoding it)
+        self.cancelled_stale = 0
+        self.training = False  # a batch is taken and its step not yet published
+        self._groups: list[list[asyncio.Future[Trajectory]]] = []  # requests in flight
+        self._room = asyncio.Event()
+
+    @property
+    def target(self) -> int:
+        """Trajectories per training step."""
+        return self.cfg.rollout.groups_per_step * self.cfg.rollout.group_size
+
+    def set_training(self, training: bool) -> None:
+        self.training = training
+        self._room.set()
+
+    def wake(self) -> None:
+        """Re-check the room (the buffer changed)."""
+        self._room.set()
+
+    async def report(self) -> None:
+        """Progress toward the next batch: fresh trajectories only (stale ones get dropped)."""
+        done = min(self.buffer.fresh(self.step()), self.target)
+        await self.hooks.report_progress(self.target, done)
+
+    def stop_doomed(self) -> None:
+        """After a step: groups the new step made too old are stopped."""
+        for group in self._groups:
+            self._stop_if_doomed(group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "prompts_used": self.prompts_used,
+            "driver_rng": self.rng.getstate(),
+            "generated": self.generated,
+            "failed": self.failed,
+            "cancelled_stale": self.cancelled_stale,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.prompts_used = state["prompts_used"]
+        self.rng.setstate(state["driver_rng"])
+        self.generated = state.get("generated", 0)
+        self.failed = state.get("failed", 0)
+        self.cancelled_stale = state.get("cancelled_stale", 0)
+
+    async def run(self) -> None:
+        """Keep groups in flight while the buffer needs them and they cannot go stale."""
+        tasks: set[asyncio.Task[None]] = set()
+        group_size = self.cfg.rollout.group_size
+        try:
+            while True:
+                room = self.buffer.room(self.step(), self.target, self.training)
+                if self.step() >= self.cfg.steps:
+                    room = 0  # done: start nothing new
+                if (
+                    self.in_flight < self.cfg.rollout.max_groups_in_flight
+                    and room > self.in_flight * group_size
+                ):
+                    self.in_flight += 1
+                    t = asyncio.ensure_future(self._one_group())
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
+                    continue
+                self._room.clear()
+                # asyncio.timeout, not wait_for: wait_for swallows a cancel that lands
+                # as the event fires (3.11), and this loop would then run forever
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await self._room.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _one_group(self) -> None:
+        rollout = self.cfg.rollout
+        prompt = self.task.prompt(self.rng)
+        self.prompts_used += 1
+        # The oldest weights it may start on: still within the staleness bound at the
+        # batch it will land in (the groups ahead of it fill the earlier ones, and
+        # this step's batch is gone while it trains).
+        step = self.step()
+        queued = self.buffer.fresh(step) + (self.in_flight - 1) * rollout.group_size
+        batch_ahead = queued // self.target + int(self.training)
+        oldest = max(step + batch_ahead - self.cfg.max_trajectory_age_steps, 0)
+        requests = [
+            asyncio.ensure_future(
+                self.hooks.router.generate(
+                    prompt,
+                    rollout.max_tokens,
+                    temperature=rollout.temperature,
+                    min_version=lambda: oldest,  # newer weights are always fine
+                )
+            )
+            for _ in range(rollout.group_size)
+        ]
+        self._groups.append(requests)
+        for r in requests:
+            r.add_done_callback(lambda _: self._stop_if_doomed(requests))
+        try:
+            results = await asyncio.gather(*requests, return_exceptions=True)
+            if self._add(prompt, results):
+                await self.report()
+        finally:
+            self._groups.remove(requests)
+            for r in requests:  # this task cancelled (shutdown): its requests end with it
+                r.cancel()
+            self.in_flight -= 1
+            self._room.set()
+
+    def _add(self, prompt: list[int], results: list[Trajectory | BaseException]) -> bool:
+        """Count a finished group and buffer it (or count it dropped, if it was doomed);
+        True when it was buffered."""
+        trajs = [r for r in results if not isinstance(r, BaseException)]
+        cancelled = sum(isinstance(r, asyncio.CancelledError) for r in results)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                log.error("%s: a trajectory failed: %s", self.cfg.id, r)
+        self.failed += len(results) - len(trajs) - cancelled
+        self.generated += len(trajs)
+        self.resumed += sum(1 for t in trajs if t.resumes)
+        if cancelled:  # doomed: what finished is dropped as stale, nothing is trained
+            self.cancelled_stale += cancelled
+            self.buffer.add_stale(len(trajs))
+            return False
+        if len(trajs) < 2:
+            return False
+        self.buffer.add(
+            Group(
+                prompt=prompt,
+                responses=[t.token_ids for t in trajs],
+                logprobs=[t.logprobs for t in trajs],
+                versions=[[0 if v is None else v for v in t.versions] for t in trajs],
+                rewards=[self.task.score(prompt, t.token_ids) for t in trajs],
+                resumes=sum(t.resumes for t in trajs),
+            )
+        )
+        return True
+
+    def _stop_if_doomed(self, requests: list[asyncio.Future[Trajectory]]) -> None:
+        """Cancel a group's unfinished requests once a finished one is too old to train
+        on at the current step: the whole group would be dropped, so stop decoding it
+        (the router tells the shards) and let fresh groups have the slots."""
+        finished = [
+            r.result() for r in requests if r.done() and not r.cancelled() and not r.exception()
+        ]
+        oldest = min(
+            (v for t in finished for v in t.versions if v is not None),
+            default=None,
+        )
+        if oldest is None or not self.buffer.too_old(oldest, self.step()):
+            return
+        for r in requests:
+            r.cancel()

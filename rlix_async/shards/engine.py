@@ -1,0 +1,58 @@
+"""What a shard worker needs from an inference engine, in one place.
+
+:class:`~rlix_async.shards.vllm_engine.VllmEngine` is the production engine;
+an engine of your own (``engine.kind: custom`` in the config) implements the
+same protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from rlix_async.weights.ref import CacheRef
+
+PauseMode = Literal["abort", "keep"]
+
+
+@dataclass
+class GenerationChunk:
+    token_ids: list[int]  # all tokens generated so far for this request
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    weight_version: int | None = None  # the weights these tokens were decoded with
+
+
+class ShardEngine(Protocol):
+    weight_version: int | None
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[GenerationChunk]:
+        """Cumulative outputs of one request; cancelling the iteration aborts it."""
+        ...
+
+    async def load_version(self, ref: CacheRef) -> None:
+        """Reach the cached weights ``ref``; on failure keep serving the old ones."""
+        ...
+
+    async def abort_all(self) -> int: ...
+    def num_running(self) -> int: ...
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """``keep``: freeze running requests (they resume); ``abort``: end them."""
+        ...
+
+    async def resume(self) -> None: ...
+    async def sleep(self, level: int = 2) -> None:
+        """Level 2 drops the weights (the next wake resyncs) and the KV cache."""
+        ...
+
+    async def wake_up(self, tags: list[str] | None = None) -> None: ...

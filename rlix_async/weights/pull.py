@@ -1,0 +1,49 @@
+"""Reach a cached version the cheapest way: shared memory on the owner's node, else tcp."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+from rlix_async.security import ClientKeys
+from rlix_async.weights.packing import Layout
+from rlix_async.weights.ref import CacheRef
+from rlix_async.weights.shm import SHM_DIR, sync_local
+from rlix_async.weights.sinks import SyncError, WeightSink
+from rlix_async.weights.tcp import sync_remote
+
+
+def on_owner_node(ref: CacheRef, shm_dir: Path = SHM_DIR) -> bool:
+    return ref.host == socket.gethostname() and (shm_dir / ref.segment).exists()
+
+
+async def pull(
+    ref: CacheRef,
+    sink: WeightSink,
+    layout: Layout | None = None,
+    *,
+    keys: ClientKeys | None = None,
+    shm_dir: Path = SHM_DIR,
+) -> Layout:
+    if on_owner_node(ref, shm_dir):
+        return sync_local(ref, sink, layout, shm_dir=shm_dir)
+    if not ref.server:
+        raise SyncError(
+            f"version {ref.version} lives on {ref.host} and its owner serves no endpoint"
+        )
+    return await sync_remote(ref, ref.server, sink, layout, keys=keys)
+
+
+def pull_blocking(
+    ref: CacheRef,
+    sink: WeightSink,
+    layout: Layout | None = None,
+    *,
+    keys: ClientKeys | None = None,
+    shm_dir: Path = SHM_DIR,
+) -> Layout:
+    """:func:`pull` for synchronous callers (e.g. inside an engine's worker)."""
+    if on_owner_node(ref, shm_dir):  # no event loop needed for shared memory
+        return sync_local(ref, sink, layout, shm_dir=shm_dir)
+    return asyncio.run(pull(ref, sink, layout, keys=keys, shm_dir=shm_dir))

@@ -1,0 +1,110 @@
+"""A scripted engine for control-plane tests that need many shards.
+
+TEST DOUBLE: it implements the engine protocol (``rlix_async.shards.engine``:
+generate, abort, running count, pause/resume, sleep/wake, weight updates)
+without a model: token ``i`` of a request is ``(sum(prompt) + i) % vocab``,
+one per ``token_delay_s``. Use it only where a real engine cannot run (dozens
+of shards on a 2-core machine); everything that concerns generation quality
+uses vLLM. Shard worker processes load it as a custom engine
+(``engine.kind: custom``, ``engine.custom: tests/helpers/scripted_engine.py:ScriptedEngine``);
+it is not part of rlix_async.
+
+Weight updates are real: ``load_version`` pulls the cached version through the
+same path as vLLM (shared memory or tcp) into a byte-counting sink.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from rlix_async.shards.engine import GenerationChunk
+from rlix_async.weights.packing import Layout
+from rlix_async.weights.pull import pull
+from rlix_async.weights.ref import CacheRef
+
+
+class _CountingSink:
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def start(self, version: int, layout: Layout) -> None:
+        self.bytes = 0
+
+    def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.bytes += sum(t.numel() * t.element_size() for _, t in named)
+
+    def finish(self, version: int) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+@dataclass
+class ScriptedEngine:
+    token_delay_s: float = 0.01
+    vocab: int = 1000
+    weight_version: int | None = None
+    asleep: bool = True
+    paused: bool = False
+    loaded_bytes: int = 0
+    _running: dict[int, asyncio.Event] = field(default_factory=dict)
+    _keys: Iterator[int] = field(default_factory=itertools.count)
+    _layout: Layout | None = None
+
+    async def generate(
+        self, prompt_ids: list[int], *, max_tokens: int, **_: object
+    ) -> AsyncIterator[GenerationChunk]:
+        key = next(self._keys)
+        cancelled = self._running[key] = asyncio.Event()
+        base = sum(prompt_ids)
+        tokens: list[int] = []
+        try:
+            for i in range(max_tokens):
+                while self.paused and not cancelled.is_set():  # noqa: ASYNC110
+                    await asyncio.sleep(0.001)  # an abort must end a paused request too
+                if cancelled.is_set():
+                    yield GenerationChunk(tokens, [0.0] * len(tokens), True, self.weight_version)
+                    return
+                await asyncio.sleep(self.token_delay_s)
+                tokens.append((base + i) % self.vocab)
+                yield GenerationChunk(
+                    list(tokens), [0.0] * len(tokens), i == max_tokens - 1, self.weight_version
+                )
+        finally:
+            self._running.pop(key, None)
+
+    async def abort_all(self) -> int:
+        for ev in self._running.values():
+            ev.set()
+        return len(self._running)
+
+    def num_running(self) -> int:
+        return len(self._running)
+
+    async def pause(self, mode: str = "abort") -> None:
+        if mode == "abort":
+            await self.abort_all()
+        self.paused = mode != "abort"
+
+    async def resume(self) -> None:
+        self.paused = False
+
+    async def sleep(self, level: int = 2) -> None:
+        self.asleep = True
+        if level >= 2:
+            self.weight_version = None
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self.asleep = False
+
+    async def load_version(self, ref: CacheRef) -> None:
+        sink = _CountingSink()
+        self._layout = await pull(ref, sink, self._layout)
+        self.loaded_bytes = sink.bytes
+        self.weight_version = ref.version

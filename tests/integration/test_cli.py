@@ -1,0 +1,192 @@
+"""The ``rlix-async`` command in child processes: subcommands, config checking, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.cluster import ROOT, rlix
+
+SNAPSHOT = """
+{"cluster": {"nodes": 1, "gpus_per_node": 4},
+ "pipelines": [
+  {"id": "A",
+   "clusters": {"actor_train": {"tp": 1, "devices": [0, 1]},
+                "actor_infer": {"tp": 1, "devices": [0, 1, 2, 3]}},
+   "active_ranks": {"actor_infer": [0]},
+   "progress": {"target": 100, "completed": 50},
+   "requests": [{"seq": 7, "cluster": "actor_train", "priority": "ACTOR_TRAINING"}]}]}
+"""
+
+SCENARIO = """
+cluster: {nodes: 1, gpus_per_node: 2}
+pipelines:
+  - id: solo
+    steps: 3
+    step_target: 4
+    max_trajectory_age_steps: 0
+    slots_per_shard: 4
+    rollout: {dist: fixed, median_s: 10}
+    stages: {ACTOR_TRAINING: 5}
+    clusters:
+      actor_train: {tp: 1, devices: [1]}
+      actor_infer: {tp: 1, devices: [0]}
+"""
+
+
+def test_help_lists_subcommands() -> None:
+    out = rlix("--help")
+    assert out.returncode == 0
+    for cmd in ("keygen", "bench", "launch", "coordinator", "shard", "config", "simulate"):
+        assert cmd in out.stdout
+
+
+def test_importing_the_config_loads_no_torch() -> None:
+    code = (
+        "import sys, rlix_async.config, rlix_async.cli; "
+        "assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_keygen(tmp_path: Path) -> None:
+    out = rlix("keygen", str(tmp_path / "keys"), "--client", "node1")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "keys" / "authorized" / "node1.key").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "message"),
+    [
+        (
+            "pipelines: [{id: a, clusters: {actor_train: {devices: [0]}, "
+            "actor_infer: {devices: [0, 1]}}, rollout: {groupsize: 3}}]",
+            [],
+            "bad.yaml: pipelines[0].rollout.groupsize: unknown key (did you mean group_size?)",
+        ),
+        (
+            "pipelines: [{id: a, clusters: {actor_train: {devices: [0]}, "
+            "actor_infer: {devices: [0, 9]}}}]",
+            [],
+            "bad.yaml: pipelines[0].clusters: cluster actor_infer: devices [9] do not exist",
+        ),
+        (
+            "pipelines: [{id: a, clusters: {actor_train: {devices: [0]}, "
+            "actor_infer: {devices: [0, 1]}}}]",
+            ["pipelines[0].train.loss.kind=ppo"],
+            "bad.yaml: pipelines[0].train.loss.kind: invalid value 'ppo' (one of cispo, dapo)",
+        ),
+        ("pipelines: [", [], "bad.yaml:1: not valid YAML"),
+    ],
+)
+def test_a_bad_launch_config_is_one_line_and_exit_2(
+    tmp_path: Path, text: str, overrides: list[str], message: str
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    for cmd in (["launch", str(bad)], ["config", "check", str(bad)]):
+        out = rlix(*cmd, *overrides)
+        assert out.returncode == 2, out
+        assert out.stderr.startswith(f"error: {tmp_path}/{message}"), out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    assert not (tmp_path / "rlix-out").exists()  # nothing started
+
+
+def test_process_commands_refuse_bad_keys_before_starting() -> None:
+    out = rlix("coordinator", "cluster.nodes=0")
+    assert out.returncode == 2
+    assert out.stderr.strip() == "error: the command line: cluster.nodes: expected int >= 1"
+    out = rlix("shard", "pipeline=p", "rank=0")  # vllm without a model
+    assert out.returncode == 2
+    assert "model: a vllm engine needs a model directory" in out.stderr
+    out = rlix("shard", "pipeline=p", "rank=0", "engine.kind=custom", "engine.custom=nope:X")
+    assert (
+        out.returncode == 2
+        and out.stderr.strip() == "error: cannot import nope: No module named 'nope'"
+    )
+
+
+def test_shipped_configs_are_valid_and_the_reference_is_current() -> None:
+    out = rlix("config", "check", "examples/pipelines.yaml")
+    assert out.returncode == 0, out.stderr
+    for scenario in sorted((ROOT / "scenarios").glob("*.yaml")):
+        out = rlix("config", "check", str(scenario), "--kind", "scenario")
+        assert out.returncode == 0, (scenario, out.stderr)
+    shown = rlix("config", "check", "examples/pipelines.yaml", "--show", "pipelines[0].steps=3")
+    assert "steps: 3" in shown.stdout and "lease_timeout_s: 60.0" in shown.stdout
+    reference = rlix("config", "reference")
+    assert reference.returncode == 0
+    assert reference.stdout == (ROOT / "docs" / "CONFIG.md").read_text(), (
+        "docs/CONFIG.md is stale: rlix-async config reference > docs/CONFIG.md"
+    )
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_bench_rpc_json(transport: str) -> None:
+    out = rlix("bench", "rpc", "--transport", transport, "--calls", "300", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["p50_us"] > 0 and result["p99_us"] >= result["p50_us"]
+    assert result["throughput_rps"] > 100
+    if transport == "ipc":  # the floors are timed in the same rounds
+        for floor in ("zmq_floor", "asyncio_floor"):
+            assert result[f"{floor}_p99_us"] >= result[f"{floor}_p50_us"] > 0
+
+
+def test_bench_rpc_pinned() -> None:
+    """--pin shared puts client and server on one CPU (the placement PERF.md quotes)."""
+    out = rlix("bench", "rpc", "--pin", "shared", "--calls", "300", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["pin"] == "shared"
+    assert result["client_cpus"] == result["server_cpus"] and len(result["server_cpus"]) == 1
+    assert result["p99_us"] >= result["p50_us"] > 0
+
+
+def test_plan_cli(tmp_path: Path) -> None:
+    good = tmp_path / "snap.json"
+    good.write_text(SNAPSHOT)
+    out = rlix("plan", str(good), "--json", timeout=60)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert set(result) == {"grants", "shrink", "expand", "waiting", "idle_devices"}
+    assert result["grants"] == [
+        {"pipeline": "A", "cluster": "actor_train", "priority": "ACTOR_TRAINING", "devices": [0, 1]}
+    ]
+    bad = tmp_path / "bad.json"
+    bad.write_text(SNAPSHOT.replace('"tp": 1, "devices": [0, 1]}', '"tp": 1, "devices": [1, 0]}'))
+    out = rlix("plan", str(bad), timeout=60)
+    assert out.returncode == 2
+    assert "$.pipelines[0].clusters: cluster actor_train: devices must be sorted" in out.stderr
+
+
+def test_simulate_json_shape_and_journal_for_timeline(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(SCENARIO)
+    out = rlix("simulate", str(path), "--json", "--journal", str(tmp_path / "j.jsonl"), check=True)
+    data = json.loads(out.stdout)
+    assert set(data["policies"]) == {"exclusive", "timeshare"}
+    for r in data["policies"].values():
+        assert {
+            "steps_per_hour_per_gpu",
+            "makespan_s",
+            "gpu_utilization",
+            "mean_step_s",
+            "preemptions",
+            "wasted_gpu_s",
+        } <= set(r)
+    png = tmp_path / "t.png"
+    rlix("timeline", str(tmp_path / "j.jsonl"), "-o", str(png), check=True)
+    assert png.stat().st_size > 0
+    bad = rlix("simulate", str(tmp_path / "nope.yaml"))
+    assert bad.returncode == 2 and "nope.yaml: cannot read" in bad.stderr
+    missing = rlix("timeline", str(tmp_path / "nope.jsonl"))
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    sweep = rlix("simulate", str(path), "--seeds", "3", "--json", check=True)
+    data = json.loads(sweep.stdout)
+    assert [r["seed"] for r in data["runs"]] == [0, 1, 2]
+    assert data["gain"]["min"] <= data["gain"]["mean"] <= data["gain"]["max"]

@@ -1,0 +1,258 @@
+"""Transport over real sockets and real processes (the server runs in tests/helpers/peer.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from helpers.peer import (
+    Answer,
+    Boom,
+    Echo,
+    Event,
+    GetEvents,
+    Notice,
+    PushToMe,
+    Question,
+    Sleep,
+    Slept,
+)
+
+from rlix_async.protocol import ErrorCode, Ok, Ping, Pong, RpcError
+from rlix_async.transport import (
+    CallTimeout,
+    ConnectionLost,
+    RpcClient,
+    RpcServer,
+    TransportConfig,
+)
+
+FAST = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=0.5, connect_timeout_s=20)
+
+
+async def test_request_reply_across_processes(spawn, ipc_ep) -> None:
+    server = spawn("server", ipc_ep)
+    async with RpcClient(server.endpoint, "p0/infer/0") as client:
+        reply = await client.call(Ping(seq=41))
+        assert reply == Pong(seq=41)
+        payload = [b"\x00" * 1_000_000, bytearray(b"abc"), memoryview(b"xyz")]
+        msg, frames = await client.call_with_frames(Echo(note="bulk"), payload)
+        assert msg == Echo(note="bulk")
+        assert [bytes(f) for f in frames] == [bytes(p) for p in payload]
+
+
+async def test_call_timeout_then_server_still_answers(spawn, ipc_ep) -> None:
+    server = spawn("server", ipc_ep)
+    async with RpcClient(server.endpoint, "p0/driver/0") as client:
+        t0 = time.monotonic()
+        with pytest.raises(CallTimeout, match="Sleep"):
+            await client.call(Sleep(seconds=2.0), timeout=0.2)
+        assert time.monotonic() - t0 < 1.0
+        assert await client.call(Sleep(seconds=0.01, tag=3), timeout=5) == Slept(tag=3)
+        assert await client.call(Ping(seq=1)) == Pong(seq=1)
+
+
+async def test_handler_error_is_reported_not_fatal(spawn, ipc_ep) -> None:
+    server = spawn("server", ipc_ep)
+    async with RpcClient(server.endpoint, "p0/driver/0") as client:
+        with pytest.raises(RpcError, match="boom handler exploded") as info:
+            await client.call(Boom())
+        assert info.value.code == ErrorCode.HANDLER_FAILED
+        with pytest.raises(RpcError) as info:
+            await client.call(Question(text="not served by the server"))
+        assert info.value.code == ErrorCode.NO_HANDLER
+        assert await client.call(Ping(seq=2)) == Pong(seq=2)
+
+
+async def test_notifications_both_ways(spawn, ipc_ep) -> None:
+    server = spawn("server", ipc_ep)
+    notices: asyncio.Queue[str] = asyncio.Queue()
+    client = RpcClient(server.endpoint, "p1/infer/3")
+    client.on(Notice, lambda msg, ctx: notices.put_nowait(msg.text))
+    client.on(Question, lambda msg, ctx: Answer(text=msg.text[::-1]))
+    async with client:
+        # worker -> coordinator events
+        for name in ("started", "progress", "done"):
+            assert await client.notify(Event(name=name))
+        events = await client.call(GetEvents())
+        assert events.names == ["started", "progress", "done"]
+        # coordinator -> worker: a pushed notification and a call served by the client
+        answer = await client.call(PushToMe(text="hello"))
+        assert answer == Answer(text="olleh")
+        assert await asyncio.wait_for(notices.get(), 5) == "hello"
+
+
+async def test_ten_thousand_concurrent_calls_none_lost(spawn, ipc_ep) -> None:
+    server = spawn("server", ipc_ep)
+    async with RpcClient(server.endpoint, "p0/driver/0") as client:
+        n = 10_000
+        replies = await asyncio.wait_for(
+            asyncio.gather(
+                *(client.call(Sleep(seconds=0.001, tag=i), timeout=60) for i in range(n))
+            ),
+            timeout=90,
+        )
+        assert [r.tag for r in replies] == list(range(n))
+        pongs = await asyncio.gather(*(client.call(Ping(seq=i)) for i in range(n)))
+        assert [p.seq for p in pongs] == list(range(n))
+
+
+async def test_killed_client_detected_within_three_intervals(spawn, ipc_ep) -> None:
+    lost: asyncio.Queue[tuple[str, float]] = asyncio.Queue()
+    joined: asyncio.Queue[str] = asyncio.Queue()
+    server = RpcServer(
+        ipc_ep,
+        config=FAST,
+        on_peer_joined=lambda p: joined.put_nowait(p.identity),
+        on_peer_lost=lambda p: lost.put_nowait((p.identity, time.monotonic())),
+    )
+    async with server:
+        # in a thread: the worker's READY needs this loop to answer its hello
+        worker = await asyncio.to_thread(
+            spawn, "client", server.endpoint, "--identity", "p0/infer/0", "--hb", "0.2"
+        )
+        assert await asyncio.wait_for(joined.get(), 10) == "p0/infer/0"
+        await asyncio.sleep(0.5)  # it stays alive while it heartbeats
+        assert lost.empty()
+        killed_at = time.monotonic()
+        worker.kill9()
+        identity, when = await asyncio.wait_for(lost.get(), 5)
+        assert identity == "p0/infer/0"
+        assert when - killed_at <= 3 * FAST.heartbeat_interval_s
+        assert "p0/infer/0" not in server.peers
+
+
+async def test_killed_server_detected_by_client(spawn, ipc_ep) -> None:
+    server = spawn("server", ipc_ep, "--hb", "0.2")
+    lost: asyncio.Queue[float] = asyncio.Queue()
+    client = RpcClient(
+        server.endpoint,
+        "p0/driver/0",
+        config=FAST,
+        on_disconnected=lambda reason: lost.put_nowait(time.monotonic()),
+    )
+    async with client:
+        assert await client.call(Ping(seq=1)) == Pong(seq=1)
+        pending = asyncio.ensure_future(client.call(Sleep(seconds=30), timeout=30))
+        await asyncio.sleep(0.1)
+        killed_at = time.monotonic()
+        server.kill9()
+        when = await asyncio.wait_for(lost.get(), 5)
+        assert when - killed_at <= 3 * FAST.heartbeat_interval_s
+        with pytest.raises(ConnectionLost):
+            await pending  # in-flight calls fail fast instead of hanging until their timeout
+
+
+async def test_server_restart_reconnects_and_reregisters(spawn, ipc_ep) -> None:
+    server = spawn("server", ipc_ep, "--hb", "0.2")
+    registrations: list[str] = []
+
+    async def register(c: RpcClient) -> None:
+        await c.notify(Event(name=f"register-{len(registrations)}"))
+        registrations.append(c.server_instance or "")
+
+    client = RpcClient(server.endpoint, "p0/driver/0", config=FAST, on_connected=register)
+    async with client:
+        first_instance = client.server_instance
+        server.kill9()
+        server = spawn("server", ipc_ep, "--hb", "0.2")
+        # calls made while disconnected wait for the reconnection
+        assert await client.call(Ping(seq=7), timeout=20) == Pong(seq=7)
+        assert client.server_instance != first_instance
+        assert client.reconnects == 1
+        assert len(registrations) == 2
+        events = await client.call(GetEvents())
+        assert events.names == ["register-1"]  # the hook ran again against the new server
+
+
+async def test_quick_restart_detected_by_new_instance(spawn, ipc_ep) -> None:
+    """A server back within the timeout is noticed by its new instance id."""
+    server = spawn("server", ipc_ep, "--hb", "0.2")
+    hooks: list[int] = []
+    rejoined = asyncio.Event()
+
+    def on_connected(c: RpcClient) -> None:
+        hooks.append(1)
+        if len(hooks) == 2:
+            rejoined.set()
+
+    client = RpcClient(
+        server.endpoint,
+        "p0/driver/0",
+        config=TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=30),
+        on_connected=on_connected,
+    )
+    async with client:
+        server.kill9()
+        server = spawn("server", ipc_ep, "--hb", "0.2")
+        await asyncio.wait_for(rejoined.wait(), 10)
+        assert client.reconnects == 1
+        assert await client.call(Ping(seq=3)) == Pong(seq=3)
+
+
+async def test_protocol_version_mismatch_refused_at_hello(ipc_ep, monkeypatch) -> None:
+    from rlix_async import protocol
+
+    ours = protocol.PROTOCOL_VERSION
+    async with RpcServer(ipc_ep) as server:
+        monkeypatch.setattr(protocol, "PROTOCOL_VERSION", 99)
+        with pytest.raises(
+            RpcError, match=f"speaks protocol 99, this server speaks {ours}"
+        ) as info:
+            await RpcClient(server.endpoint, "old/driver/0").connect(timeout=5)
+        assert info.value.code == ErrorCode.VERSION_MISMATCH
+
+
+async def test_oversized_call_refused_before_sending(ipc_ep) -> None:
+    cfg = TransportConfig(max_message_bytes=4096)
+    async with RpcServer(ipc_ep, config=cfg) as server:
+        server.on(Echo, lambda msg, ctx: Ok())
+        async with RpcClient(server.endpoint, "a/b/0", config=cfg) as client:
+            with pytest.raises(ValueError, match="exceeds max_message_bytes=4096"):
+                await client.call_with_frames(Echo(), [b"x" * 5000])
+            assert await client.call(Echo()) == Ok()
+
+
+async def test_closing_client_is_forgotten_at_once(ipc_ep) -> None:
+    left: asyncio.Queue[str] = asyncio.Queue()
+    cfg = TransportConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0)
+    async with RpcServer(
+        ipc_ep, config=cfg, on_peer_lost=lambda p: left.put_nowait(p.identity)
+    ) as server:
+        client = await RpcClient(server.endpoint, "p0/driver/0", config=cfg).connect()
+        assert "p0/driver/0" in server.peers
+        await client.close()
+        assert await asyncio.wait_for(left.get(), 5) == "p0/driver/0"  # not after 30 s
+        assert "p0/driver/0" not in server.peers
+
+
+async def test_closed_server_removes_its_ipc_socket_file(ipc_ep) -> None:
+    """libzmq leaves the file behind; a host running many jobs would collect them."""
+    from pathlib import Path
+
+    path = Path(ipc_ep.removeprefix("ipc://"))
+
+    def exists() -> bool:  # a stat on a local socket file: nothing to wait for
+        return path.exists()
+
+    async with RpcServer(ipc_ep) as server:
+        server.on(Ping, lambda msg, ctx: Pong(seq=msg.seq))
+        async with RpcClient(server.endpoint, "a/b/0") as client:
+            assert await client.call(Ping(seq=1)) == Pong(seq=1)
+        assert exists()
+    assert not exists()
+
+
+async def test_an_answer_to_a_peer_that_is_gone_is_dropped_not_raised(ipc_ep) -> None:
+    """A reply or error for a peer that left meanwhile (ROUTER_MANDATORY says
+    EHOSTUNREACH) is counted as dropped; it must not surface in the receive loop."""
+    from rlix_async.protocol import Error, Kind, encode
+
+    async with RpcServer(ipc_ep) as server:
+        server.on(Ping, lambda msg, ctx: Pong(seq=msg.seq))
+        parts = [encode(Kind.ERROR, 7, Error(code="x", message="y"))]
+        server._answer(b"gone/peer/0", parts, True)
+        assert server.stats["dropped_sends"] == 1
+        async with RpcClient(server.endpoint, "a/b/0") as client:
+            assert await client.call(Ping(seq=2)) == Pong(seq=2)

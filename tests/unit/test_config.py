@@ -1,0 +1,182 @@
+"""The config package: bounds, one-line errors that name the field, overrides, docs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import msgspec.inspect as mi
+import pytest
+
+from rlix_async import config as c
+from rlix_async.config import ConfigError, LaunchConfig, convert, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+KINDS = [c.LaunchConfig, c.PipelineConfig, c.CoordinatorConfig, c.ShardConfig, c.Scenario]
+
+
+def _pipeline(**keys: object) -> dict[str, object]:
+    clusters = {"actor_train": {"devices": [0]}, "actor_infer": {"devices": [0, 1]}}
+    return {"id": "a", "clusters": clusters, **keys}
+
+
+def _structs(t: object) -> list[mi.StructType]:
+    if isinstance(t, mi.StructType):
+        return [t, *(s for f in t.fields for s in _structs(f.type))]
+    out: list[mi.StructType] = []
+    for attr in ("type", "item_type", "key_type", "value_type"):
+        if hasattr(t, attr):
+            out += _structs(getattr(t, attr))
+    for member in getattr(t, "types", ()):
+        out += _structs(member)
+    return out
+
+
+def test_every_field_of_every_config_has_a_description() -> None:
+    missing = []
+    for kind in KINDS:
+        for struct in _structs(mi.type_info(kind)):
+            for f in struct.fields:
+                doc = f.type.extra_json_schema if isinstance(f.type, mi.Metadata) else None
+                if not (doc or {}).get("description"):
+                    missing.append(f"{struct.cls.__name__}.{f.name}")
+    assert sorted(set(missing)) == []
+
+
+@pytest.mark.parametrize(
+    ("raw", "overrides", "message"),
+    [
+        ({"pipelines": [_pipeline(steps=0)]}, [], "pipelines[0].steps: expected int >= 1"),
+        (
+            {"pipelines": [_pipeline(rollout={"group_size": 1})]},
+            [],
+            "pipelines[0].rollout.group_size: expected int >= 2",
+        ),
+        (
+            {"pipelines": [_pipeline(groups_per_step=4)]},
+            [],
+            "pipelines[0].groups_per_step: unknown key (it is rollout.groups_per_step now)",
+        ),
+        (
+            {"pipelines": [_pipeline(task={"name": "target_tokens", "lo": 40, "hi": 3})]},
+            [],
+            "pipelines[0].task.hi: need lo < hi <= vocab, got 40, 3, 512",
+        ),
+        (
+            {"pipelines": [_pipeline(task={"name": "nope"})]},
+            [],
+            "pipelines[0].task.name: invalid value 'nope' (one of copy_first, target_tokens)",
+        ),
+        (
+            {"pipelines": [_pipeline(model={"hidden": 100})]},
+            [],
+            "pipelines[0].model.hidden: must be a multiple of 64, got 100",
+        ),
+        (
+            {"pipelines": [_pipeline(task={"name": "copy_first", "vocab": 1000})]},
+            [],
+            "pipelines[0].task.vocab: 1000 exceeds the model's vocab_size 512",
+        ),
+        (
+            {"pipelines": [{"id": "a", "clusters": {"actor_inferr": {"devices": [0]}}}]},
+            [],
+            "pipelines[0].clusters: invalid key 'actor_inferr' "
+            "(one of actor_infer, actor_train, critic, reference)",
+        ),
+        (
+            {"pipelines": [_pipeline(), _pipeline()]},
+            [],
+            "pipelines[1].id: duplicate pipeline id 'a'",
+        ),
+        (
+            {"pipelines": [_pipeline(out="x")]},
+            [],
+            "pipelines[0].out: set by the launcher; remove it",
+        ),
+        (
+            {"pipelines": [_pipeline()], "cluster": {"nodes": 1, "gpus_per_node": 1}},
+            [],
+            "pipelines[0].clusters: cluster actor_infer: devices [1] do not exist",
+        ),
+        (
+            {"pipelines": [_pipeline()]},
+            ["engine.kind=custom"],
+            "engine.custom: kind custom needs the engine class ('module:Class')",
+        ),
+        ({"pipelines": []}, [], "pipelines: expected array of length >= 1"),
+        ({}, [], "pipelines: required, missing"),
+    ],
+)
+def test_errors_name_the_file_and_field_in_one_line(
+    raw: dict[str, object], overrides: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        convert(raw, LaunchConfig, "my.yaml", overrides)
+    text = str(info.value)
+    assert text.startswith(f"my.yaml: {message}"), text
+    assert "\n" not in text
+
+
+def test_overrides_set_nested_keys_and_list_items() -> None:
+    cfg = convert(
+        {"pipelines": [_pipeline()]},
+        LaunchConfig,
+        "x",
+        [
+            "pipelines[0].steps=7",
+            "pipelines[0].train.loss.kind=cispo",
+            "engine.vllm_args={enable_prefix_caching: true}",
+            "cluster.gpus_per_node=8",
+            "pipelines[0].clusters.actor_infer.devices=[0, 1, 2]",
+        ],
+    )
+    p = cfg.pipelines[0]
+    assert (p.steps, p.train.loss.kind, cfg.cluster.gpus_per_node) == (7, "cispo", 8)
+    assert cfg.engine.vllm_args == {"enable_prefix_caching": True}
+    assert p.clusters["actor_infer"].devices == (0, 1, 2)
+    for bad in ("steps", "pipelines[4].steps=1", "a..b=1"):
+        with pytest.raises(ConfigError, match="override"):
+            convert({"pipelines": [_pipeline()]}, LaunchConfig, "x", [bad])
+
+
+def test_a_written_config_reads_back_identical(tmp_path: Path) -> None:
+    """What the launcher writes for each process is what the process reads."""
+    cfg = load_config(ROOT / "examples" / "pipelines.yaml", LaunchConfig)
+    for struct in (cfg, cfg.pipelines[0], c.ShardConfig(pipeline="p", rank=2, model="/m")):
+        path = tmp_path / "x.yaml"
+        path.write_text(c.dump(struct))
+        assert load_config(path, type(struct)) == struct
+
+
+def test_the_demo_runs_the_example_config() -> None:
+    """One file: the packaged demo config is examples/pipelines.yaml (no drift)."""
+    from rlix_async.demo import demo_config
+
+    example = load_config(ROOT / "examples" / "pipelines.yaml", LaunchConfig)
+    demo = demo_config(example.out, steps=example.pipelines[0].steps)
+    assert demo == example
+    short = demo_config("elsewhere", steps=3, overrides=["engine.kv_cache_mb=48"])
+    assert short.out == "elsewhere" and {p.steps for p in short.pipelines} == {3}
+    assert short.engine.kv_cache_mb == 48
+
+
+def test_load_errors_are_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"nope.yaml: cannot read: No such file"):
+        load_config(tmp_path / "nope.yaml", LaunchConfig)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pipelines:\n  - id: [\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:3: not valid YAML"):
+        load_config(bad, LaunchConfig)
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="expected a mapping of keys at the top level"):
+        load_config(bad, LaunchConfig)
+
+
+def test_configs_are_immutable_and_refuse_unknown_keys_everywhere() -> None:
+    cfg = convert({"pipelines": [_pipeline()]}, LaunchConfig, "x")
+    with pytest.raises(AttributeError):
+        cfg.out = "y"  # type: ignore[misc]
+    for kind in KINDS:
+        for struct in _structs(mi.type_info(kind)):
+            assert struct.forbid_unknown_fields, struct.cls
+    assert msgspec.structs.replace(cfg, out="y").out == "y"

@@ -1,0 +1,124 @@
+"""The house rules, checked on the source: rooms import only downward, one struct per
+concept, the CLI stays thin, files stay short. Each test names the rule it guards
+(docs/ARCHITECTURE.md explains the rooms)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import msgspec
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "rlix_async"
+
+# room -> rooms it must never import (module prefixes under rlix_async)
+FORBIDDEN = {
+    "config": ["control.coordinator", "control.client", "shards", "weights", "train", "rollout",
+               "observe", "cli", "pipeline", "launch", "sim", "bench", "hooks"],
+    "control": ["shards", "weights.cache", "weights.shm", "weights.tcp", "weights.pull",
+                "train", "rollout", "cli", "pipeline", "launch", "demo", "sim", "bench",
+                "hooks"],
+    "observe": ["shards", "weights", "train", "rollout", "cli", "pipeline", "launch", "sim"],
+    "weights": ["control", "shards", "train", "rollout", "observe", "cli", "pipeline",
+                "launch", "hooks"],
+    "shards": ["train", "rollout", "cli", "pipeline", "launch", "demo", "sim"],
+    "train": ["rollout", "shards", "cli", "pipeline", "launch", "demo", "sim", "hooks"],
+    "rollout": ["cli", "pipeline", "launch", "demo", "sim"],
+    "transport": ["control", "shards", "weights", "train", "rollout", "config", "cli"],
+}  # fmt: skip
+
+
+def _modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).with_suffix("")
+        out.append((".".join(rel.parts).removesuffix(".__init__"), path))
+    return out
+
+
+def _imports(path: Path) -> set[str]:
+    """Every rlix_async module a file imports, at the top or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("rlix_async")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rlix_async"):
+            assert node.module is not None
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return {m.removeprefix("rlix_async.") for m in found}
+
+
+def test_rooms_import_only_downward() -> None:
+    broken = []
+    for name, path in _modules():
+        room = name.split(".")[0]
+        for imported in _imports(path):
+            for bad in FORBIDDEN.get(room, []):
+                if imported == bad or imported.startswith(bad + "."):
+                    broken.append(f"{name} imports rlix_async.{imported}")
+    assert not broken, "\n".join(broken)
+
+
+def test_nothing_outside_the_cli_imports_it() -> None:
+    users = [
+        name
+        for name, path in _modules()
+        if not name.startswith("cli") and any(m.startswith("cli") for m in _imports(path))
+    ]
+    assert users == []
+
+
+def test_one_struct_per_concept() -> None:
+    """A (tp, devices) or (nodes, gpus_per_node) struct exists once: the topology's."""
+    import importlib
+
+    from rlix_async.control.topology import ClusterShape, ClusterSpec
+
+    shapes: dict[frozenset[str], type] = {
+        frozenset({"tp", "devices"}): ClusterSpec,
+        frozenset({"nodes", "gpus_per_node"}): ClusterShape,
+    }
+    dupes = []
+    for name, _ in _modules():
+        if name.startswith(("shards.vllm", "train.megatron")) or name.endswith("__main__"):
+            continue  # need vLLM / megatron-core, or run on import; they define no config
+        module = importlib.import_module(f"rlix_async.{name}" if name else "rlix_async")
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, msgspec.Struct):
+                owner = shapes.get(frozenset(obj.__struct_fields__))
+                if owner is not None and obj is not owner:
+                    dupes.append(f"{obj.__module__}.{obj.__qualname__} duplicates {owner}")
+    assert dupes == []
+
+
+def _functions(path: Path) -> list[tuple[str, int]]:
+    tree = ast.parse(path.read_text())
+    return [
+        (node.name, (node.end_lineno or node.lineno) - node.lineno + 1)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    ]
+
+
+def test_the_cli_is_thin() -> None:
+    """No process main in the CLI (they live beside their processes) and no long function."""
+    long = []
+    for path in sorted((PACKAGE / "cli").glob("*.py")):
+        long += [f"{path.name}:{n} ({lines} lines)" for n, lines in _functions(path) if lines > 60]
+        text = path.read_text()
+        for main in ("Coordinator(", "ShardWorker(", "RpcServer(", "Proc("):
+            if main in text:
+                long.append(f"{path.name} builds {main[:-1]} itself")
+    assert long == []
+
+
+@pytest.mark.parametrize("limit", [600])
+def test_no_file_grows_past_the_limit(limit: int) -> None:
+    big = [
+        f"{name} ({n} lines)"
+        for name, path in _modules()
+        if (n := len(path.read_text().splitlines())) > limit
+    ]
+    assert big == [], f"split these by concern: {big}"
