@@ -23,11 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 from rlix_async.control import messages as m
-from rlix_async.control.coordinator import driver_identity
 from rlix_async.control.topology import INFER, ClusterSpec, Priority
 from rlix_async.protocol import Message
 from rlix_async.security import ClientKeys
 from rlix_async.transport import CallContext, ConnectionLost, RpcClient, TransportConfig
+from rlix_async.weights.ref import CacheRef
 
 log = logging.getLogger(__name__)
 BUCKETS = 50  # progress is reported in 2% steps
@@ -58,10 +58,10 @@ class PipelineClient:
         self._waiters: dict[str, asyncio.Future[list[int]]] = {}
         self._progress: dict[str, tuple[int, int]] = {}  # stream -> last sent (target, completed)
         self._ranks_changed = asyncio.Event()
-        self._weights: Any = None
+        self._weights: CacheRef | None = None
         self.rpc = RpcClient(
             endpoint,
-            driver_identity(pipeline_id),
+            m.driver_identity(pipeline_id),
             keys=keys,
             config=transport,
             on_connected=self._resume,
@@ -169,7 +169,7 @@ class PipelineClient:
         self._requests.pop(INFER, None)
         await self._call(m.ShrinkAll(pipeline_id=self.pipeline_id), timeout=300)
 
-    async def publish_weights(self, ref: Any) -> None:
+    async def publish_weights(self, ref: CacheRef) -> None:
         """After ``WeightCache.promote``: awake stale shards of this pipeline pull it."""
         self._weights = ref  # re-announced after a reconnection (see _resume)
         await self._call(m.PublishWeights(pipeline_id=self.pipeline_id, ref=ref))

@@ -40,14 +40,6 @@ from rlix_async.weights.ref import CacheRef
 log = logging.getLogger(__name__)
 
 
-def driver_identity(pipeline_id: str) -> str:
-    return f"{pipeline_id}/driver/0"
-
-
-def worker_identity(pipeline_id: str, rank: int) -> str:
-    return f"{pipeline_id}/infer/{rank}"
-
-
 class Coordinator:
     def __init__(
         self,
@@ -287,7 +279,7 @@ class Coordinator:
             priority=p.held[cluster].name,  # type: ignore[arg-type]
             devices=list(p.clusters[cluster].devices),
         )
-        self.tasks.spawn(self.server.notify(driver_identity(pid), grant), "regrant")
+        self.tasks.spawn(self.server.notify(m.driver_identity(pid), grant), "regrant")
 
     def status(self) -> m.StatusReply:
         pipes = [
@@ -474,7 +466,7 @@ class Coordinator:
             p = self.registry.pipelines.get(pid)
             if p is not None:
                 await self.server.notify(
-                    driver_identity(pid),
+                    m.driver_identity(pid),
                     m.Granted(cluster=INFER, priority="GENERATION", ranks=sorted(p.active)),
                 )
 
@@ -499,7 +491,7 @@ class Coordinator:
     async def _grant(self, pid: str, cluster: str, priority: str, devices: list[int]) -> None:
         await self._wait_devices_free(devices)
         await self.server.notify(
-            driver_identity(pid), m.Granted(cluster=cluster, priority=priority, devices=devices)
+            m.driver_identity(pid), m.Granted(cluster=cluster, priority=priority, devices=devices)
         )
 
     async def _expand(self, pid: str, ranks: list[int], spec: ClusterSpec) -> None:
@@ -535,7 +527,7 @@ class Coordinator:
     async def _command(self, pid: str, rank: int, action: m.ShardAction) -> bool:
         """Tell shard worker ``pid/infer/rank`` to sleep, wake or sync. Pipelines that
         run their engines themselves (no worker registered) follow ActiveRanks."""
-        ident = worker_identity(pid, rank)
+        ident = m.worker_identity(pid, rank)
         if ident not in self.server.peers:
             return True
         weights = self.weights.get(pid) if action != "sleep" else None
@@ -565,7 +557,7 @@ class Coordinator:
                 if (pid, r) in self.shard_endpoints
             }
             await self.server.notify(
-                driver_identity(pid),
+                m.driver_identity(pid),
                 m.ActiveRanks(cluster=INFER, ranks=sorted(p.active), endpoints=endpoints),
             )
 

@@ -11,6 +11,17 @@ from rlix_async.control.topology import ClusterName, ClusterSpec, PipelineId, Pr
 from rlix_async.protocol import Message
 from rlix_async.weights.ref import CacheRef
 
+
+def driver_identity(pipeline_id: str) -> str:
+    """A pipeline driver's identity on the coordinator's socket."""
+    return f"{pipeline_id}/driver/0"
+
+
+def worker_identity(pipeline_id: str, rank: int) -> str:
+    """A shard worker's identity: ``<pipeline>/infer/<rank>``."""
+    return f"{pipeline_id}/infer/{rank}"
+
+
 Kind = Annotated[str, msgspec.Meta(min_length=1, max_length=32, pattern=r"^[\w\-]+$")]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 

@@ -1,1 +1,1 @@
-"""Shards: engine protocol, vLLM adapter, worker process, router."""
+"""Shards: the engine protocol, the shard worker process, the router, the vLLM engine."""

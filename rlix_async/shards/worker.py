@@ -88,7 +88,7 @@ class ShardWorker:
         self.data.on(Cancel, self._cancel)
         self.rpc = RpcClient(
             coordinator,
-            f"{pipeline}/infer/{rank}",
+            m.worker_identity(pipeline, rank),
             keys=keys,
             config=transport,
             info={"role": "infer", "host": socket.gethostname()},
