@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from rlix_async.cli import add_overrides, load_for
 
@@ -27,37 +28,40 @@ def _shard(args: argparse.Namespace) -> int:
     return run(serve(load_for(ShardConfig, args.config, args.overrides)))
 
 
+def _supervised(job: Callable[[], None]) -> int:
+    """Run a launcher job: Ctrl-C or SIGTERM (130) and failures (1) end in one line."""
+    try:
+        job()
+    except KeyboardInterrupt:
+        print(STOPPED, file=sys.stderr)
+        return 130
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _launch(args: argparse.Namespace) -> int:
     from rlix_async.config import LaunchConfig, load_config
     from rlix_async.launch import Launcher
 
     cfg = load_config(args.config, LaunchConfig, args.overrides)
-    try:
-        Launcher(cfg, resume=args.resume).run()
-    except KeyboardInterrupt:
-        print(STOPPED, file=sys.stderr)
-        return 130
-    except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(f"all pipelines finished; logs and metrics under {cfg.out}")
-    return 0
+    code = _supervised(Launcher(cfg, resume=args.resume).run)
+    if code == 0:
+        print(f"all pipelines finished; logs and metrics under {cfg.out}")
+    return code
 
 
 def _demo(args: argparse.Namespace) -> int:
     from rlix_async.demo import format_summary, run_demo
 
-    try:
-        summary = run_demo(args.out, steps=args.steps, overrides=args.overrides)
-    except KeyboardInterrupt:
-        print(STOPPED, file=sys.stderr)
-        return 130
-    except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(format_summary(summary))
+    summaries = []
+    code = _supervised(lambda: summaries.append(run_demo(args.out, args.steps, args.overrides)))
+    if code:
+        return code
+    print(format_summary(summaries[0]))
     print(f"wrote {args.out}/summary.json, journal.jsonl, timeline.png, reward.png")
-    return 0 if summary["lost_trajectories"] == 0 else 1
+    return 0 if summaries[0]["lost_trajectories"] == 0 else 1
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -138,24 +138,26 @@ class ShardConfig(Config):
 # --- pipelines ---------------------------------------------------------------------------
 
 
-class TargetTokensTask(Config, tag="target_tokens", tag_field="name"):
-    """Reward: share of response tokens in [lo, hi) of the vocabulary."""
+class TokenTask(Config, tag_field="name"):
+    """A reward task on token ids (prompts drawn at random from the vocabulary)."""
 
     vocab: Annotated[int, doc("Prompt tokens are drawn from [1, vocab).", ge=2)] = 512
+    prompt_len: Annotated[int, doc("Prompt length in tokens.", ge=1)] = 4
+
+
+class TargetTokensTask(TokenTask, tag="target_tokens"):
+    """Reward: share of response tokens in [lo, hi) of the vocabulary."""
+
     lo: Annotated[int, doc("First rewarded token id.", ge=0)] = 0
     hi: Annotated[int, doc("One past the last rewarded token id.", ge=1)] = 32
-    prompt_len: Annotated[int, doc("Prompt length in tokens.", ge=1)] = 4
 
     def __post_init__(self) -> None:
         if not self.lo < self.hi <= self.vocab:
             raise invalid("hi", f"need lo < hi <= vocab, got {self.lo}, {self.hi}, {self.vocab}")
 
 
-class CopyFirstTask(Config, tag="copy_first", tag_field="name"):
+class CopyFirstTask(TokenTask, tag="copy_first"):
     """Reward: share of response tokens equal to the prompt's first token."""
-
-    vocab: Annotated[int, doc("Prompt tokens are drawn from [1, vocab).", ge=2)] = 512
-    prompt_len: Annotated[int, doc("Prompt length in tokens.", ge=1)] = 4
 
 
 TaskConfig = TargetTokensTask | CopyFirstTask

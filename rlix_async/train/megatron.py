@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from rlix_async.config import ModelConfig, TrainConfig
+from rlix_async.config import ModelConfig
 from rlix_async.train.buffer import Group
 from rlix_async.train.trainer import TorchTrainer
 
@@ -76,20 +76,6 @@ def megatron_to_hf(
 
 
 class MegatronTrainer(TorchTrainer):
-    def __init__(
-        self,
-        cfg: TrainConfig | None = None,
-        model: ModelConfig | None = None,
-        *,
-        seed: int = 0,
-        rank: int = 0,
-        world: int = 1,
-    ) -> None:
-        from rlix_async.train import megatron_cpu_compat
-
-        megatron_cpu_compat.apply()
-        super().__init__(cfg, model, seed=seed, rank=rank, world=world)
-
     def _parallel_state(self, store: dist.Store | None) -> None:
         from megatron.core import parallel_state
 
@@ -106,6 +92,9 @@ class MegatronTrainer(TorchTrainer):
             parallel_state.initialize_model_parallel(1, 1)
 
     def _build_model(self) -> torch.nn.Module:
+        from rlix_async.train import megatron_cpu_compat
+
+        megatron_cpu_compat.apply()  # before Megatron is imported or used (CPU only)
         import torch.nn.functional as F
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -9,17 +9,7 @@ from pathlib import Path
 
 import pytest
 from helpers.cluster import ROOT, rlix
-
-SNAPSHOT = """
-{"cluster": {"nodes": 1, "gpus_per_node": 4},
- "pipelines": [
-  {"id": "A",
-   "clusters": {"actor_train": {"tp": 1, "devices": [0, 1]},
-                "actor_infer": {"tp": 1, "devices": [0, 1, 2, 3]}},
-   "active_ranks": {"actor_infer": [0]},
-   "progress": {"target": 100, "completed": 50},
-   "requests": [{"seq": 7, "cluster": "actor_train", "priority": "ACTOR_TRAINING"}]}]}
-"""
+from helpers.snapshots import EXAMPLE as SNAPSHOT
 
 SCENARIO = """
 cluster: {nodes: 1, gpus_per_node: 2}

@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+from helpers.snapshots import EXAMPLE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -241,22 +242,6 @@ def test_invalid_snapshots_name_the_field(mutate, needle: str) -> None:
     with pytest.raises(SnapshotError) as info:
         decode_snapshot(json.dumps(data))
     assert needle in str(info.value)
-
-
-EXAMPLE = """
-{"cluster": {"nodes": 1, "gpus_per_node": 4},
- "pipelines": [
-  {"id": "A",
-   "clusters": {"actor_train": {"tp": 1, "devices": [0, 1]},
-                "actor_infer": {"tp": 1, "devices": [0, 1, 2, 3]}},
-   "active_ranks": {"actor_infer": [0]},
-   "progress": {"target": 100, "completed": 50},
-   "requests": [{"seq": 7, "cluster": "actor_train", "priority": "ACTOR_TRAINING"}]},
-  {"id": "B",
-   "clusters": {"actor_infer": {"tp": 1, "devices": [0, 1, 2, 3]}},
-   "requests": [{"seq": 8, "cluster": "actor_infer", "priority": "GENERATION",
-                 "step_target_estimate": 64}]}]}
-"""
 
 
 # --- properties -------------------------------------------------------------------------------
