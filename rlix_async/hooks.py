@@ -21,13 +21,12 @@ import logging
 from typing import Protocol
 
 from rlix_async.control.client import PipelineClient
-from rlix_async.control.topology import ClusterSpec
+from rlix_async.control.topology import TRAIN, ClusterName, ClusterSpec
 from rlix_async.security import ClientKeys
 from rlix_async.shards.router import Router
 from rlix_async.transport import TransportConfig
 from rlix_async.weights.ref import CacheRef
 
-TRAIN = "actor_train"
 log = logging.getLogger(__name__)
 
 
@@ -55,7 +54,9 @@ class NoHooks:
 
 
 class ClusterHooks:
-    def __init__(self, client: PipelineClient, router: Router, train_cluster: str = TRAIN) -> None:
+    def __init__(
+        self, client: PipelineClient, router: Router, train_cluster: ClusterName = TRAIN
+    ) -> None:
         self.client = client
         self.router = router
         self.train_cluster = train_cluster
@@ -66,7 +67,7 @@ class ClusterHooks:
         cls,
         endpoint: str,
         pipeline_id: str,
-        topology: dict[str, ClusterSpec],
+        topology: dict[ClusterName, ClusterSpec],
         *,
         keys: ClientKeys | None = None,
         transport: TransportConfig | None = None,

@@ -69,10 +69,10 @@ class Driver:
         from rlix_async.security import ClientKeys
 
         if not self.cfg.coordinator:
-            raise ConfigError(f"pipeline {self.cfg.id}: coordinator: required (an endpoint)")
+            raise ValueError(f"pipeline {self.cfg.id}: no coordinator endpoint in its config")
         keys = ClientKeys.load(self.cfg.keys) if self.cfg.keys else None
         hooks = await ClusterHooks.join(
-            self.cfg.coordinator, self.cfg.id, dict(self.cfg.clusters), keys=keys
+            self.cfg.coordinator, self.cfg.id, self.cfg.clusters, keys=keys
         )
         collector = Collector(self.cfg, self.buffer, hooks, lambda: self.trainer.step)
         if self.ckpt is not None:
@@ -125,7 +125,7 @@ class Driver:
         await hooks.before_training(version)
         t1 = time.monotonic()
         if self.store is not None and self.trainer.world > 1:
-            self.store.set(f"batch/{version}", pickle.dumps(batch))
+            self.store.set(f"batch/{version}", pickle.dumps(batch))  # type: ignore[arg-type]  # bytes work
         stats = await asyncio.to_thread(self._train, batch)
         step = self.trainer.step
         collector.stop_doomed()  # the step moved on: some groups can no longer be used
@@ -249,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         cfg = load_config(args.config, PipelineConfig, args.overrides)
+        if not cfg.coordinator:
+            raise ConfigError(f"{args.config}: coordinator: required (the coordinator's endpoint)")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

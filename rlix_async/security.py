@@ -86,7 +86,7 @@ def check_endpoint(endpoint: str, keys: ServerKeys | ClientKeys | None) -> None:
         if keys is None:
             raise SecurityError(
                 f"{endpoint}: tcp endpoints need CURVE keys; create them with "
-                "`rlix-async keygen DIR` and pass keys_dir=DIR (or --keys DIR)"
+                "`rlix-async keygen DIR` and set keys=DIR (library: ServerKeys/ClientKeys.load(DIR))"
             )
     else:
         raise ValueError(f"unsupported endpoint {endpoint!r}: use ipc:// or tcp://")

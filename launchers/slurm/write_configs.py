@@ -28,6 +28,7 @@ from rlix_async.config import (
 def main(argv: list[str]) -> int:
     path, coord, keys, out_dir, nodes, gpn = argv
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     try:
         cfg = load_config(
             path, LaunchConfig, [f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpn}"]

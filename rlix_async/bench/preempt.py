@@ -29,13 +29,16 @@ from typing import Any
 from rlix_async.control.client import PipelineClient
 from rlix_async.control.coordinator import Coordinator
 from rlix_async.control.messages import ShardState
-from rlix_async.control.topology import ClusterShape, ClusterSpec
+from rlix_async.control.topology import ClusterName, ClusterShape, ClusterSpec
 from rlix_async.security import ipc_endpoint
 from rlix_async.shards.router import Router, Trajectory
 from rlix_async.shards.worker import ShardWorker
 from rlix_async.weights.cache import WeightCache
 
-TOPOLOGY = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0, 1))}
+TOPOLOGY: dict[ClusterName, ClusterSpec] = {
+    "actor_train": ClusterSpec(1, (0,)),
+    "actor_infer": ClusterSpec(1, (0, 1)),
+}
 
 
 async def _until(pred: Any, timeout: float, what: str) -> None:

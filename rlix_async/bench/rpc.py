@@ -24,23 +24,27 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from rlix_async.aio import run as aio_run
 from rlix_async.protocol import Ping, Pong
 from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint, keygen, remove_ipc_file
 from rlix_async.transport import RpcClient, RpcServer
+from rlix_async.transport.endpoint import zmq_fd
+
+Transport = Literal["ipc", "tcp"]
+Pin = Literal["none", "shared", "split"]
 
 
 @dataclass(frozen=True)
 class RpcBenchConfig:
-    transport: str = "ipc"
+    transport: Transport = "ipc"
     calls: int = 5000
     warmup: int = 500
     window: int = 64
     throughput_s: float = 2.0
     vs_ray: bool = False
-    pin: str = "none"  # none | shared | split
+    pin: Pin = "none"  # kernel placement, client and server on one CPU, or one CPU each
 
 
 def _placement(pin: str) -> tuple[set[int] | None, set[int] | None]:
@@ -117,11 +121,11 @@ def _measure_ray(cfg: RpcBenchConfig, server_cpus: set[int] | None) -> dict[str,
             ray.get(actor.ping.remote(i))
             lat.append((time.perf_counter_ns() - t0) / 1000)
         done = 0
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < cfg.throughput_s:
+        start = time.perf_counter()
+        while time.perf_counter() - start < cfg.throughput_s:
             ray.get([actor.ping.remote(i) for i in range(cfg.window)])
             done += cfg.window
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - start
     finally:
         ray.shutdown()
     lat.sort()
@@ -160,17 +164,17 @@ def _asyncio_echo(endpoint: str, ready: Any) -> None:
         stopped = loop.create_future()
 
         def drain() -> None:  # the edge-triggered ZMQ FD, read as the transport reads it
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator,arg-type]  # an int
                 frames = sock.recv_multipart(zmq.NOBLOCK)
                 if frames[1] == b"stop" and not stopped.done():
                     stopped.set_result(None)
                 sock.send_multipart(frames, zmq.NOBLOCK)
 
-        loop.add_reader(sock.getsockopt(zmq.FD), drain)
+        loop.add_reader(zmq_fd(sock), drain)
         ready.put(endpoint)
         drain()
         await stopped
-        loop.remove_reader(sock.getsockopt(zmq.FD))
+        loop.remove_reader(zmq_fd(sock))
         sock.close(linger=0)
         ctx.term()
         remove_ipc_file(endpoint)
@@ -197,12 +201,12 @@ class _Floors:
             sock.connect(ep)
         self.loop = asyncio.get_running_loop()
         self.waiting: list[asyncio.Future[bytes]] = []
-        self.loop.add_reader(self.aio.getsockopt(zmq.FD), self._drain)
+        self.loop.add_reader(zmq_fd(self.aio), self._drain)
 
     def _drain(self) -> None:
         import zmq
 
-        while self.aio.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while self.aio.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator,arg-type]  # an int
             frame = self.aio.recv(zmq.NOBLOCK)
             if self.waiting and not self.waiting[0].done():
                 self.waiting.pop().set_result(frame)
@@ -221,9 +225,8 @@ class _Floors:
         await asyncio.wait_for(fut, 10)
 
     def close(self) -> None:
-        import zmq
 
-        self.loop.remove_reader(self.aio.getsockopt(zmq.FD))
+        self.loop.remove_reader(zmq_fd(self.aio))
         for sock in (self.raw, self.aio):
             sock.send(b"stop")
             sock.close()
@@ -273,9 +276,9 @@ async def _measure(
                 await client.call(Ping(seq=done))
                 done += 1
 
-        t0 = time.perf_counter()
+        start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(cfg.window)))
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - start
     finally:
         if fl is not None:
             fl.close()

@@ -11,9 +11,9 @@ from __future__ import annotations
 import random
 
 from rlix_async.control.snapshot import PipelineIn, ProgressIn, RequestIn, Snapshot
-from rlix_async.control.topology import INFER, ClusterShape, ClusterSpec, Priority
+from rlix_async.control.topology import INFER, ClusterShape, ClusterSpec, Priority, priority_name
 
-GANG_PRIORITIES = [p.name for p in Priority if p is not Priority.GENERATION]
+GANG_PRIORITIES = [priority_name(p) for p in Priority if p is not Priority.GENERATION]
 
 
 def random_snapshot(

@@ -128,13 +128,6 @@ def _push_all(push: Any, cache: WeightCache) -> None:
         push.send(buf[start : start + n], copy=False)
 
 
-def _push_all(push: Any, cache: WeightCache) -> None:
-    buf = cache.buffer(1)
-    assert cache.layout is not None
-    for start, n in zip(cache.layout.bucket_offsets, cache.layout.bucket_sizes, strict=True):
-        push.send(buf[start : start + n], copy=False)
-
-
 def _raw_receive(endpoint: str, keys: ClientKeys, frames: int, total: int) -> float:
     import zmq
 

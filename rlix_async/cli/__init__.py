@@ -34,6 +34,17 @@ def load_for(kind: type[T], path: str | None, overrides: Sequence[str]) -> T:
     return load_config(path, kind, overrides)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def add_overrides(p: argparse.ArgumentParser, example: str) -> None:
     p.add_argument(
         "overrides",
@@ -79,11 +90,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from rlix_async.config import ConfigError
     from rlix_async.loading import LoadError
+    from rlix_async.security import SecurityError
 
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (ConfigError, UsageError, LoadError) as exc:
+    except (ConfigError, UsageError, LoadError, SecurityError) as exc:
         if args.debug:
             raise
         print(f"error: {exc}", file=sys.stderr)

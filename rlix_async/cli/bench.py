@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 
+from rlix_async.cli import positive_int
+
 
 def _rpc(args: argparse.Namespace) -> int:
     from rlix_async.bench.rpc import RpcBenchConfig, format_rpc_result, run_rpc_bench
@@ -75,13 +77,6 @@ def _preempt(args: argparse.Namespace) -> int:
     return 0 if r["lost_requests"] == 0 else 1
 
 
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
 def _json_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
@@ -89,8 +84,8 @@ def _json_flag(p: argparse.ArgumentParser) -> None:
 def _register_rpc(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = bsub.add_parser("rpc", help="RPC round trip p50/p99 and throughput between processes")
     p.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
-    p.add_argument("--calls", type=_positive, default=5000, help="sequential calls timed")
-    p.add_argument("--window", type=_positive, default=64, help="calls in flight for throughput")
+    p.add_argument("--calls", type=positive_int, default=5000, help="sequential calls timed")
+    p.add_argument("--window", type=positive_int, default=64, help="calls in flight for throughput")
     p.add_argument("--vs-ray", action="store_true", help="same pattern against a Ray actor")
     p.add_argument(
         "--pin",
@@ -107,22 +102,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     _register_rpc(bsub)
     p = bsub.add_parser("plan", help="planner latency on random realistic snapshots")
-    p.add_argument("--gpus", type=_positive, default=4096)
-    p.add_argument("--pipelines", type=_positive, default=256)
-    p.add_argument("--snapshots", type=_positive, default=50)
+    p.add_argument("--gpus", type=positive_int, default=4096)
+    p.add_argument("--pipelines", type=positive_int, default=256)
+    p.add_argument("--snapshots", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
     _json_flag(p)
     p.set_defaults(func=_plan)
     p = bsub.add_parser("weights", help="weight sync: shared memory, tcp, raw ZMQ, memcpy")
-    p.add_argument("--size-mb", type=_positive, default=1024)
-    p.add_argument("--bucket-mb", type=_positive, default=64)
-    p.add_argument("--credits", type=_positive, default=2, help="buckets in flight (remote)")
+    p.add_argument("--size-mb", type=positive_int, default=1024)
+    p.add_argument("--bucket-mb", type=positive_int, default=64)
+    p.add_argument("--credits", type=positive_int, default=2, help="buckets in flight (remote)")
     _json_flag(p)
     p.set_defaults(func=_weights)
     p = bsub.add_parser("preempt", help="shrink a vLLM shard under load: latency, waste, losses")
-    p.add_argument("--requests", type=_positive, default=32, help="requests in flight")
-    p.add_argument("--max-tokens", type=_positive, default=96)
-    p.add_argument("--rounds", type=_positive, default=3, help="shrink/expand rounds")
-    p.add_argument("--kv-cache-mb", type=_positive, default=64, help="KV cache per engine (CPU)")
+    p.add_argument("--requests", type=positive_int, default=32, help="requests in flight")
+    p.add_argument("--max-tokens", type=positive_int, default=96)
+    p.add_argument("--rounds", type=positive_int, default=3, help="shrink/expand rounds")
+    p.add_argument("--kv-cache-mb", type=positive_int, default=64, help="KV cache per engine (CPU)")
     _json_flag(p)
     p.set_defaults(func=_preempt)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from rlix_async.cli import add_overrides, load_for
+from rlix_async.cli import add_overrides, load_for, positive_int
 
 STOPPED = "stopped (every process and shared-memory segment cleaned up)"
 
@@ -83,6 +83,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser("demo", help="two GRPO pipelines time-sharing 4 CPU devices (main job)")
     p.add_argument("--out", default="rlix-demo", help="output directory")
-    p.add_argument("--steps", type=int, default=15, help="training steps per pipeline")
+    p.add_argument("--steps", type=positive_int, default=15, help="training steps per pipeline")
     add_overrides(p, "engine.kv_cache_mb=64")
     p.set_defaults(func=_demo)

@@ -31,6 +31,8 @@ def load_config(path: str | Path, kind: type[T], overrides: Sequence[str] = ()) 
         raw = yaml.safe_load(Path(path).read_text())
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (UTF-8 YAML or JSON expected)") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -47,7 +49,7 @@ def convert(raw: Any, kind: type[T], source: str, overrides: Sequence[str] = ())
     try:
         return msgspec.convert(raw, kind)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {explain(str(exc), kind)}") from None
+        raise ConfigError(f"{source}: {explain(str(exc), kind, raw)}") from None
 
 
 _INDEX = re.compile(r"^(\w[\w\-]*)((?:\[\d+\])*)$")
@@ -127,27 +129,24 @@ def _section_default(
     return empty
 
 
-def explain(message: str, kind: type[msgspec.Struct]) -> str:
-    """msgspec's "Expected `int` >= 1 - at `$.steps`" as "steps: expected int >= 1"."""
+def explain(message: str, kind: type[msgspec.Struct], raw: Any = None) -> str:
+    """msgspec's "Expected `int` >= 1 - at `$.steps`" as "steps: expected int >= 1".
+
+    ``raw`` (the data that failed) names the dict key msgspec writes as ``[...]``
+    and picks the member of a tagged union the data chose."""
     m = re.match(r"^(.*?) - at `(key` in `)?\$([^`]*)`$", message, re.S)
-    text, is_key, path = (
-        (m.group(1), bool(m.group(2)), m.group(3).lstrip("."))
-        if m
-        else (
-            message,
-            False,
-            "",
-        )
-    )
+    text, is_key, path = (m.group(1), bool(m.group(2)), m.group(3)) if m else (message, False, "")
+    path = _name_dict_keys(path, text, kind, raw).lstrip(".")
     own = re.match(r"^([A-Za-z_][\w.\[\]]*): (.*)$", text)
     if own:  # a rule of ours, naming its field relative to the struct that raised it
         path, text = _join(path, own.group(1)), own.group(2)
     elif m := re.match(r"Object contains unknown field `(.+)`", text):
-        path, text = _join(path, m.group(1)), "unknown key" + _suggest(m.group(1), kind, path)
+        hint = _suggest(m.group(1), _type_at(kind, path, raw))
+        path, text = _join(path, m.group(1)), "unknown key" + hint
     elif m := re.match(r"Object missing required field `(.+)`", text):
         path, text = _join(path, m.group(1)), "required, missing"
     elif m := re.match(r"Invalid (?:enum )?value (.+)", text):
-        choices = _choices(kind, path, is_key)
+        choices = _choices(kind, path, raw, is_key)
         what = "key" if is_key else "value"
         text = f"invalid {what} {m.group(1)}" + (
             f" (one of {', '.join(choices)})" if choices else ""
@@ -162,8 +161,42 @@ def _join(path: str, field: str) -> str:
     return f"{path}.{field}" if path else field
 
 
-def _type_at(kind: type[msgspec.Struct], path: str) -> list[Any]:
-    """The msgspec.inspect types a path may lead to (several through a union)."""
+def _name_dict_keys(path: str, text: str, kind: type[msgspec.Struct], raw: Any) -> str:
+    """``clusters[...].tp`` -> ``clusters.actor_infer.tp``. msgspec does not say which
+    key failed: it is the one whose entry alone gives the same error."""
+    import copy
+
+    while "[...]" in path:
+        prefix, _, rest = path.partition("[...]")
+        where = prefix.lstrip(".")
+        node, key = _raw_at(raw, where), "[?]"
+        for k in node if isinstance(node, dict) else ():
+            trial = copy.deepcopy(raw)
+            entries = _raw_at(trial, where)
+            for other in [o for o in entries if o != k]:
+                del entries[other]
+            try:
+                msgspec.convert(trial, kind)
+            except msgspec.ValidationError as exc:
+                if str(exc).startswith(text) and f"{prefix}[...]" in str(exc):
+                    key = f".{k}"
+                    break
+        path = prefix + key + rest
+    return path
+
+
+def _raw_at(raw: Any, path: str | list[str | int]) -> Any:
+    try:
+        for part in path if isinstance(path, list) else _path_parts(path) if path else []:
+            raw = raw[part]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    return raw
+
+
+def _type_at(kind: type[msgspec.Struct], path: str, raw: Any = None) -> list[Any]:
+    """The msgspec.inspect types a path may lead to: several through a union, unless
+    the data there names its member (a tagged union's tag)."""
     import msgspec.inspect as mi
 
     nodes: list[Any] = [mi.type_info(kind)]
@@ -171,17 +204,28 @@ def _type_at(kind: type[msgspec.Struct], path: str) -> list[Any]:
         parts = _path_parts(path) if path else []
     except ValueError:
         return []
-    for part in parts:
+    for depth, part in enumerate(parts):
         nxt: list[Any] = []
-        for node in nodes:
-            for t in _unwrap(node):
-                if isinstance(part, int) and isinstance(t, mi.ListType | mi.VarTupleType):
-                    nxt.append(t.item_type)
-                elif isinstance(t, mi.StructType):
-                    nxt += [f.type for f in t.fields if f.name == part]
-                elif isinstance(t, mi.DictType):
-                    nxt.append(t.value_type)
-        nodes = nxt
+        for t in (u for n in nodes for u in _unwrap(n)):
+            if isinstance(part, int) and isinstance(t, mi.ListType | mi.VarTupleType):
+                nxt.append(t.item_type)
+            elif isinstance(t, mi.StructType):
+                nxt += [f.type for f in t.fields if f.name == part]
+            elif isinstance(t, mi.DictType):
+                nxt.append(t.value_type)
+        nodes = _chosen_member(nxt, _raw_at(raw, parts[: depth + 1]))
+    return nodes
+
+
+def _chosen_member(nodes: list[Any], data: Any) -> list[Any]:
+    import msgspec.inspect as mi
+
+    members = [u for n in nodes for u in _unwrap(n)]
+    tagged = [t for t in members if isinstance(t, mi.StructType) and t.tag_field]
+    if isinstance(data, dict) and tagged:
+        chosen = [t for t in tagged if data.get(t.tag_field) == t.tag]
+        if chosen:
+            return chosen
     return nodes
 
 
@@ -195,12 +239,12 @@ def _unwrap(t: Any) -> list[Any]:
     return [t]
 
 
-def _choices(kind: type[msgspec.Struct], path: str, is_key: bool = False) -> list[str]:
+def _choices(kind: type[msgspec.Struct], path: str, raw: Any, is_key: bool) -> list[str]:
     import msgspec.inspect as mi
 
     parent, _, last = path.rpartition(".")
     out: list[str] = []
-    for node in _type_at(kind, path):
+    for node in _type_at(kind, path, raw):
         for t in _unwrap(node):
             if is_key and isinstance(t, mi.DictType):
                 t = t.key_type
@@ -213,40 +257,36 @@ def _choices(kind: type[msgspec.Struct], path: str, is_key: bool = False) -> lis
     return sorted(set(out))
 
 
-# Keys of earlier versions, and where they live now.
+# Keys of the layout before rlix_async.config, per struct, and where they live now.
 MOVED = {
-    "max_staleness": "max_trajectory_age_steps",
-    "groups_per_step": "rollout.groups_per_step",
-    "group_size": "rollout.group_size",
-    "max_tokens": "rollout.max_tokens",
-    "temperature": "rollout.temperature",
-    "max_groups_in_flight": "rollout.max_groups_in_flight",
-    "lr": "train.lr",
-    "loss": "train.loss.kind",
-    "backend": "train.backend",
-    "model_path": "model.path",
-    "shard": "engine",
-    "lease_timeout_s": "scheduler.lease_timeout_s",
+    "PipelineConfig": {
+        "groups_per_step": "rollout.groups_per_step",
+        "group_size": "rollout.group_size",
+        "max_tokens": "rollout.max_tokens",
+        "temperature": "rollout.temperature",
+        "max_groups_in_flight": "rollout.max_groups_in_flight",
+        "lr": "train.lr",
+        "loss": "train.loss.kind",
+        "backend": "train.backend",
+        "model_path": "model.path",
+    },
+    "ScenarioPipeline": {"max_staleness": "max_trajectory_age_steps"},
+    "LaunchConfig": {"shard": "engine", "lease_timeout_s": "scheduler.lease_timeout_s"},
 }
 
 
-def _suggest(name: str, kind: type[msgspec.Struct], path: str) -> str:
+def _suggest(name: str, nodes: list[Any]) -> str:
+    """Where a renamed key lives now, else the closest known key of that struct."""
     import difflib
 
     import msgspec.inspect as mi
 
-    if name in MOVED:
-        return f" (it is {MOVED[name]} now)"
-
-    known = sorted(
-        {
-            f.name
-            for node in _type_at(kind, path)
-            for t in _unwrap(node)
-            if isinstance(t, mi.StructType)
-            for f in t.fields
-        }
-    )
+    structs = [t for n in nodes for t in _unwrap(n) if isinstance(t, mi.StructType)]
+    for t in structs:
+        moved = MOVED.get(t.cls.__name__, {}).get(name)
+        if moved:
+            return f" (it is {moved} now)"
+    known = sorted({f.name for t in structs for f in t.fields})
     close = difflib.get_close_matches(name, known, n=1)
     if close:
         return f" (did you mean {close[0]}?)"

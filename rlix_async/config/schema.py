@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from rlix_async.control.snapshot import Policy
 from rlix_async.control.topology import (
     ClusterName,
     ClusterShape,
@@ -26,7 +27,8 @@ Endpoint = Annotated[str, msgspec.Meta(pattern=r"^(ipc|tcp)://.+")]
 
 
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
-    """Base of every config struct: unknown keys are refused, values are immutable."""
+    """Base of every config struct: unknown keys are refused, values are immutable
+    (subclasses repeat ``frozen=True`` for type checkers; msgspec inherits it)."""
 
 
 def invalid(field: str, what: str) -> ValueError:
@@ -37,10 +39,15 @@ def invalid(field: str, what: str) -> ValueError:
 # --- coordinator ------------------------------------------------------------------------
 
 
-class SchedulerConfig(Config):
+class SchedulerConfig(Config, frozen=True):
     lease_timeout_s: Annotated[
-        float, doc("Seconds a silent pipeline driver keeps its devices (it may reconnect).", gt=0)
-    ] = 10.0
+        float,
+        doc(
+            "Seconds a silent pipeline driver keeps its devices (it may be reconnecting, or "
+            "its heartbeats starved by a long CPU step).",
+            gt=0,
+        ),
+    ] = 60.0
     rebalance_s: Annotated[
         float, doc("Seconds between plans when no event asks for one (a slow timer).", gt=0)
     ] = 2.0
@@ -48,12 +55,10 @@ class SchedulerConfig(Config):
         float,
         doc("Seconds a shard's sleep, wake or sync, or a wait for shrinks, may take.", gt=0),
     ] = 60.0
-    aging_s: Annotated[
-        float, doc("A gang request waiting this long is served before every fresh one.", gt=0)
-    ] = 120.0
+    policy: Annotated[Policy, doc("The planner's policy (as in a snapshot).")] = Policy()
 
 
-class CoordinatorConfig(Config):
+class CoordinatorConfig(Config, frozen=True):
     cluster: Annotated[ClusterShape, doc("Nodes and devices per node of the cluster.")] = (
         ClusterShape(nodes=1, gpus_per_node=8)
     )
@@ -78,19 +83,24 @@ class CoordinatorConfig(Config):
 # --- shards ----------------------------------------------------------------------------
 
 
-class EngineConfig(Config):
+class EngineConfig(Config, frozen=True):
     kind: Annotated[
         Literal["vllm", "custom"],
         doc("vllm (AsyncLLM in the worker), or custom: your own ShardEngine class."),
     ] = "vllm"
     dtype: Annotated[
         Literal["auto", "float32", "bfloat16", "float16"],
-        doc("vLLM dtype. float32 matches the trainer exactly; auto is vLLM's choice."),
+        doc(
+            "vLLM dtype. float32 matches the (fp32) trainer exactly; on GPUs use bfloat16 "
+            "or auto (vLLM's choice)."
+        ),
     ] = "float32"
-    max_model_len: Annotated[int, doc("Longest prompt + response, in tokens.", ge=16)] = 256
+    max_model_len: Annotated[
+        int, doc("Longest prompt + response, in tokens (the default fits the CPU demo).", ge=16)
+    ] = 256
     kv_cache_mb: Annotated[
         Annotated[int, msgspec.Meta(ge=1)] | None,
-        doc("KV cache size in MiB (required on CPU); unset: gpu_memory_utilization."),
+        doc("KV cache size in MiB (CPU needs one); null on GPUs: gpu_memory_utilization."),
     ] = 64
     gpu_memory_utilization: Annotated[
         float, doc("GPU memory fraction vLLM may use when kv_cache_mb is unset.", gt=0, le=1)
@@ -115,7 +125,7 @@ class EngineConfig(Config):
             raise invalid("custom", "set kind: custom to use an engine of your own")
 
 
-class ShardConfig(Config):
+class ShardConfig(Config, frozen=True):
     pipeline: PipelineId
     rank: Annotated[int, doc("Data-parallel rank of the shard in actor_infer.", ge=0)]
     model: Annotated[str | None, doc("Hugging Face model directory the engine serves.")] = None
@@ -138,14 +148,14 @@ class ShardConfig(Config):
 # --- pipelines ---------------------------------------------------------------------------
 
 
-class TokenTask(Config, tag_field="name"):
+class TokenTask(Config, frozen=True, tag_field="name"):
     """A reward task on token ids (prompts drawn at random from the vocabulary)."""
 
     vocab: Annotated[int, doc("Prompt tokens are drawn from [1, vocab).", ge=2)] = 512
     prompt_len: Annotated[int, doc("Prompt length in tokens.", ge=1)] = 4
 
 
-class TargetTokensTask(TokenTask, tag="target_tokens"):
+class TargetTokensTask(TokenTask, frozen=True, tag="target_tokens"):
     """Reward: share of response tokens in [lo, hi) of the vocabulary."""
 
     lo: Annotated[int, doc("First rewarded token id.", ge=0)] = 0
@@ -156,14 +166,14 @@ class TargetTokensTask(TokenTask, tag="target_tokens"):
             raise invalid("hi", f"need lo < hi <= vocab, got {self.lo}, {self.hi}, {self.vocab}")
 
 
-class CopyFirstTask(TokenTask, tag="copy_first"):
+class CopyFirstTask(TokenTask, frozen=True, tag="copy_first"):
     """Reward: share of response tokens equal to the prompt's first token."""
 
 
 TaskConfig = TargetTokensTask | CopyFirstTask
 
 
-class RolloutConfig(Config):
+class RolloutConfig(Config, frozen=True):
     groups_per_step: Annotated[int, doc("Prompts (groups) per training step.", ge=1)] = 8
     group_size: Annotated[
         int, doc("Responses sampled per prompt (GRPO needs two or more).", ge=2)
@@ -173,7 +183,7 @@ class RolloutConfig(Config):
     max_groups_in_flight: Annotated[int, doc("Groups being generated at once, at most.", ge=1)] = 4
 
 
-class LossConfig(Config):
+class LossConfig(Config, frozen=True):
     kind: Annotated[
         Literal["dapo", "cispo"],
         doc("dapo: clipped ratio, clip-higher; cispo: clipped IS weight on every token."),
@@ -186,7 +196,7 @@ class LossConfig(Config):
     kl_coef: Annotated[float, doc("Weight of the k3 KL penalty to a reference model.", ge=0)] = 0.0
 
 
-class TrainConfig(Config):
+class TrainConfig(Config, frozen=True):
     backend: Annotated[
         Literal["torch", "megatron"],
         doc("torch: HF model under DDP; megatron: megatron-core GPTModel (Llama shape)."),
@@ -198,7 +208,7 @@ class TrainConfig(Config):
     loss: Annotated[LossConfig, doc("The policy loss.")] = LossConfig()
 
 
-class ModelConfig(Config):
+class ModelConfig(Config, frozen=True):
     path: Annotated[
         str | None,
         doc("Hugging Face model directory (trainer and shards). Unset: a random tiny Llama."),
@@ -218,7 +228,7 @@ class ModelConfig(Config):
         return {"vocab_size": self.vocab_size, "layers": self.layers, "hidden": self.hidden}
 
 
-class PipelineConfig(Config):
+class PipelineConfig(Config, frozen=True):
     id: PipelineId
     clusters: Annotated[
         dict[ClusterName, ClusterSpec],
@@ -261,7 +271,7 @@ class PipelineConfig(Config):
             )
 
 
-class LaunchConfig(Config):
+class LaunchConfig(Config, frozen=True):
     pipelines: Annotated[list[PipelineConfig], doc("The pipelines to run.", min_length=1)]
     out: Annotated[str, doc("Output directory: journal, logs, one directory per pipeline.")] = (
         "rlix-out"
@@ -270,9 +280,9 @@ class LaunchConfig(Config):
         nodes=1, gpus_per_node=4
     )
     engine: Annotated[EngineConfig, doc("Every shard worker's inference engine.")] = EngineConfig()
-    scheduler: Annotated[
-        SchedulerConfig, doc("The coordinator's timers (leases of 60 s: long CPU steps).")
-    ] = SchedulerConfig(lease_timeout_s=60.0)
+    scheduler: Annotated[SchedulerConfig, doc("The coordinator's leases and timers.")] = (
+        SchedulerConfig()
+    )
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -297,7 +307,7 @@ def _check_topology(at: str, clusters: dict[ClusterName, ClusterSpec], shape: Cl
 # --- simulator -------------------------------------------------------------------------
 
 
-class SwitchCosts(Config):
+class SwitchCosts(Config, frozen=True):
     sleep_s: Annotated[float, doc("Seconds a shard takes to abort, drain and sleep.", ge=0)] = 0.0
     wake_s: Annotated[float, doc("Seconds a shard takes to wake.", ge=0)] = 0.0
     sync_gib_per_s: Annotated[float, doc("Weight sync bandwidth per shard, GiB/s.", gt=0)] = 2.0
@@ -308,7 +318,7 @@ class SwitchCosts(Config):
         return self.model_gib / self.sync_gib_per_s
 
 
-class RolloutTimes(Config):
+class RolloutTimes(Config, frozen=True):
     dist: Annotated[
         Literal["lognormal", "pareto", "fixed"],
         doc("Distribution of one trajectory's generation time."),
@@ -319,7 +329,7 @@ class RolloutTimes(Config):
     max_s: Annotated[float, doc("Trajectories are cut at this many seconds.", gt=0)] = 3600.0
 
 
-class ScenarioPipeline(Config):
+class ScenarioPipeline(Config, frozen=True):
     id: PipelineId
     clusters: Annotated[
         dict[ClusterName, ClusterSpec], doc("actor_train and actor_infer, at least.")
@@ -345,7 +355,7 @@ class ScenarioPipeline(Config):
             if name not in self.clusters:
                 raise invalid("clusters", f"{name} is required")
 
-    def topology(self) -> dict[str, ClusterSpec]:
+    def topology(self) -> dict[ClusterName, ClusterSpec]:
         return dict(self.clusters)
 
     @property
@@ -356,7 +366,7 @@ class ScenarioPipeline(Config):
         return {d for c in self.clusters.values() for d in c.devices}
 
 
-class Scenario(Config):
+class Scenario(Config, frozen=True):
     cluster: Annotated[ClusterShape, doc("Nodes and devices per node.")]
     pipelines: Annotated[list[ScenarioPipeline], doc("The pipelines.", min_length=1)]
     switch: Annotated[SwitchCosts, doc("What moving a shard costs.")] = SwitchCosts()

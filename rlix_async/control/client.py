@@ -23,7 +23,14 @@ from collections.abc import Callable
 from typing import Any
 
 from rlix_async.control import messages as m
-from rlix_async.control.topology import INFER, ClusterSpec, Priority
+from rlix_async.control.topology import (
+    INFER,
+    ClusterName,
+    ClusterSpec,
+    Priority,
+    PriorityName,
+    priority_name,
+)
 from rlix_async.protocol import Message
 from rlix_async.security import ClientKeys
 from rlix_async.transport import CallContext, ConnectionLost, RpcClient, TransportConfig
@@ -48,14 +55,14 @@ class PipelineClient:
         on_ranks: Callable[[list[int]], Any] | None = None,
     ) -> None:
         self.pipeline_id = pipeline_id
-        self.clusters: dict[str, ClusterSpec] = {}
+        self.clusters: dict[ClusterName, ClusterSpec] = {}
         self.admitted = False
-        self.held: dict[str, str] = {}
+        self.held: dict[ClusterName, PriorityName] = {}
         self.active_ranks: list[int] = []
         self.endpoints: dict[int, str] = {}  # rank -> shard data plane (for the router)
         self.on_ranks = on_ranks
-        self._requests: dict[str, m.RequestStage] = {}
-        self._waiters: dict[str, asyncio.Future[list[int]]] = {}
+        self._requests: dict[ClusterName, m.RequestStage] = {}
+        self._waiters: dict[ClusterName, asyncio.Future[list[int]]] = {}
         self._progress: dict[str, tuple[int, int]] = {}  # stream -> last sent (target, completed)
         self._ranks_changed = asyncio.Event()
         self._weights: CacheRef | None = None
@@ -101,8 +108,8 @@ class PipelineClient:
 
     # --- lifecycle -------------------------------------------------------------------------
 
-    async def register(self, clusters: dict[str, ClusterSpec]) -> None:
-        await self._call(m.RegisterPipeline(pipeline_id=self.pipeline_id, clusters=clusters))  # type: ignore[arg-type]
+    async def register(self, clusters: dict[ClusterName, ClusterSpec]) -> None:
+        await self._call(m.RegisterPipeline(pipeline_id=self.pipeline_id, clusters=clusters))
         self.clusters = dict(clusters)
 
     async def admit(self) -> None:
@@ -118,8 +125,8 @@ class PipelineClient:
 
     async def request(
         self,
-        cluster: str,
-        priority: str | Priority,
+        cluster: ClusterName,
+        priority: PriorityName | Priority,
         step_target_estimate: int | None = None,
         *,
         timeout: float | None = None,
@@ -127,16 +134,16 @@ class PipelineClient:
         """Wait for the stage: the cluster's devices, or for GENERATION the awake ranks."""
         return await self._queue(cluster, priority, step_target_estimate, timeout, None)
 
-    async def release(self, cluster: str) -> None:
+    async def release(self, cluster: ClusterName) -> None:
         self.held.pop(cluster, None)
         self._requests.pop(cluster, None)
         await self._call(m.ReleaseStage(pipeline_id=self.pipeline_id, cluster=cluster))
 
     async def release_and_request(
         self,
-        release: str,
-        cluster: str,
-        priority: str | Priority,
+        release: ClusterName,
+        cluster: ClusterName,
+        priority: PriorityName | Priority,
         step_target_estimate: int | None = None,
         *,
         timeout: float | None = None,
@@ -146,11 +153,11 @@ class PipelineClient:
 
     async def _queue(
         self,
-        cluster: str,
-        priority: str | Priority,
+        cluster: ClusterName,
+        priority: PriorityName | Priority,
         estimate: int | None,
         timeout: float | None,
-        release: str | None,
+        release: ClusterName | None,
     ) -> list[int]:
         req = self._make_request(cluster, priority, estimate)
         fut = self._arm(cluster)
@@ -227,17 +234,17 @@ class PipelineClient:
                 )
 
     def _make_request(
-        self, cluster: str, priority: str | Priority, estimate: int | None
+        self, cluster: ClusterName, priority: PriorityName | Priority, estimate: int | None
     ) -> m.RequestStage:
-        name = priority.name if isinstance(priority, Priority) else priority
+        name = priority_name(priority) if isinstance(priority, Priority) else priority
         return m.RequestStage(
             pipeline_id=self.pipeline_id,
-            cluster=cluster,  # type: ignore[arg-type]
+            cluster=cluster,
             priority=name,
             step_target_estimate=estimate,
-        )  # type: ignore[arg-type]
+        )
 
-    def _arm(self, cluster: str) -> asyncio.Future[list[int]]:
+    def _arm(self, cluster: ClusterName) -> asyncio.Future[list[int]]:
         old = self._waiters.get(cluster)
         if old is not None and not old.done():
             raise RuntimeError(f"{self.pipeline_id}: a request for {cluster} is already waiting")
@@ -247,7 +254,7 @@ class PipelineClient:
 
     async def _await_grant(
         self,
-        cluster: str,
+        cluster: ClusterName,
         req: m.RequestStage,
         fut: asyncio.Future[list[int]],
         timeout: float | None,
@@ -300,9 +307,9 @@ class PipelineClient:
         await rpc.call(
             m.Resume(
                 pipeline_id=self.pipeline_id,
-                clusters=self.clusters,  # type: ignore[arg-type]
+                clusters=self.clusters,
                 admitted=self.admitted,
-                held=self.held,  # type: ignore[arg-type]
+                held=self.held,
                 requests=list(self._requests.values()),
             )
         )

@@ -3,8 +3,8 @@
 Handlers mutate the :class:`Registry` and wake the scheduler loop. The loop
 plans (pure planner), refuses any plan that breaks an invariant, records the
 plan's outcome in the registry and the journal, then realises it in background
-tasks: shrinks first; a grant or an expand waits only for the shrinks on its own
-devices; every command to a worker has a timeout.
+tasks (:mod:`rlix_async.control.realise`: shrinks first; a grant or an expand
+waits only for the shrinks on its own devices; every command has a timeout).
 
 Fault isolation: a driver that stops heartbeating keeps its leases for
 ``lease_timeout_s`` (it may be reconnecting), then loses them; nobody else is
@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -29,9 +29,16 @@ from rlix_async.control import journal as ev
 from rlix_async.control import messages as m
 from rlix_async.control.journal import Journal, replay
 from rlix_async.control.planner import check_plan, plan
+from rlix_async.control.realise import PlanRealiser, devices_of
 from rlix_async.control.registry import Registry, RegistryError
-from rlix_async.control.snapshot import Plan, Policy, RankChange
-from rlix_async.control.topology import INFER, ClusterShape, ClusterSpec, Priority
+from rlix_async.control.snapshot import Plan, RankChange
+from rlix_async.control.topology import (
+    INFER,
+    ClusterName,
+    ClusterShape,
+    Priority,
+    priority_name,
+)
 from rlix_async.protocol import Ok
 from rlix_async.security import ServerKeys, ipc_endpoint
 from rlix_async.transport import CallContext, PeerInfo, RpcServer, TransportConfig
@@ -40,7 +47,7 @@ from rlix_async.weights.ref import CacheRef
 log = logging.getLogger(__name__)
 
 
-class Coordinator:
+class Coordinator(PlanRealiser):
     def __init__(
         self,
         endpoint: str,
@@ -55,7 +62,7 @@ class Coordinator:
         self.cfg = config or SchedulerConfig()
         # told the status after every plan, applied or refused (Prometheus metrics)
         self.on_status = on_status
-        self.registry = Registry(shape, Policy(aging_s=self.cfg.aging_s))
+        self.registry = Registry(shape, self.cfg.policy)
         self.journal_path = journal
         self.journal = Journal(None)
         self.server = RpcServer(
@@ -138,14 +145,14 @@ class Coordinator:
         restarted = old is not None and old.registered
         p = self.registry.register(msg.pipeline_id, dict(msg.clusters))
         p.connected, p.lost_at = True, None
-        self.journal.record(ev.Registered(pipeline=p.id, clusters=p.clusters))  # type: ignore[arg-type]
+        self.journal.record(ev.Registered(pipeline=p.id, clusters=p.clusters))
         if restarted:
             # A new driver process for a known pipeline (it was restarted, e.g. with
             # --resume): it holds no stage and waits for nothing the old one asked;
             # its awake rollout shards carry on, and it must hear which they are.
             for cluster in list(p.held):
                 del p.held[cluster]
-                self.journal.record(ev.Released(pipeline=p.id, cluster=cluster))  # type: ignore[arg-type]
+                self.journal.record(ev.Released(pipeline=p.id, cluster=cluster))
             p.requests.clear()
             self.tasks.spawn(self._notify_ranks(p.id), "ranks")
             self.kick()
@@ -238,7 +245,7 @@ class Coordinator:
         known = pid in self.registry.pipelines and self.registry.pipelines[pid].registered
         p = self.registry.register(pid, dict(msg.clusters))
         if not known:
-            self.journal.record(ev.Registered(pipeline=pid, clusters=p.clusters))  # type: ignore[arg-type]
+            self.journal.record(ev.Registered(pipeline=pid, clusters=p.clusters))
         p.connected, p.lost_at = True, None
         if msg.admitted and not p.admitted:
             self.registry.admit(pid)
@@ -264,7 +271,7 @@ class Coordinator:
                 self._regrant(pid, cluster)  # granted, but the driver never heard
                 continue
             del p.held[cluster]
-            self.journal.record(ev.Released(pipeline=pid, cluster=cluster))  # type: ignore[arg-type]
+            self.journal.record(ev.Released(pipeline=pid, cluster=cluster))
         for r in msg.requests:
             if r.cluster not in p.held:
                 self.registry.request(pid, r.cluster, Priority[r.priority], r.step_target_estimate)
@@ -272,11 +279,11 @@ class Coordinator:
         self.kick()
         return Ok()
 
-    def _regrant(self, pid: str, cluster: str) -> None:
+    def _regrant(self, pid: str, cluster: ClusterName) -> None:
         p = self.registry.pipelines[pid]
         grant = m.Granted(
-            cluster=cluster,  # type: ignore[arg-type]
-            priority=p.held[cluster].name,  # type: ignore[arg-type]
+            cluster=cluster,
+            priority=priority_name(p.held[cluster]),
             devices=list(p.clusters[cluster].devices),
         )
         self.tasks.spawn(self.server.notify(m.driver_identity(pid), grant), "regrant")
@@ -287,10 +294,10 @@ class Coordinator:
                 id=p.id,
                 admitted=p.admitted,
                 connected=p.connected,
-                held={c: pr.name for c, pr in p.held.items()},  # type: ignore[misc]
+                held={c: priority_name(pr) for c, pr in p.held.items()},
                 active_ranks=sorted(p.active),
                 remaining=p.remaining(),
-                requests={c: r.priority.name for c, r in p.requests.items()},  # type: ignore[misc]
+                requests={c: priority_name(r.priority) for c, r in p.requests.items()},
             )
             for p in self.registry.pipelines.values()
         ]
@@ -360,14 +367,14 @@ class Coordinator:
             len(p.active),
         )
         for cluster in p.held:
-            self.journal.record(ev.Released(pipeline=pid, cluster=cluster))  # type: ignore[arg-type]
+            self.journal.record(ev.Released(pipeline=pid, cluster=cluster))
         if p.active:
             self.journal.record(
                 ev.Shrunk(
                     pipeline=pid,
                     cluster=INFER,
                     ranks=sorted(p.active),
-                    devices=_devices(p.clusters[INFER], p.active),
+                    devices=devices_of(p.clusters[INFER], p.active),
                 )
             )
             for r in p.active:  # put its shards to sleep if their workers are still alive
@@ -419,151 +426,6 @@ class Coordinator:
                 self.on_status(self.status())
             except Exception:  # an observer's failure must not stop scheduling
                 log.exception("status observer failed")
-
-    def _journal_plan(self, result: Plan) -> None:
-        for ch in result.shrink:
-            self.journal.record(self._rank_event(ev.Shrunk, ch))
-        for g in result.grants:
-            self.journal.record(
-                ev.Granted(
-                    pipeline=g.pipeline, cluster=g.cluster, priority=g.priority, devices=g.devices
-                )
-            )
-        for ch in result.expand:
-            self.journal.record(self._rank_event(ev.Expanded, ch))
-
-    def _rank_event(
-        self, kind: type[ev.Shrunk] | type[ev.Expanded], ch: RankChange
-    ) -> ev.Shrunk | ev.Expanded:
-        spec = self._infer_spec(ch.pipeline)
-        devices = _devices(spec, ch.ranks) if spec else []
-        return kind(pipeline=ch.pipeline, cluster=ch.cluster, ranks=ch.ranks, devices=devices)
-
-    def _infer_spec(self, pid: str) -> ClusterSpec | None:
-        p = self.registry.pipelines.get(pid)
-        return p.clusters.get(INFER) if p else None
-
-    async def _realise(self, result: Plan, answered: list[str]) -> None:
-        """Shrinks now; each grant/expand waits only for shrinks on its own devices."""
-        loop = asyncio.get_running_loop()
-        shrinks = []
-        for ch in result.shrink:
-            spec = self._infer_spec(ch.pipeline)
-            for r in ch.ranks:
-                fut: asyncio.Future[None] = loop.create_future()
-                for d in spec.bundle(r) if spec else ():
-                    self._freeing[d] = fut
-                shrinks.append(self.tasks.spawn(self._shrink_rank(ch.pipeline, r, fut), "shrink"))
-        steps = [self._grant(g.pipeline, g.cluster, g.priority, g.devices) for g in result.grants]
-        for ch in result.expand:
-            spec = self._infer_spec(ch.pipeline)
-            if spec is not None:
-                steps.append(self._expand(ch.pipeline, ch.ranks, spec))
-        await asyncio.gather(*shrinks, *steps, return_exceptions=True)
-        for pid in {ch.pipeline for ch in result.shrink} | {ch.pipeline for ch in result.expand}:
-            await self._notify_ranks(pid)
-        for pid in answered:
-            p = self.registry.pipelines.get(pid)
-            if p is not None:
-                await self.server.notify(
-                    m.driver_identity(pid),
-                    m.Granted(cluster=INFER, priority="GENERATION", ranks=sorted(p.active)),
-                )
-
-    async def _shrink_rank(self, pid: str, rank: int, done: asyncio.Future[None]) -> None:
-        try:
-            await self._command(pid, rank, "sleep")
-        finally:
-            done.set_result(None)
-
-    async def _wait_devices_free(self, devices: list[int] | tuple[int, ...]) -> None:
-        pending = {self._freeing[d] for d in devices if d in self._freeing}
-        pending = {f for f in pending if not f.done()}
-        if pending:
-            _, late = await asyncio.wait(pending, timeout=self.cfg.command_timeout_s)
-            if late:
-                log.error(
-                    "devices %s still not free after %.0fs; proceeding",
-                    list(devices),
-                    self.cfg.command_timeout_s,
-                )
-
-    async def _grant(self, pid: str, cluster: str, priority: str, devices: list[int]) -> None:
-        await self._wait_devices_free(devices)
-        await self.server.notify(
-            m.driver_identity(pid), m.Granted(cluster=cluster, priority=priority, devices=devices)
-        )
-
-    async def _expand(self, pid: str, ranks: list[int], spec: ClusterSpec) -> None:
-        async def one(rank: int) -> None:
-            await self._wait_devices_free(spec.bundle(rank))
-            if not await self._command(pid, rank, "wake"):
-                self._give_up_rank(pid, rank)
-
-        await asyncio.gather(*(one(r) for r in ranks))
-
-    async def _expand_joined(self, pid: str, rank: int) -> None:
-        if not await self._command(pid, rank, "wake"):
-            self._give_up_rank(pid, rank)
-        await self._notify_ranks(pid)
-
-    async def _sync_rank(self, pid: str, rank: int) -> None:
-        if not await self._command(pid, rank, "sync"):
-            self._give_up_rank(pid, rank)
-
-    def _give_up_rank(self, pid: str, rank: int) -> None:
-        """A shard that could not wake (or sync) is not serving: free its bundle."""
-        p = self.registry.pipelines.get(pid)
-        if p is None or rank not in p.active:
-            return
-        lost = Plan(shrink=[RankChange(pid, INFER, [rank])])
-        self.registry.apply(lost)
-        self._journal_plan(lost)
-        self.shard_versions.pop((pid, rank), None)
-        self.tasks.spawn(self._command(pid, rank, "sleep"), "sleep-failed")  # if still alive
-        self.tasks.spawn(self._notify_ranks(pid), "ranks")
-        self.kick()
-
-    async def _command(self, pid: str, rank: int, action: m.ShardAction) -> bool:
-        """Tell shard worker ``pid/infer/rank`` to sleep, wake or sync. Pipelines that
-        run their engines themselves (no worker registered) follow ActiveRanks."""
-        ident = m.worker_identity(pid, rank)
-        if ident not in self.server.peers:
-            return True
-        weights = self.weights.get(pid) if action != "sleep" else None
-        try:
-            ack = await self.server.call(
-                ident,
-                m.ShardCommand(action=action, weights=weights),
-                timeout=self.cfg.command_timeout_s,
-            )
-        except Exception as exc:  # the worker is stuck or gone: its devices move on anyway
-            log.error("%s of %s failed: %s", action, ident, exc)
-            return False
-        if isinstance(ack, m.ShardAck):
-            self.shard_versions[(pid, rank)] = ack.weight_version
-            if weights is not None and ack.state == m.ShardState.ACTIVE:
-                self.journal.record(
-                    ev.ShardSynced(pipeline=pid, rank=rank, version=ack.weight_version)
-                )
-        return True
-
-    async def _notify_ranks(self, pid: str) -> None:
-        p = self.registry.pipelines.get(pid)
-        if p is not None and p.connected:
-            endpoints = {
-                r: self.shard_endpoints[(pid, r)]
-                for r in p.active
-                if (pid, r) in self.shard_endpoints
-            }
-            await self.server.notify(
-                m.driver_identity(pid),
-                m.ActiveRanks(cluster=INFER, ranks=sorted(p.active), endpoints=endpoints),
-            )
-
-
-def _devices(spec: ClusterSpec, ranks: Iterable[int]) -> list[int]:
-    return sorted(d for r in ranks for d in spec.bundle(r))
 
 
 async def serve(cfg: CoordinatorConfig) -> None:

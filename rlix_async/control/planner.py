@@ -197,7 +197,7 @@ def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> None:
 
     demand = {p.id: _demand(p) for p in pipes}
     wanting = [p.id for p in pipes if demand[p.id] > 0]
-    caps = {
+    caps: dict[str, float] = {
         pid: sum(spec[pid].tp for r in range(spec[pid].dp) if reachable(pid, r)) for pid in wanting
     }
     usable: set[int] = set()
@@ -256,10 +256,10 @@ def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> None:
             taken.update(spec[pid].bundle(r))
         st.active[pid].update(expands[pid])
     # A rank shrunk and expanded in the same plan is simply kept.
-    for pid, ranks in expands.items():
-        kept = set(ranks) & st.shrunk[pid]
+    for pid, expanded in expands.items():
+        kept = set(expanded) & st.shrunk[pid]
         st.shrunk[pid] -= kept
-        fresh = sorted(set(ranks) - kept)
+        fresh = sorted(set(expanded) - kept)
         if fresh:
             out.expand.append(RankChange(pid, INFER, fresh))
     for pid in wanting:
@@ -336,14 +336,14 @@ def check_plan(snap: Snapshot, result: Plan) -> list[str]:
                 claim(d, f"{p.id}/{cname}")
     active = {p.id: set(p.active_ranks.get(INFER, ())) for p in snap.pipelines}
     for ch in result.shrink:
-        p = pipes.get(ch.pipeline)
-        if p is None or ch.cluster != INFER:
+        shrunk = pipes.get(ch.pipeline)
+        if shrunk is None or ch.cluster != INFER:
             errors.append(f"shrink of unknown {ch.pipeline}/{ch.cluster}")
             continue
         for r in ch.ranks:
-            if r not in active[p.id]:
-                errors.append(f"shrink of {p.id} rank {r}, which is not active")
-            active[p.id].discard(r)
+            if r not in active[shrunk.id]:
+                errors.append(f"shrink of {shrunk.id} rank {r}, which is not active")
+            active[shrunk.id].discard(r)
     pending = {(p.id, r.cluster): r for p in snap.pipelines for r in p.requests}
     for g in result.grants:
         req = pending.get((g.pipeline, g.cluster))
@@ -355,16 +355,16 @@ def check_plan(snap: Snapshot, result: Plan) -> list[str]:
         for d in g.devices:
             claim(d, f"{g.pipeline}/{g.cluster}")
     for ch in result.expand:
-        p = pipes.get(ch.pipeline)
-        if p is None or ch.cluster != INFER:
+        grown = pipes.get(ch.pipeline)
+        if grown is None or ch.cluster != INFER:
             errors.append(f"expand of unknown {ch.pipeline}/{ch.cluster}")
             continue
         for r in ch.ranks:
-            if not 0 <= r < p.clusters[INFER].dp:
-                errors.append(f"expand of {p.id} rank {r} out of range")
-            elif r in active[p.id]:
-                errors.append(f"expand of {p.id} rank {r}, which is already active")
-            active[p.id].add(r)
+            if not 0 <= r < grown.clusters[INFER].dp:
+                errors.append(f"expand of {grown.id} rank {r} out of range")
+            elif r in active[grown.id]:
+                errors.append(f"expand of {grown.id} rank {r}, which is already active")
+            active[grown.id].add(r)
     for pid, ranks in active.items():
         spec = pipes[pid].clusters.get(INFER)
         for r in ranks:

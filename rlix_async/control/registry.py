@@ -22,10 +22,12 @@ from rlix_async.control.snapshot import (
 )
 from rlix_async.control.topology import (
     INFER,
+    ClusterName,
     ClusterShape,
     ClusterSpec,
     Priority,
     TopologyError,
+    priority_name,
     validate_topology,
 )
 from rlix_async.protocol import RpcError
@@ -38,7 +40,7 @@ class RegistryError(RpcError):
 @dataclass
 class Pending:
     seq: int
-    cluster: str
+    cluster: ClusterName
     priority: Priority
     estimate: int | None
     since: float
@@ -47,12 +49,12 @@ class Pending:
 @dataclass
 class PipelineState:
     id: str
-    clusters: dict[str, ClusterSpec] = field(default_factory=dict)
+    clusters: dict[ClusterName, ClusterSpec] = field(default_factory=dict)
     admitted: bool = False
-    held: dict[str, Priority] = field(default_factory=dict)
+    held: dict[ClusterName, Priority] = field(default_factory=dict)
     active: set[int] = field(default_factory=set)
     progress: dict[str, ProgressIn] = field(default_factory=dict)
-    requests: dict[str, Pending] = field(default_factory=dict)
+    requests: dict[ClusterName, Pending] = field(default_factory=dict)
     connected: bool = True
     lost_at: float | None = None  # when its driver went silent (lease timer start)
     offline: set[int] = field(default_factory=set)  # infer ranks whose shard worker died
@@ -90,7 +92,7 @@ class Registry:
             raise RegistryError("unknown_pipeline", f"pipeline {pid!r} is not known here")
         return p
 
-    def register(self, pid: str, clusters: dict[str, ClusterSpec]) -> PipelineState:
+    def register(self, pid: str, clusters: dict[ClusterName, ClusterSpec]) -> PipelineState:
         try:
             validate_topology(clusters, self.shape)
         except TopologyError as exc:
@@ -117,7 +119,7 @@ class Registry:
     def request(
         self,
         pid: str,
-        cluster: str,
+        cluster: ClusterName,
         priority: Priority,
         estimate: int | None,
         now: float | None = None,
@@ -150,7 +152,7 @@ class Registry:
         p.requests[cluster] = req
         return req
 
-    def release(self, pid: str, cluster: str) -> bool:
+    def release(self, pid: str, cluster: ClusterName) -> bool:
         """Drop a held stage or a queued request; False when there was neither."""
         p = self.get(pid)
         dropped = p.held.pop(cluster, None) is not None
@@ -179,16 +181,16 @@ class Registry:
             pipes.append(
                 PipelineIn(
                     id=p.id,
-                    clusters=p.clusters,  # type: ignore[arg-type]
-                    held={c: pr.name for c, pr in p.held.items()},  # type: ignore[misc]
+                    clusters=p.clusters,
+                    held={c: priority_name(pr) for c, pr in p.held.items()},
                     active_ranks={INFER: sorted(p.active)} if p.active else {},
                     offline_ranks={INFER: sorted(p.offline)} if p.offline else {},
                     progress=list(p.progress.values()) or None,
                     requests=[
                         RequestIn(
                             seq=r.seq,
-                            cluster=r.cluster,  # type: ignore[arg-type]
-                            priority=r.priority.name,  # type: ignore[arg-type]
+                            cluster=r.cluster,
+                            priority=priority_name(r.priority),
                             step_target_estimate=r.estimate,
                             age_s=max(0.0, now - r.since),
                         )
@@ -227,7 +229,7 @@ class Registry:
         for p in self.pipelines.values():
             for c, pr in p.held.items():
                 for d in p.clusters[c].devices:
-                    out[d] = DeviceOwner(p.id, c, pr.name)  # type: ignore[arg-type]
+                    out[d] = DeviceOwner(p.id, c, priority_name(pr))
             if INFER in p.clusters:
                 spec = p.clusters[INFER]
                 for r in p.active:

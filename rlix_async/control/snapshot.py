@@ -62,8 +62,12 @@ class PipelineIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    # A gang request waiting this long is served before every fresh request.
-    aging_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    aging_s: Annotated[
+        float,
+        msgspec.Meta(
+            gt=0, description="A gang request waiting this long is served before every fresh one."
+        ),
+    ] = 120.0
 
 
 class Snapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -166,22 +170,22 @@ def validate_snapshot(snap: Snapshot) -> None:
             if bad:
                 raise SnapshotError(f"{at}.offline_ranks.{cname}: ranks {bad} out of range")
         open_clusters: set[str] = set()
-        for j, r in enumerate(p.requests):
+        for j, req in enumerate(p.requests):
             rat = f"{at}.requests[{j}]"
-            if r.seq in seen_seq:
-                raise SnapshotError(f"{rat}.seq: {r.seq} already used by {seen_seq[r.seq]}")
-            seen_seq[r.seq] = f"{p.id}"
-            if r.cluster not in p.clusters:
-                raise SnapshotError(f"{rat}.cluster: {r.cluster} is not declared by {p.id}")
-            if (r.priority == "GENERATION") != (r.cluster == INFER) and r.priority != (
+            if req.seq in seen_seq:
+                raise SnapshotError(f"{rat}.seq: {req.seq} already used by {seen_seq[req.seq]}")
+            seen_seq[req.seq] = f"{p.id}"
+            if req.cluster not in p.clusters:
+                raise SnapshotError(f"{rat}.cluster: {req.cluster} is not declared by {p.id}")
+            if (req.priority == "GENERATION") != (req.cluster == INFER) and req.priority != (
                 "INITIALIZATION"
             ):
                 raise SnapshotError(
                     f"{rat}: GENERATION is requested on {INFER} and only there (got "
-                    f"{r.priority} on {r.cluster})"
+                    f"{req.priority} on {req.cluster})"
                 )
-            if r.cluster in open_clusters:
-                raise SnapshotError(f"{rat}.cluster: a second open request for {r.cluster}")
-            if r.cluster in p.held:
-                raise SnapshotError(f"{rat}.cluster: {p.id} already holds {r.cluster}")
-            open_clusters.add(r.cluster)
+            if req.cluster in open_clusters:
+                raise SnapshotError(f"{rat}.cluster: a second open request for {req.cluster}")
+            if req.cluster in p.held:
+                raise SnapshotError(f"{rat}.cluster: {p.id} already holds {req.cluster}")
+            open_clusters.add(req.cluster)

@@ -9,13 +9,15 @@ a device list. Data-parallel rank ``r`` of a cluster is the bundle
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 import msgspec
 
 CLUSTER_NAMES = ("actor_train", "actor_infer", "critic", "reference")
 ClusterName = Literal["actor_train", "actor_infer", "critic", "reference"]
-INFER = "actor_infer"
+INFER: ClusterName = "actor_infer"
+TRAIN: ClusterName = "actor_train"
 SMALL_TP = (1, 2, 4, 8)
 PipelineId = Annotated[
     str,
@@ -49,6 +51,11 @@ PriorityName = Literal[
     "VALUE_COMPUTE",
     "GENERATION",
 ]
+
+
+def priority_name(priority: Priority) -> PriorityName:
+    """The wire name of a priority (``Priority.GENERATION`` -> ``"GENERATION"``)."""
+    return priority.name  # type: ignore[return-value]  # the names are PriorityName's
 
 
 class TopologyError(ValueError):
@@ -125,7 +132,7 @@ def validate_cluster(name: str, spec: ClusterSpec, shape: ClusterShape) -> None:
             )
 
 
-def validate_topology(clusters: dict[str, ClusterSpec], shape: ClusterShape) -> None:
+def validate_topology(clusters: Mapping[ClusterName, ClusterSpec], shape: ClusterShape) -> None:
     """Raise :class:`TopologyError` naming the cluster and rule that is broken."""
     if INFER not in clusters:
         raise TopologyError(f"cluster {INFER} is required (declared: {sorted(clusters)})")

@@ -1,4 +1,4 @@
-"""Prometheus gauges for ``--metrics-port``, set from the coordinator's ``StatusReply``."""
+"""Prometheus gauges for ``metrics_port``, set from the coordinator's ``StatusReply``."""
 
 from __future__ import annotations
 

@@ -130,13 +130,13 @@ class Collector:
         queued = self.buffer.fresh(step) + (self.in_flight - 1) * rollout.group_size
         batch_ahead = queued // self.target + int(self.training)
         oldest = max(step + batch_ahead - self.cfg.max_trajectory_age_steps, 0)
-        requests = [
+        requests: list[asyncio.Future[Trajectory]] = [
             asyncio.ensure_future(
                 self.hooks.router.generate(
                     prompt,
                     rollout.max_tokens,
                     temperature=rollout.temperature,
-                    min_version=lambda: oldest,  # newer weights are always fine
+                    min_version=oldest,  # newer weights are always fine
                 )
             )
             for _ in range(rollout.group_size)

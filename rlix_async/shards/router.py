@@ -11,8 +11,7 @@
 - A caller that cancels ``generate`` (a timeout, a pipeline dropping a group)
   also stops the request on its shard: the router tells the shard, which
   aborts it in the engine, so the slot is not held until ``max_tokens``.
-- ``min_version`` (called before every attempt) names the oldest weight
-  version the request may run on; a shard still on older weights refuses it
+- ``min_version`` names the oldest weight version the request may run on; a shard still on older weights refuses it
   before decoding, and the request goes to another shard or waits for the
   sync (at most ``attempt_timeout_s``).
 """
@@ -24,7 +23,6 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlix_async.aio import Supervisor
@@ -117,7 +115,7 @@ class Router:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
-        min_version: Callable[[], int] | None = None,
+        min_version: int | None = None,
     ) -> Trajectory:
         traj = Trajectory(list(prompt_ids))
         self._n += 1
@@ -145,7 +143,7 @@ class Router:
                         temperature=temperature,
                         top_p=top_p,
                         seed=seed,
-                        min_version=min_version() if min_version else None,
+                        min_version=min_version,
                     ),
                     timeout=self.attempt_timeout_s,
                 )

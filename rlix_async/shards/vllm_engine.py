@@ -100,6 +100,7 @@ class VllmEngine:
                         lps = [
                             step[tok].logprob
                             for tok, step in zip(comp.token_ids, comp.logprobs, strict=False)
+                            if step is not None
                         ]
                 yield GenerationChunk(list(tokens), list(lps), out.finished, version)
         finally:

@@ -123,7 +123,7 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
 
             initialize_layerwise_reload(self.model)
             self.reloading = True
-            self.model.load_weights(staged.named)
+            self.model.load_weights(staged.named)  # type: ignore[operator]  # vLLM's models have it
             return
         raise SyncError(
             f"no consistent version of {update_info.pipeline} after {MAX_ATTEMPTS} tries"

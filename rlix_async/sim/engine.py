@@ -26,6 +26,7 @@ import itertools
 import math
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,8 @@ from rlix_async.control import journal as ev
 from rlix_async.control import planner
 from rlix_async.control.registry import Registry
 from rlix_async.control.snapshot import RankChange
-from rlix_async.control.topology import INFER, Priority
+from rlix_async.control.topology import INFER, TRAIN, Priority
 
-TRAIN = "actor_train"
 PROGRESS_BUCKETS = 20  # progress changes smaller than 5% do not wake the planner
 
 
@@ -126,7 +126,7 @@ class Simulation:
         heapq.heappush(self._events, (t, next(self._seq), kind, data))
 
     def run(self, max_events: int = 50_000_000) -> dict[str, Any]:
-        handlers = {
+        handlers: dict[str, Callable[..., None]] = {
             "start": self._start,
             "ready": self._ready,
             "done": self._done,
@@ -159,7 +159,7 @@ class Simulation:
 
     def _recount(self, p: _Pipe) -> None:
         """Devices this pipeline keeps busy (serving shards with work, training)."""
-        tp = p.decl.clusters["actor_infer"].tp
+        tp = p.decl.clusters[INFER].tp
         busy = tp * sum(1 for r in p.ready if p.slots.get(r, 0))
         if p.training:
             busy += len(p.decl.clusters[TRAIN].devices)
@@ -253,7 +253,7 @@ class Simulation:
         sync_s = self.sc.switch.sync_s
         if sync_s <= 0:
             return
-        tp = p.decl.clusters["actor_infer"].tp
+        tp = p.decl.clusters[INFER].tp
         self.switch_device_s += sync_s * tp * len(p.ready)
         for tid, (rank, end, token) in list(p.inflight.items()):
             p.inflight[tid] = (rank, end + sync_s, token + 1)

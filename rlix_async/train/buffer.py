@@ -40,7 +40,7 @@ class Group:
 
 @dataclass
 class ReplayBuffer:
-    max_age_steps: int = 1
+    max_trajectory_age_steps: int = 1
     groups: deque[Group] = field(default_factory=deque)
     added: int = 0  # trajectories (responses), not groups
     trained: int = 0
@@ -59,7 +59,7 @@ class ReplayBuffer:
     def too_old(self, oldest_version: int, version: int) -> bool:
         """Tokens from ``oldest_version`` are past the bound for a trainer at ``version``
         (and for every later one: a group that is too old never becomes usable)."""
-        return version - oldest_version > self.max_age_steps
+        return version - oldest_version > self.max_trajectory_age_steps
 
     def drop_stale(self, version: int) -> int:
         """Drop groups too old for a trainer at ``version``; returns trajectories dropped."""
@@ -79,11 +79,11 @@ class ReplayBuffer:
         """Trajectories a collector may still start at ``version`` without any going stale.
 
         What weights ``version`` generate can fill the batches of this step and of the
-        next ``max_age_steps``; while this step's batch trains it is already taken, so
+        next ``max_trajectory_age_steps``; while this step's batch trains it is already taken, so
         one batch fewer (generating two batches ahead during training dropped ~20% of
         the demo's trajectories as stale).
         """
-        return (self.max_age_steps + 1 - int(training)) * batch - self.fresh(version)
+        return (self.max_trajectory_age_steps + 1 - int(training)) * batch - self.fresh(version)
 
     def ready(self, version: int, groups: int) -> bool:
         return sum(not self.too_old(g.oldest_version, version) for g in self.groups) >= groups
@@ -104,7 +104,7 @@ class ReplayBuffer:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "max_age_steps": self.max_age_steps,
+            "max_trajectory_age_steps": self.max_trajectory_age_steps,
             "groups": [g.to_dict() for g in self.groups],
             "added": self.added,
             "trained": self.trained,
@@ -113,6 +113,9 @@ class ReplayBuffer:
 
     @classmethod
     def from_state_dict(cls, d: dict[str, Any]) -> ReplayBuffer:
-        buf = cls(d["max_age_steps"], deque(Group(**g) for g in d["groups"]))
+        bound = d[
+            "max_trajectory_age_steps" if "max_trajectory_age_steps" in d else "max_age_steps"
+        ]
+        buf = cls(int(bound), deque(Group(**g) for g in d["groups"]))  # older ones: max_age_steps
         buf.added, buf.trained, buf.dropped_stale = d["added"], d["trained"], d["dropped_stale"]
         return buf

@@ -46,7 +46,7 @@ from rlix_async.transport.endpoint import (
 
 log = logging.getLogger(__name__)
 
-_HANDSHAKE_FAILURES = {
+_HANDSHAKE_FAILURES: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the server refused our key (not in its authorized/ dir)",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "security mismatch (CURVE on one side only, or wrong server key)",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "security handshake failed",
@@ -204,7 +204,8 @@ class RpcClient(_Endpoint):
             event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
         except zmq.Again:
             return None
-        return _HANDSHAKE_FAILURES.get(event["event"], f"handshake event {event['event']}")
+        code = int(event["event"])
+        return _HANDSHAKE_FAILURES.get(code, f"handshake event {code}")
 
     async def _handshake(self, timeout: float) -> Welcome:
         deadline = time.monotonic() + timeout

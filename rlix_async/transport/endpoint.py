@@ -36,7 +36,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import zmq
 
@@ -59,6 +59,13 @@ from rlix_async.protocol import (
 log = logging.getLogger(__name__)
 # Plain ints: the enum versions cost microseconds per bitwise operation.
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+def zmq_fd(sock: zmq.Socket[Any]) -> int:
+    """The socket's edge-triggered notification FD (an int option; pyzmq types it int | bytes)."""
+    return cast(int, sock.getsockopt(zmq.FD))
+
+
 _SNDMORE = int(zmq.SNDMORE)
 # Call timeouts are enforced by one sweeper at this resolution rather than a
 # timer per call: a per-call loop timer costs ~20 us of CPU per round trip here.
@@ -196,14 +203,14 @@ class _Endpoint:
     def _start_reading(self) -> None:
         assert self._loop is not None
         if not self._reading and not self._closed:
-            self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
+            self._loop.add_reader(zmq_fd(self._sock), self._drain)
             self._reading = True
             self._loop.call_soon(self._drain)
 
     def _stop_reading(self) -> None:
         if self._reading and self._loop is not None:
             with contextlib.suppress(Exception):
-                self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+                self._loop.remove_reader(zmq_fd(self._sock))
             self._reading = False
 
     def _drain(self) -> None:
@@ -219,7 +226,7 @@ class _Endpoint:
         try:
             for _ in range(256):
                 try:
-                    if not sock.getsockopt(_EVENTS) & _POLLIN:
+                    if not sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator,arg-type]  # an int
                         return
                     frames = self._recv_message(sock)
                 except zmq.Again:
@@ -254,7 +261,9 @@ class _Endpoint:
     def _after_send(self) -> None:
         # A send processes socket commands and may consume the FD's edge while a
         # message waits; outside the reader nobody would read it: look again.
-        if self._reading and not self._draining and (self._sock.getsockopt(_EVENTS) & _POLLIN):
+        if (
+            self._reading and not self._draining and (self._sock.getsockopt(_EVENTS) & _POLLIN)  # type: ignore[operator,arg-type]  # an int
+        ):
             assert self._loop is not None
             self._loop.call_soon(self._drain)
 

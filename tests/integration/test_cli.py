@@ -180,3 +180,71 @@ def test_simulate_json_shape_and_journal_for_timeline(tmp_path: Path) -> None:
     data = json.loads(sweep.stdout)
     assert [r["seed"] for r in data["runs"]] == [0, 1, 2]
     assert data["gain"]["min"] <= data["gain"]["mean"] <= data["gain"]["max"]
+
+
+def test_the_pipeline_process_refuses_a_bad_config_before_starting(tmp_path: Path) -> None:
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("id: p\nclusters: {actor_train: {devices: [0]}, actor_infer: {devices: [0]}}\n")
+    run = [sys.executable, "-m", "rlix_async.pipeline", "--config", str(cfg)]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"error: {cfg}: coordinator: required (the coordinator's endpoint)"
+    out = subprocess.run([*run, "steps=0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2 and out.stderr.strip() == f"error: {cfg}: steps: expected int >= 1"
+
+
+def test_slurm_config_writer_writes_a_valid_config_per_process(tmp_path: Path) -> None:
+    """launchers/slurm/write_configs.py: what the sbatch starts each process with."""
+    from rlix_async.config import CoordinatorConfig, PipelineConfig, ShardConfig, load_config
+
+    launch = tmp_path / "launch.yaml"
+    launch.write_text(
+        (ROOT / "examples" / "pipelines.yaml")
+        .read_text()
+        .replace("    nproc: 1\n", "    nproc: 1\n    model: {path: /shared/model}\n")
+        .replace("    nproc: 2 ", "    model: {path: /shared/model}\n    nproc: 2 ")
+    )
+    writer = [sys.executable, str(ROOT / "launchers" / "slurm" / "write_configs.py")]
+    args = [str(launch), "tcp://10.1.0.1:7600", "/keys", str(tmp_path / "out"), "2", "2"]
+    out = subprocess.run([*writer, *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines()]
+    # device d lives on node d // 2; local GPU d % 2; every shard its own config
+    assert [r[:4] for r in rows] == [
+        ["band-low", "0", "0", "0"],
+        ["band-low", "1", "0", "1"],
+        ["band-low", "2", "1", "0"],
+        ["band-high", "0", "0", "1"],
+        ["band-high", "1", "1", "0"],
+        ["band-high", "2", "1", "1"],
+    ]
+    shard = load_config(rows[2][4], ShardConfig)
+    assert (shard.rank, shard.keys, shard.engine.sleep_mode) == (2, "/keys", True)
+    coordinator = load_config(tmp_path / "out" / "coordinator.yaml", CoordinatorConfig)
+    assert coordinator.endpoint == "tcp://10.1.0.1:7600" and coordinator.cluster.nodes == 2
+    pipeline = load_config(tmp_path / "out" / "band-low" / "pipeline.yaml", PipelineConfig)
+    assert pipeline.coordinator == "tcp://10.1.0.1:7600" and pipeline.out == str(tmp_path / "out")
+    no_model = [*writer, str(ROOT / "examples" / "pipelines.yaml"), *args[1:]]
+    out = subprocess.run(no_model, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "set model.path" in out.stderr
+
+
+def test_a_coordinator_process_serves_metrics(tmp_path: Path, ipc_ep: str) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlix_async.cli", "coordinator", f"endpoint={ipc_ep}",
+         f"metrics_port={port}", f"journal={tmp_path / 'j.jsonl'}"],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith("READY")
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        assert b"rlix_plans_applied" in body
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0

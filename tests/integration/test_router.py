@@ -155,12 +155,10 @@ async def test_requests_run_only_on_accepted_weight_versions(ipc_ep: str) -> Non
         await driver.report_progress(10, 0, force=True)
         await driver.request("actor_infer", "GENERATION", timeout=10)
         workers[0].synced_version, workers[1].synced_version = 0, 1
-        trajs = await asyncio.gather(
-            *(router.generate([1, 2], 3, min_version=lambda: 1) for _ in range(6))
-        )
+        trajs = await asyncio.gather(*(router.generate([1, 2], 3, min_version=1) for _ in range(6)))
         assert all(t.ranks == [1] and t.versions == [1] * 3 for t in trajs)
         workers[1].synced_version = 0  # both behind: it waits for a sync
-        pending = asyncio.ensure_future(router.generate([1], 3, min_version=lambda: 1))
+        pending = asyncio.ensure_future(router.generate([1], 3, min_version=1))
         await asyncio.sleep(0.5)
         assert not pending.done()
         workers[0].synced_version = 1
@@ -169,7 +167,7 @@ async def test_requests_run_only_on_accepted_weight_versions(ipc_ep: str) -> Non
         impatient = Router(driver, attempt_timeout_s=0.3)
         try:
             with pytest.raises(RuntimeError, match="no shard reached an accepted"):
-                await impatient.generate([1], 3, min_version=lambda: 9)
+                await impatient.generate([1], 3, min_version=9)
         finally:
             await impatient.close()
 

@@ -103,6 +103,21 @@ def test_every_field_of_every_config_has_a_description() -> None:
             ["engine.kind=custom"],
             "engine.custom: kind custom needs the engine class ('module:Class')",
         ),
+        (
+            {"pipelines": [_pipeline(task={"name": "copy_first", "lo": 3})]},
+            [],
+            "pipelines[0].task.lo: unknown key (known: prompt_len, vocab)",  # copy_first's keys
+        ),
+        (
+            {
+                "pipelines": [
+                    _pipeline(clusters={"actor_train": {"devices": [0]}, "actor_infer": {"tp": 0}})
+                ]
+            },
+            [],
+            "pipelines[0].clusters.actor_infer.tp: expected int >= 1",  # the key, not [...]
+        ),
+        ({"shard": {}, "pipelines": [_pipeline()]}, [], "shard: unknown key (it is engine now)"),
         ({"pipelines": []}, [], "pipelines: expected array of length >= 1"),
         ({}, [], "pipelines: required, missing"),
     ],
@@ -149,15 +164,41 @@ def test_a_written_config_reads_back_identical(tmp_path: Path) -> None:
 
 
 def test_the_demo_runs_the_example_config() -> None:
-    """One file: the packaged demo config is examples/pipelines.yaml (no drift)."""
+    """One file: examples/pipelines.yaml is the packaged demo config (a link), so the
+    two cannot drift; the demo only sets the output and the steps."""
     from rlix_async.demo import demo_config
 
+    assert (ROOT / "examples" / "pipelines.yaml").resolve() == ROOT / "rlix_async" / "demo.yaml"
     example = load_config(ROOT / "examples" / "pipelines.yaml", LaunchConfig)
     demo = demo_config(example.out, steps=example.pipelines[0].steps)
     assert demo == example
     short = demo_config("elsewhere", steps=3, overrides=["engine.kv_cache_mb=48"])
     assert short.out == "elsewhere" and {p.steps for p in short.pipelines} == {3}
     assert short.engine.kv_cache_mb == 48
+
+
+def test_a_section_starts_from_its_class_defaults() -> None:
+    """A struct-valued default equals its class's own defaults, so a partial section in a
+    file (`scheduler: {rebalance_s: 1}`) and an override (`scheduler.rebalance_s=1`)
+    give the same config: no default hides in a parent that a partial section drops."""
+    differing = []
+    for kind in KINDS:
+        for struct in _structs(mi.type_info(kind)):
+            for f in struct.fields:
+                if isinstance(f.default, msgspec.Struct):
+                    try:
+                        own = type(f.default)()
+                    except TypeError:  # required fields: a partial section is refused
+                        continue
+                    if f.default != own:
+                        differing.append(f"{struct.cls.__name__}.{f.name}")
+    assert differing == []
+    raw = {"pipelines": [_pipeline()], "scheduler": {"rebalance_s": 1}}
+    by_file = convert(raw, LaunchConfig, "x")
+    by_override = convert(
+        {"pipelines": [_pipeline()]}, LaunchConfig, "x", ["scheduler.rebalance_s=1"]
+    )
+    assert by_file == by_override
 
 
 def test_load_errors_are_one_line(tmp_path: Path) -> None:
@@ -169,6 +210,9 @@ def test_load_errors_are_one_line(tmp_path: Path) -> None:
         load_config(bad, LaunchConfig)
     bad.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="expected a mapping of keys at the top level"):
+        load_config(bad, LaunchConfig)
+    bad.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not a text file"):
         load_config(bad, LaunchConfig)
 
 

@@ -130,7 +130,7 @@ def _group(version: int, n: int = 2):  # type: ignore[no-untyped-def]
 def test_replay_buffer_drops_and_counts_stale_groups() -> None:
     from rlix_async.train.buffer import ReplayBuffer
 
-    buf = ReplayBuffer(max_age_steps=1)
+    buf = ReplayBuffer(max_trajectory_age_steps=1)
     for v in (0, 1, 2, 2):
         buf.add(_group(v))
     assert buf.ready(version=2, groups=3) and not buf.ready(version=3, groups=3)
@@ -161,7 +161,7 @@ def test_a_collector_within_room_never_generates_stale(
     from rlix_async.train.buffer import ReplayBuffer
 
     size = 2
-    buf = ReplayBuffer(max_age_steps=max_age)
+    buf = ReplayBuffer(max_trajectory_age_steps=max_age)
     version, training = 0, False
     for ev in events:
         if ev == "gen" and buf.room(version, groups_per_step * size, training) > 0:
@@ -179,7 +179,7 @@ def test_a_collector_within_room_never_generates_stale(
 def test_replay_buffer_state_round_trip_and_bad_groups() -> None:
     from rlix_async.train.buffer import Group, ReplayBuffer
 
-    buf = ReplayBuffer(max_age_steps=2)
+    buf = ReplayBuffer(max_trajectory_age_steps=2)
     buf.add(_group(3))
     again = ReplayBuffer.from_state_dict(buf.state_dict())
     assert again.state_dict() == buf.state_dict()
@@ -210,7 +210,7 @@ async def test_a_group_is_stopped_once_a_finished_request_is_too_old() -> None:
             futs.append(f)
         return [*futs, loop.create_future(), loop.create_future()]  # two still running
 
-    collector = SimpleNamespace(buffer=ReplayBuffer(max_age_steps=1), step=lambda: 3)
+    collector = SimpleNamespace(buffer=ReplayBuffer(max_trajectory_age_steps=1), step=lambda: 3)
     fresh = group([2, 3])  # age 1 at step 3: usable
     unknown = group([])  # finished without tokens: no age known
     doomed = group([3], [1, 2])  # version 1 is two steps old at step 3
