@@ -55,6 +55,9 @@ _EXPORTS = {
     "RpcClient": "rlix_async.transport",
     "RpcServer": "rlix_async.transport",
     "TransportConfig": "rlix_async.transport",
+    "ClientKeys": "rlix_async.security",
+    "ServerKeys": "rlix_async.security",
+    "ipc_endpoint": "rlix_async.security",
 }
 
 __all__ = [
@@ -62,6 +65,7 @@ __all__ = [
     "CacheRef",
     "CallContext",
     "CallTimeout",
+    "ClientKeys",
     "ClusterHooks",
     "ClusterShape",
     "ClusterSpec",
@@ -84,6 +88,7 @@ __all__ = [
     "RpcClient",
     "RpcError",
     "RpcServer",
+    "ServerKeys",
     "ShardEngine",
     "ShardWorker",
     "TorchTrainer",
@@ -93,6 +98,7 @@ __all__ = [
     "WeightCache",
     "__version__",
     "copy_first",
+    "ipc_endpoint",
     "load_config",
     "target_tokens",
 ]
@@ -127,6 +133,7 @@ if TYPE_CHECKING:
     from rlix_async.hooks import ClusterHooks, NoHooks, PipelineHooks
     from rlix_async.protocol import PROTOCOL_VERSION, Message, RpcError
     from rlix_async.rollout.tasks import copy_first, target_tokens
+    from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
     from rlix_async.shards.engine import ShardEngine
     from rlix_async.shards.router import Router, Trajectory
     from rlix_async.shards.worker import ShardWorker

@@ -54,9 +54,15 @@ async def test_shrink_with_32_requests_in_flight_resumes_every_one(ipc_ep: str) 
     async with two_shards(ipc_ep, token_delay_s=0.01) as (driver, workers, router):
         await driver.report_progress(32, 0, force=True)
         await driver.request("actor_infer", "GENERATION", timeout=10)
-        max_tokens = 40
+        max_tokens = 100  # 1 s a request: the shrink lands mid-decode even on a loaded machine
         jobs = [asyncio.ensure_future(router.generate([i + 1, 7], max_tokens)) for i in range(32)]
-        await asyncio.sleep(0.15)  # all in flight, partly decoded
+
+        def started() -> bool:  # all in flight, partly decoded (the engines only count)
+            return sum(w.engine.num_running() for w in workers) == 32 and workers[0].decoded_tokens
+
+        async with asyncio.timeout(10):
+            while not started():  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
         # training needs device 0: shard 0 is shrunk under 16 running requests
         await driver.report_progress(32, 32)
         await driver.request("actor_train", "ACTOR_TRAINING", timeout=10)
