@@ -44,6 +44,10 @@ def convert(raw: Any, kind: type[T], source: str, overrides: Sequence[str] = ())
     """Validate plain data (a parsed file, a dict) as ``kind``; errors name ``source``."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of keys at the top level")
+    if overrides:
+        import copy
+
+        raw = copy.deepcopy(raw)  # the caller's data stays as it was
     for item in overrides:
         apply_override(raw, item, source, kind)
     try:
