@@ -62,7 +62,7 @@ class Driver:
             if ckpt is not None
             else ReplayBuffer(cfg.max_trajectory_age_steps)
         )
-        self.out = Path(cfg.out or "rlix-out") / cfg.id
+        self.out = cfg.run_dir
         self.out.mkdir(parents=True, exist_ok=True)
 
     async def run(self, cache: WeightCache) -> None:
@@ -220,7 +220,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> None:
     torch.manual_seed(cfg.seed)
     trainer = build_trainer(cfg, rank, world)
     ckpt = None
-    ckpt_dir = Path(cfg.out or "rlix-out") / cfg.id / "ckpt"
+    ckpt_dir = cfg.run_dir / "ckpt"
     if resume and (path := latest_checkpoint(ckpt_dir)) is not None:
         ckpt = trainer.load(path)
         print(f"{cfg.id}: resumed from {path} (step {trainer.step})", flush=True)

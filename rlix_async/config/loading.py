@@ -105,32 +105,22 @@ def _section_default(
     kind: type[msgspec.Struct] | None, path: list[str | int], nxt: str | int
 ) -> Any:
     """What a section missing from the file starts from: its default, as plain data."""
-    empty: Any = [] if isinstance(nxt, int) else {}
-    if kind is None:
-        return empty
     import msgspec.inspect as mi
 
-    nodes: list[Any] = [mi.type_info(kind)]
-    default: Any = None
-    for part in path:
-        found: list[Any] = []
-        default = None
-        for t in (u for n in nodes for u in _unwrap(n)):
-            if isinstance(part, int) and isinstance(t, mi.ListType):
-                found.append(t.item_type)
-            elif isinstance(t, mi.StructType):
-                for f in t.fields:
-                    if f.name != part:
-                        continue
-                    found.append(f.type)
-                    if f.default is not mi.NODEFAULT:
-                        default = f.default
-                    elif f.default_factory is not mi.NODEFAULT:
-                        default = f.default_factory()
-        nodes = found
-    if isinstance(default, msgspec.Struct | dict | list):
-        return msgspec.to_builtins(default)
-    return empty
+    name = path[-1]
+    for t in (u for n in (_type_at(kind, path[:-1]) if kind else []) for u in _unwrap(n)):
+        for f in t.fields if isinstance(t, mi.StructType) else ():
+            if f.name != name:
+                continue
+            if f.default is not mi.NODEFAULT:
+                default = f.default
+            elif f.default_factory is not mi.NODEFAULT:
+                default = f.default_factory()
+            else:
+                continue
+            if isinstance(default, msgspec.Struct | dict | list):
+                return msgspec.to_builtins(default)
+    return [] if isinstance(nxt, int) else {}
 
 
 def explain(message: str, kind: type[msgspec.Struct], raw: Any = None) -> str:
@@ -198,14 +188,14 @@ def _raw_at(raw: Any, path: str | list[str | int]) -> Any:
     return raw
 
 
-def _type_at(kind: type[msgspec.Struct], path: str, raw: Any = None) -> list[Any]:
+def _type_at(kind: type[msgspec.Struct], path: str | list[str | int], raw: Any = None) -> list[Any]:
     """The msgspec.inspect types a path may lead to: several through a union, unless
     the data there names its member (a tagged union's tag)."""
     import msgspec.inspect as mi
 
     nodes: list[Any] = [mi.type_info(kind)]
     try:
-        parts = _path_parts(path) if path else []
+        parts = path if isinstance(path, list) else _path_parts(path) if path else []
     except ValueError:
         return []
     for depth, part in enumerate(parts):

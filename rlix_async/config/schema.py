@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -259,6 +260,11 @@ class PipelineConfig(Config, frozen=True):
         None
     )
     keys: Annotated[str | None, doc("CURVE key directory, for tcp endpoints.")] = None
+
+    @property
+    def run_dir(self) -> Path:
+        """Where this pipeline writes metrics.jsonl and ckpt/ (``out`` unset: rlix-out)."""
+        return Path(self.out or "rlix-out") / self.id
 
     def __post_init__(self) -> None:
         for name in ("actor_train", "actor_infer"):

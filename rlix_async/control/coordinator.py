@@ -432,14 +432,13 @@ async def serve(cfg: CoordinatorConfig) -> None:
     """The coordinator process: serve until SIGINT or SIGTERM (``rlix-async coordinator``)."""
     from rlix_async.observe.metrics import Metrics
 
-    hb = cfg.heartbeat_interval_s
     metrics = Metrics(cfg.metrics_port) if cfg.metrics_port is not None else None
     coord = Coordinator(
         cfg.endpoint or ipc_endpoint("coordinator"),
         cfg.cluster,
         journal=cfg.journal,
         keys=ServerKeys.load(cfg.keys) if cfg.keys else None,
-        transport=TransportConfig(heartbeat_interval_s=hb, heartbeat_timeout_s=2.5 * hb),
+        transport=TransportConfig.with_heartbeat(cfg.heartbeat_interval_s),
         config=cfg.scheduler,
         on_status=metrics.update if metrics is not None else None,
     )

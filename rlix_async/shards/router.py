@@ -11,9 +11,9 @@
 - A caller that cancels ``generate`` (a timeout, a pipeline dropping a group)
   also stops the request on its shard: the router tells the shard, which
   aborts it in the engine, so the slot is not held until ``max_tokens``.
-- ``min_version`` names the oldest weight version the request may run on; a shard still on older weights refuses it
-  before decoding, and the request goes to another shard or waits for the
-  sync (at most ``attempt_timeout_s``).
+- ``min_version`` names the oldest weight version the request may run on; a
+  shard still on older weights refuses it before decoding, and the request
+  goes to another shard or waits for the sync (at most ``attempt_timeout_s``).
 """
 
 from __future__ import annotations

@@ -98,9 +98,8 @@ class VllmEngine:
                     tokens = list(comp.token_ids)
                     if logprobs and comp.logprobs:
                         lps = [
-                            step[tok].logprob
+                            step[tok].logprob  # type: ignore[index]  # set: we asked for them
                             for tok, step in zip(comp.token_ids, comp.logprobs, strict=False)
-                            if step is not None
                         ]
                 yield GenerationChunk(list(tokens), list(lps), out.finished, version)
         finally:

@@ -314,8 +314,7 @@ async def serve(cfg: ShardConfig) -> int:
     when the engine died, so a launcher replaces this worker."""
     engine = build_engine(cfg.engine, cfg.model)
     keys = ClientKeys.load(cfg.keys) if cfg.keys else None
-    hb = cfg.heartbeat_interval_s
-    transport = TransportConfig(heartbeat_interval_s=hb, heartbeat_timeout_s=2.5 * hb)
+    transport = TransportConfig.with_heartbeat(cfg.heartbeat_interval_s)
     worker = ShardWorker(
         engine,
         cfg.coordinator or ipc_endpoint("coordinator"),

@@ -96,6 +96,11 @@ class TransportConfig:
     send_timeout_s: float = 5.0
     connect_timeout_s: float = 30.0
 
+    @classmethod
+    def with_heartbeat(cls, interval_s: float) -> TransportConfig:
+        """Heartbeats every ``interval_s``; a peer silent 2.5 intervals is dead."""
+        return cls(heartbeat_interval_s=interval_s, heartbeat_timeout_s=2.5 * interval_s)
+
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "call_timeout_s"):
             if getattr(self, name) <= 0:
