@@ -38,6 +38,7 @@ from rlix_async.config.schema import (
     TargetTokensTask,
     TaskConfig,
     TrainConfig,
+    resolve_dtype,
 )
 
 __all__ = [
@@ -64,4 +65,5 @@ __all__ = [
     "convert",
     "dump",
     "load_config",
+    "resolve_dtype",
 ]

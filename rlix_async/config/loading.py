@@ -266,6 +266,7 @@ MOVED = {
     },
     "ScenarioPipeline": {"max_staleness": "max_trajectory_age_steps"},
     "LaunchConfig": {"shard": "engine", "lease_timeout_s": "scheduler.lease_timeout_s"},
+    "EngineConfig": {"sleep_mode": "sleep_level; sleep mode is always on with CUDA"},
 }
 
 

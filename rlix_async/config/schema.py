@@ -54,8 +54,21 @@ class SchedulerConfig(Config, frozen=True):
     ] = 2.0
     command_timeout_s: Annotated[
         float,
-        doc("Seconds a shard's sleep, wake or sync, or a wait for shrinks, may take.", gt=0),
+        doc(
+            "Seconds a shard's sleep or wake may take. A sleep that fails or times out "
+            "keeps its devices fenced (retried every this many seconds) until it succeeds "
+            "or the worker is replaced.",
+            gt=0,
+        ),
     ] = 60.0
+    sync_timeout_s: Annotated[
+        float,
+        doc(
+            "Seconds a shard's weight sync may take (a wake that syncs gets both budgets): "
+            "a 70B model moves 140 GB, which must not look like a hang.",
+            gt=0,
+        ),
+    ] = 600.0
     policy: Annotated[Policy, doc("The planner's policy (as in a snapshot).")] = Policy()
 
 
@@ -92,21 +105,33 @@ class EngineConfig(Config, frozen=True):
     dtype: Annotated[
         Literal["auto", "float32", "bfloat16", "float16"],
         doc(
-            "vLLM dtype. float32 matches the (fp32) trainer exactly; on GPUs use bfloat16 "
-            "or auto (vLLM's choice)."
+            "Weights and activations of the engine. auto: bfloat16 on CUDA, float32 on CPU "
+            "(where bf16 matmuls are slow). The cache holds the trainer's dtype; vLLM casts."
         ),
-    ] = "float32"
+    ] = "auto"
     max_model_len: Annotated[
         int, doc("Longest prompt + response, in tokens (the default fits the CPU demo).", ge=16)
     ] = 256
     kv_cache_mb: Annotated[
         Annotated[int, msgspec.Meta(ge=1)] | None,
-        doc("KV cache size in MiB (CPU needs one); null on GPUs: gpu_memory_utilization."),
-    ] = 64
+        doc(
+            "KV cache size in MiB. Unset: 64 on CPU; on CUDA vLLM sizes it from "
+            "gpu_memory_utilization."
+        ),
+    ] = None
     gpu_memory_utilization: Annotated[
-        float, doc("GPU memory fraction vLLM may use when kv_cache_mb is unset.", gt=0, le=1)
+        float,
+        doc("CUDA: fraction of each device vLLM may use when kv_cache_mb is unset.", gt=0, le=1),
     ] = 0.8
-    sleep_mode: Annotated[bool, doc("GPU: vLLM sleep mode (frees memory when asleep).")] = False
+    sleep_level: Annotated[
+        Literal[1, 2],
+        doc(
+            "How a shard sleeps on CUDA (vLLM sleep mode is always on there). 1: weights "
+            "move to host memory (a wake copies them back, no resync if the version is "
+            "current; costs the model's size in host RAM per shard). 2: weights and KV "
+            "cache are discarded (no host RAM; every wake resyncs from the weight cache)."
+        ),
+    ] = 2
     vllm_args: Annotated[
         dict[str, Any], doc("More vLLM AsyncEngineArgs, passed as they are (kind vllm).")
     ] = {}
@@ -125,10 +150,36 @@ class EngineConfig(Config, frozen=True):
         if self.kind == "vllm" and self.custom:
             raise invalid("custom", "set kind: custom to use an engine of your own")
 
+    def for_device(self, cuda: bool) -> EngineConfig:
+        """``auto`` and unset values resolved for the device the engine runs on."""
+        return msgspec.structs.replace(
+            self,
+            dtype=resolve_dtype(self.dtype, cuda),
+            kv_cache_mb=self.kv_cache_mb if cuda or self.kv_cache_mb else 64,
+        )
+
+
+def resolve_dtype(dtype: str, cuda: bool) -> str:
+    """``auto``: bfloat16 on CUDA, float32 on CPU (bf16 matmuls are slow on CPUs)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if cuda else "float32"
+
 
 class ShardConfig(Config, frozen=True):
     pipeline: PipelineId
     rank: Annotated[int, doc("Data-parallel rank of the shard in actor_infer.", ge=0)]
+    devices: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=0)], ...],
+        doc(
+            "Global ids of the devices of this rank's bundle (set by the launcher). The "
+            "worker checks it sees exactly this many and reports them in its hello; the "
+            "coordinator refuses a shard whose devices are not its rank's."
+        ),
+    ] = ()
+    tensor_parallel_size: Annotated[
+        int, doc("vLLM tensor_parallel_size: devices per shard (actor_infer.tp).", ge=1)
+    ] = 1
     model: Annotated[str | None, doc("Hugging Face model directory the engine serves.")] = None
     coordinator: Annotated[Endpoint | None, doc("Coordinator endpoint. Default: local ipc.")] = None
     keys: Annotated[str | None, doc("CURVE key directory, for tcp endpoints.")] = None
@@ -144,6 +195,12 @@ class ShardConfig(Config, frozen=True):
     def __post_init__(self) -> None:
         if self.engine.kind == "vllm" and not self.model:
             raise invalid("model", "a vllm engine needs a model directory")
+        if self.devices and len(self.devices) != self.tensor_parallel_size:
+            raise invalid(
+                "devices",
+                f"{len(self.devices)} devices for tensor_parallel_size "
+                f"{self.tensor_parallel_size}: a shard has exactly tp devices",
+            )
 
 
 # --- pipelines ---------------------------------------------------------------------------
@@ -202,6 +259,13 @@ class TrainConfig(Config, frozen=True):
         Literal["torch", "megatron"],
         doc("torch: HF model under DDP; megatron: megatron-core GPTModel (Llama shape)."),
     ] = "torch"
+    dtype: Annotated[
+        Literal["auto", "bfloat16", "float32"],
+        doc(
+            "Parameters, optimizer state and the weight cache. auto: bfloat16 on CUDA, "
+            "float32 on CPU. Log-probs, importance ratios and losses are always float32."
+        ),
+    ] = "auto"
     lr: Annotated[float, doc("AdamW learning rate.", gt=0)] = 2e-3
     weight_decay: Annotated[float, doc("AdamW weight decay.", ge=0)] = 0.0
     max_grad_norm: Annotated[float, doc("Gradient clipping norm.", gt=0)] = 1.0
@@ -235,7 +299,13 @@ class PipelineConfig(Config, frozen=True):
         dict[ClusterName, ClusterSpec],
         doc("actor_train (training devices) and actor_infer (rollout devices), at least."),
     ]
-    nproc: Annotated[int, doc("torchrun ranks of the trainer (data parallel).", ge=1)] = 1
+    nproc: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        doc(
+            "torchrun ranks of the trainer, one per actor_train device (data parallel). "
+            "Unset: the number of actor_train devices; set, it must equal it."
+        ),
+    ] = None
     steps: Annotated[int, doc("Training steps to run.", ge=1)] = 10
     seed: Annotated[int, doc("Seed of the model init, prompts and sampling.")] = 0
     max_trajectory_age_steps: Annotated[
@@ -262,6 +332,11 @@ class PipelineConfig(Config, frozen=True):
     keys: Annotated[str | None, doc("CURVE key directory, for tcp endpoints.")] = None
 
     @property
+    def ranks(self) -> int:
+        """torchrun ranks: one per actor_train device."""
+        return len(self.clusters["actor_train"].devices)
+
+    @property
     def run_dir(self) -> Path:
         """Where this pipeline writes metrics.jsonl and ckpt/ (``out`` unset: rlix-out)."""
         return Path(self.out or "rlix-out") / self.id
@@ -270,6 +345,19 @@ class PipelineConfig(Config, frozen=True):
         for name in ("actor_train", "actor_infer"):
             if name not in self.clusters:
                 raise invalid("clusters", f"{name} is required")
+        train = self.clusters["actor_train"]
+        if train.tp != 1:
+            raise invalid(
+                "clusters.actor_train.tp",
+                f"{train.tp}: the trainer backends are data parallel only (one rank per "
+                "device); tensor-parallel training is not built, use tp: 1",
+            )
+        if self.nproc is not None and self.nproc != len(train.devices):
+            raise invalid(
+                "nproc",
+                f"{self.nproc} ranks for {len(train.devices)} actor_train devices "
+                f"{list(train.devices)}: each rank gets exactly one device",
+            )
         if self.model.path is None and self.task.vocab > self.model.vocab_size:
             raise invalid(
                 "task.vocab",
@@ -301,6 +389,14 @@ class LaunchConfig(Config, frozen=True):
                 if getattr(p, key) is not None:
                     raise invalid(f"{at}.{key}", "set by the launcher; remove it")
             _check_topology(f"{at}.clusters", p.clusters, self.cluster)
+            train = p.clusters["actor_train"].devices
+            nodes = sorted({d // self.cluster.gpus_per_node for d in train})
+            if len(nodes) > 1:
+                raise invalid(
+                    f"{at}.clusters.actor_train.devices",
+                    f"{list(train)} span nodes {nodes}: a trainer runs on one node "
+                    f"(torchrun --standalone; gpus_per_node={self.cluster.gpus_per_node})",
+                )
 
 
 def _check_topology(at: str, clusters: dict[ClusterName, ClusterSpec], shape: ClusterShape) -> None:
