@@ -17,6 +17,7 @@ import torch
 HERE = Path(__file__).parent
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selection and the tier skips of tests/conftest.py
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.fspath)).parent == HERE:
