@@ -1,10 +1,12 @@
 """``rlix-async launch PIPELINES.yaml``: everything on one machine, stopped cleanly.
 
-Reads a :class:`~rlix_async.config.LaunchConfig`, writes one config file per
-process it starts (``OUT/coordinator.yaml``, ``OUT/<id>/shard-<rank>.yaml``,
+Reads a :class:`~rlix_async.config.LaunchConfig` and starts its process plan
+(:mod:`rlix_async.process_plan`, what ``--dry-run`` prints): it writes one
+config file per process (``OUT/coordinator.yaml``, ``OUT/<id>/shard-<rank>.yaml``,
 ``OUT/<id>/pipeline.yaml``: what each process runs with, every default
 written out) and starts the coordinator (journal under ``OUT``), one shard
-worker per rollout rank of every pipeline, then each pipeline's torchrun job.
+worker per rollout rank of every pipeline, then each pipeline's torchrun job,
+each with the ``CUDA_VISIBLE_DEVICES`` of its devices.
 
 It supervises them: a coordinator that dies is restarted on the same journal
 (the pipelines and shards reconnect), a pipeline that dies is restarted with
@@ -23,7 +25,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -34,18 +35,16 @@ from typing import IO
 
 import msgspec
 
-from rlix_async.config import (
-    CoordinatorConfig,
-    LaunchConfig,
-    PipelineConfig,
-    ShardConfig,
-    dump,
-)
-from rlix_async.control.topology import INFER
+from rlix_async.config import LaunchConfig, PipelineConfig, dump
+from rlix_async.process_plan import PlannedProcess, build_plan, model_dir, trainer_process
 from rlix_async.security import ipc_endpoint
 from rlix_async.weights.shm import remove_pipeline_segments
 
 log = logging.getLogger(__name__)
+
+
+class LaunchError(ValueError):
+    """A config this launcher cannot start (exit code 2, like a config error)."""
 
 
 @dataclass
@@ -53,6 +52,7 @@ class Proc:
     name: str
     argv: list[str]
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # the plan's, over the launcher's
     popen: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     _log: IO[bytes] | None = field(default=None, repr=False)
@@ -64,7 +64,7 @@ class Proc:
             self.argv,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env={**env, **self.env},
             start_new_session=True,  # its own process group: stopped with all its children
         )
 
@@ -103,18 +103,22 @@ def _write(path: Path, cfg: msgspec.Struct) -> Path:
     return path
 
 
-def _cli(*args: str) -> list[str]:
-    """A child ``rlix-async`` process; its log keeps tracebacks (--debug)."""
-    return [sys.executable, "-m", "rlix_async.cli", "--debug", *args]
-
-
 class Launcher:
+    """Starts the :mod:`process plan <rlix_async.process_plan>` of a one-node config."""
+
     def __init__(self, cfg: LaunchConfig, *, resume: bool = False) -> None:
+        if cfg.cluster.nodes != 1:
+            raise LaunchError(
+                f"cluster.nodes is {cfg.cluster.nodes}: `rlix-async launch` starts one "
+                "machine's processes; see the plan with --dry-run and run several nodes "
+                "with launchers/slurm/rlix.sbatch"
+            )
         self.cfg = cfg
         self.resume = resume
         self.out = Path(cfg.out).resolve()
         self.logs = self.out / "logs"
         self.endpoint = ipc_endpoint(f"coord-{uuid.uuid4().hex[:8]}")
+        self.plan = build_plan(cfg, self.out, self.endpoint, resume=resume)
         self.coordinator: Proc | None = None
         self.shards: list[Proc] = []
         self.pipelines: dict[str, Proc] = {}
@@ -123,57 +127,39 @@ class Launcher:
         self.max_shard_restarts = 3
         self.max_pipeline_restarts = 2  # each resumes from its newest checkpoint
 
+    def _proc(self, planned: PlannedProcess) -> Proc:
+        if planned.config is not None and planned.config_path is not None:
+            _write(planned.config_path, planned.config)
+        assert planned.log_path is not None
+        return Proc(planned.name, planned.argv, planned.log_path, env=planned.env)
+
     def start(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
-        coordinator = CoordinatorConfig(
-            cluster=self.cfg.cluster,
-            endpoint=self.endpoint,
-            journal=str(self.out / "journal.jsonl"),
-            scheduler=self.cfg.scheduler,
-        )
-        path = _write(self.out / "coordinator.yaml", coordinator)
-        self.coordinator = Proc(
-            "coordinator", _cli("coordinator", "--config", str(path)), self.logs / "coordinator.log"
-        )
-        self.coordinator.start(self.env)
         for p in self.cfg.pipelines:
-            self._start_shards(p)
+            self._write_model(p)
+        for planned in self.plan:
+            if planned.role == "coordinator":
+                self.coordinator = self._proc(planned)
+                self.coordinator.start(self.env)
+            elif planned.role == "shard":
+                proc = self._proc(planned)
+                proc.start(self.env)
+                self.shards.append(proc)
         self._wait_shards_ready()
-        for p in self.cfg.pipelines:
-            self.pipelines[p.id] = self._pipeline_proc(p, resume=self.resume)
-            self.pipelines[p.id].start(self.env)
+        for planned in self.plan:
+            if planned.role == "trainer":
+                assert planned.pipeline is not None
+                self.pipelines[planned.pipeline] = proc = self._proc(planned)
+                proc.start(self.env)
 
-    def _model_dir(self, p: PipelineConfig) -> Path:
-        """The pipeline's model directory; a tiny random Llama is written once if unset."""
-        if p.model.path:
-            return Path(p.model.path)
-        model_dir = self.out / p.id / "model"
-        if not (model_dir / "config.json").exists():
+    def _write_model(self, p: PipelineConfig) -> None:
+        """A pipeline without model.path gets a tiny random Llama, written once."""
+        path = model_dir(p, self.out)
+        if not p.model.path and not (path / "config.json").exists():
             from rlix_async.models.tiny import save_tiny_llama
 
-            save_tiny_llama(model_dir, seed=p.seed, **p.model.tiny)
-        return model_dir
-
-    def _start_shards(self, p: PipelineConfig) -> None:
-        model_dir = self._model_dir(p)
-        infer = p.clusters[INFER]
-        for rank in range(infer.dp):
-            shard = ShardConfig(
-                pipeline=p.id,
-                rank=rank,
-                model=str(model_dir),
-                coordinator=self.endpoint,
-                engine=self.cfg.engine,
-            )
-            path = _write(self.out / p.id / f"shard-{rank}.yaml", shard)
-            proc = Proc(
-                f"shard {p.id}/{rank}",
-                _cli("shard", "--config", str(path)),
-                self.logs / f"shard-{p.id}-{rank}.log",
-            )
-            proc.start(self.env)
-            self.shards.append(proc)
+            save_tiny_llama(path, seed=p.seed, **p.model.tiny)
 
     def _wait_shards_ready(self, timeout_s: float = 900.0) -> None:
         """Pipelines start once every shard worker is connected (engines load first)."""
@@ -191,22 +177,10 @@ class Launcher:
             time.sleep(0.5)
 
     def _pipeline_proc(self, p: PipelineConfig, *, resume: bool) -> Proc:
-        run = msgspec.structs.replace(p, out=str(self.out), coordinator=self.endpoint)
-        path = _write(self.out / p.id / "pipeline.yaml", run)
-        argv = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={p.nproc}",
-            "-m",
-            "rlix_async.pipeline",
-            "--config",
-            str(path),
-        ]
-        if resume:
-            argv.append("--resume")
-        return Proc(f"pipeline {p.id}", argv, self.logs / f"pipeline-{p.id}.log")
+        planned = trainer_process(
+            p, self.out, self.endpoint, self.cfg.cluster.gpus_per_node, resume=resume
+        )
+        return self._proc(planned)
 
     def restart_coordinator(self) -> None:
         assert self.coordinator is not None

@@ -251,6 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, PipelineConfig, args.overrides)
         if not cfg.coordinator:
             raise ConfigError(f"{args.config}: coordinator: required (the coordinator's endpoint)")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != cfg.ranks:
+            raise ConfigError(
+                f"{args.config}: torchrun started {world} ranks but actor_train has "
+                f"{cfg.ranks} devices {list(cfg.clusters['actor_train'].devices)}: run "
+                f"--nproc-per-node={cfg.ranks} (one rank per device)"
+            )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,10 +1,15 @@
-"""Validate a LaunchConfig for a SLURM job and write one config per process.
+"""Validate a LaunchConfig for a SLURM job and write its process plan.
 
     python launchers/slurm/write_configs.py PIPELINES.yaml COORD KEYS OUT NODES GPUS_PER_NODE
 
-Writes OUT/coordinator.yaml, OUT/<id>/pipeline.yaml, OUT/<id>/nproc and
-OUT/<id>/shard-<rank>.yaml (shards with vLLM sleep mode on), and prints one
-line per shard: PIPELINE RANK NODE LOCAL_GPUS CONFIG (device d lives on node
+Builds the same process plan as ``rlix-async launch`` (rlix_async/process_plan.py;
+``rlix-async launch PIPELINES.yaml --dry-run`` prints it), writes each process's
+config (OUT/coordinator.yaml, OUT/<id>/shard-<rank>.yaml, OUT/<id>/pipeline.yaml)
+and prints one line per shard and trainer process:
+
+    ROLE PIPELINE RANK NODE CUDA_VISIBLE_DEVICES NPROC CONFIG
+
+(RANK is '-' for a trainer, NPROC its torchrun ranks; device d lives on node
 d // gpus_per_node). A bad config is one line on stderr and exit code 2.
 """
 
@@ -13,22 +18,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import msgspec
-
-from rlix_async.config import (
-    ConfigError,
-    CoordinatorConfig,
-    LaunchConfig,
-    ShardConfig,
-    dump,
-    load_config,
-)
+from rlix_async.config import ConfigError, LaunchConfig, dump, load_config
+from rlix_async.process_plan import build_plan
 
 
 def main(argv: list[str]) -> int:
     path, coord, keys, out_dir, nodes, gpn = argv
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     try:
         cfg = load_config(
             path, LaunchConfig, [f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpn}"]
@@ -40,31 +36,17 @@ def main(argv: list[str]) -> int:
     if missing:
         print(f"error: pipelines {missing}: set model.path (on shared storage)", file=sys.stderr)
         return 2
-    coordinator = CoordinatorConfig(
-        cluster=cfg.cluster,
-        endpoint=coord,
-        keys=keys,
-        journal=str(out / "journal.jsonl"),
-        scheduler=cfg.scheduler,
-    )
-    (out / "coordinator.yaml").write_text(dump(coordinator))
-    engine = msgspec.structs.replace(cfg.engine, sleep_mode=True)
-    gpus_per_node = cfg.cluster.gpus_per_node
-    for p in cfg.pipelines:
-        d = out / p.id
-        d.mkdir(parents=True, exist_ok=True)
-        run = msgspec.structs.replace(p, out=str(out), coordinator=coord, keys=keys)
-        (d / "pipeline.yaml").write_text(dump(run))
-        (d / "nproc").write_text(str(p.nproc))
-        for rank, bundle in enumerate(p.clusters["actor_infer"].bundles()):
-            shard = ShardConfig(
-                pipeline=p.id, rank=rank, model=p.model.path, coordinator=coord, keys=keys,
-                engine=engine,
-            )  # fmt: skip
-            path_ = d / f"shard-{rank}.yaml"
-            path_.write_text(dump(shard))
-            gpus = ",".join(str(x % gpus_per_node) for x in bundle)
-            print(p.id, rank, bundle[0] // gpus_per_node, gpus, path_)
+    ranks = {p.id: p.ranks for p in cfg.pipelines}
+    for proc in build_plan(cfg, out, coord, keys=keys):
+        assert proc.config is not None and proc.config_path is not None
+        proc.config_path.parent.mkdir(parents=True, exist_ok=True)
+        proc.config_path.write_text(dump(proc.config))
+        if proc.role == "coordinator":
+            continue
+        rank = "-" if proc.rank is None else str(proc.rank)
+        nproc = ranks[proc.pipeline] if proc.role == "trainer" and proc.pipeline else 1
+        visible = proc.env["CUDA_VISIBLE_DEVICES"]
+        print(proc.role, proc.pipeline, rank, proc.node, visible, nproc, proc.config_path)
     return 0
 
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from rlix_async.cli import add_overrides, load_for, positive_int
+from rlix_async.cli import UsageError, add_overrides, load_for, positive_int
+
+if TYPE_CHECKING:
+    from rlix_async.config import LaunchConfig
 
 STOPPED = "stopped (every process and shared-memory segment cleaned up)"
 
@@ -41,12 +45,36 @@ def _supervised(job: Callable[[], None]) -> int:
     return 0
 
 
+def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
+    """Print the process plan without starting (or writing) anything."""
+    import json
+    from pathlib import Path
+
+    from rlix_async.process_plan import build_plan, format_plan
+
+    endpoint = "ipc://<coordinator.sock>" if cfg.cluster.nodes == 1 else "tcp://<head-node>:7600"
+    plan = build_plan(cfg, Path(cfg.out).resolve(), endpoint, resume=args.resume)
+    if args.json:
+        print(json.dumps({"processes": [p.to_builtins() for p in plan]}, indent=2))
+    else:
+        print(format_plan(plan))
+    return 0
+
+
 def _launch(args: argparse.Namespace) -> int:
     from rlix_async.config import LaunchConfig, load_config
-    from rlix_async.launch import Launcher
+    from rlix_async.launch import Launcher, LaunchError
 
-    cfg = load_config(args.config, LaunchConfig, args.overrides)
-    code = _supervised(Launcher(cfg, resume=args.resume).run)
+    cfg: LaunchConfig = load_config(args.config, LaunchConfig, args.overrides)
+    if args.dry_run:
+        return _dry_run(cfg, args)
+    if args.json:
+        raise UsageError("--json goes with --dry-run")
+    try:
+        launcher = Launcher(cfg, resume=args.resume)
+    except LaunchError as exc:
+        raise UsageError(str(exc)) from None
+    code = _supervised(launcher.run)
     if code == 0:
         print(f"all pipelines finished; logs and metrics under {cfg.out}")
     return code
@@ -78,6 +106,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("launch", help="coordinator, shards and torchrun pipelines from a YAML")
     p.add_argument("config", help="LaunchConfig file, e.g. examples/pipelines.yaml")
     p.add_argument("--resume", action="store_true", help="pipelines continue from checkpoints")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print every process it would start (node, devices, CUDA_VISIBLE_DEVICES, argv) "
+        "and start nothing",
+    )
+    p.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
     add_overrides(p, "pipelines[0].steps=20")
     p.set_defaults(func=_launch)
 

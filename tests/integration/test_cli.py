@@ -193,33 +193,40 @@ def test_the_pipeline_process_refuses_a_bad_config_before_starting(tmp_path: Pat
     assert out.returncode == 2 and out.stderr.strip() == f"error: {cfg}: steps: expected int >= 1"
 
 
-def test_slurm_config_writer_writes_a_valid_config_per_process(tmp_path: Path) -> None:
-    """launchers/slurm/write_configs.py: what the sbatch starts each process with."""
+def test_slurm_config_writer_writes_the_launch_plan(tmp_path: Path) -> None:
+    """launchers/slurm/write_configs.py: the sbatch starts the launcher's process plan."""
     from rlix_async.config import CoordinatorConfig, PipelineConfig, ShardConfig, load_config
 
     launch = tmp_path / "launch.yaml"
     launch.write_text(
         (ROOT / "examples" / "pipelines.yaml")
         .read_text()
-        .replace("    nproc: 1\n", "    nproc: 1\n    model: {path: /shared/model}\n")
-        .replace("    nproc: 2 ", "    model: {path: /shared/model}\n    nproc: 2 ")
+        .replace("    seed: ", "    model: {path: /shared/model}\n    seed: ")
     )
     writer = [sys.executable, str(ROOT / "launchers" / "slurm" / "write_configs.py")]
     args = [str(launch), "tcp://10.1.0.1:7600", "/keys", str(tmp_path / "out"), "2", "2"]
     out = subprocess.run([*writer, *args], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines()]
-    # device d lives on node d // 2; local GPU d % 2; every shard its own config
-    assert [r[:4] for r in rows] == [
-        ["band-low", "0", "0", "0"],
-        ["band-low", "1", "0", "1"],
-        ["band-low", "2", "1", "0"],
-        ["band-high", "0", "0", "1"],
-        ["band-high", "1", "1", "0"],
-        ["band-high", "2", "1", "1"],
+    # ROLE PIPELINE RANK NODE CUDA_VISIBLE_DEVICES NPROC: device d lives on node d // 2,
+    # local GPU d % 2; each trainer runs on the node of its devices
+    assert [r[:6] for r in rows] == [
+        ["shard", "band-low", "0", "0", "0", "1"],
+        ["shard", "band-low", "1", "0", "1", "1"],
+        ["shard", "band-low", "2", "1", "0", "1"],
+        ["shard", "band-high", "0", "0", "1", "1"],
+        ["shard", "band-high", "1", "1", "0", "1"],
+        ["shard", "band-high", "2", "1", "1", "1"],
+        ["trainer", "band-low", "-", "0", "0,1", "2"],
+        ["trainer", "band-high", "-", "1", "1", "1"],
     ]
-    shard = load_config(rows[2][4], ShardConfig)
-    assert (shard.rank, shard.keys, shard.engine.sleep_mode) == (2, "/keys", True)
+    shard = load_config(rows[2][6], ShardConfig)
+    assert (shard.rank, shard.keys, shard.devices, shard.tensor_parallel_size) == (
+        2,
+        "/keys",
+        (2,),
+        1,
+    )
     coordinator = load_config(tmp_path / "out" / "coordinator.yaml", CoordinatorConfig)
     assert coordinator.endpoint == "tcp://10.1.0.1:7600" and coordinator.cluster.nodes == 2
     pipeline = load_config(tmp_path / "out" / "band-low" / "pipeline.yaml", PipelineConfig)

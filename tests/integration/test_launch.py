@@ -27,12 +27,11 @@ cluster: {{nodes: 1, gpus_per_node: 3}}
 engine: {{kind: custom, custom: "{engine}"}}
 pipelines:
   - id: {pid}-a
-    nproc: 2
     steps: {steps}
     rollout: {{groups_per_step: 2, group_size: 2, max_tokens: 4}}
     model: {{vocab_size: 1000, layers: 1, hidden: 64}}
     clusters:
-      actor_train: {{tp: 1, devices: [0]}}
+      actor_train: {{tp: 1, devices: [0, 1]}}  # two torchrun ranks
       actor_infer: {{tp: 1, devices: [0, 1]}}
   - id: {pid}-b
     steps: {steps}

@@ -81,13 +81,12 @@ cluster: {{nodes: 1, gpus_per_node: 2}}
 engine: {{kind: custom, custom: "{SCRIPTED_ENGINE}"}}
 pipelines:
   - id: mg{abs(hash(str(tmp_path))) % 10000}
-    nproc: 2
     steps: 2
     train: {{backend: megatron}}
     rollout: {{groups_per_step: 2, group_size: 2, max_tokens: 4}}
     model: {{vocab_size: 1000, layers: 1, hidden: 64}}
     clusters:
-      actor_train: {{tp: 1, devices: [0]}}
+      actor_train: {{tp: 1, devices: [0, 1]}}  # two torchrun ranks
       actor_infer: {{tp: 1, devices: [0, 1]}}
 """
     )

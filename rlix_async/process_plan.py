@@ -1,0 +1,201 @@
+"""The process plan: every process a launch starts, on which node, bound to which devices.
+
+One pure function, :func:`build_plan`, turns a :class:`~rlix_async.config.LaunchConfig`
+into the list of processes: the coordinator, one shard worker per rollout rank
+of every pipeline, one torchrun job per pipeline. ``rlix-async launch`` starts
+exactly this list, ``rlix-async launch --dry-run`` prints it, and the SLURM
+template (``launchers/slurm/write_configs.py``) writes it out for ``srun``.
+
+Binding: device ``d`` lives on node ``d // gpus_per_node`` as local index
+``d % gpus_per_node``. A shard worker sees exactly its rank's bundle
+(``CUDA_VISIBLE_DEVICES``, ``tp`` devices) and starts vLLM with
+``tensor_parallel_size = tp``; a trainer sees exactly its pipeline's
+``actor_train`` devices, one torchrun rank per device; the coordinator sees
+none. Processes of one pipeline may share devices with another pipeline's
+(that is time-sharing: the coordinator decides who runs when), never with
+their own pipeline's processes of the same role.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from rlix_async.config import CoordinatorConfig, LaunchConfig, PipelineConfig, ShardConfig
+from rlix_async.control.topology import INFER, TRAIN
+
+Role = Literal["coordinator", "shard", "trainer"]
+
+
+@dataclass
+class PlannedProcess:
+    """One process of a launch: what it runs, where, and with which devices."""
+
+    role: Role
+    name: str  # for logs and messages: "shard band-low/1"
+    argv: list[str]
+    node: int = 0
+    pipeline: str | None = None
+    rank: int | None = None
+    devices: list[int] = field(default_factory=list)  # global device ids
+    env: dict[str, str] = field(default_factory=dict)  # set on top of the launcher's own
+    config: msgspec.Struct | None = None  # handed over as a file at config_path
+    config_path: Path | None = None
+    log_path: Path | None = None
+
+    def to_builtins(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "pipeline": self.pipeline,
+            "rank": self.rank,
+            "node": self.node,
+            "devices": self.devices,
+            "env": self.env,
+            "argv": self.argv,
+            "config_path": str(self.config_path) if self.config_path else None,
+            "config": msgspec.to_builtins(self.config) if self.config is not None else None,
+        }
+
+
+def visible_devices(devices: list[int] | tuple[int, ...], gpus_per_node: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for global ``devices`` (node-local indices)."""
+    return ",".join(str(d % gpus_per_node) for d in devices)
+
+
+def cli_argv(*args: str) -> list[str]:
+    """A child ``rlix-async`` process; its log keeps tracebacks (--debug)."""
+    return [sys.executable, "-m", "rlix_async.cli", "--debug", *args]
+
+
+def model_dir(p: PipelineConfig, out: Path) -> Path:
+    """The pipeline's model directory; unset, the launcher writes a tiny random Llama here."""
+    return Path(p.model.path) if p.model.path else out / p.id / "model"
+
+
+def build_plan(
+    cfg: LaunchConfig,
+    out: Path,
+    coordinator: str,
+    *,
+    keys: str | None = None,
+    resume: bool = False,
+) -> list[PlannedProcess]:
+    """Every process of the launch, in start order (coordinator, shards, trainers)."""
+    gpn = cfg.cluster.gpus_per_node
+    logs = out / "logs"
+    coord_cfg = CoordinatorConfig(
+        cluster=cfg.cluster,
+        endpoint=coordinator,
+        journal=str(out / "journal.jsonl"),
+        keys=keys,
+        scheduler=cfg.scheduler,
+    )
+    coord_path = out / "coordinator.yaml"
+    plan = [
+        PlannedProcess(
+            role="coordinator",
+            name="coordinator",
+            argv=cli_argv("coordinator", "--config", str(coord_path)),
+            env={"CUDA_VISIBLE_DEVICES": ""},  # it never touches a device
+            config=coord_cfg,
+            config_path=coord_path,
+            log_path=logs / "coordinator.log",
+        )
+    ]
+    for p in cfg.pipelines:
+        infer = p.clusters[INFER]
+        for rank, bundle in enumerate(infer.bundles()):
+            shard = ShardConfig(
+                pipeline=p.id,
+                rank=rank,
+                devices=bundle,
+                tensor_parallel_size=infer.tp,
+                model=str(model_dir(p, out)),
+                coordinator=coordinator,
+                keys=keys,
+                engine=cfg.engine,
+            )
+            path = out / p.id / f"shard-{rank}.yaml"
+            plan.append(
+                PlannedProcess(
+                    role="shard",
+                    name=f"shard {p.id}/{rank}",
+                    argv=cli_argv("shard", "--config", str(path)),
+                    node=bundle[0] // gpn,
+                    pipeline=p.id,
+                    rank=rank,
+                    devices=list(bundle),
+                    env={"CUDA_VISIBLE_DEVICES": visible_devices(bundle, gpn)},
+                    config=shard,
+                    config_path=path,
+                    log_path=logs / f"shard-{p.id}-{rank}.log",
+                )
+            )
+    for p in cfg.pipelines:
+        plan.append(trainer_process(p, out, coordinator, gpn, keys=keys, resume=resume))
+    return plan
+
+
+def trainer_process(
+    p: PipelineConfig,
+    out: Path,
+    coordinator: str,
+    gpus_per_node: int,
+    *,
+    keys: str | None = None,
+    resume: bool = False,
+) -> PlannedProcess:
+    """A pipeline's torchrun job: one rank per ``actor_train`` device, on their node."""
+    train = p.clusters[TRAIN].devices
+    run = msgspec.structs.replace(p, out=str(out), coordinator=coordinator, keys=keys)
+    path = out / p.id / "pipeline.yaml"
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={p.ranks}",
+        "-m",
+        "rlix_async.pipeline",
+        "--config",
+        str(path),
+    ]
+    if resume:
+        argv.append("--resume")
+    return PlannedProcess(
+        role="trainer",
+        name=f"pipeline {p.id}",
+        argv=argv,
+        node=train[0] // gpus_per_node,
+        pipeline=p.id,
+        devices=list(train),
+        env={"CUDA_VISIBLE_DEVICES": visible_devices(train, gpus_per_node)},
+        config=run,
+        config_path=path,
+        log_path=out / "logs" / f"pipeline-{p.id}.log",
+    )
+
+
+def format_plan(plan: list[PlannedProcess]) -> str:
+    """The plan as a table, one process per line (``launch --dry-run``)."""
+    rows = [("ROLE", "PIPELINE", "RANK", "NODE", "DEVICES", "CUDA_VISIBLE_DEVICES", "CONFIG")]
+    for proc in plan:
+        rows.append(
+            (
+                proc.role,
+                proc.pipeline or "-",
+                "-" if proc.rank is None else str(proc.rank),
+                str(proc.node),
+                ",".join(map(str, proc.devices)) or "-",
+                proc.env.get("CUDA_VISIBLE_DEVICES", "") or "(none)",
+                str(proc.config_path or "-"),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
