@@ -73,12 +73,16 @@ class Coordinator(PlanRealiser):
             on_peer_joined=self._peer_joined,
             on_peer_lost=self._peer_lost,
         )
+        self.server.admit_peer = self._admit_peer
         self.tasks = Supervisor("coordinator")
         self._wake = asyncio.Event()
-        self._freeing: dict[int, asyncio.Future[None]] = {}
+        self._unfenced = asyncio.Event()
+        self._journaled_fences: set[tuple[str, int]] = set()
+        self._sleeping: set[tuple[str, int]] = set()
         self.weights: dict[str, CacheRef] = {}  # latest promoted version per pipeline
         self.shard_versions: dict[tuple[str, int], int | None] = {}  # acked by workers
         self.shard_endpoints: dict[tuple[str, int], str] = {}  # data planes, for routers
+        self.shard_memory: dict[tuple[str, int], int] = {}  # bytes in use, last acked
         self.plans = 0
         self.rejected_plans = 0
         self._closed = False
@@ -107,6 +111,7 @@ class Coordinator(PlanRealiser):
             now = time.monotonic()
             for p in self.registry.pipelines.values():  # until their drivers come back
                 p.connected, p.lost_at = False, now
+            self._journaled_fences = set(self.registry.fences)
             if n:
                 log.info(
                     "journal %s: %d events replayed, %d pipelines recovered",
@@ -200,8 +205,7 @@ class Coordinator(PlanRealiser):
             del p.requests[INFER]
         if p.active:
             shrink = Plan(shrink=[RankChange(p.id, INFER, sorted(p.active))])
-            self.registry.apply(shrink)
-            self._journal_plan(shrink)
+            self._apply(shrink)
             await self._realise(shrink, [])
         self.kick()
         return Ok()
@@ -298,6 +302,7 @@ class Coordinator(PlanRealiser):
                 active_ranks=sorted(p.active),
                 remaining=p.remaining(),
                 requests={c: priority_name(r.priority) for c, r in p.requests.items()},
+                shard_memory={r: b for (q, r), b in self.shard_memory.items() if q == p.id},
             )
             for p in self.registry.pipelines.values()
         ]
@@ -307,37 +312,89 @@ class Coordinator(PlanRealiser):
             pipelines=pipes,
             plans=self.plans,
             rejected_plans=self.rejected_plans,
+            fenced=[
+                m.FenceStatus(
+                    pipeline=f.pipeline,
+                    rank=f.rank,
+                    devices=list(f.devices),
+                    holder=f.holder,
+                    reason=f.reason,
+                    age_s=round(time.monotonic() - f.since, 1),
+                )
+                for f in self.registry.fences.values()
+            ],
         )
 
     # --- peers and leases ----------------------------------------------------------------------
+
+    def _admit_peer(self, identity: str, info: dict[str, object]) -> None:
+        """Refuse (at hello) a shard worker bound to devices that are not its rank's."""
+        pid, role, index = ([*identity.split("/"), "", "", ""])[:3]
+        devices = info.get("devices")
+        if role != "infer" or not index.isdigit() or not devices:
+            return  # a worker that binds no devices itself (library use) is not checked
+        p = self.registry.pipelines.get(pid)
+        spec = p.clusters.get(INFER) if p is not None else None
+        if spec is None:
+            return  # its pipeline registers later: checked when it joins again
+        rank = int(index)
+        expected = list(spec.bundle(rank)) if rank < spec.dp else []
+        if list(devices) != expected:  # type: ignore[call-overload]
+            raise RegistryError(
+                "wrong_devices",
+                f"shard {identity} is bound to devices {devices} but rank {rank} of "
+                f"{pid}/{INFER} has devices {expected}",
+            )
 
     def _peer_joined(self, info: PeerInfo) -> None:
         pid, role, index = ([*info.identity.split("/"), "", "", ""])[:3]
         p = self.registry.pipelines.get(pid)
         if role == "infer" and index.isdigit():
+            rank = int(index)
+            incarnation = f"{info.host}:{info.pid}"
+            lifted = self.registry.worker_joined(pid, rank, incarnation)
+            if lifted is not None:
+                log.warning(
+                    "%s: a new worker (%s) replaced %s: fence on devices %s lifted",
+                    info.identity,
+                    incarnation,
+                    lifted.holder,
+                    list(lifted.devices),
+                )
+                self._journal_fences()
+            elif (pid, rank) in self.registry.fences:
+                # the same process is back (a blip): it must confirm its sleep
+                self.tasks.spawn(self._sleep_rank(pid, rank), "sleep-rejoined")
             if info.info.get("data_endpoint"):
-                self.shard_endpoints[(pid, int(index))] = str(info.info["data_endpoint"])
-            if p is not None and int(index) in p.offline:
-                p.offline.discard(int(index))  # back: it may be started again
+                self.shard_endpoints[(pid, rank)] = str(info.info["data_endpoint"])
+            if p is not None and rank in p.offline:
+                p.offline.discard(rank)  # back: it may be started again
                 self.kick()
-            if p is not None and int(index) in p.active:
+            if p is not None and rank in p.active:
                 # its rank was already awake in the plan (it started late, or we
                 # restarted): make the worker match; wake is idempotent
-                self.tasks.spawn(self._expand_joined(pid, int(index)), "wake-joined")
+                self.tasks.spawn(self._expand_joined(pid, rank), "wake-joined")
         if role == "driver" and p is not None:
             p.connected, p.lost_at = True, None
 
     def _peer_lost(self, info: PeerInfo) -> None:
         pid, role, index = ([*info.identity.split("/"), "", "", ""])[:3]
-        p = self.registry.pipelines.get(pid)
-        if role == "infer" and p is not None and index.isdigit():
-            # A dead shard worker holds nothing: free its bundle now, tell its driver.
-            if int(index) in p.active:
-                log.warning("shard worker %s lost: rank %s freed", info.identity, index)
-            p.offline.add(int(index))  # not started again until its worker returns
-            self._give_up_rank(pid, int(index))
-            self.shard_versions.pop((pid, int(index)), None)
+        if role == "infer" and index.isdigit():
+            # A lost worker may still hold its devices (silent is not dead): its rank
+            # leaves the plan and stays fenced until a replacement says hello.
+            rank = int(index)
+            p = self.registry.pipelines.get(pid)
+            if p is not None:
+                if rank in p.active:
+                    log.warning("shard worker %s lost: rank %s fenced", info.identity, rank)
+                p.offline.add(rank)  # not started again until its worker returns
+                self._give_up_rank(pid, rank, "worker lost")
+            f = self.registry.fences.get((pid, rank))
+            if f is not None and f.reason != "worker lost":
+                f.reason = f"worker lost ({f.reason})"
+            self.shard_versions.pop((pid, rank), None)
             return
+        p = self.registry.pipelines.get(pid)
         if role == "driver" and p is not None:
             p.connected, p.lost_at = False, time.monotonic()
             log.warning(
@@ -355,7 +412,7 @@ class Coordinator(PlanRealiser):
                     self._drop_pipeline(p.id, "lease expired")
 
     def _drop_pipeline(self, pid: str, reason: str) -> None:
-        p = self.registry.remove(pid)
+        p = self.registry.remove(pid, fence=True)
         if p is None:
             return
         self.weights.pop(pid, None)
@@ -377,9 +434,10 @@ class Coordinator(PlanRealiser):
                     devices=devices_of(p.clusters[INFER], p.active),
                 )
             )
-            for r in p.active:  # put its shards to sleep if their workers are still alive
-                self.tasks.spawn(self._command(pid, r, "sleep"), "sleep-dropped")
+            for r in p.active:  # put its shards to sleep: fenced until they confirm
+                self.tasks.spawn(self._sleep_rank(pid, r), "sleep-dropped")
         self.journal.record(ev.Unregistered(pipeline=pid, reason=reason))
+        self._journal_fences()
         self.kick()
 
     # --- scheduling -------------------------------------------------------------------------------
@@ -411,11 +469,10 @@ class Coordinator(PlanRealiser):
             return None
         changes = bool(result.grants or result.shrink or result.expand)
         # apply() also answers GENERATION requests of pipelines already rolling out.
-        answered = self.registry.apply(result)
+        answered = self._apply(result)
         if not changes and not answered:
             return result
         self.plans += changes
-        self._journal_plan(result)
         self._tell_status()
         self.tasks.spawn(self._realise(result, answered), "realise")
         return result

@@ -92,6 +92,29 @@ class Shrunk(JournalEvent, tag="shrink"):
         registry.pipelines[self.pipeline].active.difference_update(self.ranks)
 
 
+class Fenced(JournalEvent, tag="fence"):
+    """A rank's devices fenced: its worker may still hold them (replayed even after its
+    pipeline is gone: the worker process is not)."""
+
+    rank: int
+    devices: list[int]
+    holder: str | None
+    reason: str
+
+    def apply(self, registry: Registry) -> None:
+        registry.fence(
+            self.pipeline, self.rank, tuple(self.devices), self.reason, holder=self.holder
+        )
+
+
+class Unfenced(JournalEvent, tag="unfence"):
+    rank: int
+    reason: str = ""
+
+    def apply(self, registry: Registry) -> None:
+        registry.fences.pop((self.pipeline, self.rank), None)
+
+
 class ProgressReported(JournalEvent, tag="progress"):
     stream: str
     target: int
@@ -130,6 +153,8 @@ Event = (
     | ProgressCleared
     | WeightsPublished
     | ShardSynced
+    | Fenced
+    | Unfenced
 )
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Event)
@@ -191,7 +216,8 @@ def replay(path: str | Path, registry: Registry) -> int:
         return 0
     n = 0
     for n, ev in enumerate(read_journal(path), 1):
-        if not isinstance(ev, Registered) and ev.pipeline not in registry.pipelines:
+        fence_event = isinstance(ev, Fenced | Unfenced)
+        if not (isinstance(ev, Registered) or fence_event) and ev.pipeline not in registry.pipelines:
             continue
         try:
             ev.apply(registry)

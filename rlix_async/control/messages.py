@@ -140,6 +140,18 @@ class PipelineStatus(msgspec.Struct):
     active_ranks: list[int]
     remaining: int | None
     requests: dict[ClusterName, PriorityName]  # queued, not yet granted
+    shard_memory: dict[int, int] = {}  # rank -> bytes in use after its last command
+
+
+class FenceStatus(msgspec.Struct):
+    """Devices a shard worker may still hold: planned for nobody until lifted."""
+
+    pipeline: str
+    rank: int
+    devices: list[int]
+    holder: str | None  # worker incarnation "host:pid"
+    reason: str
+    age_s: float
 
 
 class StatusReply(Message):
@@ -148,13 +160,17 @@ class StatusReply(Message):
     pipelines: list[PipelineStatus]
     plans: int
     rejected_plans: int
+    fenced: list[FenceStatus] = []
 
 
 ShardAction = Literal["sleep", "wake", "sync"]
 
 
 class ShardState(enum.StrEnum):
-    """A shard worker's life: ASLEEP -> WAKING -> SYNCING -> ACTIVE -> DRAINING -> ASLEEP."""
+    """A shard worker's life: ASLEEP -> WAKING -> SYNCING -> ACTIVE -> DRAINING -> ASLEEP.
+
+    A shard woken before any weights exist for it stays WAKING (awake, refusing
+    requests) until a sync brings a version."""
 
     ASLEEP = "ASLEEP"
     WAKING = "WAKING"
@@ -178,6 +194,9 @@ class ShardCommand(Message):
 class ShardAck(Message):
     state: ShardState
     weight_version: int | None = None
+    # after the command: device memory in use on the shard's devices (CUDA, via NVML),
+    # or the worker's resident memory (CPU); None when the engine cannot tell
+    memory_bytes: int | None = None
 
 
 class PublishWeights(Message):

@@ -43,6 +43,8 @@ from rlix_async.control.topology import INFER, ClusterShape, ClusterSpec, Priori
 
 # --- planning ----------------------------------------------------------------------------
 
+FENCED = ("", "fenced")  # the owner of a fenced device (no pipeline)
+
 
 @dataclass
 class _State:
@@ -70,6 +72,8 @@ class _State:
 def plan(snap: Snapshot) -> Plan:
     """Decide grants, shrinks and expands for one snapshot. Pure and deterministic."""
     st = _State(snap.cluster, {p.id: p for p in snap.pipelines})
+    for d in snap.fenced:  # a shard may still hold it: as good as held by a stage
+        st.owner[d] = FENCED
     for p in snap.pipelines:
         for cname in p.held:
             for d in p.clusters[cname].devices:
@@ -101,7 +105,9 @@ def _serve_gang_requests(snap: Snapshot, st: _State, out: Plan) -> None:
         if holders or reservers:
             if holders:
                 held = [d for d in devices if d in st.owner]
-                names = ", ".join(f"{a}/{b}" for a, b in holders)
+                names = ", ".join(
+                    f"{a}/{b}" if a else "a fence (sleep unconfirmed)" for a, b in holders
+                )
                 reason = f"devices {','.join(map(str, held))} held by {names}"
             else:
                 reason = f"devices reserved for earlier request {', '.join(reservers)}"
@@ -330,6 +336,8 @@ def check_plan(snap: Snapshot, result: Plan) -> list[str]:
         else:
             owner[d] = who
 
+    for d in snap.fenced:
+        claim(d, "a fence")
     for p in snap.pipelines:
         for cname in p.held:
             for d in p.clusters[cname].devices:

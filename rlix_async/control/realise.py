@@ -1,9 +1,11 @@
 """Carrying out a plan: the commands the coordinator sends to shard workers (sleep,
 wake, sync) and the notifications its drivers get (grants, awake ranks).
 
-Shrinks start at once; a grant or an expand waits only for the shrinks on its
-own devices; every command has a timeout, and a shard that cannot wake or sync
-gives its devices back. A part of :class:`~rlix_async.control.coordinator.Coordinator`
+Sleeps start at once; a grant or a wake waits until no fence covers its devices
+(a shard's devices are fenced from the moment it leaves the plan until its
+worker confirms the sleep or is replaced: docs/SCHEDULING.md, "Fenced leases").
+Every command has a timeout (``command_timeout_s``; a sync gets
+``sync_timeout_s``); a shard that cannot wake or sync leaves the plan, fenced. A part of :class:`~rlix_async.control.coordinator.Coordinator`
 (which inherits it): the state it reads and writes is the coordinator's.
 """
 
@@ -20,7 +22,7 @@ from rlix_async.control import messages as m
 from rlix_async.control.journal import Journal
 from rlix_async.control.registry import Registry
 from rlix_async.control.snapshot import Plan, RankChange
-from rlix_async.control.topology import INFER, ClusterName, ClusterSpec, PriorityName
+from rlix_async.control.topology import INFER, ClusterName, ClusterSpec, Priority, PriorityName
 from rlix_async.transport import RpcServer
 from rlix_async.weights.ref import CacheRef
 
@@ -41,7 +43,39 @@ class PlanRealiser:
     weights: dict[str, CacheRef]  # latest promoted version per pipeline
     shard_versions: dict[tuple[str, int], int | None]  # acked by workers
     shard_endpoints: dict[tuple[str, int], str]  # data planes, for routers
-    _freeing: dict[int, asyncio.Future[None]]  # device -> its shrink, until asleep
+    shard_memory: dict[tuple[str, int], int]  # bytes in use, as last acknowledged
+    _journaled_fences: set[tuple[str, int]]
+    _unfenced: asyncio.Event  # set (and replaced) whenever a fence is lifted
+    _sleeping: set[tuple[str, int]]  # ranks with a sleep (or its retries) under way
+
+    def _apply(self, result: Plan) -> list[str]:
+        """Record a plan in the registry (shrunk ranks fenced) and the journal."""
+        answered = self.registry.apply(result, fence=True)
+        self._journal_plan(result)
+        return answered
+
+    def _journal_fences(self) -> None:
+        """Journal fences set or lifted since the last call, and wake their waiters."""
+        now = set(self.registry.fences)
+        for key in sorted(now - self._journaled_fences):
+            f = self.registry.fences[key]
+            self.journal.record(
+                ev.Fenced(
+                    pipeline=f.pipeline,
+                    rank=f.rank,
+                    devices=list(f.devices),
+                    holder=f.holder,
+                    reason=f.reason,
+                )
+            )
+        lifted = self._journaled_fences - now
+        for pid, rank in sorted(lifted):
+            self.journal.record(ev.Unfenced(pipeline=pid, rank=rank))
+        self._journaled_fences = now
+        if lifted:
+            self._unfenced.set()
+            self._unfenced = asyncio.Event()
+            self.kick()  # the devices can be planned again
 
     def _journal_plan(self, result: Plan) -> None:
         for ch in result.shrink:
@@ -54,6 +88,7 @@ class PlanRealiser:
             )
         for ch in result.expand:
             self.journal.record(self._rank_event(ev.Expanded, ch))
+        self._journal_fences()
 
     def _rank_event(
         self, kind: type[ev.Shrunk] | type[ev.Expanded], ch: RankChange
@@ -67,16 +102,12 @@ class PlanRealiser:
         return p.clusters.get(INFER) if p else None
 
     async def _realise(self, result: Plan, answered: list[str]) -> None:
-        """Shrinks now; each grant/expand waits only for shrinks on its own devices."""
-        loop = asyncio.get_running_loop()
-        shrinks = []
-        for ch in result.shrink:
-            spec = self._infer_spec(ch.pipeline)
-            for r in ch.ranks:
-                fut: asyncio.Future[None] = loop.create_future()
-                for d in spec.bundle(r) if spec else ():
-                    self._freeing[d] = fut
-                shrinks.append(self.tasks.spawn(self._shrink_rank(ch.pipeline, r, fut), "shrink"))
+        """Sleeps now; each grant or wake waits until no fence covers its devices."""
+        shrinks = [
+            self.tasks.spawn(self._sleep_rank(ch.pipeline, r), "shrink")
+            for ch in result.shrink
+            for r in ch.ranks
+        ]
         steps = [self._grant(g.pipeline, g.cluster, g.priority, g.devices) for g in result.grants]
         for ch in result.expand:
             spec = self._infer_spec(ch.pipeline)
@@ -93,85 +124,169 @@ class PlanRealiser:
                     m.Granted(cluster=INFER, priority="GENERATION", ranks=sorted(p.active)),
                 )
 
-    async def _shrink_rank(self, pid: str, rank: int, done: asyncio.Future[None]) -> None:
-        try:
-            await self._command(pid, rank, "sleep")
-        finally:
-            done.set_result(None)
+    # --- fenced sleeps ----------------------------------------------------------------------
 
-    async def _wait_devices_free(self, devices: list[int] | tuple[int, ...]) -> None:
-        pending = {self._freeing[d] for d in devices if d in self._freeing}
-        pending = {f for f in pending if not f.done()}
-        if pending:
-            _, late = await asyncio.wait(pending, timeout=self.cfg.command_timeout_s)
-            if late:
+    def _incarnation(self, pid: str, rank: int) -> str | None:
+        info = self.server.peers.get(m.worker_identity(pid, rank))
+        return f"{info.host}:{info.pid}" if info is not None else None
+
+    async def _sleep_rank(self, pid: str, rank: int) -> None:
+        """Put a shard to sleep and lift its fence once it confirms. If it cannot
+        confirm, the fence stays and the sleep is retried in the background every
+        ``command_timeout_s`` while the worker is connected; a worker that is gone
+        stays fenced until a new incarnation says hello."""
+        if await self._try_sleep(pid, rank):
+            return
+        if (pid, rank) not in self._sleeping:
+            self._sleeping.add((pid, rank))
+            self.tasks.spawn(self._retry_sleep(pid, rank), "sleep-retry")
+
+    async def _try_sleep(self, pid: str, rank: int) -> bool:
+        """One sleep command; True when the fence is lifted (or there was none)."""
+        if (pid, rank) not in self.registry.fences:
+            return True
+        holder = self._incarnation(pid, rank)
+        if holder is None:
+            if self.registry.workers.get((pid, rank)) is not None:
+                return False  # its worker is gone: only a replacement's hello proves it dead
+            # No worker ever ran this rank (its pipeline drives its engines itself).
+            self.registry.confirm_asleep(pid, rank, None)
+            self._journal_fences()
+            return True
+        ack = await self._command(pid, rank, "sleep")
+        if ack is None or ack.state != m.ShardState.ASLEEP:
+            return False
+        self.registry.confirm_asleep(pid, rank, holder)
+        self._journal_fences()
+        return (pid, rank) not in self.registry.fences
+
+    async def _retry_sleep(self, pid: str, rank: int) -> None:
+        try:
+            while (pid, rank) in self.registry.fences:
+                f = self.registry.fences[(pid, rank)]
+                log.error("devices %s stay fenced: %s", list(f.devices), f)
+                await asyncio.sleep(self.cfg.command_timeout_s)
+                if self._incarnation(pid, rank) is None:
+                    return  # gone: a new worker's hello lifts the fence (or retries)
+                if await self._try_sleep(pid, rank):
+                    log.warning("%s/%s[%d] asleep after a retry: fence lifted", pid, INFER, rank)
+                    return
+        finally:
+            self._sleeping.discard((pid, rank))
+
+    async def _wait_unfenced(
+        self, devices: Iterable[int], what: str, wanted: Callable[[], bool]
+    ) -> bool:
+        """Wait until no fence covers ``devices``; False when ``wanted()`` turned false
+        meanwhile (the grant or wake was withdrawn). Never proceeds on a timeout: each
+        one is logged with the fences still in the way."""
+        devices = list(devices)
+        while blocking := self.registry.blocking_fences(devices):
+            if not wanted():
+                return False
+            lifted = self._unfenced
+            try:
+                async with asyncio.timeout(self.cfg.command_timeout_s):
+                    await lifted.wait()
+            except TimeoutError:
                 log.error(
-                    "devices %s still not free after %.0fs; proceeding",
-                    list(devices),
-                    self.cfg.command_timeout_s,
+                    "%s waits for devices %s: fenced by %s",
+                    what,
+                    devices,
+                    "; ".join(map(str, blocking)),
                 )
+        return wanted()
 
     async def _grant(
         self, pid: str, cluster: ClusterName, priority: PriorityName, devices: list[int]
     ) -> None:
-        await self._wait_devices_free(devices)
-        await self.server.notify(
-            m.driver_identity(pid), m.Granted(cluster=cluster, priority=priority, devices=devices)
-        )
+        def still_granted() -> bool:
+            p = self.registry.pipelines.get(pid)
+            return p is not None and p.held.get(cluster) == Priority[priority]
+
+        if await self._wait_unfenced(devices, f"grant of {cluster} to {pid}", still_granted):
+            await self.server.notify(
+                m.driver_identity(pid),
+                m.Granted(cluster=cluster, priority=priority, devices=devices),
+            )
 
     async def _expand(self, pid: str, ranks: list[int], spec: ClusterSpec) -> None:
         async def one(rank: int) -> None:
-            await self._wait_devices_free(spec.bundle(rank))
-            if not await self._command(pid, rank, "wake"):
-                self._give_up_rank(pid, rank)
+            def still_active() -> bool:
+                p = self.registry.pipelines.get(pid)
+                return p is not None and rank in p.active
+
+            what = f"wake of {pid}/{INFER}[{rank}]"
+            if not await self._wait_unfenced(spec.bundle(rank), what, still_active):
+                return
+            if await self._command(pid, rank, "wake") is None:
+                self._give_up_rank(pid, rank, "wake failed")
 
         await asyncio.gather(*(one(r) for r in ranks))
 
     async def _expand_joined(self, pid: str, rank: int) -> None:
-        if not await self._command(pid, rank, "wake"):
-            self._give_up_rank(pid, rank)
+        if await self._command(pid, rank, "wake") is None:
+            self._give_up_rank(pid, rank, "wake failed")
         await self._notify_ranks(pid)
 
     async def _sync_rank(self, pid: str, rank: int) -> None:
-        if not await self._command(pid, rank, "sync"):
-            self._give_up_rank(pid, rank)
+        if await self._command(pid, rank, "sync") is None:
+            self._give_up_rank(pid, rank, "sync failed")
 
-    def _give_up_rank(self, pid: str, rank: int) -> None:
-        """A shard that could not wake (or sync) is not serving: free its bundle."""
+    def _give_up_rank(self, pid: str, rank: int, why: str) -> None:
+        """A shard that could not wake or sync (or was lost) is not serving: take it
+        out of the plan; its devices stay fenced until it is confirmed asleep or dead."""
         p = self.registry.pipelines.get(pid)
         if p is None or rank not in p.active:
             return
         lost = Plan(shrink=[RankChange(pid, INFER, [rank])])
         self.registry.apply(lost)
+        self.registry.fence(pid, rank, p.clusters[INFER].bundle(rank), why)
         self._journal_plan(lost)
         self.shard_versions.pop((pid, rank), None)
-        self.tasks.spawn(self._command(pid, rank, "sleep"), "sleep-failed")  # if still alive
+        self.tasks.spawn(self._sleep_rank(pid, rank), "sleep-failed")
         self.tasks.spawn(self._notify_ranks(pid), "ranks")
         self.kick()
 
-    async def _command(self, pid: str, rank: int, action: m.ShardAction) -> bool:
-        """Tell shard worker ``pid/infer/rank`` to sleep, wake or sync. Pipelines that
-        run their engines themselves (no worker registered) follow ActiveRanks."""
+    async def _command(self, pid: str, rank: int, action: m.ShardAction) -> m.ShardAck | None:
+        """Tell shard worker ``pid/infer/rank`` to sleep, wake or sync; its
+        acknowledgement, or None when it failed, timed out or the worker is gone.
+        Pipelines that run their engines themselves (no worker ever said hello for
+        the rank) follow ActiveRanks: a wake or sync there succeeds at once."""
         ident = m.worker_identity(pid, rank)
         if ident not in self.server.peers:
-            return True
+            if self.registry.workers.get((pid, rank)) is None and action != "sleep":
+                return m.ShardAck(state=m.ShardState.ACTIVE)
+            log.error("%s of %s: the worker is not connected", action, ident)
+            return None
         weights = self.weights.get(pid) if action != "sleep" else None
+        timeout = self.cfg.command_timeout_s
+        if weights is not None:  # a wake that syncs gets both budgets
+            timeout = (timeout if action == "wake" else 0.0) + self.cfg.sync_timeout_s
         try:
             ack = await self.server.call(
-                ident,
-                m.ShardCommand(action=action, weights=weights),
-                timeout=self.cfg.command_timeout_s,
+                ident, m.ShardCommand(action=action, weights=weights), timeout=timeout
             )
-        except Exception as exc:  # the worker is stuck or gone: its devices move on anyway
+        except Exception as exc:  # stuck, failed or gone: the caller decides
             log.error("%s of %s failed: %s", action, ident, exc)
-            return False
-        if isinstance(ack, m.ShardAck):
-            self.shard_versions[(pid, rank)] = ack.weight_version
-            if weights is not None and ack.state == m.ShardState.ACTIVE:
-                self.journal.record(
-                    ev.ShardSynced(pipeline=pid, rank=rank, version=ack.weight_version)
-                )
-        return True
+            return None
+        if not isinstance(ack, m.ShardAck):
+            log.error("%s of %s: unexpected reply %s", action, ident, type(ack).__name__)
+            return None
+        self.shard_versions[(pid, rank)] = ack.weight_version
+        if ack.memory_bytes is not None:
+            self.shard_memory[(pid, rank)] = ack.memory_bytes
+        log.info(
+            "%s of %s: %s, version %s, %s MiB in use",
+            action,
+            ident,
+            ack.state,
+            ack.weight_version,
+            None if ack.memory_bytes is None else ack.memory_bytes >> 20,
+        )
+        if weights is not None and ack.state == m.ShardState.ACTIVE:
+            self.journal.record(ev.ShardSynced(pipeline=pid, rank=rank, version=ack.weight_version))
+        return ack
 
     async def _notify_ranks(self, pid: str) -> None:
         p = self.registry.pipelines.get(pid)

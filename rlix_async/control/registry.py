@@ -1,14 +1,24 @@
-"""The coordinator's state: who is registered, who holds what, who waits for what.
+"""The coordinator's state: who is registered, who holds what, who waits for what,
+and which devices are fenced.
 
 No I/O here. The coordinator mutates it from its handlers, builds the planner's
 snapshot from it, and records the logical effect of a plan with
 :meth:`Registry.apply` before the commands that realise it are sent.
+
+Fences (docs/SCHEDULING.md, "Fenced leases"): a rollout rank that leaves the
+plan (shrunk, given up, its worker lost, its pipeline dropped) fences its
+devices until the worker process that may still hold them has confirmed its
+sleep, or is known dead because a new worker process for that rank said hello
+(a supervisor starts a replacement only after reaping the old one). A fenced
+device is never planned for anyone, and a grant or wake on it is delivered
+only once no fence covers it (:meth:`Registry.blocking_fences`).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from rlix_async.control.messages import DeviceOwner
@@ -69,11 +79,31 @@ class PipelineState:
         return sum(p.target - min(p.completed, p.target) for p in self.progress.values())
 
 
+@dataclass
+class Fence:
+    """Devices a shard worker may still hold: not planned, not granted, until lifted."""
+
+    pipeline: str
+    rank: int
+    devices: tuple[int, ...]
+    holder: str | None  # the worker incarnation ("host:pid") that may hold them
+    reason: str
+    since: float
+
+    def __str__(self) -> str:
+        who = self.holder or "no worker"
+        return f"{self.pipeline}/{INFER}[{self.rank}] ({who}): {self.reason}"
+
+
 class Registry:
     def __init__(self, shape: ClusterShape, policy: Policy | None = None) -> None:
         self.shape = shape
         self.policy = policy or Policy()
         self.pipelines: dict[str, PipelineState] = {}
+        self.fences: dict[tuple[str, int], Fence] = {}
+        # The last worker incarnation seen per rollout rank ("host:pid"); kept after it
+        # is lost, so a rank whose worker vanished is told apart from one never run.
+        self.workers: dict[tuple[str, int], str] = {}
         self._ids = itertools.count(0)
         self._seq = itertools.count(1)
 
@@ -111,8 +141,73 @@ class Registry:
             raise RegistryError("not_registered", f"pipeline {pid}: register before admit")
         p.admitted = True
 
-    def remove(self, pid: str) -> PipelineState | None:
-        return self.pipelines.pop(pid, None)
+    def remove(self, pid: str, *, fence: bool = False) -> PipelineState | None:
+        """Forget a pipeline; with ``fence``, its awake ranks' devices stay fenced."""
+        p = self.pipelines.pop(pid, None)
+        if p is not None and fence and INFER in p.clusters:
+            for r in p.active:
+                self.fence(pid, r, p.clusters[INFER].bundle(r), "sleeping (pipeline dropped)")
+        return p
+
+    # --- fences -----------------------------------------------------------------------------
+
+    def fence(
+        self,
+        pid: str,
+        rank: int,
+        devices: tuple[int, ...],
+        reason: str,
+        now: float | None = None,
+        holder: str | None = None,
+    ) -> Fence:
+        """Fence a rank's devices (or update why); the holder is its last known worker."""
+        key = (pid, rank)
+        old = self.fences.get(key)
+        if old is not None:
+            old.reason = reason
+            return old
+        f = Fence(
+            pid,
+            rank,
+            tuple(devices),
+            holder or self.workers.get(key),
+            reason,
+            time.monotonic() if now is None else now,
+        )
+        self.fences[key] = f
+        return f
+
+    def confirm_asleep(self, pid: str, rank: int, incarnation: str | None) -> Fence | None:
+        """The worker ``incarnation`` confirmed its sleep: lift the fence it was holding.
+        ``None`` means no worker ever ran this rank (nothing can hold the devices)."""
+        f = self.fences.get((pid, rank))
+        if f is None:
+            return None
+        if incarnation is None and self.workers.get((pid, rank)) is not None:
+            return None  # a worker did run it: only that worker (or its death) can tell
+        if f.holder is not None and incarnation is not None and f.holder != incarnation:
+            return None  # another process confirmed; the holder may still hold them
+        return self.fences.pop((pid, rank))
+
+    def worker_joined(self, pid: str, rank: int, incarnation: str) -> Fence | None:
+        """A worker said hello. A new incarnation proves the old one is gone (reaped by
+        its supervisor before a replacement starts): its fence is lifted and returned."""
+        key = (pid, rank)
+        self.workers[key] = incarnation
+        f = self.fences.get(key)
+        if f is not None and f.holder is not None and f.holder != incarnation:
+            return self.fences.pop(key)
+        if f is not None and f.holder is None:
+            f.holder = incarnation  # fenced before any hello: this one may hold them now
+        return None
+
+    def blocking_fences(self, devices: Iterable[int]) -> list[Fence]:
+        """Fences covering any of ``devices``: a grant or wake there must wait."""
+        wanted = set(devices)
+        return [f for f in self.fences.values() if wanted.intersection(f.devices)]
+
+    def fenced_devices(self) -> set[int]:
+        return {d for f in self.fences.values() for d in f.devices}
 
     # --- stages --------------------------------------------------------------------------
 
@@ -199,16 +294,26 @@ class Registry:
                     ],
                 )
             )
-        return Snapshot(cluster=self.shape, pipelines=pipes, policy=self.policy)
+        # Fenced devices nobody owns. One already held (a grant waiting for the fence
+        # to lift before it is delivered) or awake (a wake waiting likewise) is owned.
+        owned = {d for d, o in enumerate(self.owners()) if o is not None}
+        fenced = sorted(self.fenced_devices() - owned)
+        return Snapshot(cluster=self.shape, pipelines=pipes, policy=self.policy, fenced=fenced)
 
-    def apply(self, plan: Plan) -> list[str]:
-        """Record the plan's outcome (the commands that realise it follow).
+    def apply(self, plan: Plan, *, fence: bool = False) -> list[str]:
+        """Record the plan's outcome (the commands that realise it follow). With
+        ``fence`` (the coordinator; the simulator models sleeps as durations), every
+        shrunk rank's devices are fenced until its worker confirms the sleep.
 
         Returns the pipelines whose GENERATION request is now answered (they
         have at least one awake rank).
         """
         for ch in plan.shrink:
-            self.pipelines[ch.pipeline].active.difference_update(ch.ranks)
+            p = self.pipelines[ch.pipeline]
+            p.active.difference_update(ch.ranks)
+            if fence:
+                for r in ch.ranks:
+                    self.fence(p.id, r, p.clusters[INFER].bundle(r), "sleeping")
         for g in plan.grants:
             p = self.pipelines[g.pipeline]
             p.held[g.cluster] = Priority[g.priority]

@@ -74,6 +74,9 @@ class Snapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cluster: ClusterShape
     pipelines: list[PipelineIn]
     policy: Policy = Policy()
+    # Devices nobody owns that a shard worker may still hold (its sleep is not
+    # confirmed, or it vanished and has not been replaced): never planned for anyone.
+    fenced: list[NonNeg] = []
 
 
 class SnapshotError(ValueError):
@@ -136,6 +139,10 @@ def validate_snapshot(snap: Snapshot) -> None:
                 raise SnapshotError(f"{where}: device {d} is also held by {owner[d]}")
             owner[d] = who
 
+    for d in snap.fenced:
+        if d >= snap.cluster.num_devices:
+            raise SnapshotError(f"$.fenced: device {d} does not exist")
+        claim((d,), "a fence", "$.fenced")
     for i, p in enumerate(snap.pipelines):
         at = f"$.pipelines[{i}]"
         if p.id in seen_ids:

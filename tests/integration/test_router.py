@@ -31,12 +31,14 @@ TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0, 1
 async def two_shards(
     ipc_ep: str, token_delay_s: float
 ) -> AsyncIterator[tuple[PipelineClient, list[ShardWorker], Router]]:
-    """Coordinator, pipeline P joined, two in-process scripted shard workers, a router."""
+    """Coordinator, pipeline P joined, two in-process scripted shard workers, a router.
+    Nothing publishes weights here: the shards sleep at level 1 (weights kept), so a
+    wake serves without a sync."""
     async with Coordinator(ipc_ep, ClusterShape(1, 2)) as co:
         driver = await joined_pipeline(co.endpoint, "P", TOPO)
         workers = [
             await ShardWorker(
-                ScriptedEngine(token_delay_s=token_delay_s), co.endpoint, "P", r
+                ScriptedEngine(token_delay_s=token_delay_s), co.endpoint, "P", r, sleep_level=1
             ).start()
             for r in range(2)
         ]
@@ -117,6 +119,7 @@ async def test_killed_shard_process_requests_resume_and_rank_is_freed(ipc_ep: st
                     "engine.kind=custom",
                     f"engine.custom={SCRIPTED_ENGINE}",
                     "engine.custom_args={token_delay_s: 0.02}",
+                    "engine.sleep_level=1",  # nothing publishes weights here: keep them
                 ],
                 stdout=subprocess.PIPE,
                 text=True,
