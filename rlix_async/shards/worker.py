@@ -107,6 +107,9 @@ class ShardWorker:
         self.cancelled = 0  # requests stopped because their caller gave up
         self._requests: dict[str, asyncio.Task[object]] = {}
         self._early_cancels: OrderedDict[str, float] = OrderedDict()
+        # Decoded so far per request, for one cut past the drain timeout (see shrink).
+        self._partial: dict[str, tuple[list[int], list[float], int | None]] = {}
+        self._cut: set[str] = set()
         self.data = RpcServer(
             data_endpoint or ipc_endpoint(f"{pipeline}-infer-{rank}"),
             keys=data_keys,
@@ -165,6 +168,20 @@ class ShardWorker:
         self._requests[msg.request_id] = task
         try:
             return await self._serve(msg)
+        except asyncio.CancelledError:
+            if msg.request_id not in self._cut:
+                raise  # its caller gave up (Cancel), or we are closing
+            task.uncancel()  # cut by a shrink past its drain timeout: answer what we have
+            tokens, logprobs, version = self._partial.get(
+                msg.request_id, ([], [], self.synced_version)
+            )
+            return GenerateResult(
+                request_id=msg.request_id,
+                token_ids=list(tokens),
+                logprobs=list(logprobs),
+                weight_version=version,
+                preempted=True,
+            )
         except Exception as exc:
             if type(exc).__name__ == "EngineDeadError":  # vLLM's engine core is gone
                 log.critical(
@@ -174,6 +191,8 @@ class ShardWorker:
             raise
         finally:
             self._requests.pop(msg.request_id, None)
+            self._partial.pop(msg.request_id, None)
+            self._cut.discard(msg.request_id)
 
     def _cancel(self, msg: Cancel, ctx: CallContext) -> None:
         """Stop requests whose caller gave up: cancelling the serving task closes the
@@ -213,6 +232,7 @@ class ShardWorker:
             tokens, logprobs = chunk.token_ids, chunk.logprobs
             if chunk.weight_version is not None:
                 version = chunk.weight_version
+            self._partial[msg.request_id] = (tokens, logprobs, version)
         cut = self.preempted and len(tokens) < msg.max_tokens
         return GenerateResult(
             request_id=msg.request_id,
@@ -323,7 +343,8 @@ class ShardWorker:
             self.engine.num_running(),
             self.drain_timeout_s,
         )
-        for task in list(self._requests.values()):
+        for rid, task in list(self._requests.items()):
+            self._cut.add(rid)  # answered with what it decoded, marked preempted
             task.cancel()
         await self.engine.abort_all()
         deadline = time.monotonic() + grace_s

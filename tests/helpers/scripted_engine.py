@@ -11,6 +11,14 @@ it is not part of rlix_async.
 
 Weight updates are real: ``load_version`` pulls the cached version through the
 same path as vLLM (shared memory or tcp) into a byte-counting sink.
+
+Faults for the fencing tests (tests/integration/test_fencing.py), all off by
+default: ``sleep_delay_s`` makes every sleep after the first (the worker's own
+start-up sleep) take that long (a hang, as seen by a coordinator with a shorter
+command timeout); ``sleep_failures`` makes the first N of those sleeps raise;
+``ignore_abort`` keeps requests running through every abort (only cancelling
+their stream ends them); ``stuck`` requests are counted as running and can
+never be stopped. ``running_at_sleep`` records how many ran at each sleep.
 """
 
 from __future__ import annotations
@@ -50,6 +58,12 @@ class ScriptedEngine:
     token_delay_s: float = 0.01
     vocab: int = 1000
     weight_version: int | None = None
+    sleep_delay_s: float = 0.0
+    sleep_failures: int = 0
+    ignore_abort: bool = False
+    stuck: int = 0
+    sleeps: int = 0
+    running_at_sleep: list[int] = field(default_factory=list)
     asleep: bool = True
     paused: bool = False
     loaded_bytes: int = 0
@@ -80,12 +94,13 @@ class ScriptedEngine:
             self._running.pop(key, None)
 
     async def abort_all(self) -> int:
-        for ev in self._running.values():
-            ev.set()
+        if not self.ignore_abort:
+            for ev in self._running.values():
+                ev.set()
         return len(self._running)
 
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self._running) + self.stuck
 
     async def pause(self, mode: str = "abort") -> None:
         if mode == "abort":
@@ -96,6 +111,13 @@ class ScriptedEngine:
         self.paused = False
 
     async def sleep(self, level: int = 2) -> None:
+        self.running_at_sleep.append(self.num_running())
+        self.sleeps += 1
+        if self.sleeps > 1:  # the first is the worker's start-up sleep
+            await asyncio.sleep(self.sleep_delay_s)
+            if self.sleep_failures:
+                self.sleep_failures -= 1
+                raise RuntimeError("scripted sleep failure")
         self.asleep = True
         if level >= 2:
             self.weight_version = None

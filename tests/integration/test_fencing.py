@@ -1,0 +1,181 @@
+"""Fenced leases with real shard worker processes: a device is never granted while a
+worker that held it may still hold it (docs/SCHEDULING.md, "Fenced leases").
+
+Each test runs a real coordinator and real ``rlix-async shard`` processes; their
+engine is the scripted test double (tests/helpers/scripted_engine.py: a sleep
+that hangs, raises, or never comes back because the process is killed). Pipeline
+P trains on device 0 and rolls out on devices 0 and 1, so its training request
+shrinks rank 0 and must wait for that shard's sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from helpers.cluster import SCRIPTED_ENGINE, joined_pipeline
+
+from rlix_async.config import SchedulerConfig
+from rlix_async.control.client import PipelineClient
+from rlix_async.control.coordinator import Coordinator
+from rlix_async.control.topology import ClusterShape, ClusterSpec
+from rlix_async.shards.worker import ShardWorker
+from rlix_async.transport import TransportConfig
+
+TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0, 1))}
+FAST = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=0.6)
+COMMAND_TIMEOUT_S = 1.0
+
+
+def spawn_shard(
+    endpoint: str, rank: int, devices: list[int] | None = None, **engine: object
+) -> subprocess.Popen[str]:
+    """A shard worker process bound to ``devices`` (default: its rank's), READY or dead."""
+    args = {"token_delay_s": 0.01, **engine}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlix_async.cli",
+            "shard",
+            "pipeline=P",
+            f"rank={rank}",
+            f"devices={json.dumps(devices if devices is not None else [rank])}",
+            f"coordinator={endpoint}",
+            "heartbeat_interval_s=0.2",
+            "engine.kind=custom",
+            f"engine.custom={SCRIPTED_ENGINE}",
+            f"engine.custom_args={json.dumps(args)}",
+            "engine.sleep_level=1",  # nothing publishes weights here: keep them
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("READY"):
+        proc.wait(timeout=30)
+    return proc
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    ipc_ep: str, **rank0_engine: object
+) -> AsyncIterator[tuple[Coordinator, PipelineClient, list[subprocess.Popen[str]]]]:
+    """Coordinator, driver of P, two shard workers (rank 0 with the faults), both awake."""
+    cfg = SchedulerConfig(command_timeout_s=COMMAND_TIMEOUT_S, lease_timeout_s=60)
+    procs: list[subprocess.Popen[str]] = []
+    async with Coordinator(ipc_ep, ClusterShape(1, 2), config=cfg, transport=FAST) as co:
+        driver = await joined_pipeline(co.endpoint, "P", TOPO, transport=FAST)
+        try:
+            procs.append(await asyncio.to_thread(spawn_shard, co.endpoint, 0, **rank0_engine))
+            procs.append(await asyncio.to_thread(spawn_shard, co.endpoint, 1))
+            await driver.report_progress(64, 0, force=True)
+            await driver.request("actor_infer", "GENERATION", timeout=20)
+            deadline = time.monotonic() + 20
+            while sorted(co.registry.pipelines["P"].active) != [0, 1]:
+                assert time.monotonic() < deadline, "both shards never woke"
+                await asyncio.sleep(0.05)
+            yield co, driver, procs
+        finally:
+            await driver.close()
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait(timeout=10)
+
+
+def fenced(co: Coordinator) -> set[int]:
+    return {d for f in co.status().fenced for d in f.devices}
+
+
+async def request_training(driver: PipelineClient) -> tuple[asyncio.Task[list[int]], float]:
+    t0 = time.monotonic()
+    task = asyncio.ensure_future(driver.request("actor_train", "ACTOR_TRAINING", timeout=60))
+    return task, t0
+
+
+@pytest.mark.timeout(90)
+async def test_a_hanging_sleep_keeps_the_device_fenced_until_it_completes(ipc_ep: str) -> None:
+    async with cluster(ipc_ep, sleep_delay_s=4.0) as (co, driver, _):
+        grant, t0 = await request_training(driver)
+        await asyncio.sleep(2 * COMMAND_TIMEOUT_S + 0.5)  # the sleep command timed out twice
+        assert not grant.done(), "training was granted a device whose shard had not slept"
+        assert fenced(co) == {0}
+        assert co.registry.owners()[0] is not None  # held by training, not yet delivered
+        assert await asyncio.wait_for(grant, 30) == [0]
+        assert time.monotonic() - t0 >= 3.5  # only once the shard confirmed its sleep
+        assert fenced(co) == set()
+
+
+@pytest.mark.timeout(90)
+async def test_a_failing_sleep_is_retried_and_the_device_granted_only_after_it_succeeds(
+    ipc_ep: str,
+) -> None:
+    async with cluster(ipc_ep, sleep_failures=2) as (co, driver, _):
+        grant, t0 = await request_training(driver)
+        await asyncio.sleep(0.5)
+        assert not grant.done() and fenced(co) == {0}
+        [fence] = co.status().fenced
+        assert fence.rank == 0 and fence.holder is not None
+        assert await asyncio.wait_for(grant, 30) == [0]
+        # two failures, each retried after command_timeout_s
+        assert time.monotonic() - t0 >= 2 * COMMAND_TIMEOUT_S - 0.2
+        assert 0 not in co.registry.pipelines["P"].active  # never woken while fenced
+
+
+@pytest.mark.timeout(90)
+async def test_a_worker_that_vanishes_mid_sleep_stays_fenced_until_replaced(ipc_ep: str) -> None:
+    async with cluster(ipc_ep, sleep_delay_s=60.0) as (co, driver, procs):
+        grant, _ = await request_training(driver)
+        await asyncio.sleep(0.5)
+        procs[0].kill()  # mid-sleep; its supervisor has not replaced it yet
+        procs[0].wait(timeout=10)
+        await asyncio.sleep(FAST.heartbeat_timeout_s + 2.0)  # declared lost, long since
+        assert not grant.done(), "a vanished worker's device was granted before it was replaced"
+        [fence] = co.status().fenced
+        assert fence.devices == [0] and "worker lost" in fence.reason
+        # the supervisor reaped it and starts a replacement: its hello proves the old one dead
+        procs.append(await asyncio.to_thread(spawn_shard, co.endpoint, 0))
+        assert await asyncio.wait_for(grant, 20) == [0]
+        assert fenced(co) == set()
+
+
+@pytest.mark.timeout(60)
+async def test_a_shard_bound_to_another_ranks_devices_is_refused(ipc_ep: str) -> None:
+    async with Coordinator(ipc_ep, ClusterShape(1, 2), transport=FAST) as co:
+        driver = await joined_pipeline(co.endpoint, "P", TOPO, transport=FAST)
+        try:
+            proc = await asyncio.to_thread(spawn_shard, co.endpoint, 0, [1])
+            assert proc.returncode == 2
+            assert proc.stderr is not None
+            err = proc.stderr.read()
+            assert "bound to devices [1] but rank 0 of P/actor_infer has devices [0]" in err, err
+            assert "P/infer/0" not in co.server.peers
+        finally:
+            await driver.close()
+
+
+async def test_a_shard_sleeps_before_its_hello_and_reports_memory(ipc_ep: str) -> None:
+    from helpers.scripted_engine import ScriptedEngine
+
+    async with Coordinator(ipc_ep, ClusterShape(1, 2)) as co:
+        driver = await joined_pipeline(co.endpoint, "P", TOPO)
+        engine = ScriptedEngine()
+        engine.asleep = False  # as a freshly loaded engine is
+        worker = await ShardWorker(engine, co.endpoint, "P", 0, devices=[0]).start()
+        try:
+            assert engine.asleep and engine.sleeps == 1  # before the coordinator heard of it
+            await driver.report_progress(8, 0, force=True)
+            await driver.request("actor_infer", "GENERATION", timeout=10)
+            assert co.shard_memory[("P", 0)] > 10 << 20  # this process's RSS, on CPU
+        finally:
+            await worker.close()
+            await driver.close()

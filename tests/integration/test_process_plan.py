@@ -1,0 +1,209 @@
+"""The process plan: ``launch --dry-run`` shows every process and its devices, bad
+topologies fail before anything starts, and the real launch starts exactly the plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers.cluster import SCRIPTED_ENGINE, rlix
+
+TWO_NODES = """
+out: {out}
+cluster: {{nodes: 2, gpus_per_node: 4}}
+pipelines:
+  - id: math
+    model: {{path: /models/m}}
+    clusters:
+      actor_train: {{tp: 1, devices: [0, 1]}}
+      actor_infer: {{tp: 2, devices: [0, 1, 2, 3]}}
+  - id: code
+    model: {{path: /models/m}}
+    clusters:
+      actor_train: {{tp: 1, devices: [4, 5]}}
+      actor_infer: {{tp: 2, devices: [4, 5, 6, 7]}}
+"""
+
+
+def dry_run(tmp_path: Path, text: str, *overrides: str) -> dict:  # type: ignore[type-arg]
+    cfg = tmp_path / "launch.yaml"
+    cfg.write_text(text.format(out=tmp_path / "out"))
+    out = rlix("launch", str(cfg), "--dry-run", "--json", *overrides)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+def test_dry_run_binds_every_process_to_its_devices_on_two_nodes(tmp_path: Path) -> None:
+    plan = dry_run(tmp_path, TWO_NODES)["processes"]
+    assert not (tmp_path / "out").exists()  # nothing written, nothing started
+    rows = {(p["role"], p["pipeline"], p["rank"]): p for p in plan}
+    assert rows[("coordinator", None, None)]["env"] == {"CUDA_VISIBLE_DEVICES": ""}
+    expected = {  # (role, pipeline, rank): (node, global devices, CUDA_VISIBLE_DEVICES)
+        ("shard", "math", 0): (0, [0, 1], "0,1"),
+        ("shard", "math", 1): (0, [2, 3], "2,3"),
+        ("shard", "code", 0): (1, [4, 5], "0,1"),
+        ("shard", "code", 1): (1, [6, 7], "2,3"),
+        ("trainer", "math", None): (0, [0, 1], "0,1"),
+        ("trainer", "code", None): (1, [4, 5], "0,1"),
+    }
+    for key, (node, devices, visible) in expected.items():
+        p = rows[key]
+        assert (p["node"], p["devices"], p["env"]["CUDA_VISIBLE_DEVICES"]) == (
+            node,
+            devices,
+            visible,
+        ), key
+    assert len(plan) == 1 + len(expected)
+    for p in plan:
+        if p["role"] == "shard":  # vLLM runs tensor parallel over exactly its bundle
+            assert p["config"]["tensor_parallel_size"] == 2
+            assert p["config"]["devices"] == p["devices"]
+            assert p["argv"][-2:] == ["--config", p["config_path"]]
+        if p["role"] == "trainer":
+            assert "--nproc-per-node=2" in p["argv"]
+            assert p["config"]["clusters"]["actor_train"]["devices"] == p["devices"]
+    # processes of one role never share a device with each other on a node
+    for role in ("shard", "trainer"):
+        seen: set[int] = set()
+        for p in plan:
+            if p["role"] == role:
+                assert not seen & set(p["devices"]), (role, p)
+                seen |= set(p["devices"])
+
+
+def test_dry_run_prints_a_table(tmp_path: Path) -> None:
+    cfg = tmp_path / "launch.yaml"
+    cfg.write_text(TWO_NODES.format(out=tmp_path / "out"))
+    out = rlix("launch", str(cfg), "--dry-run")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:6] == [
+        "ROLE",
+        "PIPELINE",
+        "RANK",
+        "NODE",
+        "DEVICES",
+        "CUDA_VISIBLE_DEVICES",
+    ]
+    assert lines[4].split()[:6] == ["shard", "code", "0", "1", "4,5", "0,1"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["pipelines[0].clusters.actor_infer.devices=[0,1,2]"],
+            "pipelines[0].clusters: cluster actor_infer: 3 devices is not a multiple of tp=2",
+        ),
+        (
+            ["pipelines[0].clusters.actor_train.devices=[3,4]"],
+            "pipelines[0].clusters.actor_train.devices: [3, 4] span nodes [0, 1]: a trainer "
+            "runs on one node",
+        ),
+        (
+            ["pipelines[1].nproc=1"],
+            "pipelines[1].nproc: 1 ranks for 2 actor_train devices [4, 5]: each rank gets "
+            "exactly one device",
+        ),
+        (
+            ["pipelines[0].clusters.actor_train.tp=2"],
+            "pipelines[0].clusters.actor_train.tp: 2: the trainer backends are data parallel",
+        ),
+        (
+            ["pipelines[0].clusters.actor_train.devices=[8]"],
+            "device",
+        ),
+    ],
+)
+def test_a_bad_topology_fails_before_any_process_starts(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    cfg = tmp_path / "launch.yaml"
+    cfg.write_text(TWO_NODES.format(out=tmp_path / "out"))
+    for args in (["--dry-run"], []):
+        out = rlix("launch", str(cfg), *args, *overrides)
+        assert out.returncode == 2, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert message in out.stderr, out.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_launch_runs_one_node_and_says_how_to_run_more(tmp_path: Path) -> None:
+    cfg = tmp_path / "launch.yaml"
+    cfg.write_text(TWO_NODES.format(out=tmp_path / "out"))
+    out = rlix("launch", str(cfg))
+    assert out.returncode == 2
+    assert "cluster.nodes is 2" in out.stderr and "--dry-run" in out.stderr
+    assert not (tmp_path / "out").exists()
+
+
+ONE_NODE = """
+out: {out}
+cluster: {{nodes: 1, gpus_per_node: 3}}
+engine: {{kind: custom, custom: "{engine}"}}
+pipelines:
+  - id: {pid}
+    steps: 1
+    rollout: {{groups_per_step: 2, group_size: 2, max_tokens: 4}}
+    model: {{vocab_size: 1000, layers: 1, hidden: 64}}
+    clusters:
+      actor_train: {{tp: 1, devices: [1, 2]}}
+      actor_infer: {{tp: 1, devices: [0, 1, 2]}}
+"""
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().split("=", 1) for e in raw if b"=" in e)
+
+
+def _argv(pid: int) -> list[str]:
+    return [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+
+
+@pytest.mark.timeout(120)
+def test_the_real_launch_starts_exactly_the_dry_run_plan(tmp_path: Path) -> None:
+    """Scripted shards (a test double); the coordinator, shard and torchrun processes are real."""
+    from rlix_async.config import (
+        CoordinatorConfig,
+        LaunchConfig,
+        PipelineConfig,
+        ShardConfig,
+        convert,
+        load_config,
+    )
+    from rlix_async.launch import Launcher
+
+    kinds = {"coordinator": CoordinatorConfig, "shard": ShardConfig, "trainer": PipelineConfig}
+    pid = f"pl{os.getpid() % 10000}"
+    text = ONE_NODE.replace("{engine}", SCRIPTED_ENGINE).replace("{pid}", pid)
+    planned = dry_run(tmp_path, text)["processes"]
+    launcher = Launcher(load_config(tmp_path / "launch.yaml", LaunchConfig))
+
+    def real(value: str) -> str:  # the dry run names the coordinator's socket symbolically
+        return value.replace("ipc://<coordinator.sock>", launcher.endpoint)
+
+    try:
+        launcher.start()
+        procs = [launcher.coordinator, *launcher.shards, *launcher.pipelines.values()]
+        assert len(procs) == len(planned)
+        for want, proc in zip(planned, procs, strict=True):
+            who = (want["role"], want["pipeline"], want["rank"])
+            assert proc is not None and proc.popen is not None
+            assert _argv(proc.popen.pid) == [real(a) for a in want["argv"]], who
+            env = _environ(proc.popen.pid)
+            assert {k: env.get(k) for k in want["env"]} == want["env"], who
+            kind = kinds[want["role"]]
+            written = load_config(want["config_path"], kind)
+            config = json.loads(real(json.dumps(want["config"])))
+            assert written == convert(config, kind, "the dry run"), who
+    finally:
+        launcher.stop()
+    deadline = time.monotonic() + 10
+    while subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout:
+        assert time.monotonic() < deadline, "launch left processes behind"
+        time.sleep(0.2)

@@ -1,0 +1,120 @@
+"""Shard states that cannot lie: a shard never serves weights it does not hold and never
+sleeps under running requests.
+
+Real coordinator, real sockets, real shared-memory weight cache; the engine is the
+scripted test double (tests/helpers/scripted_engine.py), in process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import torch
+from helpers.cluster import joined_pipeline
+from helpers.scripted_engine import ScriptedEngine
+
+from rlix_async.control.coordinator import Coordinator
+from rlix_async.control.messages import ShardState
+from rlix_async.control.topology import ClusterShape, ClusterSpec
+from rlix_async.protocol import RpcError
+from rlix_async.shards.messages import Generate, GenerateResult, ShardRefusal
+from rlix_async.shards.worker import ShardWorker
+from rlix_async.transport import RpcClient
+from rlix_async.weights.cache import WeightCache
+
+TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0,))}
+
+
+async def until(pred, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def generate(client: RpcClient, rid: str, max_tokens: int = 4) -> GenerateResult:
+    reply = await client.call(
+        Generate(request_id=rid, prompt_ids=[1, 2], max_tokens=max_tokens), timeout=30
+    )
+    assert isinstance(reply, GenerateResult)
+    return reply
+
+
+async def test_a_shard_woken_without_weights_refuses_until_a_sync_brings_them(
+    ipc_ep: str,
+) -> None:
+    """Level-2 sleep discards the weights; woken with nothing published (as after a
+    coordinator restart, before the driver re-publishes), the shard must not serve."""
+    cache = WeightCache(f"st{uuid.uuid4().hex[:6]}", bucket_bytes=16 << 10)
+    async with Coordinator(ipc_ep, ClusterShape(1, 1)) as co:
+        driver = await joined_pipeline(co.endpoint, "P", TOPO)
+        worker = await ShardWorker(ScriptedEngine(), co.endpoint, "P", 0, sleep_level=2).start()
+        client = await RpcClient(worker.data.endpoint, "router/P/0").connect()
+        try:
+            await driver.report_progress(8, 0, force=True)
+            await driver.request("actor_infer", "GENERATION", timeout=10)
+            assert worker.state == ShardState.WAKING  # awake, holding no weights
+            with pytest.raises(RpcError) as refused:
+                await generate(client, "r0")
+            assert refused.value.code == ShardRefusal.PREEMPTED  # not serving: try elsewhere
+            assert "WAKING" in refused.value.detail
+
+            cache.build(0, {"w": torch.ones(64, 64)})
+            await driver.publish_weights(cache.promote(0))  # the coordinator syncs it
+            await until(lambda: worker.state == ShardState.ACTIVE)
+            assert worker.synced_version == 0
+            assert len((await generate(client, "r1")).token_ids) == 4
+        finally:
+            await client.close()
+            await worker.close()
+            await driver.close()
+            cache.close()
+
+
+async def test_past_the_drain_timeout_running_requests_are_cut_before_the_sleep(
+    ipc_ep: str,
+) -> None:
+    engine = ScriptedEngine(token_delay_s=0.02, ignore_abort=True)  # aborts are lost
+    async with Coordinator(ipc_ep, ClusterShape(1, 1)) as co:
+        driver = await joined_pipeline(co.endpoint, "P", TOPO)
+        worker = await ShardWorker(
+            engine, co.endpoint, "P", 0, sleep_level=1, drain_timeout_s=0.3
+        ).start()
+        client = await RpcClient(worker.data.endpoint, "router/P/0").connect()
+        try:
+            await driver.report_progress(8, 0, force=True)
+            await driver.request("actor_infer", "GENERATION", timeout=10)
+            job = asyncio.ensure_future(generate(client, "long", max_tokens=500))
+            await until(lambda: engine.num_running() == 1)
+            await asyncio.sleep(0.2)  # some tokens decoded
+            await worker.shrink()
+            assert worker.state == ShardState.ASLEEP
+            assert engine.running_at_sleep[-1] == 0  # nothing ran under the sleep
+            result = await asyncio.wait_for(job, 10)
+            assert result.preempted and 0 < len(result.token_ids) < 500  # answered, not lost
+        finally:
+            await client.close()
+            await worker.close()
+            await driver.close()
+
+
+async def test_a_shard_whose_requests_cannot_be_stopped_does_not_sleep(ipc_ep: str) -> None:
+    engine = ScriptedEngine(stuck=1)  # one request the engine counts and never ends
+    async with Coordinator(ipc_ep, ClusterShape(1, 1)) as co:
+        driver = await joined_pipeline(co.endpoint, "P", TOPO)
+        worker = await ShardWorker(
+            engine, co.endpoint, "P", 0, sleep_level=1, drain_timeout_s=0.2
+        ).start()
+        try:
+            await driver.report_progress(8, 0, force=True)
+            await driver.request("actor_infer", "GENERATION", timeout=10)
+            sleeps = engine.sleeps
+            with pytest.raises(RuntimeError, match="still running after abort"):
+                await worker.shrink()
+            assert engine.sleeps == sleeps  # the sleep was refused, the engine not slept
+            assert worker.state == ShardState.DRAINING and worker.preempted
+        finally:
+            await worker.close()
+            await driver.close()
