@@ -151,6 +151,7 @@ class Coordinator(PlanRealiser):
         p = self.registry.register(msg.pipeline_id, dict(msg.clusters))
         p.connected, p.lost_at = True, None
         self.journal.record(ev.Registered(pipeline=p.id, clusters=p.clusters))
+        self._check_bound_workers(p.id)
         if restarted:
             # A new driver process for a known pipeline (it was restarted, e.g. with
             # --resume): it holds no stage and waits for nothing the old one asked;
@@ -250,6 +251,7 @@ class Coordinator(PlanRealiser):
         p = self.registry.register(pid, dict(msg.clusters))
         if not known:
             self.journal.record(ev.Registered(pipeline=pid, clusters=p.clusters))
+        self._check_bound_workers(pid)
         p.connected, p.lost_at = True, None
         if msg.admitted and not p.admitted:
             self.registry.admit(pid)
@@ -345,6 +347,22 @@ class Coordinator(PlanRealiser):
                 f"shard {identity} is bound to devices {devices} but rank {rank} of "
                 f"{pid}/{INFER} has devices {expected}",
             )
+
+    def _check_bound_workers(self, pid: str) -> None:
+        """Shard workers usually say hello before their pipeline registers, when their
+        devices cannot be checked yet: check them now. A misbound one is disconnected
+        (its hello is refused from now on) and its rank never started."""
+        p = self.registry.pipelines[pid]
+        for ident, info in list(self.server.peers.items()):
+            q, role, index = ([*ident.split("/"), "", "", ""])[:3]
+            if q != pid or role != "infer" or not index.isdigit():
+                continue
+            try:
+                self._admit_peer(ident, info.info)
+            except RegistryError as exc:
+                log.error("%s; rank %s will not be started", exc.detail, index)
+                p.offline.add(int(index))
+                self.server.drop_peer(ident)
 
     def _peer_joined(self, info: PeerInfo) -> None:
         pid, role, index = ([*info.identity.split("/"), "", "", ""])[:3]

@@ -179,3 +179,29 @@ async def test_a_shard_sleeps_before_its_hello_and_reports_memory(ipc_ep: str) -
         finally:
             await worker.close()
             await driver.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_misbound_shard_that_joined_before_its_pipeline_is_never_started(
+    ipc_ep: str,
+) -> None:
+    """The launcher starts shards before pipelines register: their devices are checked
+    at registration."""
+    async with Coordinator(ipc_ep, ClusterShape(1, 2), transport=FAST) as co:
+        wrong = await asyncio.to_thread(spawn_shard, co.endpoint, 0, [1])
+        right = await asyncio.to_thread(spawn_shard, co.endpoint, 1)
+        try:
+            assert wrong.poll() is None  # accepted for now: P's topology is unknown
+            driver = await joined_pipeline(co.endpoint, "P", TOPO, transport=FAST)
+            try:
+                assert "P/infer/0" not in co.server.peers
+                await driver.report_progress(64, 0, force=True)
+                assert await driver.request("actor_infer", "GENERATION", timeout=20) == [1]
+                await asyncio.sleep(1.0)
+                assert co.registry.pipelines["P"].active == {1}  # rank 0 never started
+            finally:
+                await driver.close()
+        finally:
+            for p in (wrong, right):
+                p.kill()
+                p.wait(timeout=10)

@@ -224,3 +224,29 @@ def test_configs_are_immutable_and_refuse_unknown_keys_everywhere() -> None:
         for struct in _structs(mi.type_info(kind)):
             assert struct.forbid_unknown_fields, struct.cls
     assert msgspec.structs.replace(cfg, out="y").out == "y"
+
+
+def test_the_status_table_shows_fenced_devices() -> None:
+    from rich.console import Console
+
+    from rlix_async.control import messages as m
+    from rlix_async.observe.status import render
+
+    reply = m.StatusReply(
+        devices=3,
+        owners=[None, None, None],
+        pipelines=[],
+        plans=1,
+        rejected_plans=0,
+        fenced=[
+            m.FenceStatus(
+                pipeline="p", rank=1, devices=[1], holder="h:7", reason="worker lost", age_s=4
+            )
+        ],
+    )
+    console = Console(width=200, record=True)
+    console.print(render(reply))
+    text = console.export_text()
+    assert "(fence p[1])" in text and "fenced 4s: worker lost" in text and "h:7" in text
+    idle = next(line for line in text.splitlines() if "(idle)" in line)
+    assert ". ." in idle  # devices 0 and 2 idle, device 1 (fenced) not

@@ -129,3 +129,26 @@ def test_the_simulator_writes_typed_events(tmp_path: Path) -> None:
     sim.write_journal(tmp_path / "sim.jsonl")
     kinds = {type(e) for e in ev.read_journal(tmp_path / "sim.jsonl")}
     assert {ev.Granted, ev.Released, ev.Expanded, ev.Shrunk} <= kinds
+
+
+def test_fences_are_replayed_even_after_their_pipeline_is_gone(tmp_path: Path) -> None:
+    """A restarted coordinator must not hand out devices a worker may still hold."""
+    path = tmp_path / "j.jsonl"
+    topo = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0, 1))}
+    ev.write_journal(
+        path,
+        [
+            ev.Registered(pipeline="p", clusters=topo),
+            ev.Expanded(pipeline="p", cluster="actor_infer", ranks=[0, 1], devices=[0, 1]),
+            ev.Shrunk(pipeline="p", cluster="actor_infer", ranks=[0, 1], devices=[0, 1]),
+            ev.Fenced(pipeline="p", rank=0, devices=[0], holder="h:1", reason="sleeping"),
+            ev.Fenced(pipeline="p", rank=1, devices=[1], holder="h:2", reason="sleeping"),
+            ev.Unfenced(pipeline="p", rank=1),
+            ev.Unregistered(pipeline="p", reason="lease expired"),
+        ],
+    )
+    reg = Registry(ClusterShape(1, 2))
+    ev.replay(path, reg)
+    assert "p" not in reg.pipelines
+    assert sorted(reg.fences) == [("p", 0)] and reg.fences[("p", 0)].holder == "h:1"
+    assert reg.snapshot().fenced == [0]
