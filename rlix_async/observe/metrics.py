@@ -22,6 +22,17 @@ class Metrics:
             "rlix_plans_rejected", "plans refused by the validator", registry=self.registry
         )
         self.pipelines = Gauge("rlix_pipelines", "pipelines registered", registry=self.registry)
+        self.fenced = Gauge(
+            "rlix_devices_fenced",
+            "devices a shard worker may still hold (sleep unconfirmed or worker lost)",
+            registry=self.registry,
+        )
+        self.shard_memory = Gauge(
+            "rlix_shard_memory_bytes",
+            "memory in use on a shard's devices after its last command (RSS on CPU)",
+            ["pipeline", "rank"],
+            registry=self.registry,
+        )
         self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
 
     def update(self, status: StatusReply) -> None:
@@ -32,6 +43,11 @@ class Metrics:
         held = Counter((o.pipeline, o.priority) for o in status.owners if o is not None)
         for (pid, stage), n in held.items():
             self.devices.labels(pid, stage).set(n)
+        self.fenced.set(len({d for f in status.fenced for d in f.devices}))
+        self.shard_memory.clear()
+        for p in status.pipelines:
+            for rank, used in p.shard_memory.items():
+                self.shard_memory.labels(p.id, str(rank)).set(used)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -251,7 +251,7 @@ def test_a_coordinator_process_serves_metrics(tmp_path: Path, ipc_ep: str) -> No
     try:
         assert proc.stdout is not None and proc.stdout.readline().startswith("READY")
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-        assert b"rlix_plans_applied" in body
+        assert b"rlix_plans_applied" in body and b"rlix_devices_fenced" in body
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
