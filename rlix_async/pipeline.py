@@ -224,6 +224,9 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> None:
     if resume and (path := latest_checkpoint(ckpt_dir)) is not None:
         ckpt = trainer.load(path)
         print(f"{cfg.id}: resumed from {path} (step {trainer.step})", flush=True)
+    # The model was built on this rank's device, before the pipeline holds it (shards
+    # start asleep, so it is free now): into host memory until the first grant.
+    trainer.offload()
     if rank != 0:
         assert store is not None
         _follower(cfg, trainer, store)

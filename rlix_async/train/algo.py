@@ -56,8 +56,15 @@ def policy_loss(
     """Token-level mean loss over every response token of the batch (DAPO style).
 
     ``advantages`` is per sequence [B]; ``old_logp`` the trainer's log-probs
-    before this update, ``behavior_logp`` the engine's at sampling time.
+    before this update, ``behavior_logp`` the engine's at sampling time. Computed
+    in float32 whatever the inputs' dtype: in bf16 (8 mantissa bits) a ratio
+    of 1.004 reads as 1.0, below the clip range's resolution.
     """
+    logp, old_logp, advantages = logp.float(), old_logp.float(), advantages.float()
+    if behavior_logp is not None:
+        behavior_logp = behavior_logp.float()
+    if ref_logp is not None:
+        ref_logp = ref_logp.float()
     mask = mask.float()
     n = mask.sum().clamp(min=1.0)
     adv = advantages.unsqueeze(-1)
@@ -72,7 +79,7 @@ def policy_loss(
         per_token = -clipped * adv * logp
         clip_frac = ((ratio - clipped).abs() > 1e-6).float()
     loss = (per_token * w).sum() / n
-    kl = torch.zeros(())
+    kl = logp.new_zeros(())  # on logp's device: the stats read it with the rest
     if ref_logp is not None and cfg.kl_coef > 0:
         # k3 estimator: unbiased, non-negative
         d = ref_logp - logp

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from rlix_async.config import ModelConfig
 from rlix_async.train.buffer import Group
-from rlix_async.train.trainer import TorchTrainer
+from rlix_async.train.trainer import TorchTrainer, cast_floats, cast_parameters
 
 
 def _llama_shape(model: ModelConfig) -> dict[str, int]:
@@ -81,9 +81,10 @@ class MegatronTrainer(TorchTrainer):
 
         if not dist.is_initialized():
             self._group_gen += 1
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # per thread: the pipeline trains in one
             dist.init_process_group(
-                backend,
+                "nccl" if self.device.type == "cuda" else "gloo",
                 store=dist.PrefixStore(f"rlix-mg-{self._group_gen}", store or dist.HashStore()),
                 rank=self.rank if store is not None else 0,
                 world_size=self.world if store is not None else 1,
@@ -117,7 +118,8 @@ class MegatronTrainer(TorchTrainer):
             activation_func=F.silu,
             add_bias_linear=False,
             use_cpu_initialization=True,
-            params_dtype=torch.float32,
+            params_dtype=self.dtype,
+            bf16=self.dtype == torch.bfloat16,  # attention softmax in float32 on bf16 inputs
             attention_dropout=0.0,
             hidden_dropout=0.0,
             bias_activation_fusion=False,
@@ -136,21 +138,20 @@ class MegatronTrainer(TorchTrainer):
             share_embeddings_and_output_weights=False,
         )
         self.destroy_group()  # the time-sharing cycle creates groups per step
-        return model
+        return cast_parameters(model, self.dtype)  # the local spec's norms ignore params_dtype
 
     def init_group(self, store: dist.Store | None) -> None:
+        self._require_on_device("init_group()")
         self._parallel_state(store if self.world > 1 else None)
         if self.world > 1:
-            self._ddp = torch.nn.parallel.DistributedDataParallel(self.model)
+            self._wrap_ddp()
 
     def destroy_group(self) -> None:
         from megatron.core import parallel_state
 
-        self._ddp = None
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        super().destroy_group()  # DDP, then the default group
 
     def forward_logits(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         n = ids.shape[1]
@@ -169,4 +170,5 @@ class MegatronTrainer(TorchTrainer):
 
     def weights_for_cache(self) -> dict[str, torch.Tensor]:
         s = _llama_shape(self.model_cfg)
-        return megatron_to_hf(self.model.state_dict(), s["heads"], s["heads"], s["head_dim"])
+        hf = megatron_to_hf(self.model.state_dict(), s["heads"], s["heads"], s["head_dim"])
+        return cast_floats(hf, self.dtype)

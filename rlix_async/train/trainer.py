@@ -1,25 +1,125 @@
 """The torch trainer backend: a HF ``LlamaForCausalLM`` under torchrun, DDP over gloo/NCCL.
 
 Time-sharing cycle (seed 000): the collective group lives only while the
-trainer holds its devices. ``init_group`` before a step (a fresh group on a
-prefix of the persistent torchrun store), ``train_step``, then
-``weights_for_cache`` (the host copy the rollout shards sync from),
-``offload`` and ``destroy_group`` before the stage is released.
+trainer holds its devices. ``reload`` and ``init_group`` before a step (a fresh
+group on a prefix of the persistent torchrun store), ``train_step``, then
+``destroy_group``, ``offload`` (the whole training state into page-locked host
+buffers, the device left empty) and ``weights_for_cache`` (the host copy the
+rollout shards sync from) before the stage is released.
+
+Devices: one per rank, ``cuda:{LOCAL_RANK}`` among those the process sees (the
+launcher sets ``CUDA_VISIBLE_DEVICES`` to the pipeline's actor_train devices).
+Precision: parameters and optimizer state in ``TrainConfig.dtype``; log-probs,
+importance ratios, advantages and the loss always in float32.
 """
 
 from __future__ import annotations
 
+import gc
+import mmap
 import os
 import random
+import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rlix_async.config import ModelConfig, TrainConfig
+from rlix_async.config import ModelConfig, TrainConfig, resolve_dtype
 from rlix_async.train.algo import group_advantages, policy_loss, token_log_probs
 from rlix_async.train.buffer import Group
+
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+# A tensor of the training state, named stably across offload cycles:
+# ("param", name), ("grad", name), ("buffer", module, name), ("optim", param name, key)
+StateKey = tuple[str, ...]
+
+
+def trainer_device(
+    local_rank: int, local_world: int, cuda_count: int, visible_devices: str | None = None
+) -> str:
+    """The device of local rank ``local_rank`` of the ``local_world`` ranks on this node.
+
+    One device per rank, in the order the process sees them: the launcher sets
+    ``CUDA_VISIBLE_DEVICES`` to the pipeline's actor_train devices, so
+    ``cuda:{local_rank}`` is this rank's own. Fewer devices than ranks is a launch
+    error, never wrapped modulo: two ranks on one device make NCCL refuse the group
+    ("Duplicate GPU detected") or, under gloo, share its memory unseen.
+    """
+    if not 0 <= local_rank < local_world:
+        raise ValueError(f"local rank {local_rank} is outside the node's {local_world} ranks")
+    if cuda_count == 0:
+        return "cpu"
+    if cuda_count < local_world:
+        shown = "unset" if visible_devices is None else repr(visible_devices)
+        raise ValueError(
+            f"trainer local rank {local_rank} of {local_world} sees {cuda_count} CUDA "
+            f"device(s) (CUDA_VISIBLE_DEVICES={shown}): the launcher binds one device per "
+            f"rank, so this node's ranks need {local_world}"
+        )
+    return f"cuda:{local_rank}"
+
+
+def cast_floats(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating-point tensors in ``dtype`` (no copy when they already are), others as they are."""
+    return {
+        k: v.detach().to(dtype) if v.is_floating_point() else v.detach() for k, v in tensors.items()
+    }
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Every parameter in ``dtype``, initialised as in float32 (same seed, same weights, rounded).
+
+    Parameters only: buffers (the rotary frequencies) keep float32, as from_pretrained
+    and vLLM keep them; rounded to bf16 they would shift every position's angle.
+    """
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
+def _unpin(pinned: list[torch.Tensor]) -> None:
+    # the memory stays valid (pageable) after this; each mapping goes with its last view
+    for raw in pinned:
+        torch.cuda.cudart().cudaHostUnregister(raw.data_ptr())
+
+
+class PinnedHostBuffers:
+    """Page-locked host homes for the device tensors of the training state.
+
+    Copies between the device and page-locked memory run at the link's speed and
+    can all be queued before one wait; pageable memory goes through a bounce
+    buffer, several times slower. Each tensor gets an anonymous mapping of its own,
+    registered with CUDA at its exact size: torch's pinned allocator rounds every
+    block up to a power of two (a 1.1 GB embedding would lock 2 GB), registering
+    malloc'd memory fails on pages shared with another registered block, and a
+    storage per tensor keeps ``torch.save`` of an offloaded trainer as it is on the
+    device (one storage per tensor, each its own dtype).
+    """
+
+    def __init__(self, specs: list[tuple[StateKey, torch.dtype, torch.Size]]) -> None:
+        self.specs = specs
+        self.views: dict[StateKey, torch.Tensor] = {}
+        pinned: list[torch.Tensor] = []
+        # holds the list until it runs: pages are unregistered before they can be unmapped
+        weakref.finalize(self, _unpin, pinned).atexit = False
+        for key, dtype, shape in specs:
+            nbytes = shape.numel() * dtype.itemsize
+            if nbytes == 0:  # nothing to copy (and a mapping cannot be empty)
+                self.views[key] = torch.empty(shape, dtype=dtype)
+                continue
+            raw = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+            status = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), nbytes, 0))
+            if status != 0:
+                raise RuntimeError(
+                    f"cannot page-lock {nbytes} bytes of host memory for the trainer's "
+                    f"offload of {'.'.join(key)} (cudaError {status})"
+                )
+            pinned.append(raw)
+            self.views[key] = raw.view(dtype).view(shape)
 
 
 class TorchTrainer:
@@ -36,11 +136,21 @@ class TorchTrainer:
         self.model_cfg = model or ModelConfig()
         self.seed = seed
         self.rank, self.world = rank, world
-        self.device = (
-            torch.device(f"cuda:{rank % torch.cuda.device_count()}")
-            if torch.cuda.is_available()
-            else torch.device("cpu")
+        # torchrun sets both; without them the rank arguments stand in (every rank on this node)
+        self.local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        self.device = torch.device(
+            trainer_device(
+                self.local_rank,
+                self.local_world,
+                cuda_count,
+                os.environ.get("CUDA_VISIBLE_DEVICES"),
+            )
         )
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # before any NCCL group or CUDA allocation
+        self.dtype = DTYPES[resolve_dtype(self.cfg.dtype, self.device.type == "cuda")]
         self._ddp: torch.nn.Module | None = None
         self._group_gen = 0  # before the model: a backend may need a group to build it
         self.model = self._build_model().to(self.device)
@@ -48,32 +158,50 @@ class TorchTrainer:
             self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
         self.step = 0
+        self._host: PinnedHostBuffers | None = None
+        self._offloaded: list[StateKey] = []  # what offload() moved; reload() moves it back
 
     def _build_model(self) -> torch.nn.Module:
         if self.model_cfg.path:
             import transformers
+            from packaging.version import Version
 
+            # transformers 4.56 renamed torch_dtype (kept, with a warning, in 5.x)
+            new = Version(transformers.__version__) >= Version("4.56")
             return transformers.AutoModelForCausalLM.from_pretrained(
-                self.model_cfg.path, torch_dtype=torch.float32
+                self.model_cfg.path, **{"dtype" if new else "torch_dtype": self.dtype}
             )
         from rlix_async.models.tiny import tiny_llama
 
-        return tiny_llama(self.seed, **self.model_cfg.tiny)
+        return cast_parameters(tiny_llama(self.seed, **self.model_cfg.tiny), self.dtype)
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._offloaded)
+
+    def _require_on_device(self, what: str) -> None:
+        if self._offloaded:
+            raise RuntimeError(f"{what} on an offloaded trainer: call reload() first")
 
     # --- collective group lifecycle ----------------------------------------------------
 
     def init_group(self, store: dist.Store | None) -> None:
-        """A fresh process group for this step (nothing when running alone)."""
-        if self.world == 1 or store is None:
+        """A fresh process group for this step (nothing without a store: running alone)."""
+        if store is None:
             return
+        self._require_on_device("init_group()")
         self._group_gen += 1
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # per thread: the pipeline trains in a worker thread
         dist.init_process_group(
-            backend,
+            "nccl" if self.device.type == "cuda" else "gloo",
             store=dist.PrefixStore(f"rlix-pg-{self._group_gen}", store),
             rank=self.rank,
             world_size=self.world,
         )
+        self._wrap_ddp()
+
+    def _wrap_ddp(self) -> None:
         self._ddp = torch.nn.parallel.DistributedDataParallel(
             self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
         )
@@ -82,34 +210,98 @@ class TorchTrainer:
         return model(input_ids=ids).logits
 
     def destroy_group(self) -> None:
-        self._ddp = None
+        if self._ddp is not None:
+            self._ddp = None
+            # DDP sits in a reference cycle: without a collection its reducer keeps
+            # gradient buckets the size of the model on the device after offload
+            gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def offload(self) -> None:
-        """Free the devices for rollout: model and optimizer state to host memory."""
-        if self.device.type != "cuda":
-            return  # already in host memory
-        self.model.to("cpu")
-        for state in self.optim.state.values():
+    # --- device memory -----------------------------------------------------------------
+
+    def _state_tensors(self) -> dict[StateKey, torch.Tensor]:
+        """Every tensor of the training state: parameters, grads, buffers, optimizer state."""
+        params = dict(self.model.named_parameters())
+        out: dict[StateKey, torch.Tensor] = {("param", n): p.data for n, p in params.items()}
+        out.update({("grad", n): p.grad for n, p in params.items() if p.grad is not None})
+        for mod_name, mod in self.model.named_modules():
+            for name, b in mod._buffers.items():
+                if b is not None:
+                    out[("buffer", mod_name, name)] = b
+        name_of = {p: n for n, p in params.items()}
+        for p, state in self.optim.state.items():
             for k, v in state.items():
                 if isinstance(v, torch.Tensor):
-                    state[k] = v.to("cpu")
+                    out[("optim", name_of[p], k)] = v
+        return out
+
+    def _install(self, tensors: dict[StateKey, torch.Tensor]) -> None:
+        """Put each tensor in its place (parameters first: a grad must match its parameter's device)."""
+        params = dict(self.model.named_parameters())
+        for key, t in sorted(tensors.items(), key=lambda kv: kv[0][0] != "param"):
+            if key[0] == "param":
+                params[key[1]].data = t
+            elif key[0] == "grad":
+                params[key[1]].grad = t
+            elif key[0] == "buffer":
+                self.model.get_submodule(key[1])._buffers[key[2]] = t
+            else:
+                self.optim.state[params[key[1]]][key[2]] = t
+
+    def offload(self) -> None:
+        """Free the device for rollout: the training state into page-locked host buffers.
+
+        The buffers are allocated at the first offload and reused by every later one
+        (new ones only when the set of tensors changes: an offload before the first
+        step has no optimizer state yet); all copies are queued, then waited for once.
+        Afterwards the device holds nothing of the trainer (the CUDA context aside).
+        On CPU: nothing to do.
+        """
+        if self.device.type != "cuda" or self._offloaded:
+            return
+        if self._ddp is not None:
+            raise RuntimeError("offload() while the process group is up: destroy_group() first")
+        self._offloaded = self._move_to_host()
+        torch._C._cuda_clearCublasWorkspaces()  # allocator blocks that empty_cache keeps
         torch.cuda.empty_cache()
 
+    def _move_to_host(self) -> list[StateKey]:
+        """Copy every device tensor of the state into its host buffer and put that in its place.
+
+        A method of its own so that, once it returns, nothing references the device
+        tensors any more (a loop variable in ``offload`` would keep the last one alive).
+        """
+        resident = {k: t for k, t in self._state_tensors().items() if t.device == self.device}
+        specs = [(k, t.dtype, t.shape) for k, t in resident.items()]
+        if self._host is None or self._host.specs != specs:
+            self._host = None  # the old pages are unlocked before the new ones are locked
+            self._host = PinnedHostBuffers(specs)
+        host = self._host.views
+        for k, t in resident.items():
+            host[k].copy_(t, non_blocking=True)
+        torch.cuda.synchronize(self.device)  # every copy has landed: the device copies may go
+        self._install({k: host[k] for k in resident})
+        return list(resident)
+
     def reload(self) -> None:
-        if self.device.type != "cuda":
+        """Back onto the device: what offload() moved (a checkpoint loaded meanwhile included)."""
+        if not self._offloaded:
             return
-        self.model.to(self.device)
-        for state in self.optim.state.values():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor):
-                    state[k] = v.to(self.device)
+        state = self._state_tensors()
+        back = {k: state[k].to(self.device, non_blocking=True) for k in self._offloaded}
+        torch.cuda.synchronize(self.device)  # the host buffers are free for the next offload
+        self._install(back)
+        self._offloaded = []
 
     # --- one GRPO step -------------------------------------------------------------------
 
     def _tensors(self, groups: list[Group]) -> dict[str, torch.Tensor]:
-        """Pack this rank's share of the batch: prompt + response, left-aligned, padded."""
+        """Pack this rank's share of the batch: prompt + response, left-aligned, padded.
+
+        Built in host memory (one small copy per row would be a transfer each), then
+        moved to the device in one go; every float is float32 whatever the model's dtype.
+        """
         rows: list[tuple[list[int], int, list[float], float]] = []
         for g in groups:
             adv = group_advantages(torch.tensor(g.rewards, dtype=torch.float32))
@@ -119,14 +311,14 @@ class TorchTrainer:
         longest = max(len(r[0]) for r in rows)
         n = len(rows)
         ids = torch.zeros(n, longest, dtype=torch.long)
-        mask = torch.zeros(n, longest - 1)
-        behavior = torch.zeros(n, longest - 1)
-        adv = torch.tensor([r[3] for r in rows])
+        mask = torch.zeros(n, longest - 1, dtype=torch.float32)
+        behavior = torch.zeros(n, longest - 1, dtype=torch.float32)
+        adv = torch.tensor([r[3] for r in rows], dtype=torch.float32)
         for i, (seq, plen, lps, _) in enumerate(rows):
             ids[i, : len(seq)] = torch.tensor(seq)
             # position t predicts token t+1: responses start at plen
             mask[i, plen - 1 : len(seq) - 1] = 1.0
-            behavior[i, plen - 1 : len(seq) - 1] = torch.tensor(lps)
+            behavior[i, plen - 1 : len(seq) - 1] = torch.tensor(lps, dtype=torch.float32)
         return {
             k: v.to(self.device)
             for k, v in dict(ids=ids, mask=mask, behavior=behavior, adv=adv).items()
@@ -134,16 +326,18 @@ class TorchTrainer:
 
     def _logp(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         logits = self.forward_logits(model, ids)[:, :-1]
-        return token_log_probs(logits, ids[:, 1:])
+        return token_log_probs(logits, ids[:, 1:])  # float32 from any logits dtype
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
+        self._require_on_device("train_step()")
         t = self._tensors(groups)
         model = self._ddp or self.model
         self.model.train()
         with torch.no_grad():
             old = self._logp(self.model, t["ids"])  # pi_old: these weights, before the update
         n = t["ids"].shape[0]
-        parts = [p for p in torch.arange(n).chunk(max(1, min(self.cfg.minibatches, n))) if len(p)]
+        order = torch.arange(n, device=self.device)
+        parts = [p for p in order.chunk(max(1, min(self.cfg.minibatches, n))) if len(p)]
         stats: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "is_weight_mean": 0.0}
         for idx in parts:
             logp = self._logp(model, t["ids"][idx])
@@ -162,12 +356,18 @@ class TorchTrainer:
             stats["loss"] += loss.item() / len(parts)
             stats["clip_frac"] += s["clip_frac"] / len(parts)
             stats["is_weight_mean"] += s["is_weight_mean"] / len(parts)
+        # the next step starts from zero_grad: kept, the grads would hold a model's size of
+        # device memory and be offloaded and reloaded every cycle for nothing
+        self.optim.zero_grad(set_to_none=True)
         self.step += 1
         return stats
 
     def weights_for_cache(self) -> dict[str, torch.Tensor]:
-        """HF names, as vLLM's ``load_weights`` expects them."""
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        """HF names, as vLLM's ``load_weights`` expects them, in the trainer's dtype.
+
+        After ``offload`` these are views of the page-locked host buffers (no copy).
+        """
+        return cast_floats(self.model.state_dict(), self.dtype)
 
     # --- checkpoint ------------------------------------------------------------------------
 

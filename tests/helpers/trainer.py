@@ -5,6 +5,8 @@ offload-cycle check."""
 from __future__ import annotations
 
 import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,22 +18,28 @@ from rlix_async.train.trainer import TorchTrainer
 
 
 def sample_batch(trainer: TorchTrainer, gen: torch.Generator) -> list[Group]:
-    """Sample from the trainer's own model; reward = share of tokens below 8."""
+    """Sample from the trainer's own model; reward = share of tokens below 8.
+
+    The model runs on its device; tokens are drawn on the host from float32
+    probabilities with the host generator ``gen``, so a seed gives the same draws
+    on any device and dtype."""
     groups = []
     model = trainer.model.eval()
+    device = next(model.parameters()).device
     for _ in range(4):
         prompt = torch.randint(1, 64, (3,), generator=gen).tolist()
         responses, lps = [], []
         for _ in range(4):
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=device)
             out, logp = [], []
             with torch.no_grad():
                 for _ in range(6):
-                    probs = torch.softmax(model(input_ids=ids).logits[0, -1], -1)
+                    logits = model(input_ids=ids).logits[0, -1].float().cpu()
+                    probs = torch.softmax(logits, -1)
                     tok = int(torch.multinomial(probs, 1, generator=gen))
                     out.append(tok)
                     logp.append(float(torch.log(probs[tok])))
-                    ids = torch.cat([ids, torch.tensor([[tok]])], 1)
+                    ids = torch.cat([ids, torch.tensor([[tok]], device=device)], 1)
             responses.append(out)
             lps.append(logp)
         rewards = [sum(t < 8 for t in r) / len(r) for r in responses]
@@ -40,9 +48,27 @@ def sample_batch(trainer: TorchTrainer, gen: torch.Generator) -> list[Group]:
 
 
 def mass_below_8(trainer: TorchTrainer) -> float:
+    device = next(trainer.model.parameters()).device
     with torch.no_grad():
-        logits = trainer.model(input_ids=torch.tensor([[5, 9, 13]])).logits[0, -1]
-    return float(torch.softmax(logits, -1)[:8].sum())
+        logits = trainer.model(input_ids=torch.tensor([[5, 9, 13]], device=device)).logits[0, -1]
+    return float(torch.softmax(logits.float(), -1)[:8].sum())
+
+
+def state_snapshot(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
+    """Every tensor of the training state (model and optimizer), copied to the host."""
+    out = {
+        f"model.{k}": v.detach().to("cpu", copy=True) for k, v in trainer.model.state_dict().items()
+    }
+    for i, state in trainer.optim.state_dict()["state"].items():
+        out.update({f"optim.{i}.{k}": v.to("cpu", copy=True) for k, v in state.items()})
+    return out
+
+
+def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Same keys, dtypes and values, bit for bit."""
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
 
 
 CYCLES = r"""
@@ -59,30 +85,45 @@ else:
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
 t = Trainer(TrainConfig(), ModelConfig(vocab_size=64, layers=1, hidden=64), rank=rank, world=world)
+cuda = t.device.type == "cuda"
 g = [Group([1, 2], [[3, 4, 5], [6, 7, 8]], [[-4.0] * 3] * 2, [[0] * 3] * 2, [1.0, 0.0])] * 2
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-samples, losses = [], []
+samples, losses, device_bytes, device_used = [], [], [], []
 for i in range(20):
     t.reload(); t.init_group(store)
     losses.append(t.train_step(g)["loss"])
-    w = t.weights_for_cache()
     t.destroy_group(); t.offload()
+    w = t.weights_for_cache()  # after the offload, as the pipeline publishes
     assert not dist.is_initialized()
     if backend == "megatron":
         assert not parallel_state.model_parallel_is_initialized()
     gc.collect()
     samples.append(rss())
+    if cuda:
+        device_bytes.append(torch.cuda.memory_allocated(t.device))
+        free, total = torch.cuda.mem_get_info(t.device)
+        device_used.append(total - free)  # NCCL's buffers are outside the allocator
 with open(f"{out_dir}/rank{rank}.json", "w") as fh:
-    json.dump({"rank": rank, "rss": samples, "losses": losses,
-               "weights": {k: v.sum().item() for k, v in w.items()}}, fh)
+    json.dump({"rank": rank, "device": str(t.device), "rss": samples, "losses": losses,
+               "device_bytes": device_bytes, "device_used": device_used,
+               "weights": {k: v.float().sum().item() for k, v in w.items()}}, fh)
 """
 
 
-def run_cycles(tmp_path: Path, backend: str, timeout: float = 280) -> list[dict]:
-    """20 train/export/offload/destroy cycles on 2 torchrun ranks; asserts nothing leaked."""
+def run_cycles(
+    tmp_path: Path, backend: str, timeout: float = 280, cuda: bool = False
+) -> list[dict]:
+    """20 train/export/offload/destroy cycles on 2 torchrun ranks; asserts nothing leaked.
+
+    ``cuda=False`` hides every CUDA device (gloo on the host, whatever the machine);
+    ``cuda=True`` needs two devices, one per rank, and checks device memory too.
+    """
     script = tmp_path / "cycles.py"
     script.write_text(CYCLES)
+    env = dict(os.environ)
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     out = subprocess.run(
         [
             sys.executable,
@@ -97,10 +138,12 @@ def run_cycles(tmp_path: Path, backend: str, timeout: float = 280) -> list[dict]
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert rows[0]["weights"] == rows[1]["weights"]  # DDP kept the replicas identical
+    assert [r["device"] for r in rows] == (["cuda:0", "cuda:1"] if cuda else ["cpu", "cpu"])
     for r in rows:
         rss = r["rss"]
         # after warm-up (cycles 1-5: allocator, gloo buffers) RSS stays flat
@@ -108,5 +151,10 @@ def run_cycles(tmp_path: Path, backend: str, timeout: float = 280) -> list[dict]
         assert growth < 16 << 20, (
             f"rank {r['rank']}: RSS grew {growth >> 20} MiB over 14 cycles: {rss}"
         )
-        assert all(x == x for x in r["losses"])  # finite
+        assert all(math.isfinite(x) for x in r["losses"])
+        if cuda:
+            # offloaded, the trainer holds no device memory; NCCL's groups leave none behind
+            assert max(r["device_bytes"]) < 1 << 20, r["device_bytes"]
+            used = r["device_used"]
+            assert used[-1] - used[5] < 64 << 20, f"rank {r['rank']}: device use grew: {used}"
     return rows

@@ -1,25 +1,43 @@
 """The torch trainer: GRPO steps raise the rewarded tokens' probability; checkpoints round-trip;
-offload/group cycles under torchrun leak neither memory nor process groups."""
+offload/group cycles under torchrun leak neither memory nor process groups; each rank takes
+its own device, never one modulo the count; parameters and optimizer state live in the
+configured dtype while log-probs, ratios and losses stay float32.
+
+Written to pass on any machine: on a CUDA one the same tests run on the device (the GPU tier,
+tests/gpu/test_trainer_gpu.py, adds what only a device can show)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from helpers.trainer import mass_below_8, run_cycles, sample_batch
+from helpers.trainer import (
+    assert_same_state,
+    mass_below_8,
+    run_cycles,
+    sample_batch,
+    state_snapshot,
+)
 
-from rlix_async.config import ModelConfig, TrainConfig
-from rlix_async.train.trainer import TorchTrainer, latest_checkpoint
+from rlix_async.config import LossConfig, ModelConfig, TrainConfig
+from rlix_async.models.tiny import save_tiny_llama
+from rlix_async.train import trainer as trainer_module
+from rlix_async.train.algo import policy_loss
+from rlix_async.train.buffer import Group
+from rlix_async.train.trainer import TorchTrainer, latest_checkpoint, trainer_device
 
 SMALL = ModelConfig(vocab_size=64, layers=1, hidden=64)
+BATCH = [Group([1, 2], [[3, 4, 5], [6, 7, 8]], [[-4.0] * 3] * 2, [[0] * 3] * 2, [1.0, 0.0])] * 2
 
 
-def test_grpo_steps_raise_the_rewarded_tokens_probability() -> None:
-    trainer = TorchTrainer(TrainConfig(lr=1e-2), SMALL, seed=0)
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_grpo_steps_raise_the_rewarded_tokens_probability(dtype: Any) -> None:
+    trainer = TorchTrainer(TrainConfig(lr=1e-2, dtype=dtype), SMALL, seed=0)
     gen = torch.Generator().manual_seed(0)
     before = mass_below_8(trainer)
     for _ in range(8):
@@ -46,3 +64,167 @@ def test_checkpoint_round_trip(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_twenty_offload_cycles_under_torchrun_leak_nothing(tmp_path: Path) -> None:
     run_cycles(tmp_path, "torch")
+
+
+# --- device binding --------------------------------------------------------------------------
+
+
+def test_each_local_rank_takes_its_own_device() -> None:
+    assert trainer_device(0, 1, 0) == "cpu"
+    assert trainer_device(1, 2, 0) == "cpu"
+    assert trainer_device(0, 1, 1) == "cuda:0"
+    assert trainer_device(1, 2, 2) == "cuda:1"
+    assert trainer_device(3, 4, 4) == "cuda:3"
+    assert trainer_device(1, 2, 8) == "cuda:1"  # more visible than ranks: still its own
+
+
+def test_fewer_devices_than_ranks_is_a_one_line_error_not_a_shared_device() -> None:
+    # the case that put two NCCL ranks on one GPU: rank 1 of 2 wrapped onto cuda:0
+    with pytest.raises(ValueError) as err:
+        trainer_device(1, 2, 1, "0")
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "local rank 1 of 2 sees 1 CUDA device(s)" in msg
+    assert "CUDA_VISIBLE_DEVICES='0'" in msg
+    assert "the launcher binds one device per rank" in msg
+    with pytest.raises(ValueError, match=r"CUDA_VISIBLE_DEVICES=unset"):
+        trainer_device(0, 4, 2)  # rank 0 has a device, but its node's ranks do not all
+    with pytest.raises(ValueError, match="local rank 2 is outside the node's 2 ranks"):
+        trainer_device(2, 2, 4)
+
+
+def test_the_trainer_takes_its_local_rank_from_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    t = TorchTrainer(model=SMALL, rank=1, world=2)  # global rank 1, alone on its node
+    assert (t.local_rank, t.local_world) == (0, 1)
+    assert t.device.type == "cpu" or t.device == torch.device("cuda:0")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="local rank 3 is outside the node's 2 ranks"):
+        TorchTrainer(model=SMALL)  # the arguments (rank 0 of 1) alone would have been fine
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(ValueError, match="local rank 2 is outside the node's 2 ranks"):
+        TorchTrainer(model=SMALL, rank=2, world=2)  # unset: the rank arguments stand in
+
+
+# --- precision -------------------------------------------------------------------------------
+
+
+def test_auto_dtype_is_float32_on_the_host_and_bfloat16_on_a_device() -> None:
+    t = TorchTrainer(model=SMALL)
+    expected = torch.bfloat16 if t.device.type == "cuda" else torch.float32
+    assert t.dtype == expected
+    assert {p.dtype for p in t.model.parameters()} == {expected}
+    assert {v.dtype for v in t.weights_for_cache().values()} == {expected}
+
+
+def test_bfloat16_keeps_the_state_in_bf16_and_the_loss_maths_in_float32(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[dict[str, torch.dtype]] = []
+
+    def recording_policy_loss(*args: Any, **kwargs: Any) -> Any:
+        loss, stats = policy_loss(*args, **kwargs)
+        names = ("logp", "old_logp", "advantages", "mask")
+        seen.append({n: a.dtype for n, a in zip(names, args, strict=False)})
+        seen[-1].update(behavior_logp=kwargs["behavior_logp"].dtype, loss=loss.dtype)
+        assert torch.isfinite(loss)
+        return loss, stats
+
+    monkeypatch.setattr(trainer_module, "policy_loss", recording_policy_loss)
+    t = TorchTrainer(TrainConfig(dtype="bfloat16", minibatches=2), SMALL, seed=0)
+    stats = t.train_step(BATCH)
+    assert len(seen) == 2 and all(set(s.values()) == {torch.float32} for s in seen), seen
+    assert all(v == v and abs(v) < float("inf") for v in stats.values())
+    assert {p.dtype for p in t.model.parameters()} == {torch.bfloat16}
+    # the rotary frequencies stay float32, as from_pretrained and vLLM keep them
+    assert {b.dtype for b in t.model.buffers()} == {torch.float32}
+    state = [v for s in t.optim.state.values() for k, v in s.items() if k != "step"]
+    assert state and {v.dtype for v in state} == {torch.bfloat16}
+    cache = t.weights_for_cache()
+    assert cache.keys() == t.model.state_dict().keys()
+    assert {v.dtype for v in cache.values()} == {torch.bfloat16}
+
+
+def test_a_pretrained_model_loads_in_the_configured_dtype(tmp_path: Path) -> None:
+    path = save_tiny_llama(tmp_path / "m", 0, **SMALL.tiny)
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        t = TorchTrainer(TrainConfig(dtype=name), ModelConfig(path=str(path)))
+        assert {p.dtype for p in t.model.parameters()} == {dtype}, name
+
+
+def test_the_policy_loss_is_float32_maths_whatever_the_inputs_dtype() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logp = -torch.rand(4, 6, generator=gen) * 3
+    old = logp + torch.randn(4, 6, generator=gen) * 0.005  # ratios within bf16's spacing of 1
+    behavior = old + torch.randn(4, 6, generator=gen) * 0.1
+    adv = torch.randn(4, generator=gen)
+    mask = torch.ones(4, 6)
+    bf = [x.to(torch.bfloat16) for x in (logp, old, adv, behavior)]
+    up = [x.float() for x in bf]  # the same values, upcast before the maths
+    for kind in ("dapo", "cispo"):
+        cfg = LossConfig(kind=kind, kl_coef=0.1)
+        got, got_stats = policy_loss(
+            bf[0], bf[1], bf[2], mask, cfg, behavior_logp=bf[3], ref_logp=bf[1]
+        )
+        want, want_stats = policy_loss(
+            up[0], up[1], up[2], mask, cfg, behavior_logp=up[3], ref_logp=up[1]
+        )
+        assert got.dtype == torch.float32
+        assert torch.equal(got, want), kind
+        assert got_stats == want_stats
+
+
+# --- offload ---------------------------------------------------------------------------------
+
+
+def test_offload_and_reload_leave_training_and_checkpoints_as_they_were(tmp_path: Path) -> None:
+    cycled = TorchTrainer(model=SMALL, seed=0)
+    straight = TorchTrainer(model=SMALL, seed=0)  # never offloaded
+    host = cycled.device.type == "cpu"
+    ptrs = [p.data_ptr() for p in cycled.model.parameters()]
+    for _ in range(3):
+        stats, reference = cycled.train_step(BATCH), straight.train_step(BATCH)
+        if host:  # the same maths as a trainer never offloaded (a device may reorder sums)
+            assert stats == reference
+        # a finished step holds no grads: nothing of them to keep on the device or move
+        assert all(p.grad is None for p in cycled.model.parameters())
+        before = state_snapshot(cycled)
+        cycled.offload()
+        if host:  # nothing to free on the host: no copy, no state change
+            assert not cycled.offloaded
+            assert [p.data_ptr() for p in cycled.model.parameters()] == ptrs
+        cycled.save(tmp_path / "offloaded.pt", {})
+        cycled.reload()
+        assert_same_state(state_snapshot(cycled), before)
+    if host:
+        assert_same_state(state_snapshot(cycled), state_snapshot(straight))
+    cycled.save(tmp_path / "reloaded.pt", {})
+    straight.save(tmp_path / "straight.pt", {})
+
+    def keys(name: str) -> tuple[set[str], set[int], set[str]]:
+        c = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+        return set(c["model"]), set(c["optim"]["state"]), set(c["optim"]["state"][0])
+
+    assert keys("offloaded") == keys("reloaded") == keys("straight")
+    fresh = TorchTrainer(model=SMALL, seed=9)
+    fresh.load(tmp_path / "offloaded.pt")
+    assert fresh.step == 3
+    assert_same_state(state_snapshot(fresh), state_snapshot(cycled))
+
+
+@pytest.mark.slow
+def test_megatron_parameters_and_cache_follow_the_configured_dtype() -> None:
+    pytest.importorskip("megatron.core")
+    from rlix_async.train.megatron import MegatronTrainer
+
+    t = MegatronTrainer(TrainConfig(dtype="bfloat16"), SMALL, seed=0)
+    # params_dtype covers the linear layers; the local spec's norms are cast after the build
+    assert {p.dtype for p in t.model.parameters()} == {torch.bfloat16}
+    stats = t.train_step(BATCH)
+    assert all(abs(v) < float("inf") for v in stats.values())
+    state = [v for s in t.optim.state.values() for k, v in s.items() if k != "step"]
+    assert state and {v.dtype for v in state} == {torch.bfloat16}
+    assert {v.dtype for v in t.weights_for_cache().values()} == {torch.bfloat16}
