@@ -1,17 +1,28 @@
 """``rlix-async bench weights``: weight sync throughput and the receiver's extra memory.
 
-An owner process builds the cache (layer-like fp32 tensors totalling
-``--size-mb``) and serves it; this process is the receiving shard with its own
-destination tensors. Measured in one run: plain host copy (memcpy), same-node
-sync through shared memory (local), sync over tcp loopback from the owner's
-WeightServer (remote, CURVE like every tcp endpoint), and the same bytes as plain
-ZMQ frames with the same security and no cache logic (zmq_raw).
+Two receivers (``--receiver``):
+
+- ``tensors``: an owner process builds the cache (layer-like fp32 tensors
+  totalling ``--size-mb``) and serves it; this process receives into its own
+  plain tensors. Measured in one run: plain host copy (memcpy), same-node sync
+  through shared memory (local), sync over tcp loopback from the owner's
+  WeightServer (remote, CURVE like every tcp endpoint), and the same bytes as
+  plain ZMQ frames with the same security and no cache logic (zmq_raw).
+- ``vllm``: the path a shard really uses. A vLLM engine serves a random Llama
+  of about ``--size-mb``; this process owns the cache and each round builds a
+  new version and loads it with ``VllmEngine.load_version`` (vLLM's weight
+  transfer API, our ``rlix_shm`` backend staging a private copy, then the
+  model's ``load_weights`` in a layerwise reload). Measured: the sync's
+  throughput, the same version copied into plain tensors in this process for
+  comparison, and the peak extra private memory of the engine's processes
+  during the sync.
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import tempfile
 import threading
 import time
@@ -54,19 +65,31 @@ def model_like(total_bytes: int) -> dict[str, torch.Tensor]:
     return {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes}
 
 
-def _rss_anon() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
+def _rss_anon(pid: int | str = "self") -> int:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except FileNotFoundError:  # the process ended
+        pass
     return 0
 
 
 class PeakSampler:
-    """Highest anonymous (private) memory seen while the block runs."""
+    """Highest anonymous (private) memory seen while the block runs: of this process,
+    or summed over ``pids``."""
+
+    def __init__(self, pids: list[int] | None = None) -> None:
+        self.pids = pids
+
+    def now(self) -> int:
+        if self.pids is None:
+            return _rss_anon()
+        return sum(_rss_anon(pid) for pid in self.pids)
 
     def __enter__(self) -> PeakSampler:
-        self.base = self.peak = _rss_anon()
+        self.base = self.peak = self.now()
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
@@ -74,13 +97,13 @@ class PeakSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_anon())
+            self.peak = max(self.peak, self.now())
             time.sleep(0.001)
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._t.join()
-        self.peak = max(self.peak, _rss_anon())
+        self.peak = max(self.peak, self.now())
 
     @property
     def extra_mb(self) -> float:
@@ -187,14 +210,7 @@ def _measure(
     credits: int,
     q_in: Any,
 ) -> dict[str, Any]:
-    src = torch.empty(size // 4, dtype=torch.float32).normal_()
-    dst = torch.empty_like(src).zero_()
-    dst.copy_(src)
-    t0 = time.perf_counter()
-    dst.copy_(src)
-    memcpy = size / (time.perf_counter() - t0) / GIB
-    del src, dst
-
+    memcpy = _memcpy_gibps(size)
     sink = TensorSink(dest)
     layout = sync_local(ref, sink)  # warm: maps the pages once
     with PeakSampler() as local_mem:
@@ -222,4 +238,94 @@ def _measure(
         "local_extra_mb": local_mem.extra_mb,
         "remote_extra_mb": remote_mem.extra_mb,
         "buckets": len(layout.bucket_sizes),
+    }
+
+
+def _memcpy_gibps(size: int) -> float:
+    """A plain host copy of ``size`` bytes (pages touched first), GiB/s."""
+    src = torch.empty(size // 4, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src).zero_()
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return size / (time.perf_counter() - t0) / GIB
+
+
+# --- the receiving path of a vLLM shard ----------------------------------------------
+
+LLAMA_HIDDEN, LLAMA_VOCAB = 768, 8192  # heads of 64, as vLLM's CPU attention needs
+
+
+def llama_for(size_mb: int) -> dict[str, int]:
+    """A tiny-Llama config of about ``size_mb`` MiB of fp32 weights (whole layers, >= 1)."""
+    h = LLAMA_HIDDEN
+    per_layer = (4 * h * h + 3 * h * 2 * h) * 4  # attention and MLP matrices
+    embeddings = 2 * LLAMA_VOCAB * h * 4  # embed_tokens and lm_head
+    layers = max(1, round((size_mb * MIB - embeddings) / per_layer))
+    return {"vocab_size": LLAMA_VOCAB, "layers": layers, "hidden": h}
+
+
+def run_vllm_weights_bench(
+    size_mb: int = 256, bucket_mb: int = 64, rounds: int = 3
+) -> dict[str, Any]:
+    """``load_version`` into a vLLM engine, ``rounds`` times after one warm-up sync."""
+    return aio_run(_vllm_bench(size_mb, bucket_mb * MIB, rounds))
+
+
+async def _vllm_bench(size_mb: int, bucket: int, rounds: int) -> dict[str, Any]:
+    import psutil
+
+    from rlix_async.config import EngineConfig
+    from rlix_async.models.tiny import save_tiny_llama, tiny_llama
+    from rlix_async.shards.vllm_engine import VllmEngine
+
+    config = llama_for(size_mb)
+    versions = [tiny_llama(seed, **config).state_dict() for seed in (1, 2)]
+    total = sum(t.nbytes for t in versions[0].values())
+    with tempfile.TemporaryDirectory(prefix="rlix-wbench-") as tmp:
+        path = save_tiny_llama(f"{tmp}/model", seed=0, **config)
+        cuda = torch.cuda.is_available()
+        engine = VllmEngine(str(path), EngineConfig(max_model_len=256), cuda=cuda)
+        cache = WeightCache(f"wbench{os.getpid()}", "owner0", bucket_bytes=bucket)
+        try:
+            # The engine's processes (engine core, worker), measured against their
+            # memory before the first sync: what a sync leaves allocated counts too.
+            memory = PeakSampler([p.pid for p in psutil.Process().children(recursive=True)])
+            before = memory.now()
+            seconds, peaks = [], []
+            for v in range(1, rounds + 2):  # version 1 is the warm-up (first mapping, layout)
+                cache.build(v, versions[(v + 1) % 2])
+                ref = cache.promote(v)
+                with memory:
+                    t0 = time.perf_counter()
+                    await engine.load_version(ref)
+                    if v > 1:
+                        seconds.append(time.perf_counter() - t0)
+                peaks.append(memory.peak)
+            assert engine.weight_version == 1 + rounds
+            retained = memory.now() - before
+            plain = TensorSink({k: torch.empty_like(t) for k, t in versions[0].items()})
+            layout = sync_local(ref, plain)  # warm: this process maps the slot once
+            t0 = time.perf_counter()
+            sync_local(ref, plain, layout)
+            plain_gibps = total / (time.perf_counter() - t0) / GIB
+        finally:
+            engine.shutdown()
+            cache.close()
+    best = min(seconds)
+    return {
+        "receiver": "vllm",
+        "size_mb": round(total / MIB, 1),
+        "tensors": len(versions[0]),
+        "layers": config["layers"],
+        "rounds": rounds,
+        "bucket_mb": bucket // MIB,
+        "device": "cuda" if cuda else "cpu",
+        "vllm_gibps": total / best / GIB,
+        "vllm_seconds": seconds,
+        "plain_tensors_gibps": plain_gibps,
+        "memcpy_gibps": _memcpy_gibps(total),
+        "engine_extra_mb": (max(peaks) - before) / MIB,
+        "engine_extra_per_model": (max(peaks) - before) / total,
+        "engine_retained_mb": retained / MIB,
     }

@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from rlix_async.cli import positive_int
+from rlix_async.cli import UsageError, positive_int
 
 
 def _rpc(args: argparse.Namespace) -> int:
@@ -40,9 +40,15 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _weights(args: argparse.Namespace) -> int:
+    only = {"credits": "tensors", "rounds": "vllm"}  # options of one receiver
+    for option, receiver in only.items():
+        if getattr(args, option) is not None and args.receiver != receiver:
+            raise UsageError(f"--{option} applies to --receiver {receiver} only")
+    if args.receiver == "vllm":
+        return _weights_vllm(args)
     from rlix_async.bench.weights import run_weights_bench
 
-    r = run_weights_bench(args.size_mb, args.bucket_mb, args.credits)
+    r = run_weights_bench(args.size_mb or 1024, args.bucket_mb, args.credits or 2)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
@@ -57,6 +63,50 @@ def _weights(args: argparse.Namespace) -> int:
         f"remote {r['remote_extra_mb']:.1f})"
     )
     return 0
+
+
+def _weights_vllm(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays JSON
+    from rlix_async.bench.weights import run_vllm_weights_bench
+
+    r = run_vllm_weights_bench(args.size_mb or 256, args.bucket_mb, args.rounds or 3)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    print(
+        f"vLLM engine ({r['device']}), random Llama of {r['size_mb']} MiB "
+        f"({r['tensors']} tensors), {r['bucket_mb']} MiB buckets, best of {r['rounds']} syncs"
+    )
+    for key in ("vllm_gibps", "plain_tensors_gibps", "memcpy_gibps"):
+        print(f"  {key:20s} {r[key]:6.2f} GiB/s")
+    print(
+        f"  engine_extra_mb      {r['engine_extra_mb']:6.1f} MiB "
+        f"({r['engine_extra_per_model']:.2f} x the model): the engine's processes' peak "
+        f"private memory during syncs over before the first; {r['engine_retained_mb']:.1f} "
+        "MiB still held after the last"
+    )
+    return 0
+
+
+def _gpu(args: argparse.Namespace) -> int:
+    from rlix_async.bench.gpu import cuda_available, format_gpu_result, run_gpu_bench
+
+    if not cuda_available():
+        raise UsageError("bench gpu needs a CUDA device")
+    r = run_gpu_bench(args.gib, args.model_mb, args.repeats)
+    print(json.dumps(r, indent=2) if args.json else format_gpu_result(r))
+    return 0 if all(r["targets_met"].values()) else 1
+
+
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return x
 
 
 def _preempt(args: argparse.Namespace) -> int:
@@ -109,11 +159,29 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _json_flag(p)
     p.set_defaults(func=_plan)
     p = bsub.add_parser("weights", help="weight sync: shared memory, tcp, raw ZMQ, memcpy")
-    p.add_argument("--size-mb", type=positive_int, default=1024)
+    p.add_argument(
+        "--receiver",
+        choices=["tensors", "vllm"],
+        default="tensors",
+        help="plain tensors (local, tcp, raw ZMQ), or a vLLM engine via load_version",
+    )
+    p.add_argument(
+        "--size-mb", type=positive_int, help="weights (default 1024; vllm: 256, whole layers)"
+    )
     p.add_argument("--bucket-mb", type=positive_int, default=64)
-    p.add_argument("--credits", type=positive_int, default=2, help="buckets in flight (remote)")
+    p.add_argument("--credits", type=positive_int, help="tensors: buckets in flight (default 2)")
+    p.add_argument("--rounds", type=positive_int, help="vllm: timed syncs (default 3)")
     _json_flag(p)
     p.set_defaults(func=_weights)
+    p = bsub.add_parser(
+        "gpu",
+        help="CUDA: cache build and trainer offload/reload vs pinned copies (exit 1: a target missed)",
+    )
+    p.add_argument("--gib", type=_positive_float, default=2.0, help="bytes the cache builds from")
+    p.add_argument("--model-mb", type=positive_int, default=400, help="trainer's bf16 weights")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed runs (best is kept)")
+    _json_flag(p)
+    p.set_defaults(func=_gpu)
     p = bsub.add_parser("preempt", help="shrink a vLLM shard under load: latency, waste, losses")
     p.add_argument("--requests", type=positive_int, default=32, help="requests in flight")
     p.add_argument("--max-tokens", type=positive_int, default=96)

@@ -6,8 +6,14 @@ it the one shards sync to. Slots live as long as the model layout (see
 :mod:`rlix_async.weights.shm` for the segments and the seqlock header).
 Segment names are tied to pipeline and owner, so a restarted owner removes
 what a crashed predecessor left behind. With CUDA present the slots are
-page-locked (cudaHostRegister). The owner waits for zero-copy remote sends of
-a slot to finish before it overwrites that slot.
+page-locked (cudaHostRegister) and ``build`` copies device tensors straight
+into them (see :func:`~rlix_async.weights.packing.pack_into`). The owner waits
+for zero-copy remote sends of a slot to finish before it overwrites that slot.
+
+Before it creates a layout's segments (two slots and the layout) the cache
+checks its directory has room for them and fails with one line naming the
+directory, the free and needed MiB and the fix (:class:`ShmSpaceError`): a
+container's 64 MiB ``/dev/shm`` would otherwise kill the owner with SIGBUS.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from rlix_async.weights.shm import (
     SHM_DIR,
     Segment,
     cleanup_stale,
+    ensure_room,
+    layout_segment_bytes,
     publish_layout,
     segment_prefix,
     write_header,
@@ -149,20 +157,28 @@ class WeightCache:
         for slot in range(len(self.slots)):
             self._wait_sends(slot)
         self._drop_segments()
-        self.layout = layout
-        self.slots = [
-            Segment(
-                self.slot_name(i), HEADER + layout.total_bytes, create=True, shm_dir=self.shm_dir
-            )
-            for i in range(2)
-        ]
+        self.layout, self.slot_version, self.current = None, [None, None], None
+        slot_bytes = HEADER + layout.total_bytes
+        ensure_room(
+            self.shm_dir,
+            [slot_bytes, slot_bytes, layout_segment_bytes(layout)],
+            f"the weight cache of pipeline {self.pipeline!r} (two slots of "
+            f"{slot_bytes / (1 << 20):.1f} MiB and the layout)",
+        )
+        try:
+            for i in range(2):
+                self.slots.append(
+                    Segment(self.slot_name(i), slot_bytes, create=True, shm_dir=self.shm_dir)
+                )
+            self._layout_segment = publish_layout(self.pipeline, self.owner, layout, self.shm_dir)
+        except BaseException:  # the directory filled up meanwhile: leave nothing half made
+            self._drop_segments()
+            raise
         for i, seg in enumerate(self.slots):
             write_header(seg.buf, 0, layout.total_bytes, None, layout.fingerprint())
             seg.pin()
             self.generation[i] = 0
-        self.slot_version = [None, None]
-        self.current = None
-        self._layout_segment = publish_layout(self.pipeline, self.owner, layout, self.shm_dir)
+        self.layout = layout
 
     def _drop_segments(self) -> None:
         for seg in [*self.slots, *([self._layout_segment] if self._layout_segment else [])]:

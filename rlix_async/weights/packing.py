@@ -135,11 +135,19 @@ class BucketView:
 
 
 def pack_into(tensors: Mapping[str, torch.Tensor], layout: Layout, dest: memoryview) -> None:
-    """Copy every tensor to its place in ``dest`` (all buckets back to back)."""
+    """Copy every tensor to its place in ``dest`` (all buckets back to back).
+
+    A CUDA tensor is copied straight from the device into its place with one
+    asynchronous copy, and each device is synchronized once at the end: no
+    pageable host temporary. Into page-locked memory (the weight cache's slots
+    are registered with CUDA) these copies run at DMA speed; into pageable
+    memory they are still correct, the driver stages them.
+    """
     if len(dest) < layout.total_bytes:
         raise ValueError(f"destination holds {len(dest)} bytes, layout needs {layout.total_bytes}")
     raw = torch.frombuffer(dest, dtype=torch.uint8)
     starts = layout.bucket_offsets
+    devices: set[torch.device] = set()
     for e in layout.entries:
         t = tensors.get(e.name)
         if t is None:
@@ -152,7 +160,12 @@ def pack_into(tensors: Mapping[str, torch.Tensor], layout: Layout, dest: memoryv
         if e.nbytes:
             start = starts[e.bucket] + e.offset
             src = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            raw[start : start + e.nbytes].copy_(src.cpu() if src.device.type != "cpu" else src)
+            on_cuda = src.device.type == "cuda"
+            raw[start : start + e.nbytes].copy_(src, non_blocking=on_cuda)
+            if on_cuda:
+                devices.add(src.device)
+    for device in devices:  # the bytes are in dest only once the copies finished
+        torch.cuda.synchronize(device)
 
 
 def buckets_of(layout: Layout, segment: memoryview) -> list[BucketView]:

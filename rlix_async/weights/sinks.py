@@ -20,7 +20,13 @@ class SlotOverwritten(SyncError):
 
 class WeightSink(Protocol):
     """A sync calls ``start``, ``load`` once per bucket, then ``finish``; on any
-    failure ``abort``, after which the sink must still hold its old weights."""
+    failure ``abort``, after which the sink must still hold its old weights.
+
+    The tensors ``load`` gets are views of the owner's memory, valid only during
+    the call: ``load`` copies what it keeps and has finished reading when it
+    returns (no ``non_blocking`` copies to a device), because a same-node sync
+    checks the slot was not rewritten right after the last ``load``.
+    """
 
     def start(self, version: int, layout: Layout) -> None: ...
     def load(self, named: list[tuple[str, torch.Tensor]]) -> None: ...
