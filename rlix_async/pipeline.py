@@ -134,6 +134,8 @@ class Driver:
                 self._save, self.out / "ckpt" / f"step_{step}.pt", collector.state_dict()
             )
         await asyncio.to_thread(self.trainer.offload)  # never block heartbeats
+        # every rank's state is off the devices before they are released
+        await asyncio.to_thread(self._wait_followers_offloaded, step)
         if step < self.cfg.steps:
             await self._publish(hooks, cache)
             collector.set_training(False)
@@ -162,6 +164,14 @@ class Driver:
         }
         _append_jsonl(self.out / "metrics.jsonl", row)
         log.info("%s step %d reward %.3f", self.cfg.id, row["step"], row["reward"])
+
+    def _wait_followers_offloaded(self, step: int) -> None:
+        if self.store is None or self.trainer.world == 1:
+            return
+        keys = [f"offloaded/{step}/{r}" for r in range(1, self.trainer.world)]
+        self.store.wait(keys, timedelta(seconds=STORE_TIMEOUT_S))
+        for key in keys:
+            self.store.delete_key(key)
 
     def _train(self, batch: list[Group]) -> dict[str, float]:
         self.trainer.reload()
@@ -193,6 +203,7 @@ def _follower(cfg: PipelineConfig, trainer: TorchTrainer, store: dist.Store) -> 
         finally:
             trainer.destroy_group()
         trainer.offload()
+        store.set(f"offloaded/{trainer.step}/{trainer.rank}", b"1")  # rank 0 releases after
 
 
 def build_trainer(cfg: PipelineConfig, rank: int, world: int) -> TorchTrainer:
@@ -201,7 +212,10 @@ def build_trainer(cfg: PipelineConfig, rank: int, world: int) -> TorchTrainer:
         from rlix_async.train.megatron import MegatronTrainer
 
         trainer_cls = MegatronTrainer
-    return trainer_cls(cfg.train, cfg.model, seed=cfg.seed, rank=rank, world=world)
+    # in host memory until the first grant: the devices are not the pipeline's yet
+    return trainer_cls(
+        cfg.train, cfg.model, seed=cfg.seed, rank=rank, world=world, start_offloaded=True
+    )
 
 
 def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> None:
@@ -224,9 +238,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> None:
     if resume and (path := latest_checkpoint(ckpt_dir)) is not None:
         ckpt = trainer.load(path)
         print(f"{cfg.id}: resumed from {path} (step {trainer.step})", flush=True)
-    # The model was built on this rank's device, before the pipeline holds it (shards
-    # start asleep, so it is free now): into host memory until the first grant.
-    trainer.offload()
+
     if rank != 0:
         assert store is not None
         _follower(cfg, trainer, store)

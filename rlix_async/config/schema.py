@@ -132,8 +132,23 @@ class EngineConfig(Config, frozen=True):
             "cache are discarded (no host RAM; every wake resyncs from the weight cache)."
         ),
     ] = 2
+    load: Annotated[
+        Literal["auto", "start", "first_wake"],
+        doc(
+            "When a shard builds its engine. start: when the worker starts (it then sleeps "
+            "before saying hello). first_wake: when the coordinator first wakes the shard, "
+            "so its devices are its own: shards sharing a GPU never load at once and a "
+            "replacement never loads onto a device a trainer holds; the first wake then "
+            "takes the engine's start-up time (command_timeout_s must cover it). auto: "
+            "first_wake on CUDA, start on CPU."
+        ),
+    ] = "auto"
     vllm_args: Annotated[
-        dict[str, Any], doc("More vLLM AsyncEngineArgs, passed as they are (kind vllm).")
+        dict[str, Any],
+        doc(
+            "More vLLM AsyncEngineArgs, passed as they are (kind vllm); "
+            "tensor_parallel_size and enable_sleep_mode are set by rlix and refused here."
+        ),
     ] = {}
     custom: Annotated[
         str | None,
@@ -149,13 +164,21 @@ class EngineConfig(Config, frozen=True):
             raise invalid("custom", "kind custom needs the engine class ('module:Class')")
         if self.kind == "vllm" and self.custom:
             raise invalid("custom", "set kind: custom to use an engine of your own")
+        owned = sorted({"tensor_parallel_size", "enable_sleep_mode"} & set(self.vllm_args))
+        if owned:
+            raise invalid(
+                "vllm_args",
+                f"{', '.join(owned)}: set by rlix (actor_infer.tp; sleep mode is on with CUDA)",
+            )
 
     def for_device(self, cuda: bool) -> EngineConfig:
         """``auto`` and unset values resolved for the device the engine runs on."""
+        load = self.load if self.load != "auto" else ("first_wake" if cuda else "start")
         return msgspec.structs.replace(
             self,
             dtype=resolve_dtype(self.dtype, cuda),
             kv_cache_mb=self.kv_cache_mb if cuda or self.kv_cache_mb else 64,
+            load=load,
         )
 
 
@@ -190,6 +213,14 @@ class ShardConfig(Config, frozen=True):
     drain_timeout_s: Annotated[
         float, doc("Longest wait for aborted requests to leave the engine on a shrink.", gt=0)
     ] = 30.0
+    sleep_timeout_s: Annotated[
+        float,
+        doc(
+            "A sleep that takes longer makes the worker exit (code 3) so its supervisor "
+            "replaces it: a hung sleep would keep its devices fenced.",
+            gt=0,
+        ),
+    ] = 300.0
     engine: Annotated[EngineConfig, doc("The inference engine.")] = EngineConfig()
 
     def __post_init__(self) -> None:
@@ -263,7 +294,10 @@ class TrainConfig(Config, frozen=True):
         Literal["auto", "bfloat16", "float32"],
         doc(
             "Parameters, optimizer state and the weight cache. auto: bfloat16 on CUDA, "
-            "float32 on CPU. Log-probs, importance ratios and losses are always float32."
+            "float32 on CPU. Log-probs, importance ratios and losses are always float32. "
+            "bfloat16 is pure bf16 (no float32 master copy: a 7B model and its Adam state "
+            "fit one 80 GB GPU); an update below a weight's bf16 resolution is lost, so "
+            "with learning rates under about 1e-5 use float32."
         ),
     ] = "auto"
     lr: Annotated[float, doc("AdamW learning rate.", gt=0)] = 2e-3
@@ -389,6 +423,13 @@ class LaunchConfig(Config, frozen=True):
                 if getattr(p, key) is not None:
                     raise invalid(f"{at}.{key}", "set by the launcher; remove it")
             _check_topology(f"{at}.clusters", p.clusters, self.cluster)
+            infer_tp = p.clusters["actor_infer"].tp
+            if infer_tp > self.cluster.gpus_per_node:
+                raise invalid(
+                    f"{at}.clusters.actor_infer.tp",
+                    f"{infer_tp} > gpus_per_node={self.cluster.gpus_per_node}: a shard "
+                    "(one vLLM engine) runs on one node",
+                )
             train = p.clusters["actor_train"].devices
             nodes = sorted({d // self.cluster.gpus_per_node for d in train})
             if len(nodes) > 1:

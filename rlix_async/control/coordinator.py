@@ -121,6 +121,8 @@ class Coordinator(PlanRealiser):
                 )
             self.journal = Journal(self.journal_path)
         await self.server.start()
+        for pid, rank in list(self.registry.fences):  # replayed: lifted by their workers'
+            self.tasks.spawn(self._sleep_rank(pid, rank), "sleep-replayed")  # return (or now)
         self.tasks.spawn(self._scheduler_loop(), "scheduler")
         self.tasks.spawn(self._lease_loop(), "leases")
         return self
@@ -262,6 +264,7 @@ class Coordinator(PlanRealiser):
                 continue
             devices = p.clusters[cluster].devices
             clash = {str(o) for d in devices if (o := owners[d]) is not None}
+            clash |= {str(f) for f in self.registry.blocking_fences(devices)}
             if clash:
                 raise RegistryError(
                     "lease_conflict",
@@ -286,13 +289,13 @@ class Coordinator(PlanRealiser):
         return Ok()
 
     def _regrant(self, pid: str, cluster: ClusterName) -> None:
+        """Repeat a grant whose notification was lost; like the first one, it goes out
+        only once no fence covers its devices."""
         p = self.registry.pipelines[pid]
-        grant = m.Granted(
-            cluster=cluster,
-            priority=priority_name(p.held[cluster]),
-            devices=list(p.clusters[cluster].devices),
+        devices = list(p.clusters[cluster].devices)
+        self.tasks.spawn(
+            self._grant(pid, cluster, priority_name(p.held[cluster]), devices), "regrant"
         )
-        self.tasks.spawn(self.server.notify(m.driver_identity(pid), grant), "regrant")
 
     def status(self) -> m.StatusReply:
         pipes = [
@@ -370,6 +373,10 @@ class Coordinator(PlanRealiser):
         if role == "infer" and index.isdigit():
             rank = int(index)
             incarnation = f"{info.host}:{info.pid}"
+            if self.registry.workers.get((pid, rank)) != incarnation:
+                self.journal.record(
+                    ev.ShardJoined(pipeline=pid, rank=rank, incarnation=incarnation)
+                )
             lifted = self.registry.worker_joined(pid, rank, incarnation)
             if lifted is not None:
                 log.warning(

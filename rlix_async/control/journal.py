@@ -115,6 +115,17 @@ class Unfenced(JournalEvent, tag="unfence"):
         registry.fences.pop((self.pipeline, self.rank), None)
 
 
+class ShardJoined(JournalEvent, tag="shard_joined"):
+    """A shard worker process said hello: after a restart, its rank is known to have had
+    a worker (whose fence only its own sleep or a replacement lifts)."""
+
+    rank: int
+    incarnation: str
+
+    def apply(self, registry: Registry) -> None:
+        registry.workers[(self.pipeline, self.rank)] = self.incarnation
+
+
 class ProgressReported(JournalEvent, tag="progress"):
     stream: str
     target: int
@@ -155,6 +166,7 @@ Event = (
     | ShardSynced
     | Fenced
     | Unfenced
+    | ShardJoined
 )
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Event)
@@ -216,8 +228,11 @@ def replay(path: str | Path, registry: Registry) -> int:
         return 0
     n = 0
     for n, ev in enumerate(read_journal(path), 1):
-        fence_event = isinstance(ev, Fenced | Unfenced)
-        if not (isinstance(ev, Registered) or fence_event) and ev.pipeline not in registry.pipelines:
+        fence_event = isinstance(ev, Fenced | Unfenced | ShardJoined)
+        if (
+            not (isinstance(ev, Registered) or fence_event)
+            and ev.pipeline not in registry.pipelines
+        ):
             continue
         try:
             ev.apply(registry)

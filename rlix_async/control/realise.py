@@ -102,27 +102,32 @@ class PlanRealiser:
         return p.clusters.get(INFER) if p else None
 
     async def _realise(self, result: Plan, answered: list[str]) -> None:
-        """Sleeps now; each grant or wake waits until no fence covers its devices."""
-        shrinks = [
-            self.tasks.spawn(self._sleep_rank(ch.pipeline, r), "shrink")
-            for ch in result.shrink
-            for r in ch.ranks
-        ]
-        steps = [self._grant(g.pipeline, g.cluster, g.priority, g.devices) for g in result.grants]
+        """Sleeps now; each grant or wake waits until no fence covers its devices. Each
+        pipeline hears of its ranks as soon as its own wakes are done: a wake held up
+        by a fence delays nobody else's notification."""
+        # (a sleep's first attempt is awaited: ShrinkAll answers once its shards slept;
+        # retries of a failed one run on their own)
+        steps = [self._sleep_rank(ch.pipeline, r) for ch in result.shrink for r in ch.ranks]
+        steps += [self._grant(g.pipeline, g.cluster, g.priority, g.devices) for g in result.grants]
+        woken: dict[str, list[int]] = {}
         for ch in result.expand:
-            spec = self._infer_spec(ch.pipeline)
-            if spec is not None:
-                steps.append(self._expand(ch.pipeline, ch.ranks, spec))
-        await asyncio.gather(*shrinks, *steps, return_exceptions=True)
-        for pid in {ch.pipeline for ch in result.shrink} | {ch.pipeline for ch in result.expand}:
-            await self._notify_ranks(pid)
-        for pid in answered:
-            p = self.registry.pipelines.get(pid)
-            if p is not None:
-                await self.server.notify(
-                    m.driver_identity(pid),
-                    m.Granted(cluster=INFER, priority="GENERATION", ranks=sorted(p.active)),
-                )
+            woken.setdefault(ch.pipeline, []).extend(ch.ranks)
+        shrunk = {ch.pipeline for ch in result.shrink}
+        for pid in sorted(shrunk | set(woken) | set(answered)):
+            steps.append(self._wake_and_notify(pid, woken.get(pid, []), pid in answered))
+        await asyncio.gather(*steps, return_exceptions=True)
+
+    async def _wake_and_notify(self, pid: str, ranks: list[int], answered: bool) -> None:
+        spec = self._infer_spec(pid)
+        if ranks and spec is not None:
+            await self._expand(pid, ranks, spec)
+        await self._notify_ranks(pid)
+        p = self.registry.pipelines.get(pid)
+        if answered and p is not None:
+            await self.server.notify(
+                m.driver_identity(pid),
+                m.Granted(cluster=INFER, priority="GENERATION", ranks=sorted(p.active)),
+            )
 
     # --- fenced sleeps ----------------------------------------------------------------------
 
@@ -225,6 +230,19 @@ class PlanRealiser:
         await asyncio.gather(*(one(r) for r in ranks))
 
     async def _expand_joined(self, pid: str, rank: int) -> None:
+        """A worker said hello while its rank is awake in the plan: wake it (once no
+        fence covers its devices: its wake may be waiting for another shard's sleep)."""
+        p = self.registry.pipelines.get(pid)
+        if p is None or INFER not in p.clusters:
+            return
+
+        def still_active() -> bool:
+            q = self.registry.pipelines.get(pid)
+            return q is not None and rank in q.active
+
+        bundle = p.clusters[INFER].bundle(rank)
+        if not await self._wait_unfenced(bundle, f"wake of {pid}/{INFER}[{rank}]", still_active):
+            return
         if await self._command(pid, rank, "wake") is None:
             self._give_up_rank(pid, rank, "wake failed")
         await self._notify_ranks(pid)
@@ -261,7 +279,8 @@ class PlanRealiser:
             return None
         weights = self.weights.get(pid) if action != "sleep" else None
         timeout = self.cfg.command_timeout_s
-        if weights is not None:  # a wake that syncs gets both budgets
+        if weights is not None and self.shard_versions.get((pid, rank)) != weights.version:
+            # a sync gets its own budget; a wake that syncs gets both
             timeout = (timeout if action == "wake" else 0.0) + self.cfg.sync_timeout_s
         try:
             ack = await self.server.call(

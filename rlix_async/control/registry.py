@@ -110,9 +110,12 @@ class Registry:
     # --- lifecycle ----------------------------------------------------------------------
 
     def allocate_id(self, kind: str) -> str:
+        """A fresh id: never one a live pipeline, a fence or a known worker still uses
+        (after a restart the counter starts again; a dropped pipeline's workers live on)."""
+        taken = {pid for pid, _ in self.fences} | {pid for pid, _ in self.workers}
         while True:
             pid = f"{kind}-{next(self._ids)}"
-            if pid not in self.pipelines:
+            if pid not in self.pipelines and pid not in taken:
                 self.pipelines[pid] = PipelineState(pid)
                 return pid
 

@@ -43,7 +43,7 @@ import socket
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from rlix_async.aio import until_signalled
 from rlix_async.config import EngineConfig, ShardConfig
@@ -57,10 +57,11 @@ from rlix_async.shards.devices import (
     cuda_available,
     memory_in_use,
 )
-from rlix_async.shards.engine import ShardEngine
+from rlix_async.shards.engine import GenerationChunk, PauseMode, ShardEngine
 from rlix_async.shards.messages import Cancel, Generate, GenerateResult, ShardRefusal
 from rlix_async.transport import CallContext, RpcClient, RpcServer, TransportConfig
 from rlix_async.weights.ref import CacheRef
+from rlix_async.weights.sinks import SyncError
 
 log = logging.getLogger(__name__)
 # Cancels that arrived before their request started (both come in one read batch);
@@ -85,8 +86,10 @@ class ShardWorker:
         devices: Sequence[int] = (),
         sleep_level: int = 2,
         cuda: bool = False,
+        sleep_timeout_s: float = 300.0,
     ) -> None:
         self.engine = engine
+        self.sleep_timeout_s = sleep_timeout_s
         self.pipeline = pipeline
         self.rank = rank
         self.devices = list(devices)  # global ids; empty: not bound by a launcher
@@ -129,7 +132,9 @@ class ShardWorker:
 
     async def start(self) -> ShardWorker:
         # Asleep before hello: the coordinator counts a new worker as holding nothing.
-        await self._sleep_engine()
+        # (An engine built at its first wake holds nothing yet.)
+        if getattr(self.engine, "loaded", True):
+            await self._sleep_engine()
         await self.data.start()  # first, so the coordinator can hand its endpoint out
         self.rpc.info["data_endpoint"] = self.data.endpoint
         await self.rpc.connect()
@@ -304,9 +309,20 @@ class ShardWorker:
         self.state = ShardState.SYNCING
         try:
             await self._load(ref)
-        finally:
+        except SyncError:  # refused before any weight changed: the old version serves on
             self.state = ShardState.ACTIVE
-            await self.engine.resume()
+            raise
+        except BaseException:
+            # Failed (or cut) mid-load: the weights may be half old, half new. Serve
+            # nothing until a sleep (the coordinator gives the rank up) or a sync.
+            self.weights_valid = False
+            self.preempted = True
+            self.state = ShardState.WAKING
+            raise
+        else:
+            self.state = ShardState.ACTIVE
+        finally:
+            await self.engine.resume()  # paused requests end (refused, or aborted by the sleep)
         self.phase_ms["sync"] = (time.monotonic() - t0) * 1000
 
     async def _load(self, ref: CacheRef) -> None:
@@ -328,7 +344,20 @@ class ShardWorker:
         self.syncs += 1
 
     async def _sleep_engine(self) -> None:
-        await self.engine.sleep(self.sleep_level)
+        try:
+            async with asyncio.timeout(self.sleep_timeout_s):
+                await self.engine.sleep(self.sleep_level)
+        except TimeoutError:
+            # A hung sleep keeps its devices fenced for good: better to die and be
+            # replaced by the supervisor (whose new worker's hello lifts the fence).
+            log.critical(
+                "%s/infer/%d: sleep hung for %.0fs; exiting to be replaced",
+                self.pipeline,
+                self.rank,
+                self.sleep_timeout_s,
+            )
+            self.engine_dead.set()
+            raise
         if self.sleep_level >= 2:  # level 2 drops the weights: resync on wake
             self.synced_version = None
             self.weights_valid = False
@@ -393,6 +422,84 @@ class ShardWorker:
         )
 
 
+class LoadOnWake:
+    """An engine built at its first wake (``engine.load: first_wake``), when the
+    coordinator has given the shard its devices; until then it holds nothing, runs
+    nothing and its sleeps are no-ops. Built off the event loop, so heartbeats go
+    on while a model loads."""
+
+    def __init__(self, build: Callable[[], ShardEngine]) -> None:
+        self._build = build
+        self.engine: ShardEngine | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self.engine is not None
+
+    @property
+    def weight_version(self) -> int | None:
+        return self.engine.weight_version if self.engine is not None else None
+
+    @weight_version.setter
+    def weight_version(self, version: int | None) -> None:
+        self._built().weight_version = version
+
+    def _built(self) -> ShardEngine:
+        if self.engine is None:
+            raise RuntimeError("the engine is built at the shard's first wake")
+        return self.engine
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[GenerationChunk]:
+        return self._built().generate(
+            prompt_ids,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            request_id=request_id,
+        )
+
+    async def load_version(self, ref: CacheRef) -> None:
+        await self._built().load_version(ref)
+
+    async def abort_all(self) -> int:
+        return await self.engine.abort_all() if self.engine is not None else 0
+
+    def num_running(self) -> int:
+        return self.engine.num_running() if self.engine is not None else 0
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        if self.engine is not None:
+            await self.engine.pause(mode)
+
+    async def resume(self) -> None:
+        if self.engine is not None:
+            await self.engine.resume()
+
+    async def sleep(self, level: int = 2) -> None:
+        if self.engine is not None:
+            await self.engine.sleep(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        if self.engine is None:
+            self.engine = await asyncio.to_thread(self._build)  # awake once built
+            return
+        await self.engine.wake_up(tags)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            _shutdown(self.engine)
+
+
 def build_engine(
     engine: EngineConfig, model: str | None, *, seed: int = 0, tp: int = 1, cuda: bool = False
 ) -> ShardEngine:
@@ -417,7 +524,12 @@ async def serve(cfg: ShardConfig) -> int:
     except DeviceBindingError as exc:
         print(f"error: shard {cfg.pipeline}/{cfg.rank}: {exc}", file=sys.stderr, flush=True)
         return 2
-    engine = build_engine(cfg.engine, cfg.model, tp=cfg.tensor_parallel_size, cuda=cuda)
+    engine_cfg = cfg.engine.for_device(cuda)
+
+    def build() -> ShardEngine:
+        return build_engine(engine_cfg, cfg.model, tp=cfg.tensor_parallel_size, cuda=cuda)
+
+    engine: ShardEngine = LoadOnWake(build) if engine_cfg.load == "first_wake" else build()
     keys = ClientKeys.load(cfg.keys) if cfg.keys else None
     transport = TransportConfig.with_heartbeat(cfg.heartbeat_interval_s)
     worker = ShardWorker(
@@ -436,6 +548,7 @@ async def serve(cfg: ShardConfig) -> int:
         devices=cfg.devices,
         sleep_level=cfg.engine.sleep_level,
         cuda=cuda,
+        sleep_timeout_s=cfg.sleep_timeout_s,
     )
     try:
         await worker.start()

@@ -131,6 +131,7 @@ class TorchTrainer:
         seed: int = 0,
         rank: int = 0,
         world: int = 1,
+        start_offloaded: bool = False,
     ) -> None:
         self.cfg = cfg or TrainConfig()
         self.model_cfg = model or ModelConfig()
@@ -153,13 +154,19 @@ class TorchTrainer:
         self.dtype = DTYPES[resolve_dtype(self.cfg.dtype, self.device.type == "cuda")]
         self._ddp: torch.nn.Module | None = None
         self._group_gen = 0  # before the model: a backend may need a group to build it
-        self.model = self._build_model().to(self.device)
+        # start_offloaded (the pipeline): built in host memory, onto the device at the
+        # first reload(), i.e. once the coordinator has granted it
+        self.model = self._build_model()
+        if not start_offloaded:
+            self.model = self.model.to(self.device)
         self.optim = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
         self.step = 0
         self._host: PinnedHostBuffers | None = None
         self._offloaded: list[StateKey] = []  # what offload() moved; reload() moves it back
+        if start_offloaded and self.device.type == "cuda":
+            self._offloaded = list(self._state_tensors())
 
     def _build_model(self) -> torch.nn.Module:
         if self.model_cfg.path:
@@ -288,8 +295,12 @@ class TorchTrainer:
         """Back onto the device: what offload() moved (a checkpoint loaded meanwhile included)."""
         if not self._offloaded:
             return
-        state = self._state_tensors()
-        back = {k: state[k].to(self.device, non_blocking=True) for k in self._offloaded}
+        state = self._state_tensors()  # everything off the device (a loaded checkpoint too)
+        back = {
+            k: t.to(self.device, non_blocking=True)
+            for k, t in state.items()
+            if t.device != self.device
+        }
         torch.cuda.synchronize(self.device)  # the host buffers are free for the next offload
         self._install(back)
         self._offloaded = []

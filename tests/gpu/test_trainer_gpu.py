@@ -246,3 +246,17 @@ def test_a_bf16_step_agrees_with_an_fp32_step() -> None:
     assert bf16["loss"] == pytest.approx(fp32["loss"], rel=0.1, abs=2e-3)
     assert float(torch.nn.functional.cosine_similarity(d32, d16, dim=0)) > 0.9
     assert float(d16.norm()) == pytest.approx(float(d32.norm()), rel=0.1)
+
+
+def test_a_pipeline_trainer_touches_its_device_only_from_its_first_reload() -> None:
+    """The pipeline builds its trainer before the coordinator grants it anything: the
+    state stays in host memory until reload() (called once the stage is granted)."""
+    allocated0, _ = _empty_device()
+    t = TorchTrainer(TrainConfig(dtype="float32"), MEDIUM, seed=0, start_offloaded=True)
+    assert t.offloaded and torch.cuda.memory_allocated() - allocated0 < MiB
+    assert {p.device.type for p in t.model.parameters()} == {"cpu"}
+    t.reload()
+    assert {p.device for p in t.model.parameters()} == {t.device}
+    assert math.isfinite(t.train_step(BATCH)["loss"])
+    t.offload()
+    assert torch.cuda.memory_allocated() - allocated0 < MiB

@@ -19,6 +19,9 @@ command timeout); ``sleep_failures`` makes the first N of those sleeps raise;
 ``ignore_abort`` keeps requests running through every abort (only cancelling
 their stream ends them); ``stuck`` requests are counted as running and can
 never be stopped. ``running_at_sleep`` records how many ran at each sleep.
+``built_marker``: a file created when the engine is built (to see when it is).
+``load_error``: ``"refused"`` makes the next weight update fail before any
+weight changes (a SyncError), ``"midway"`` after it began (any other error).
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class ScriptedEngine:
     sleep_failures: int = 0
     ignore_abort: bool = False
     stuck: int = 0
+    load_error: str = ""
+    built_marker: str = ""
     sleeps: int = 0
     running_at_sleep: list[int] = field(default_factory=list)
     asleep: bool = True
@@ -70,6 +75,11 @@ class ScriptedEngine:
     _running: dict[int, asyncio.Event] = field(default_factory=dict)
     _keys: Iterator[int] = field(default_factory=itertools.count)
     _layout: Layout | None = None
+
+    def __post_init__(self) -> None:
+        if self.built_marker:
+            with open(self.built_marker, "w") as fh:
+                fh.write("built\n")
 
     async def generate(
         self, prompt_ids: list[int], *, max_tokens: int, **_: object
@@ -126,6 +136,13 @@ class ScriptedEngine:
         self.asleep = False
 
     async def load_version(self, ref: CacheRef) -> None:
+        error, self.load_error = self.load_error, ""
+        if error == "refused":
+            from rlix_async.weights.sinks import SyncError
+
+            raise SyncError(f"version {ref.version}: scripted refusal")
+        if error == "midway":
+            raise RuntimeError(f"version {ref.version}: scripted failure mid-load")
         sink = _CountingSink()
         self._layout = await pull(ref, sink, self._layout)
         self.loaded_bytes = sink.bytes

@@ -17,11 +17,13 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from helpers.cluster import SCRIPTED_ENGINE, joined_pipeline
 
 from rlix_async.config import SchedulerConfig
+from rlix_async.control import messages as m
 from rlix_async.control.client import PipelineClient
 from rlix_async.control.coordinator import Coordinator
 from rlix_async.control.topology import ClusterShape, ClusterSpec
@@ -34,7 +36,7 @@ COMMAND_TIMEOUT_S = 1.0
 
 
 def spawn_shard(
-    endpoint: str, rank: int, devices: list[int] | None = None, **engine: object
+    endpoint: str, rank: int, devices: list[int] | None = None, *more: str, **engine: object
 ) -> subprocess.Popen[str]:
     """A shard worker process bound to ``devices`` (default: its rank's), READY or dead."""
     args = {"token_delay_s": 0.01, **engine}
@@ -53,6 +55,7 @@ def spawn_shard(
             f"engine.custom={SCRIPTED_ENGINE}",
             f"engine.custom_args={json.dumps(args)}",
             "engine.sleep_level=1",  # nothing publishes weights here: keep them
+            *more,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -106,7 +109,12 @@ async def request_training(driver: PipelineClient) -> tuple[asyncio.Task[list[in
 async def test_a_hanging_sleep_keeps_the_device_fenced_until_it_completes(ipc_ep: str) -> None:
     async with cluster(ipc_ep, sleep_delay_s=4.0) as (co, driver, _):
         grant, t0 = await request_training(driver)
-        await asyncio.sleep(2 * COMMAND_TIMEOUT_S + 0.5)  # the sleep command timed out twice
+        await asyncio.sleep(0.5)
+        # the request again, as a client resends one cut by a reconnection: the repeated
+        # grant waits for the fence like the first
+        again = m.RequestStage(pipeline_id="P", cluster="actor_train", priority="ACTOR_TRAINING")
+        await driver.rpc.call(again, timeout=5)
+        await asyncio.sleep(2 * COMMAND_TIMEOUT_S)  # the sleep command timed out twice
         assert not grant.done(), "training was granted a device whose shard had not slept"
         assert fenced(co) == {0}
         assert co.registry.owners()[0] is not None  # held by training, not yet delivered
@@ -205,3 +213,29 @@ async def test_a_misbound_shard_that_joined_before_its_pipeline_is_never_started
             for p in (wrong, right):
                 p.kill()
                 p.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+async def test_an_engine_loaded_at_first_wake_holds_nothing_before(
+    ipc_ep: str, tmp_path: Path
+) -> None:
+    """engine.load first_wake (the default on CUDA): a worker that has said hello has not
+    built its engine; the coordinator's first wake, on devices it has freed, builds it."""
+    marker = tmp_path / "built"
+    async with Coordinator(ipc_ep, ClusterShape(1, 2), transport=FAST) as co:
+        driver = await joined_pipeline(co.endpoint, "P", TOPO, transport=FAST)
+        proc = await asyncio.to_thread(
+            spawn_shard, co.endpoint, 1, None, "engine.load=first_wake", built_marker=str(marker)
+        )
+        try:
+            assert proc.poll() is None and "P/infer/1" in co.server.peers
+            await asyncio.sleep(0.5)
+            assert not marker.exists()  # connected, asleep, nothing loaded
+            await driver.report_progress(8, 0, force=True)
+            # (rank 0 has no worker: a pipeline driving its own engine, as far as we know)
+            assert 1 in await driver.request("actor_infer", "GENERATION", timeout=20)
+            assert marker.exists()
+        finally:
+            await driver.close()
+            proc.kill()
+            proc.wait(timeout=10)

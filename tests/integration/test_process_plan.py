@@ -66,7 +66,8 @@ def test_dry_run_binds_every_process_to_its_devices_on_two_nodes(tmp_path: Path)
         if p["role"] == "trainer":
             assert "--nproc-per-node=2" in p["argv"]
             assert p["config"]["clusters"]["actor_train"]["devices"] == p["devices"]
-    # processes of one role never share a device with each other on a node
+    # in this config the pipelines' devices are disjoint, so no two processes of one
+    # role share a device (the plan only binds; overlaps come from the topology)
     for role in ("shard", "trainer"):
         seen: set[int] = set()
         for p in plan:
@@ -116,6 +117,13 @@ def test_dry_run_prints_a_table(tmp_path: Path) -> None:
         (
             ["pipelines[0].clusters.actor_train.devices=[8]"],
             "device",
+        ),
+        (
+            [
+                "pipelines[0].clusters.actor_infer.tp=8",
+                "pipelines[0].clusters.actor_infer.devices=[0,1,2,3,4,5,6,7]",
+            ],
+            "pipelines[0].clusters.actor_infer.tp: 8 > gpus_per_node=4: a shard",
         ),
     ],
 )

@@ -118,3 +118,59 @@ async def test_a_shard_whose_requests_cannot_be_stopped_does_not_sleep(ipc_ep: s
         finally:
             await worker.close()
             await driver.close()
+
+
+async def test_a_sync_that_fails_midway_takes_the_shard_out_of_service(ipc_ep: str) -> None:
+    """Refused before any weight changed: the old version serves on. Failed after the
+    load began: the weights are unknown, so the shard serves nothing."""
+    cache = WeightCache(f"st{uuid.uuid4().hex[:6]}", bucket_bytes=16 << 10)
+    engine = ScriptedEngine()
+    async with Coordinator(ipc_ep, ClusterShape(1, 1)) as co:
+        driver = await joined_pipeline(co.endpoint, "P", TOPO)
+        worker = await ShardWorker(engine, co.endpoint, "P", 0).start()
+        client = await RpcClient(worker.data.endpoint, "router/P/0").connect()
+        try:
+            cache.build(0, {"w": torch.ones(64, 64)})
+            await driver.publish_weights(cache.promote(0))
+            await driver.report_progress(8, 0, force=True)
+            await driver.request("actor_infer", "GENERATION", timeout=10)
+            await until(lambda: worker.state == ShardState.ACTIVE)
+
+            cache.build(1, {"w": torch.zeros(64, 64)})
+            engine.load_error = "refused"
+            with pytest.raises(Exception, match="scripted refusal"):
+                await worker.sync(cache.promote(1))
+            assert worker.state == ShardState.ACTIVE and worker.synced_version == 0
+            assert len((await generate(client, "r0")).token_ids) == 4
+
+            engine.load_error = "midway"
+            with pytest.raises(RuntimeError, match="mid-load"):
+                await worker.sync(cache.ref(1))
+            assert worker.state == ShardState.WAKING and not worker.weights_valid
+            with pytest.raises(RpcError):
+                await generate(client, "r1")
+        finally:
+            await client.close()
+            await worker.close()
+            await driver.close()
+            cache.close()
+
+
+async def test_a_hung_sleep_makes_the_worker_exit_to_be_replaced(ipc_ep: str) -> None:
+    """Past sleep_timeout_s the worker gives up (serve() then exits 3 and the launcher
+    replaces it; the replacement's hello lifts the fence)."""
+    engine = ScriptedEngine(sleep_delay_s=30.0)
+    async with Coordinator(ipc_ep, ClusterShape(1, 1)) as co:
+        driver = await joined_pipeline(co.endpoint, "P", TOPO)
+        worker = await ShardWorker(
+            engine, co.endpoint, "P", 0, sleep_level=1, sleep_timeout_s=0.5
+        ).start()
+        try:
+            await driver.report_progress(8, 0, force=True)
+            await driver.request("actor_infer", "GENERATION", timeout=10)
+            with pytest.raises(TimeoutError):
+                await worker.shrink()
+            assert worker.engine_dead.is_set() and worker.state != ShardState.ASLEEP
+        finally:
+            await worker.close()
+            await driver.close()

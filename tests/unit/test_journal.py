@@ -152,3 +152,27 @@ def test_fences_are_replayed_even_after_their_pipeline_is_gone(tmp_path: Path) -
     assert "p" not in reg.pipelines
     assert sorted(reg.fences) == [("p", 0)] and reg.fences[("p", 0)].holder == "h:1"
     assert reg.snapshot().fenced == [0]
+
+
+def test_after_a_restart_a_rank_that_had_a_worker_is_not_taken_for_one_that_never_did(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "j.jsonl"
+    topo = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0, 1))}
+    ev.write_journal(
+        path,
+        [
+            ev.Registered(pipeline="ft-0", clusters=topo),
+            ev.ShardJoined(pipeline="ft-0", rank=0, incarnation="h:1"),
+            ev.Expanded(pipeline="ft-0", cluster="actor_infer", ranks=[0], devices=[0]),
+            ev.Unregistered(pipeline="ft-0", reason="lease expired"),
+            ev.Fenced(pipeline="ft-0", rank=0, devices=[0], holder="h:1", reason="dropped"),
+        ],
+    )
+    reg = Registry(ClusterShape(1, 2))
+    ev.replay(path, reg)
+    assert reg.workers == {("ft-0", 0): "h:1"}
+    assert reg.confirm_asleep("ft-0", 0, None) is None  # its worker may be reconnecting
+    assert reg.allocate_id("ft") == "ft-1"  # never the id whose worker may live on
+    assert reg.worker_joined("ft-0", 0, "h:1") is None  # the same process: it must confirm
+    assert reg.confirm_asleep("ft-0", 0, "h:1") is not None
