@@ -31,7 +31,8 @@ from rlix_async.shards.worker import ShardWorker
 from rlix_async.transport import TransportConfig
 
 TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0, 1))}
-FAST = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=0.6)
+# generous for a loaded 2-core machine: a starved worker must not look lost
+FAST = TransportConfig(heartbeat_interval_s=0.3, heartbeat_timeout_s=1.5)
 COMMAND_TIMEOUT_S = 1.0
 
 
@@ -50,7 +51,7 @@ def spawn_shard(
             f"rank={rank}",
             f"devices={json.dumps(devices if devices is not None else [rank])}",
             f"coordinator={endpoint}",
-            "heartbeat_interval_s=0.2",
+            "heartbeat_interval_s=0.3",
             "engine.kind=custom",
             f"engine.custom={SCRIPTED_ENGINE}",
             f"engine.custom_args={json.dumps(args)}",
