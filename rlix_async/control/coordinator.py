@@ -334,15 +334,15 @@ class Coordinator(PlanRealiser):
 
     def _admit_peer(self, identity: str, info: dict[str, object]) -> None:
         """Refuse (at hello) a shard worker bound to devices that are not its rank's."""
-        pid, role, index = ([*identity.split("/"), "", "", ""])[:3]
+        shard = m.shard_rank(identity)
         devices = info.get("devices")
-        if role != "infer" or not index.isdigit() or not devices:
+        if shard is None or not devices:
             return  # a worker that binds no devices itself (library use) is not checked
+        pid, rank = shard
         p = self.registry.pipelines.get(pid)
         spec = p.clusters.get(INFER) if p is not None else None
         if spec is None:
-            return  # its pipeline registers later: checked when it joins again
-        rank = int(index)
+            return  # its pipeline registers later: checked then
         expected = list(spec.bundle(rank)) if rank < spec.dp else []
         if list(devices) != expected:  # type: ignore[call-overload]
             raise RegistryError(
@@ -357,21 +357,21 @@ class Coordinator(PlanRealiser):
         (its hello is refused from now on) and its rank never started."""
         p = self.registry.pipelines[pid]
         for ident, info in list(self.server.peers.items()):
-            q, role, index = ([*ident.split("/"), "", "", ""])[:3]
-            if q != pid or role != "infer" or not index.isdigit():
+            shard = m.shard_rank(ident)
+            if shard is None or shard[0] != pid:
                 continue
             try:
                 self._admit_peer(ident, info.info)
             except RegistryError as exc:
-                log.error("%s; rank %s will not be started", exc.detail, index)
-                p.offline.add(int(index))
+                log.error("%s; rank %s will not be started", exc.detail, shard[1])
+                p.offline.add(shard[1])
                 self.server.drop_peer(ident)
 
     def _peer_joined(self, info: PeerInfo) -> None:
-        pid, role, index = ([*info.identity.split("/"), "", "", ""])[:3]
-        p = self.registry.pipelines.get(pid)
-        if role == "infer" and index.isdigit():
-            rank = int(index)
+        shard = m.shard_rank(info.identity)
+        if shard is not None:
+            pid, rank = shard
+            p = self.registry.pipelines.get(pid)
             incarnation = f"{info.host}:{info.pid}"
             if self.registry.workers.get((pid, rank)) != incarnation:
                 self.journal.record(
@@ -399,15 +399,16 @@ class Coordinator(PlanRealiser):
                 # its rank was already awake in the plan (it started late, or we
                 # restarted): make the worker match; wake is idempotent
                 self.tasks.spawn(self._expand_joined(pid, rank), "wake-joined")
-        if role == "driver" and p is not None:
-            p.connected, p.lost_at = True, None
+        driver_of = m.driver_pipeline(info.identity)
+        if driver_of is not None and (d := self.registry.pipelines.get(driver_of)) is not None:
+            d.connected, d.lost_at = True, None
 
     def _peer_lost(self, info: PeerInfo) -> None:
-        pid, role, index = ([*info.identity.split("/"), "", "", ""])[:3]
-        if role == "infer" and index.isdigit():
+        shard = m.shard_rank(info.identity)
+        if shard is not None:
             # A lost worker may still hold its devices (silent is not dead): its rank
             # leaves the plan and stays fenced until a replacement says hello.
-            rank = int(index)
+            pid, rank = shard
             p = self.registry.pipelines.get(pid)
             if p is not None:
                 if rank in p.active:
@@ -415,16 +416,16 @@ class Coordinator(PlanRealiser):
                 p.offline.add(rank)  # not started again until its worker returns
                 self._give_up_rank(pid, rank, "worker lost")
             f = self.registry.fences.get((pid, rank))
-            if f is not None and f.reason != "worker lost":
+            if f is not None and not f.reason.startswith("worker lost"):
                 f.reason = f"worker lost ({f.reason})"
             self.shard_versions.pop((pid, rank), None)
             return
-        p = self.registry.pipelines.get(pid)
-        if role == "driver" and p is not None:
-            p.connected, p.lost_at = False, time.monotonic()
+        driver_of = m.driver_pipeline(info.identity)
+        if driver_of is not None and (d := self.registry.pipelines.get(driver_of)) is not None:
+            d.connected, d.lost_at = False, time.monotonic()
             log.warning(
                 "driver of %s lost; its leases expire in %.1fs unless it returns",
-                pid,
+                driver_of,
                 self.cfg.lease_timeout_s,
             )
 

@@ -22,6 +22,18 @@ def worker_identity(pipeline_id: str, rank: int) -> str:
     return f"{pipeline_id}/infer/{rank}"
 
 
+def shard_rank(identity: str) -> tuple[str, int] | None:
+    """``(pipeline, rank)`` of a shard worker's identity; None for any other peer."""
+    pid, role, index = [*identity.split("/"), "", "", ""][:3]
+    return (pid, int(index)) if role == "infer" and index.isdigit() else None
+
+
+def driver_pipeline(identity: str) -> str | None:
+    """The pipeline of a driver's identity; None for any other peer."""
+    pid, role = [*identity.split("/"), "", ""][:2]
+    return pid if role == "driver" else None
+
+
 Kind = Annotated[str, msgspec.Meta(min_length=1, max_length=32, pattern=r"^[\w\-]+$")]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 
