@@ -216,36 +216,27 @@ class PlanRealiser:
             )
 
     async def _expand(self, pid: str, ranks: list[int], spec: ClusterSpec) -> None:
-        async def one(rank: int) -> None:
-            def still_active() -> bool:
-                p = self.registry.pipelines.get(pid)
-                return p is not None and rank in p.active
+        await asyncio.gather(*(self._wake_rank(pid, r, spec.bundle(r)) for r in ranks))
 
-            what = f"wake of {pid}/{INFER}[{rank}]"
-            if not await self._wait_unfenced(spec.bundle(rank), what, still_active):
-                return
-            if await self._command(pid, rank, "wake") is None:
-                self._give_up_rank(pid, rank, "wake failed")
-
-        await asyncio.gather(*(one(r) for r in ranks))
-
-    async def _expand_joined(self, pid: str, rank: int) -> None:
-        """A worker said hello while its rank is awake in the plan: wake it (once no
-        fence covers its devices: its wake may be waiting for another shard's sleep)."""
-        p = self.registry.pipelines.get(pid)
-        if p is None or INFER not in p.clusters:
-            return
+    async def _wake_rank(self, pid: str, rank: int, bundle: tuple[int, ...]) -> None:
+        """Wake a rank the plan made active, once no fence covers its devices (another
+        shard's sleep may still be pending there); a failed wake gives the rank up."""
 
         def still_active() -> bool:
-            q = self.registry.pipelines.get(pid)
-            return q is not None and rank in q.active
+            p = self.registry.pipelines.get(pid)
+            return p is not None and rank in p.active
 
-        bundle = p.clusters[INFER].bundle(rank)
         if not await self._wait_unfenced(bundle, f"wake of {pid}/{INFER}[{rank}]", still_active):
             return
         if await self._command(pid, rank, "wake") is None:
             self._give_up_rank(pid, rank, "wake failed")
-        await self._notify_ranks(pid)
+
+    async def _expand_joined(self, pid: str, rank: int) -> None:
+        """A worker said hello while its rank is awake in the plan: wake it to match."""
+        spec = self._infer_spec(pid)
+        if spec is not None:
+            await self._wake_rank(pid, rank, spec.bundle(rank))
+            await self._notify_ranks(pid)
 
     async def _sync_rank(self, pid: str, rank: int) -> None:
         if await self._command(pid, rank, "sync") is None:

@@ -299,8 +299,10 @@ class Registry:
             )
         # Fenced devices nobody owns. One already held (a grant waiting for the fence
         # to lift before it is delivered) or awake (a wake waiting likewise) is owned.
-        owned = {d for d, o in enumerate(self.owners()) if o is not None}
-        fenced = sorted(self.fenced_devices() - owned)
+        fenced: list[int] = []
+        if self.fences:  # (owners() walks every device: only when there is a fence)
+            owned = {d for d, o in enumerate(self.owners()) if o is not None}
+            fenced = sorted(self.fenced_devices() - owned)
         return Snapshot(cluster=self.shape, pipelines=pipes, policy=self.policy, fenced=fenced)
 
     def apply(self, plan: Plan, *, fence: bool = False) -> list[str]:

@@ -38,9 +38,7 @@ def render(st: m.StatusReply) -> Table:
             ", ".join(f"{c}:{v}" for c, v in p.requests.items()),
         )
     fenced = {d for f in st.fenced for d in f.devices}
-    idle = "".join(
-        "." if o is None and d not in fenced else " " for d, o in enumerate(st.owners)
-    )
+    idle = "".join("." if o is None and d not in fenced else " " for d, o in enumerate(st.owners))
     table.add_row("(idle)", "", idle, "", "", "", "")
     for f in st.fenced:  # a shard worker may still hold these: planned for nobody
         mine = "".join("x" if d in f.devices else "." for d in range(st.devices))

@@ -31,12 +31,6 @@ def visible_cuda_devices() -> list[str]:
     return [d.strip() for d in raw.split(",") if d.strip()]
 
 
-def cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def check_binding(devices: Sequence[int], tp: int, cuda_count: int | None) -> None:
     """A shard bound to ``devices`` must see exactly that many CUDA devices (when it
     runs on CUDA: ``cuda_count`` not None) and have one per tensor-parallel rank."""

@@ -44,6 +44,7 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 
 from rlix_async.aio import until_signalled
 from rlix_async.config import EngineConfig, ShardConfig
@@ -54,7 +55,6 @@ from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
 from rlix_async.shards.devices import (
     DeviceBindingError,
     check_binding,
-    cuda_available,
     memory_in_use,
 )
 from rlix_async.shards.engine import GenerationChunk, PauseMode, ShardEngine
@@ -68,6 +68,24 @@ log = logging.getLogger(__name__)
 # remembered this long, at most this many.
 _EARLY_CANCEL_S = 60.0
 _EARLY_CANCEL_MAX = 4096
+
+
+@dataclass
+class _Decoded:
+    """A running request's output so far (the engine's chunks are cumulative)."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    version: int | None = None  # the weights they were decoded with
+
+    def result(self, request_id: str, *, preempted: bool) -> GenerateResult:
+        return GenerateResult(
+            request_id=request_id,
+            token_ids=list(self.tokens),
+            logprobs=list(self.logprobs),
+            weight_version=self.version,
+            preempted=preempted,
+        )
 
 
 class ShardWorker:
@@ -110,8 +128,9 @@ class ShardWorker:
         self.cancelled = 0  # requests stopped because their caller gave up
         self._requests: dict[str, asyncio.Task[object]] = {}
         self._early_cancels: OrderedDict[str, float] = OrderedDict()
-        # Decoded so far per request, for one cut past the drain timeout (see shrink).
-        self._partial: dict[str, tuple[list[int], list[float], int | None]] = {}
+        # What each running request has decoded so far (its answer, also when it is
+        # cut past the drain timeout: see shrink), and the ids being cut.
+        self._decoded: dict[str, _Decoded] = {}
         self._cut: set[str] = set()
         self.data = RpcServer(
             data_endpoint or ipc_endpoint(f"{pipeline}-infer-{rank}"),
@@ -171,22 +190,16 @@ class ShardWorker:
         task = asyncio.current_task()
         assert task is not None
         self._requests[msg.request_id] = task
+        decoded = self._decoded[msg.request_id] = _Decoded(version=self.synced_version)
         try:
-            return await self._serve(msg)
+            await self._serve(msg, decoded)
+            cut = self.preempted and len(decoded.tokens) < msg.max_tokens
+            return decoded.result(msg.request_id, preempted=cut)
         except asyncio.CancelledError:
             if msg.request_id not in self._cut:
                 raise  # its caller gave up (Cancel), or we are closing
             task.uncancel()  # cut by a shrink past its drain timeout: answer what we have
-            tokens, logprobs, version = self._partial.get(
-                msg.request_id, ([], [], self.synced_version)
-            )
-            return GenerateResult(
-                request_id=msg.request_id,
-                token_ids=list(tokens),
-                logprobs=list(logprobs),
-                weight_version=version,
-                preempted=True,
-            )
+            return decoded.result(msg.request_id, preempted=True)
         except Exception as exc:
             if type(exc).__name__ == "EngineDeadError":  # vLLM's engine core is gone
                 log.critical(
@@ -196,7 +209,7 @@ class ShardWorker:
             raise
         finally:
             self._requests.pop(msg.request_id, None)
-            self._partial.pop(msg.request_id, None)
+            self._decoded.pop(msg.request_id, None)
             self._cut.discard(msg.request_id)
 
     def _cancel(self, msg: Cancel, ctx: CallContext) -> None:
@@ -216,10 +229,7 @@ class ShardWorker:
         ):
             self._early_cancels.popitem(last=False)
 
-    async def _serve(self, msg: Generate) -> GenerateResult:
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        version = self.synced_version
+    async def _serve(self, msg: Generate, decoded: _Decoded) -> None:
         async for chunk in self.engine.generate(
             msg.prompt_ids,
             max_tokens=msg.max_tokens,
@@ -228,24 +238,17 @@ class ShardWorker:
             seed=msg.seed,
             request_id=msg.request_id,
         ):
-            if len(chunk.token_ids) < len(tokens):  # cumulative: a shorter one is a bug
+            if len(chunk.token_ids) < len(decoded.tokens):  # cumulative: shorter is a bug
                 log.error(
-                    "engine output shrank from %d to %d tokens", len(tokens), len(chunk.token_ids)
+                    "engine output shrank from %d to %d tokens",
+                    len(decoded.tokens),
+                    len(chunk.token_ids),
                 )
                 continue
-            self.decoded_tokens += len(chunk.token_ids) - len(tokens)
-            tokens, logprobs = chunk.token_ids, chunk.logprobs
+            self.decoded_tokens += len(chunk.token_ids) - len(decoded.tokens)
+            decoded.tokens, decoded.logprobs = chunk.token_ids, chunk.logprobs
             if chunk.weight_version is not None:
-                version = chunk.weight_version
-            self._partial[msg.request_id] = (tokens, logprobs, version)
-        cut = self.preempted and len(tokens) < msg.max_tokens
-        return GenerateResult(
-            request_id=msg.request_id,
-            token_ids=list(tokens),
-            logprobs=list(logprobs),
-            weight_version=version,
-            preempted=cut,
-        )
+                decoded.version = chunk.weight_version
 
     def ack(self) -> m.ShardAck:
         try:
@@ -518,9 +521,13 @@ async def serve(cfg: ShardConfig) -> int:
     """The shard worker process (``rlix-async shard``): serve until signalled. Returns 3
     when the engine died, so a launcher replaces this worker; 2 when it does not see
     the devices it is bound to or the coordinator refuses them."""
-    cuda = cfg.engine.kind == "vllm" and cuda_available()
+    import torch
+
+    cuda = cfg.engine.kind == "vllm" and torch.cuda.is_available()
     try:
-        check_binding(cfg.devices, cfg.tensor_parallel_size, _cuda_count() if cuda else None)
+        check_binding(
+            cfg.devices, cfg.tensor_parallel_size, torch.cuda.device_count() if cuda else None
+        )
     except DeviceBindingError as exc:
         print(f"error: shard {cfg.pipeline}/{cfg.rank}: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -575,12 +582,6 @@ async def serve(cfg: ShardConfig) -> int:
         flush=True,
     )
     return 0
-
-
-def _cuda_count() -> int:
-    import torch
-
-    return torch.cuda.device_count()
 
 
 def _shutdown(engine: ShardEngine) -> None:
