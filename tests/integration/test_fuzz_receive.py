@@ -60,6 +60,8 @@ class Raw:
             if isinstance(msg, Pong) and env.call_id == self.next_id:
                 return errors
             assert isinstance(msg, Error), msg
+            if msg.code == ErrorCode.NOT_REGISTERED:  # fail now, not after RCVTIMEO
+                pytest.fail(f"the server forgot the raw peer: {msg.message}")
             errors.append(msg)
 
     def close(self) -> None:
@@ -71,7 +73,12 @@ class Raw:
 def server() -> Iterator[Peer]:
     from rlix_async.security import ipc_endpoint
 
-    peer = start_peer("server", ipc_endpoint("fuzz-server"), "--max-bytes", str(MAX_BYTES))
+    # The raw DEALER never sends heartbeats, so the server's liveness timeout is set far
+    # beyond the module's run: a pause on a loaded machine (hypothesis shrinking, a slow
+    # example) must not declare it dead, which would turn every later Ping into NOT_REGISTERED.
+    peer = start_peer(
+        "server", ipc_endpoint("fuzz-server"), "--max-bytes", str(MAX_BYTES), "--hb", "600"
+    )
     yield peer
     peer.proc.kill()
     peer.proc.wait()
