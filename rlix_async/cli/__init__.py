@@ -1,27 +1,57 @@
 """The ``rlix-async`` command: each subcommand's parser beside its handler.
 
 Handlers are thin: they load a config (``rlix_async.config``), call the
-process main or tool that lives next to the code it runs, and print. Bad
-input (a config, a file, an argument) is one line on stderr and exit code 2;
-any other failure is one line and exit code 1, with the traceback only under
-``--debug``.
+process main or tool that lives next to the code it runs, and print.
+
+Failures end in one line on stderr, decided in one place (:func:`explain`):
+
+- exit 2, ``error: ...``: the user's input is wrong, nothing was done. A bad
+  argument (argparse), a config (``ConfigError``), an endpoint or key directory
+  (``SecurityError``, a malformed endpoint), an engine or class that cannot be
+  imported (``LoadError``), what a handler refuses (``UsageError``), and a file or
+  directory the command line names that cannot be read or written (an ``OSError``
+  whose path is, or lies under, one given on the command line).
+- exit 1, ``error: ...``: the command was right but could not finish: a
+  coordinator that does not answer or refuses, a connection lost, any other
+  ``OSError``.
+- exit 1, ``error: internal error: TYPE: ...``: any other exception. Unexpected,
+  most likely a bug of ours: the line says so, so it is never mistaken for bad
+  input (nor hidden as exit 2).
+- exit 130: Ctrl-C.
+
+``--debug`` (anywhere on the line) prints the traceback before that line; the
+exit code stays the same.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import NoReturn, TypeVar
 
 import msgspec
 
 T = TypeVar("T", bound=msgspec.Struct)
 
+USAGE, FAILED = 2, 1  # exit codes: bad input; a run that could not finish (or a bug)
+
 
 class UsageError(Exception):
     """Bad input on the command line: printed as one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (it prints the usage and the error on two
+    or more); ``--help`` still shows the usage. Subcommand parsers are of this class too
+    (``add_subparsers`` makes its parsers of the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE, f"error: {message} (see {self.prog} --help)\n")
 
 
 def load_for(kind: type[T], path: str | None, overrides: Sequence[str]) -> T:
@@ -54,12 +84,67 @@ def add_overrides(p: argparse.ArgumentParser, example: str) -> None:
     )
 
 
+def endpoint_problem(endpoint: str) -> str | None:
+    """What is wrong with an endpoint's form, or None: ``ipc://PATH`` or
+    ``tcp://HOST:PORT`` (``*`` for any port). Checked before a socket is made, whose
+    error (ZMQ's ``Invalid argument``) names neither the rule nor the value."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("ipc", "tcp") or not rest:
+        return f"unsupported endpoint {endpoint!r}: use ipc://PATH or tcp://HOST:PORT"
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not (port == "*" or (port.isdigit() and 0 < int(port) < 65536)):
+            return f"{endpoint}: a tcp endpoint is tcp://HOST:PORT (PORT 1-65535)"
+    return None
+
+
+def endpoint_arg(text: str) -> str:
+    """An argparse type: an endpoint of a valid form."""
+    problem = endpoint_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def check_endpoints(cfg: msgspec.Struct, source: str, fields: Sequence[str]) -> None:
+    """Refuse a config whose endpoint ``fields`` are malformed, naming the field."""
+    for name in fields:
+        value = getattr(cfg, name)
+        problem = None if value is None else endpoint_problem(value)
+        if problem is not None:
+            raise UsageError(f"{source}: {name}: {problem}")
+
+
+def check_output(path: str | Path, *, directory: bool = False, parents: bool = False) -> None:
+    """Refuse, before any work is done, an output that cannot be written: a file that is
+    a directory or whose directory is missing (unless ``parents``: it will be made), a
+    directory (made with its parents) below something that is not a directory, or a
+    place that is not writable."""
+    p = Path(path).expanduser().absolute()
+    if not directory and p.is_dir():
+        raise UsageError(f"{path}: is a directory")
+    base = p if directory else p.parent
+    if directory or parents:
+        while not base.exists():  # made, with what is missing above it
+            base = base.parent
+    elif not base.exists():
+        raise UsageError(f"{path}: directory {base} does not exist")
+    if not base.is_dir():
+        raise UsageError(
+            f"{path}: not a directory" if base == p else f"{path}: {base} is not a directory"
+        )
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise UsageError(f"{path}: {base} is not writable")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rlix_async.cli import bench, observe, processes, scheduling, setup
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="rlix-async",
         description="Time-share GPUs between LLM RL pipelines (asyncio + ZMQ control plane).",
+        epilog="Bad input exits 2 and other failures 1, each with one line on stderr; "
+        "--debug (anywhere on the line) adds the traceback.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of failures")
@@ -71,9 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Like ``parse_args``, except that ``KEY=VALUE`` overrides may also follow options
-    (argparse stops filling a ``*`` positional at the first option)."""
+    (argparse stops filling a ``*`` positional at the first option), and ``--debug``
+    and ``-v`` may also follow the subcommand, where one types them after a failure."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    for flag, dest in (("--debug", "debug"), ("-v", "verbose"), ("--verbose", "verbose")):
+        while flag in extra:
+            extra.remove(flag)
+            setattr(args, dest, True)
     if extra:
         if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
             args.overrides = [*args.overrides, *extra]
@@ -82,28 +172,68 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _given_paths(args: argparse.Namespace) -> Iterator[str]:
+    """Every path the command line may name, absolute: each string argument and each
+    ``KEY=VALUE`` override's value."""
+    for value in vars(args).values():
+        for item in value if isinstance(value, list) else [value]:
+            if not isinstance(item, str | Path):
+                continue
+            texts = {str(item)}
+            if isinstance(item, str) and "=" in item:
+                texts.add(item.partition("=")[2])
+            yield from (os.path.abspath(os.path.expanduser(t)) for t in texts if t)
+
+
+def _user_path(exc: OSError, args: argparse.Namespace) -> str | None:
+    """The path of ``exc`` if the command line named it (or a directory above it)."""
+    given = {p for p in _given_paths(args) if p != os.sep}
+    for name in (exc.filename, exc.filename2):
+        if isinstance(name, str | Path):
+            path = os.path.abspath(os.fspath(name))
+            if any(path == g or path.startswith(g + os.sep) for g in given):
+                return os.fspath(name)
+    return None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split()) or "(no message)"
+
+
+def explain(exc: Exception, args: argparse.Namespace) -> tuple[int, str]:
+    """The exit code and the one line for a failure (the rules: this module's doc)."""
+    from rlix_async.config import ConfigError
+    from rlix_async.loading import LoadError
+    from rlix_async.protocol import RpcError
+    from rlix_async.security import SecurityError
+
+    if isinstance(exc, UsageError | ConfigError | LoadError | SecurityError):
+        return USAGE, f"error: {_one_line(str(exc))}"
+    if isinstance(exc, OSError) and (path := _user_path(exc, args)) is not None:
+        return USAGE, f"error: {path}: {exc.strerror or _one_line(str(exc))}"
+    hint = " (--debug shows the traceback)"
+    if isinstance(exc, ConnectionError | TimeoutError | RpcError):
+        return FAILED, f"error: {_one_line(str(exc))}{hint}"  # their messages say what
+    if isinstance(exc, OSError):
+        return FAILED, f"error: {type(exc).__name__}: {_one_line(str(exc))}{hint}"
+    what = f"{type(exc).__name__}: {_one_line(str(exc))}"
+    return FAILED, f"error: internal error: {what[:400]} (--debug shows where)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from rlix_async.config import ConfigError
-    from rlix_async.loading import LoadError
-    from rlix_async.security import SecurityError
-
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (ConfigError, UsageError, LoadError, SecurityError) as exc:
-        if args.debug:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
+        code, line = explain(exc, args)
         if args.debug:
-            raise
-        print(f"error: {type(exc).__name__}: {exc} (--debug shows where)", file=sys.stderr)
-        return 1
+            traceback.print_exc()
+        print(line, file=sys.stderr)
+        return code

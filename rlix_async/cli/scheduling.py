@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlix_async.cli import UsageError, add_overrides
+from rlix_async.cli import UsageError, add_overrides, check_output
 
 if TYPE_CHECKING:
     from rlix_async.config import Scenario
@@ -51,6 +51,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from rlix_async.sim.engine import simulate
 
     sc = load_config(args.scenario, Scenario, args.overrides)
+    if args.journal is not None:  # refused now, not after a long simulation
+        check_output(args.journal)
     if args.seeds is not None:
         return _simulate_seeds(sc, args)
     policies = ["exclusive", "timeshare"] if args.policy == "all" else [args.policy]

@@ -6,12 +6,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from rlix_async.cli import add_overrides, load_for
+from rlix_async.cli import add_overrides, check_output, load_for
 
 
 def _keygen(args: argparse.Namespace) -> int:
     from rlix_async.security import keygen
 
+    check_output(args.dir, directory=True)
     written = keygen(args.dir, args.client or None)
     for path in written:
         print(path)

@@ -61,10 +61,9 @@ async def fetch(client: RpcClient) -> m.StatusReply:
 
 
 async def show_status(
-    endpoint: str | None, keys_dir: str | None, *, watch: bool, interval: float
+    endpoint: str | None, keys: ClientKeys | None, *, watch: bool, interval: float
 ) -> int:
     endpoint = endpoint or ipc_endpoint("coordinator")
-    keys = ClientKeys.load(keys_dir) if keys_dir else None
     console = Console()
     async with RpcClient(endpoint, f"status-{uuid.uuid4().hex[:6]}/cli/0", keys=keys) as client:
         if not watch:

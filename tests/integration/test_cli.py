@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.cluster import ROOT, rlix
+from helpers.cluster import ROOT, joined_pipeline, rlix
 from helpers.snapshots import EXAMPLE as SNAPSHOT
+
+from rlix_async.observe.trace import trace_problems
 
 SCENARIO = """
 cluster: {nodes: 1, gpus_per_node: 2}
@@ -172,6 +174,9 @@ def test_simulate_json_shape_and_journal_for_timeline(tmp_path: Path) -> None:
     png = tmp_path / "t.png"
     rlix("timeline", str(tmp_path / "j.jsonl"), "-o", str(png), check=True)
     assert png.stat().st_size > 0
+    trace = tmp_path / "trace.json"
+    rlix("trace", str(tmp_path / "j.jsonl"), "-o", str(trace), check=True)
+    assert trace_problems(json.loads(trace.read_text())) == []
     bad = rlix("simulate", str(tmp_path / "nope.yaml"))
     assert bad.returncode == 2 and "nope.yaml: cannot read" in bad.stderr
     missing = rlix("timeline", str(tmp_path / "nope.jsonl"))
@@ -180,6 +185,40 @@ def test_simulate_json_shape_and_journal_for_timeline(tmp_path: Path) -> None:
     data = json.loads(sweep.stdout)
     assert [r["seed"] for r in data["runs"]] == [0, 1, 2]
     assert data["gain"]["min"] <= data["gain"]["mean"] <= data["gain"]["max"]
+
+
+async def test_trace_of_a_coordinators_journal(ipc_ep: str, tmp_path: Path) -> None:
+    """A coordinator's own journal (what launch and the demo leave): two pipelines
+    share devices, one trains over the other's shards; its trace opens in Perfetto."""
+    import asyncio
+
+    from rlix_async.control.coordinator import Coordinator
+    from rlix_async.control.topology import ClusterShape, ClusterSpec
+
+    journal = tmp_path / "journal.jsonl"
+    topo = {"actor_train": ClusterSpec(1, (0, 1)), "actor_infer": ClusterSpec(1, (0, 1, 2, 3))}
+    async with Coordinator(ipc_ep, ClusterShape(1, 4), journal=journal) as co:
+        a = await joined_pipeline(co.endpoint, "A", topo)
+        b = await joined_pipeline(co.endpoint, "B", topo)
+        for pc in (a, b):
+            await pc.report_progress(100, 0, force=True)
+            await pc.request("actor_infer", "GENERATION", timeout=5)
+        assert await a.request("actor_train", "ACTOR_TRAINING", timeout=10) == [0, 1]
+        await asyncio.sleep(0.2)
+        await a.release("actor_train")
+        await a.close()
+        await b.close()
+    out = tmp_path / "trace.json"
+    done = await asyncio.to_thread(rlix, "trace", str(journal), "-o", str(out))
+    assert done.returncode == 0 and done.stdout.strip() == str(out), done.stderr
+    trace = json.loads(out.read_text())
+    assert trace_problems(trace) == []
+    names = {e["name"] for e in trace["traceEvents"]}
+    wanted = {"A rollout", "B rollout", "A shrink", "A fence", "A unfence", "A devices", "register"}
+    assert wanted <= names, names
+    train = [e for e in trace["traceEvents"] if e["name"] == "A train"]
+    assert sorted(e["tid"] for e in train) == [1, 2]  # devices 0 and 1, held over the sleep
+    assert all(e["ph"] == "X" and e["dur"] >= 200_000 for e in train), train
 
 
 def test_the_pipeline_process_refuses_a_bad_config_before_starting(tmp_path: Path) -> None:
