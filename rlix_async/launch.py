@@ -42,6 +42,8 @@ from rlix_async.weights.shm import remove_pipeline_segments
 
 log = logging.getLogger(__name__)
 
+CRASH_WINDOW_S = 600.0  # coordinator crashes older than this are forgiven
+
 
 class LaunchError(ValueError):
     """A config this launcher cannot start (exit code 2, like a config error)."""
@@ -126,6 +128,11 @@ class Launcher:
         self.env = _child_env()
         self.max_shard_restarts = 3
         self.max_pipeline_restarts = 2  # each resumes from its newest checkpoint
+        # A coordinator that keeps dying (e.g. a journal it cannot use) is restarted
+        # with growing pauses, then given up on: never a restart loop forever.
+        self.max_coordinator_restarts = 8  # within CRASH_WINDOW_S
+        self._coordinator_crashes: list[float] = []  # monotonic times, recent ones
+        self._coordinator_restart_at: float | None = None
 
     def _proc(self, planned: PlannedProcess) -> Proc:
         if planned.config is not None and planned.config_path is not None:
@@ -188,6 +195,12 @@ class Launcher:
         self.coordinator.restarts += 1
         self.coordinator.start(self.env)
 
+    def coordinator_backoff_s(self) -> float:
+        """Pause before the next restart: none after one recent crash, then doubling
+        from 0.5 s up to 30 s, so a crash loop neither spins nor gives up at once."""
+        n = len(self._coordinator_crashes)
+        return 0.0 if n <= 1 else min(30.0, 0.5 * 2 ** (n - 2))
+
     def restart_pipeline(self, pid: str) -> None:
         """Kill a pipeline and start it again from its newest checkpoint."""
         old = self.pipelines[pid]
@@ -201,11 +214,28 @@ class Launcher:
     def step(self) -> bool:
         """One supervision pass; False once every pipeline has finished."""
         assert self.coordinator is not None
-        if self.coordinator.poll() is not None:
-            log.warning(
-                "coordinator exited (%s); restarting it on its journal", self.coordinator.poll()
-            )
-            self.restart_coordinator()
+        code = self.coordinator.poll()
+        if code is not None:
+            now = time.monotonic()
+            if self._coordinator_restart_at is None:
+                self._coordinator_crashes = [
+                    t for t in self._coordinator_crashes if now - t < CRASH_WINDOW_S
+                ] + [now]
+                if len(self._coordinator_crashes) > self.max_coordinator_restarts:
+                    raise RuntimeError(
+                        f"the coordinator keeps failing (exit {code}, "
+                        f"{len(self._coordinator_crashes)} times in {CRASH_WINDOW_S:.0f} s); "
+                        f"see {self.coordinator.log_path}"
+                    )
+                self._coordinator_restart_at = now + self.coordinator_backoff_s()
+                log.warning(
+                    "coordinator exited (%s); restarting it on its journal in %.1f s",
+                    code,
+                    self._coordinator_restart_at - now,
+                )
+            if now >= self._coordinator_restart_at:
+                self._coordinator_restart_at = None
+                self.restart_coordinator()
         for shard in self.shards:
             code = shard.poll()
             if code is not None and len(self.exit_codes) < len(self.pipelines):

@@ -47,6 +47,7 @@ class ErrorCode(enum.StrEnum):
     NOT_REGISTERED = "not_registered"  # request before hello (e.g. after a server restart)
     HANDLER_FAILED = "handler_failed"  # the handler raised
     UNKNOWN_CALL = "unknown_call"  # a reply for a call id nobody waits for
+    FORBIDDEN = "forbidden"  # the caller's key or identity may not do this
 
 
 _REGISTRY: dict[str, type[Message]] = {}

@@ -11,9 +11,23 @@ Key directory layout (``rlix-async keygen DIR``)::
     DIR/server.key  DIR/server.key_secret     coordinator's key pair
     DIR/client.key  DIR/client.key_secret     a client key pair (more with --client NAME)
     DIR/authorized/client.key                 public keys the server accepts
+    DIR/authorized/client.role                what that key may do: one line,
+                                              ``admin``, ``driver PIPELINES`` or
+                                              ``shard PIPELINES`` (``*``: any)
 
-All files are 0600 and directories 0700. Copy DIR to every node of the job (or
-put it on a shared filesystem only the job's user can read).
+All files are 0600 and directories 0700. Give each node only the secret keys its
+processes use (the coordinator's node: ``server``; a shard host: ``shard-HOST``
+or ``shard``; a trainer node: ``driver-ID``), with ``server.key`` and
+``authorized/`` everywhere.
+
+Authorization: every message a tcp peer sends carries its CURVE public key (ZMQ's
+``User-Id``); the server binds the peer's identity to that key at hello and
+refuses any message from another key. A key's role decides which identities it
+may take (:meth:`Principal.may_use`): a driver key only ``P/driver/*`` and
+``P/router/*`` of its pipelines, a shard key only ``P/infer/*`` and
+``P/weights/*``, an admin key (the CLI) any. Handlers then act only for the
+pipeline the caller's identity names. On ipc:// there are no keys: every local
+peer is the same user, and only the identity rules apply.
 """
 
 from __future__ import annotations
@@ -32,6 +46,8 @@ import zmq.auth
 SERVER_CERT = "server"
 DEFAULT_CLIENT = "client"
 AUTHORIZED = "authorized"
+ROLES = ("admin", "driver", "shard")
+ANY = "*"
 
 
 class SecurityError(RuntimeError):
@@ -77,6 +93,88 @@ def remove_ipc_file(endpoint: str) -> None:
             os.unlink(endpoint[len("ipc://") :])
 
 
+@dataclass(frozen=True)
+class Principal:
+    """Who holds a client key: its name, role and the pipelines it may act for."""
+
+    name: str
+    role: str  # one of ROLES
+    pipelines: frozenset[str] | None = None  # None: every pipeline
+
+    def covers(self, pipeline: str) -> bool:
+        return self.pipelines is None or pipeline in self.pipelines
+
+    def may_use(self, identity: str) -> bool:
+        """Whether this key may connect under ``identity`` (``PIPELINE/KIND/INDEX``)."""
+        if self.role == "admin":
+            return True
+        pipeline, kind = [*identity.split("/"), "", ""][:2]
+        if self.role == "driver":
+            if kind == "driver" and pipeline.startswith("anon-"):
+                return self.pipelines is None  # asks the coordinator for a fresh id
+            return kind in ("driver", "router") and self.covers(pipeline)
+        if self.role == "shard":
+            return kind in ("infer", "weights") and self.covers(pipeline)
+        return False
+
+    def describe(self) -> str:
+        scope = (
+            ""
+            if self.role == "admin"
+            else " for "
+            + ("any pipeline" if self.pipelines is None else ", ".join(sorted(self.pipelines)))
+        )
+        return f"key {self.name!r} ({self.role}{scope})"
+
+
+def parse_role(text: str, name: str = "?") -> Principal:
+    """``admin`` | ``driver P1,P2`` | ``shard *``: one line, as in ``NAME.role``."""
+    words = text.split()
+    if not words or words[0] not in ROLES:
+        raise SecurityError(
+            f"role of key {name!r} is {text.strip()!r}: expected one of {', '.join(ROLES)}"
+        )
+    role = words[0]
+    if role == "admin":
+        if len(words) > 1:
+            raise SecurityError(f"role of key {name!r}: admin takes no pipelines")
+        return Principal(name, role)
+    if len(words) != 2:
+        raise SecurityError(
+            f"role of key {name!r}: {role} needs its pipelines (comma-separated, or *)"
+        )
+    pipelines = None if words[1] == ANY else frozenset(p for p in words[1].split(",") if p)
+    return Principal(name, role, pipelines)
+
+
+class AccessList:
+    """The keys a server accepts (``DIR/authorized``) and what each may do."""
+
+    def __init__(self, principals: dict[bytes, Principal]) -> None:
+        self.principals = principals  # z85 public key -> its principal
+
+    @classmethod
+    def load(cls, authorized: Path) -> AccessList:
+        principals: dict[bytes, Principal] = {}
+        for key_file in sorted(authorized.glob("*.key")):
+            name = key_file.stem
+            role_file = key_file.with_suffix(".role")
+            if not role_file.exists():
+                raise SecurityError(
+                    f"{key_file} has no {role_file.name}: say what it may do with "
+                    f"`rlix-async keygen DIR --client {name} --role admin|driver|shard`"
+                )
+            public, _ = zmq.auth.load_certificate(str(key_file))
+            principals[public] = parse_role(role_file.read_text(), name)
+        return cls(principals)
+
+    def principal(self, user_id: bytes | str | None) -> Principal | None:
+        if user_id is None:
+            return None
+        key = user_id.encode() if isinstance(user_id, str) else user_id
+        return self.principals.get(key)
+
+
 def check_endpoint(endpoint: str, keys: ServerKeys | ClientKeys | None) -> None:
     """Refuse endpoints that other users could reach without authenticating."""
     scheme = endpoint.split("://", 1)[0]
@@ -97,16 +195,19 @@ class ServerKeys:
     public: bytes
     secret: bytes
     authorized_dir: Path
+    access: AccessList
 
     @classmethod
-    def load(cls, keys_dir: str | Path) -> ServerKeys:
+    def load(cls, keys_dir: str | Path, name: str = SERVER_CERT) -> ServerKeys:
+        """The coordinator's pair (``server``); a shard's data plane serves with its
+        own client pair (``name``), so only the coordinator holds the server secret."""
         d = Path(keys_dir)
         _check_key_dir(d)
-        public, secret = _load_pair(d / f"{SERVER_CERT}.key_secret")
+        public, secret = _load_pair(d / f"{name}.key_secret")
         authorized = d / AUTHORIZED
         if not any(authorized.glob("*.key")):
             raise SecurityError(f"{authorized} holds no public keys: nobody could connect")
-        return cls(public, secret, authorized)
+        return cls(public, secret, authorized, AccessList.load(authorized))
 
     def apply(self, sock: zmq.Socket) -> None:  # type: ignore[type-arg]
         sock.curve_secretkey = self.secret
@@ -127,6 +228,22 @@ class ClientKeys:
         public, secret = _load_pair(d / f"{name}.key_secret")
         server_public, _ = zmq.auth.load_certificate(str(d / f"{SERVER_CERT}.key"))
         return cls(public, secret, server_public)
+
+    @classmethod
+    def load_first(cls, keys_dir: str | Path, *names: str) -> tuple[str, ClientKeys]:
+        """The first of ``names`` whose secret key this node holds (a process's own
+        key, e.g. ``driver-ID``, before the shared fallback ``client``)."""
+        d = Path(keys_dir)
+        for name in names:
+            if (d / f"{name}.key_secret").exists():
+                return name, cls.load(d, name)
+        raise SecurityError(
+            f"{d} holds none of the keys {', '.join(names)} (run `rlix-async keygen`)"
+        )
+
+    def for_server(self, server_public: bytes) -> ClientKeys:
+        """The same pair, talking to another server (a shard's data plane)."""
+        return ClientKeys(self.public, self.secret, server_public)
 
     def apply(self, sock: zmq.Socket) -> None:  # type: ignore[type-arg]
         sock.curve_secretkey = self.secret
@@ -152,13 +269,26 @@ def _check_key_dir(d: Path) -> None:
     _ensure_private_dir(d)
 
 
-def keygen(keys_dir: str | Path, clients: list[str] | None = None) -> list[Path]:
-    """Create the server key pair (if absent) and one key pair per client name."""
+def keygen(
+    keys_dir: str | Path,
+    clients: list[str] | None = None,
+    role: str = "admin",
+    pipelines: list[str] | None = None,
+) -> list[Path]:
+    """Create the server key pair (if absent) and one key pair per client name, each
+    allowed ``role`` (for ``pipelines``; None or ``["*"]``: any). A client that
+    exists keeps its key; its role is written only where it has none."""
+    text = role if role == "admin" else f"{role} {','.join(pipelines or [ANY])}"
+    parse_role(text)  # refuse a bad role before writing anything
+    for name in clients or []:
+        if not name or name == SERVER_CERT or not name.replace("-", "").replace("_", "").isalnum():
+            raise SecurityError(f"bad key name {name!r}: letters, digits, - and _ only")
     d = _ensure_private_dir(Path(keys_dir))
     authorized = _ensure_private_dir(d / AUTHORIZED)
     written: list[Path] = []
     names = [SERVER_CERT] if not (d / f"{SERVER_CERT}.key_secret").exists() else []
-    names += [n for n in (clients or [DEFAULT_CLIENT]) if not (d / f"{n}.key_secret").exists()]
+    wanted = clients or [DEFAULT_CLIENT]
+    names += [n for n in wanted if not (d / f"{n}.key_secret").exists()]
     for name in names:
         public_file, secret_file = zmq.auth.create_certificates(str(d), name)
         for f in (public_file, secret_file):
@@ -169,4 +299,10 @@ def keygen(keys_dir: str | Path, clients: list[str] | None = None) -> list[Path]
             shutil.copyfile(public_file, dst)
             os.chmod(dst, 0o600)
             written.append(dst)
+    for name in wanted:
+        role_file = authorized / f"{name}.role"
+        if not role_file.exists():
+            role_file.write_text(text + "\n")
+            os.chmod(role_file, 0o600)
+            written.append(role_file)
     return written

@@ -5,9 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlix_async.cli import UsageError, add_overrides, load_for, positive_int
+from rlix_async.cli import (
+    UsageError,
+    add_overrides,
+    check_endpoints,
+    check_output,
+    load_for,
+    positive_int,
+)
 
 if TYPE_CHECKING:
     from rlix_async.config import LaunchConfig
@@ -16,20 +24,35 @@ STOPPED = "stopped (every process and shared-memory segment cleaned up)"
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from rlix_async.aio import run
     from rlix_async.config import CoordinatorConfig
+
+    cfg = load_for(CoordinatorConfig, args.config, args.overrides)
+    check_endpoints(cfg, args.config or "the command line", ["endpoint"])
+    if cfg.journal is not None:
+        check_output(cfg.journal, parents=True)  # the coordinator creates its directory
+
+    from rlix_async.aio import run  # the process's imports after its input is checked
     from rlix_async.control.coordinator import serve
 
-    run(serve(load_for(CoordinatorConfig, args.config, args.overrides)))
+    run(serve(cfg))
     return 0
 
 
 def _shard(args: argparse.Namespace) -> int:
-    from rlix_async.aio import run
     from rlix_async.config import ShardConfig
-    from rlix_async.shards.worker import serve
 
-    return run(serve(load_for(ShardConfig, args.config, args.overrides)))
+    cfg = load_for(ShardConfig, args.config, args.overrides)
+    source = args.config or "the command line"
+    check_endpoints(cfg, source, ["coordinator", "data_endpoint"])
+    model = cfg.model
+    local = model is not None and model.startswith(("/", ".", "~"))  # a path, not a hub id
+    if local and model is not None and not Path(model).expanduser().is_dir():
+        raise UsageError(f"{source}: model: {model} is not a directory")
+
+    from rlix_async.aio import run  # vLLM and torch: seconds, so after the checks
+    from rlix_async.shards.shard_main import serve
+
+    return run(serve(cfg))
 
 
 def _supervised(job: Callable[[], None]) -> int:
@@ -40,6 +63,10 @@ def _supervised(job: Callable[[], None]) -> int:
         print(STOPPED, file=sys.stderr)
         return 130
     except RuntimeError as exc:
+        from rlix_async.security import SecurityError
+
+        if isinstance(exc, SecurityError):  # bad input, not a failed run: exit 2
+            raise
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -48,7 +75,6 @@ def _supervised(job: Callable[[], None]) -> int:
 def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
     """Print the process plan without starting (or writing) anything."""
     import json
-    from pathlib import Path
 
     from rlix_async.process_plan import build_plan, format_plan
 
@@ -63,13 +89,15 @@ def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     from rlix_async.config import LaunchConfig, load_config
-    from rlix_async.launch import Launcher, LaunchError
 
     cfg: LaunchConfig = load_config(args.config, LaunchConfig, args.overrides)
     if args.dry_run:
         return _dry_run(cfg, args)
     if args.json:
         raise UsageError("--json goes with --dry-run")
+    check_output(cfg.out, directory=True)
+    from rlix_async.launch import Launcher, LaunchError  # torch: after the checks
+
     try:
         launcher = Launcher(cfg, resume=args.resume)
     except LaunchError as exc:
@@ -81,7 +109,8 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from rlix_async.demo import format_summary, run_demo
+    check_output(args.out, directory=True)
+    from rlix_async.demo import format_summary, run_demo  # torch: after the check
 
     summaries = []
     code = _supervised(lambda: summaries.append(run_demo(args.out, args.steps, args.overrides)))

@@ -69,6 +69,15 @@ class SchedulerConfig(Config, frozen=True):
             gt=0,
         ),
     ] = 600.0
+    plan_interval_s: Annotated[
+        float,
+        doc(
+            "Least seconds between two plans; events meanwhile coalesce into the next. "
+            "Whatever this is, a plan that took d seconds is followed by 2 d of rest.",
+            ge=0,
+            le=10,
+        ),
+    ] = 0.0
     policy: Annotated[Policy, doc("The planner's policy (as in a snapshot).")] = Policy()
 
 
@@ -86,8 +95,16 @@ class CoordinatorConfig(Config, frozen=True):
     keys: Annotated[str | None, doc("CURVE key directory (rlix-async keygen); for tcp.")] = None
     metrics_port: Annotated[
         Annotated[int, msgspec.Meta(ge=1, le=65535)] | None,
-        doc("Serve Prometheus metrics on this port (all interfaces)."),
+        doc("Serve Prometheus metrics on this port (of metrics_host)."),
     ] = None
+    metrics_host: Annotated[
+        str,
+        doc(
+            "Address the metrics server binds: loopback by default, since the metrics "
+            "name every pipeline; 0.0.0.0 opens them to the network (no authentication).",
+            min_length=1,
+        ),
+    ] = "127.0.0.1"
     heartbeat_interval_s: Annotated[
         float, doc("Heartbeat period; a peer silent 2.5 periods is dead.", gt=0)
     ] = 1.0

@@ -31,13 +31,18 @@ from rlix_async.control.topology import (
     PriorityName,
     priority_name,
 )
-from rlix_async.protocol import Message
+from rlix_async.protocol import Message, RpcError
 from rlix_async.security import ClientKeys
 from rlix_async.transport import CallContext, ConnectionLost, RpcClient, TransportConfig
 from rlix_async.weights.ref import CacheRef
 
 log = logging.getLogger(__name__)
 BUCKETS = 50  # progress is reported in 2% steps
+GRANT_TIMEOUT_S = 6 * 3600.0  # a stage may wait behind others' training, never forever
+
+
+class ResumeRefused(RuntimeError):
+    """The coordinator refused this pipeline's Resume: its leases conflict."""
 
 
 def _bucket(target: int, completed: int) -> int:
@@ -60,12 +65,16 @@ class PipelineClient:
         self.held: dict[ClusterName, PriorityName] = {}
         self.active_ranks: list[int] = []
         self.endpoints: dict[int, str] = {}  # rank -> shard data plane (for the router)
+        self.data_keys: dict[int, str] = {}  # rank -> its data plane's public key (tcp)
         self.on_ranks = on_ranks
         self._requests: dict[ClusterName, m.RequestStage] = {}
         self._waiters: dict[ClusterName, asyncio.Future[list[int]]] = {}
         self._progress: dict[str, tuple[int, int]] = {}  # stream -> last sent (target, completed)
         self._ranks_changed = asyncio.Event()
         self._weights: CacheRef | None = None
+        # Set when the coordinator refused our Resume (our leases conflict with what
+        # it knows): retrying cannot help, so every wait and call fails with it.
+        self.failed: str | None = None
         self.rpc = RpcClient(
             endpoint,
             m.driver_identity(pipeline_id),
@@ -129,9 +138,11 @@ class PipelineClient:
         priority: PriorityName | Priority,
         step_target_estimate: int | None = None,
         *,
-        timeout: float | None = None,
+        timeout: float = GRANT_TIMEOUT_S,
     ) -> list[int]:
-        """Wait for the stage: the cluster's devices, or for GENERATION the awake ranks."""
+        """Wait for the stage: the cluster's devices, or for GENERATION the awake ranks.
+        A grant may wait behind other pipelines' training, hence the long default;
+        it raises TimeoutError past ``timeout``."""
         return await self._queue(cluster, priority, step_target_estimate, timeout, None)
 
     async def release(self, cluster: ClusterName) -> None:
@@ -146,7 +157,7 @@ class PipelineClient:
         priority: PriorityName | Priority,
         step_target_estimate: int | None = None,
         *,
-        timeout: float | None = None,
+        timeout: float = GRANT_TIMEOUT_S,
     ) -> list[int]:
         """Atomically give one stage back and queue the next."""
         return await self._queue(cluster, priority, step_target_estimate, timeout, release)
@@ -156,7 +167,7 @@ class PipelineClient:
         cluster: ClusterName,
         priority: PriorityName | Priority,
         estimate: int | None,
-        timeout: float | None,
+        timeout: float,
         release: ClusterName | None,
     ) -> list[int]:
         req = self._make_request(cluster, priority, estimate)
@@ -224,6 +235,8 @@ class PipelineClient:
         restart is simply sent again once we are reconnected (and resumed)."""
         deadline = time.monotonic() + timeout
         while True:
+            if self.failed is not None:
+                raise ResumeRefused(self.failed)
             try:
                 return await self.rpc.call(msg, timeout=max(deadline - time.monotonic(), 0.01))
             except ConnectionLost:
@@ -257,7 +270,7 @@ class PipelineClient:
         cluster: ClusterName,
         req: m.RequestStage,
         fut: asyncio.Future[list[int]],
-        timeout: float | None,
+        timeout: float,
     ) -> list[int]:
         try:
             async with asyncio.timeout(timeout):
@@ -278,6 +291,7 @@ class PipelineClient:
 
     def _active(self, msg: m.ActiveRanks, ctx: CallContext) -> None:
         self.endpoints = dict(msg.endpoints)
+        self.data_keys = dict(msg.data_keys)
         self._set_ranks(msg.ranks)
         fut = self._waiters.get(INFER)
         req = self._requests.get(INFER)
@@ -302,17 +316,28 @@ class PipelineClient:
 
     async def _resume(self, rpc: RpcClient) -> None:
         """Re-assert our state on every (re)connection after the first registration."""
-        if not self.clusters:
+        if not self.clusters or self.failed is not None:
             return
-        await rpc.call(
-            m.Resume(
-                pipeline_id=self.pipeline_id,
-                clusters=self.clusters,
-                admitted=self.admitted,
-                held=self.held,
-                requests=list(self._requests.values()),
+        try:
+            await rpc.call(
+                m.Resume(
+                    pipeline_id=self.pipeline_id,
+                    clusters=self.clusters,
+                    admitted=self.admitted,
+                    held=self.held,
+                    requests=list(self._requests.values()),
+                )
             )
-        )
+        except RpcError as exc:
+            if exc.code not in ("lease_conflict", "bad_resume", "forbidden"):
+                raise  # e.g. handler_failed: the reconnection loop tries again
+            # Refused whole: sending it again would be refused again, forever.
+            self.failed = f"{self.pipeline_id}: the coordinator refused our resume: {exc}"
+            log.error("%s", self.failed)
+            for fut in self._waiters.values():
+                if not fut.done():
+                    fut.set_exception(ResumeRefused(self.failed))
+            return
         if self._weights is not None:
             await rpc.call(m.PublishWeights(pipeline_id=self.pipeline_id, ref=self._weights))
         for stream, (target, completed) in self._progress.items():

@@ -124,6 +124,9 @@ class ActiveRanks(Message):
     cluster: ClusterName
     ranks: list[int]
     endpoints: dict[int, str] = {}  # rank -> the shard worker's data-plane endpoint
+    # rank -> the CURVE public key (z85) its tcp data plane serves with: routers
+    # trust it because the coordinator, authenticated, vouches for it
+    data_keys: dict[int, str] = {}
 
 
 class StatusRequest(Message):

@@ -43,6 +43,7 @@ class PlanRealiser:
     weights: dict[str, CacheRef]  # latest promoted version per pipeline
     shard_versions: dict[tuple[str, int], int | None]  # acked by workers
     shard_endpoints: dict[tuple[str, int], str]  # data planes, for routers
+    shard_data_keys: dict[tuple[str, int], str]  # their CURVE public keys (tcp)
     shard_memory: dict[tuple[str, int], int]  # bytes in use, as last acknowledged
     _journaled_fences: set[tuple[str, int]]
     _unfenced: asyncio.Event  # set (and replaced) whenever a fence is lifted
@@ -50,8 +51,9 @@ class PlanRealiser:
 
     def _apply(self, result: Plan) -> list[str]:
         """Record a plan in the registry (shrunk ranks fenced) and the journal."""
-        answered = self.registry.apply(result, fence=True)
-        self._journal_plan(result)
+        with self.journal.batch():  # one fsync for the plan, before any command goes out
+            answered = self.registry.apply(result, fence=True)
+            self._journal_plan(result)
         return answered
 
     def _journal_fences(self) -> None:
@@ -306,7 +308,17 @@ class PlanRealiser:
                 for r in p.active
                 if (pid, r) in self.shard_endpoints
             }
+            data_keys = {
+                r: self.shard_data_keys[(pid, r)]
+                for r in p.active
+                if (pid, r) in self.shard_data_keys
+            }
             await self.server.notify(
                 m.driver_identity(pid),
-                m.ActiveRanks(cluster=INFER, ranks=sorted(p.active), endpoints=endpoints),
+                m.ActiveRanks(
+                    cluster=INFER,
+                    ranks=sorted(p.active),
+                    endpoints=endpoints,
+                    data_keys=data_keys,
+                ),
             )

@@ -10,7 +10,7 @@ from rlix_async.control.messages import StatusReply
 class Metrics:
     """Its own registry, so several coordinators in one process (tests) do not collide."""
 
-    def __init__(self, port: int, host: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
         from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
         self.registry = CollectorRegistry()

@@ -92,7 +92,7 @@ class Router:
             except TimeoutError:
                 continue
 
-    async def _client(self, endpoint: str) -> RpcClient:
+    async def _client(self, rank: int, endpoint: str) -> RpcClient:
         """One connection per shard, shared by all requests (connects once)."""
         lock = self._locks.setdefault(endpoint, asyncio.Lock())
         async with lock:  # concurrent requests must not each open their own
@@ -102,7 +102,10 @@ class Router:
                     await c.close()
                 ident = f"{self.pipeline.pipeline_id}/router/{self._ids}-{self._n_clients}"
                 self._n_clients += 1
-                c = RpcClient(endpoint, ident, keys=self.keys, config=self.transport)
+                keys = self.keys
+                if keys is not None and (server_key := self.pipeline.data_keys.get(rank)):
+                    keys = keys.for_server(server_key.encode())
+                c = RpcClient(endpoint, ident, keys=keys, config=self.transport)
                 await c.connect(timeout=30)
                 self._clients[endpoint] = c
             return c
@@ -134,7 +137,7 @@ class Router:
             attempt = f"{rid}.{traj.resumes}"
             client: RpcClient | None = None
             try:
-                client = await self._client(endpoint)
+                client = await self._client(rank, endpoint)
                 reply = await client.call(
                     Generate(
                         request_id=attempt,

@@ -40,21 +40,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from rlix_async.aio import until_signalled
-from rlix_async.config import EngineConfig, ShardConfig
 from rlix_async.control import messages as m
 from rlix_async.control.messages import ShardState
-from rlix_async.protocol import RpcError
+from rlix_async.protocol import ErrorCode, RpcError
 from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
 from rlix_async.shards.devices import (
-    DeviceBindingError,
-    check_binding,
     memory_in_use,
 )
 from rlix_async.shards.engine import GenerationChunk, PauseMode, ShardEngine
@@ -140,6 +135,7 @@ class ShardWorker:
         )
         self.data.on(Generate, self._generate)
         self.data.on(Cancel, self._cancel)
+        self.data.admit_peer = self._admit_router
         self.rpc = RpcClient(
             coordinator,
             m.worker_identity(pipeline, rank),
@@ -156,12 +152,23 @@ class ShardWorker:
             await self._sleep_engine()
         await self.data.start()  # first, so the coordinator can hand its endpoint out
         self.rpc.info["data_endpoint"] = self.data.endpoint
+        if data_keys := self.data.keys:
+            self.rpc.info["data_key"] = data_keys.public.decode()
         await self.rpc.connect()
         return self
 
     async def close(self) -> None:
         await self.rpc.close()
         await self.data.close()
+
+    def _admit_router(self, identity: str, info: dict[str, object]) -> None:
+        """Only this pipeline's routers (``PIPELINE/router/*``) may send work here."""
+        pipeline, kind = [*identity.split("/"), "", ""][:2]
+        if (pipeline, kind) != (self.pipeline, "router"):
+            raise RpcError(
+                ErrorCode.FORBIDDEN,
+                f"{identity} may not use shard {self.pipeline}/infer/{self.rank}",
+            )
 
     async def _generate(self, msg: Generate, ctx: CallContext) -> GenerateResult:
         """Serve one request; a shrink cuts it and returns what was decoded so far."""
@@ -500,91 +507,10 @@ class LoadOnWake:
 
     def shutdown(self) -> None:
         if self.engine is not None:
-            _shutdown(self.engine)
+            shutdown_engine(self.engine)
 
 
-def build_engine(
-    engine: EngineConfig, model: str | None, *, seed: int = 0, tp: int = 1, cuda: bool = False
-) -> ShardEngine:
-    if engine.kind == "custom":
-        from rlix_async.loading import load_object
-
-        assert engine.custom is not None  # the config refuses custom without it
-        return load_object(engine.custom)(**engine.custom_args)  # type: ignore[no-any-return]
-    from rlix_async.shards.vllm_engine import VllmEngine
-
-    assert model is not None  # the config refuses vllm without it
-    return VllmEngine(model, engine.for_device(cuda), seed=seed, tp=tp, cuda=cuda)
-
-
-async def serve(cfg: ShardConfig) -> int:
-    """The shard worker process (``rlix-async shard``): serve until signalled. Returns 3
-    when the engine died, so a launcher replaces this worker; 2 when it does not see
-    the devices it is bound to or the coordinator refuses them."""
-    import torch
-
-    cuda = cfg.engine.kind == "vllm" and torch.cuda.is_available()
-    try:
-        check_binding(
-            cfg.devices, cfg.tensor_parallel_size, torch.cuda.device_count() if cuda else None
-        )
-    except DeviceBindingError as exc:
-        print(f"error: shard {cfg.pipeline}/{cfg.rank}: {exc}", file=sys.stderr, flush=True)
-        return 2
-    engine_cfg = cfg.engine.for_device(cuda)
-
-    def build() -> ShardEngine:
-        return build_engine(engine_cfg, cfg.model, tp=cfg.tensor_parallel_size, cuda=cuda)
-
-    engine: ShardEngine = LoadOnWake(build) if engine_cfg.load == "first_wake" else build()
-    keys = ClientKeys.load(cfg.keys) if cfg.keys else None
-    transport = TransportConfig.with_heartbeat(cfg.heartbeat_interval_s)
-    worker = ShardWorker(
-        engine,
-        cfg.coordinator or ipc_endpoint("coordinator"),
-        cfg.pipeline,
-        cfg.rank,
-        keys=keys,
-        transport=transport,
-        drain_timeout_s=cfg.drain_timeout_s,
-        data_endpoint=cfg.data_endpoint,
-        # a tcp data plane (routers on other nodes) is authenticated like every tcp socket
-        data_keys=ServerKeys.load(cfg.keys)
-        if cfg.keys and (cfg.data_endpoint or "").startswith("tcp://")
-        else None,
-        devices=cfg.devices,
-        sleep_level=cfg.engine.sleep_level,
-        cuda=cuda,
-        sleep_timeout_s=cfg.sleep_timeout_s,
-    )
-    try:
-        await worker.start()
-    except ConnectionError as exc:  # e.g. the coordinator refused our devices
-        print(f"error: shard {cfg.pipeline}/{cfg.rank}: {exc}", file=sys.stderr, flush=True)
-        await worker.close()
-        _shutdown(engine)
-        return 2
-    print(f"READY {worker.data.endpoint}", flush=True)
-    dead = asyncio.ensure_future(worker.engine_dead.wait())
-    signalled = asyncio.ensure_future(until_signalled())
-    await asyncio.wait([dead, signalled], return_when=asyncio.FIRST_COMPLETED)
-    signalled.cancel()
-    t0 = time.monotonic()
-    await worker.close()
-    if dead.done():
-        return 3
-    dead.cancel()
-    t1 = time.monotonic()
-    _shutdown(engine)
-    print(
-        f"stopped: worker closed in {t1 - t0:.1f} s, engine in {time.monotonic() - t1:.1f} s",
-        file=sys.stderr,
-        flush=True,
-    )
-    return 0
-
-
-def _shutdown(engine: ShardEngine) -> None:
+def shutdown_engine(engine: ShardEngine) -> None:
     shutdown = getattr(engine, "shutdown", None)
     if shutdown is not None:
         shutdown()

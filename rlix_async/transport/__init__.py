@@ -1,7 +1,8 @@
 """Async ZMQ RPC: ROUTER server, DEALER clients, typed messages, heartbeats, CURVE."""
 
 from rlix_async.transport.client import RpcClient
-from rlix_async.transport.endpoint import (
+from rlix_async.transport.server import RpcServer
+from rlix_async.transport.types import (
     CallContext,
     CallTimeout,
     ConnectionLost,
@@ -9,7 +10,6 @@ from rlix_async.transport.endpoint import (
     Reply,
     TransportConfig,
 )
-from rlix_async.transport.server import RpcServer
 
 __all__ = [
     "CallContext",

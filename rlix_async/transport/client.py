@@ -36,15 +36,12 @@ from rlix_async.protocol import (
     hello,
 )
 from rlix_async.security import ClientKeys, check_endpoint
-from rlix_async.transport.endpoint import (
-    Buffer,
-    CallTimeout,
-    TransportConfig,
-    _call_hook,
-    _Endpoint,
-)
+from rlix_async.transport.endpoint import _call_hook, _Endpoint
+from rlix_async.transport.types import Buffer, CallTimeout, TransportConfig
 
 log = logging.getLogger(__name__)
+
+HELLO_ATTEMPT_S = 2.0  # longest wait for one hello's answer before a new socket tries
 
 _HANDSHAKE_FAILURES: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the server refused our key (not in its authorized/ dir)",
@@ -190,6 +187,12 @@ class RpcClient(_Endpoint):
         self._last_seen = time.monotonic()
         self._start_reading()
 
+    def _reopen_socket(self) -> None:
+        self._stop_reading()
+        self._close_monitor()
+        self._sock.close(linger=0)
+        self._open_socket()
+
     def _close_monitor(self) -> None:
         if self._monitor is not None:
             with contextlib.suppress(zmq.ZMQError):
@@ -209,13 +212,16 @@ class RpcClient(_Endpoint):
 
     async def _handshake(self, timeout: float) -> Welcome:
         deadline = time.monotonic() + timeout
-        attempt_timeout = max(self.config.heartbeat_timeout_s, 0.5)
+        # Short attempts: a hello lost on a connection the server refused (our previous
+        # one was still open there) is only retried on a new socket (see below).
+        attempt_timeout = min(max(self.config.heartbeat_timeout_s, 0.5), HELLO_ATTEMPT_S)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise ConnectionError(
                     f"{self.identity}: no answer from {self.endpoint} within {timeout}s "
-                    "(is the coordinator running? for tcp: are the keys right?)"
+                    "(is the coordinator running? for tcp: are the keys right? is another "
+                    "live process connected under this identity?)"
                 )
             try:
                 welcome, _ = await self._call(
@@ -229,6 +235,10 @@ class RpcClient(_Endpoint):
                 failure = self._handshake_failure()
                 if failure is not None:
                     raise ConnectionRefusedError(f"{self.endpoint}: {failure}") from None
+                # The server never hands a live identity over, so a connection made
+                # while our previous one was still open there is refused for good:
+                # only a new one gets in, once the old is gone.
+                self._reopen_socket()
                 continue
             except RpcError as exc:
                 if exc.code == ErrorCode.VERSION_MISMATCH:
@@ -292,10 +302,7 @@ class RpcClient(_Endpoint):
         self._fail_pending(f"connection to {self.endpoint} lost: {reason}")
         await _call_hook(self.on_disconnected, reason)
         while not self._closed:
-            self._stop_reading()
-            self._close_monitor()
-            self._sock.close(linger=0)
-            self._open_socket()
+            self._reopen_socket()
             self._setup_task = asyncio.current_task()
             try:
                 await self._handshake(self.config.connect_timeout_s)

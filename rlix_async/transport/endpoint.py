@@ -35,7 +35,6 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import zmq
@@ -55,6 +54,16 @@ from rlix_async.protocol import (
     decode_envelope,
     encode,
 )
+from rlix_async.security import Principal
+from rlix_async.transport.types import (
+    Buffer,
+    CallContext,
+    CallTimeout,
+    ConnectionLost,
+    Handler,
+    Reply,
+    TransportConfig,
+)
 
 log = logging.getLogger(__name__)
 # Plain ints: the enum versions cost microseconds per bitwise operation.
@@ -71,78 +80,6 @@ _SNDMORE = int(zmq.SNDMORE)
 # timer per call: a per-call loop timer costs ~20 us of CPU per round trip here.
 _TIMEOUT_RESOLUTION_S = 0.02
 M = TypeVar("M", bound=Message)
-Buffer = bytes | bytearray | memoryview
-
-
-class CallTimeout(TimeoutError):
-    """No reply within the call's timeout."""
-
-
-class ConnectionLost(ConnectionError):
-    """The peer was declared dead (or restarted) while the call was in flight."""
-
-
-@dataclass(frozen=True)
-class TransportConfig:
-    heartbeat_interval_s: float = 1.0
-    # A peer silent this long is dead. Checked every interval/5, so a killed peer
-    # is detected within timeout + interval/5 (2.7 intervals by default).
-    heartbeat_timeout_s: float = 2.5
-    call_timeout_s: float = 30.0
-    max_message_bytes: int = 64 << 20
-    sndhwm: int = 10_000
-    rcvhwm: int = 10_000
-    max_concurrent_handlers: int = 4096
-    send_timeout_s: float = 5.0
-    connect_timeout_s: float = 30.0
-
-    @classmethod
-    def with_heartbeat(cls, interval_s: float) -> TransportConfig:
-        """Heartbeats every ``interval_s``; a peer silent 2.5 intervals is dead."""
-        return cls(heartbeat_interval_s=interval_s, heartbeat_timeout_s=2.5 * interval_s)
-
-    def __post_init__(self) -> None:
-        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "call_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
-        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
-        if self.max_message_bytes < 1024 or self.max_concurrent_handlers < 1:
-            raise ValueError("max_message_bytes >= 1024 and max_concurrent_handlers >= 1")
-
-
-@dataclass(slots=True)
-class CallContext:
-    """What a handler learns about the message it serves."""
-
-    peer: str
-    call_id: int  # 0 for notifications
-    frames: list[memoryview] = field(default_factory=list)
-
-
-@dataclass
-class Reply:
-    """A handler's reply carrying binary frames after the message."""
-
-    msg: Message
-    frames: Sequence[Buffer] = ()
-    # Called with the ZMQ MessageTracker of the zero-copy send, for owners that
-    # must not reuse the frames' memory before ZMQ is done with it.
-    on_sent: Callable[[Any], None] | None = None
-
-
-Handler = Callable[[Any, CallContext], Any]
-
-
-@dataclass
-class PeerInfo:
-    identity: str
-    host: str
-    pid: int
-    info: dict[str, Any]
-    joined_at: float
-    last_seen: float
-    rejoined: bool = False
 
 
 def _destroy_context(ctx: zmq.Context[Any]) -> None:
@@ -170,6 +107,9 @@ class _Endpoint:
         weakref.finalize(self, _destroy_context, self._ctx)
         self._handlers: dict[type[Message], tuple[Handler, bool]] = {}
         self._pending: dict[int, asyncio.Future[tuple[Message, list[memoryview]]]] = {}
+        # Who each call went to: a reply counts only from that peer (a peer must not
+        # answer, or forge an acknowledgement for, a call sent to another).
+        self._pending_peer: dict[int, str] = {}
         self._ids = itertools.count(1)
         self._tasks = Supervisor(name)
         self._running_handlers = 0
@@ -179,6 +119,7 @@ class _Endpoint:
         self._deadlines: dict[int, dict[int, tuple[str, str, float]]] = {}
         self._deadline_ticks: list[int] = []  # min-heap of the keys of _deadlines
         self._copied_parts = 1  # leading frames received as bytes (routing id, header)
+        self._first_frame: zmq.Frame | None = None
         self._heartbeat = encode(Kind.HEARTBEAT, 0, Heartbeat(instance=self.instance))
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stats = {"errors_sent": 0, "dropped_sends": 0}
@@ -256,6 +197,7 @@ class _Endpoint:
         # Frame.more instead of getsockopt(RCVMORE): pyzmq builds an enum per
         # getsockopt, ~1 us a part.
         frame = sock.recv(_NOBLOCK, copy=False)
+        self._first_frame = frame  # a keyed server reads the sender's User-Id from it
         parts: list[Any] = [frame.bytes]
         copied = self._copied_parts
         while frame.more:
@@ -313,7 +255,9 @@ class _Endpoint:
     def _receive(self, frames: list[zmq.Frame]) -> None:
         raise NotImplementedError
 
-    def _dispatch(self, peer: str, frames: Sequence[Any], route: Any) -> Envelope | None:
+    def _dispatch(
+        self, peer: str, frames: Sequence[Any], route: Any, principal: Principal | None = None
+    ) -> Envelope | None:
         """Decode and act on one message; protocol errors go back as Error replies.
 
         Returns the envelope (None when it was undecodable) so the subclass can
@@ -339,19 +283,29 @@ class _Endpoint:
                 raise too_large
             assert env is not None
             if env.kind in (Kind.REPLY, Kind.ERROR):
-                self._resolve(env, frames)
+                self._resolve(peer, env, frames)
             elif env.kind in (Kind.REQUEST, Kind.NOTIFY):
-                self._serve(peer, env, frames, route)
+                self._serve(peer, env, frames, route, principal)
             return env
         except ProtocolError as exc:
             call_id = env.call_id if env is not None and env.kind == Kind.REQUEST else 0
             self._send_error(route, call_id, exc.code, exc.detail)
             return env
 
-    def _resolve(self, env: Envelope, frames: Sequence[Any]) -> None:
+    def _resolve(self, peer: str, env: Envelope, frames: Sequence[Any]) -> None:
         fut = self._pending.get(env.call_id)
         if fut is None or fut.done():
             log.debug("late or unknown reply %s for call %d", env.type_name, env.call_id)
+            return
+        expected = self._pending_peer.get(env.call_id)
+        if expected is not None and expected != peer:
+            log.warning(
+                "%s: reply to call %d from %s ignored: the call went to %s",
+                self._tasks.name,
+                env.call_id,
+                peer,
+                expected,
+            )
             return
         msg = decode_body(env)
         if env.kind == Kind.ERROR:
@@ -360,13 +314,21 @@ class _Endpoint:
         else:
             fut.set_result((msg, _payload(frames)))
 
-    def _serve(self, peer: str, env: Envelope, frames: Sequence[Any], route: Any) -> None:
+    def _serve(
+        self,
+        peer: str,
+        env: Envelope,
+        frames: Sequence[Any],
+        route: Any,
+        principal: Principal | None = None,
+    ) -> None:
         msg = decode_body(env)
         entry = self._handlers.get(type(msg))
         if entry is None:
             raise ProtocolError(ErrorCode.NO_HANDLER, f"{env.type_name} is not served here")
         handler, is_async = entry
-        ctx = CallContext(peer, env.call_id if env.kind == Kind.REQUEST else 0, _payload(frames))
+        call_id = env.call_id if env.kind == Kind.REQUEST else 0
+        ctx = CallContext(peer, call_id, _payload(frames), principal)
         if not is_async:
             try:
                 result = handler(msg, ctx)
@@ -495,6 +457,7 @@ class _Endpoint:
         loop = self._loop or asyncio.get_running_loop()
         fut: asyncio.Future[tuple[Message, list[memoryview]]] = loop.create_future()
         self._pending[call_id] = fut
+        self._pending_peer[call_id] = peer_name
         tick = int((loop.time() + timeout) / _TIMEOUT_RESOLUTION_S) + 1
         bucket = self._deadlines.get(tick)
         if bucket is None:
@@ -512,6 +475,7 @@ class _Endpoint:
         finally:
             bucket.pop(call_id, None)
             self._pending.pop(call_id, None)
+            self._pending_peer.pop(call_id, None)
 
     async def _expire_calls(self) -> None:
         """Fail calls whose deadline passed (the sweeper behind per-call timeouts)."""

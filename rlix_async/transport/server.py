@@ -25,14 +25,9 @@ from rlix_async.protocol import (
     decode_body,
     decode_envelope,
 )
-from rlix_async.security import ServerKeys, check_endpoint, remove_ipc_file
-from rlix_async.transport.endpoint import (
-    Buffer,
-    PeerInfo,
-    TransportConfig,
-    _call_hook,
-    _Endpoint,
-)
+from rlix_async.security import Principal, ServerKeys, check_endpoint, remove_ipc_file
+from rlix_async.transport.endpoint import _call_hook, _Endpoint
+from rlix_async.transport.types import Buffer, PeerInfo, TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +57,22 @@ class RpcServer(_Endpoint):
         self.admit_peer: Callable[[str, dict[str, Any]], None] | None = None
         self._auth: Any = None
         self._copied_parts = 2  # routing id and header
+        self._hello_key: bytes | None = None  # the key of the hello being served
 
     async def start(self) -> RpcServer:
         self._loop = asyncio.get_running_loop()
         sock = self._ctx.socket(zmq.ROUTER)
         self._configure(sock)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable -> error, never silent
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting identity takes over
+        # No handover: a newcomer never takes a live peer's identity (and its replies).
+        # A peer's own reconnection works once its old connection is gone: a dead
+        # process's socket closes at once, a half-open one fails ZMTP heartbeats
+        # (libzmq answers them, so a live but busy process keeps its connection),
+        # and the client reopens its socket when a hello goes unanswered.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        c = self.config
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(100, int(c.heartbeat_interval_s * 1000)))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(300, int(c.heartbeat_timeout_s * 1000)))
         if self.keys is not None:
             from zmq.auth.asyncio import AsyncioAuthenticator
 
@@ -129,16 +133,29 @@ class RpcServer(_Endpoint):
         except UnicodeDecodeError:
             peer = repr(route)
         info = self.peers.get(peer)
-        now = time.monotonic()
-        if info is not None:
-            info.last_seen = now
         body = frames[1:]
+        key: bytes | None = None
+        if self.keys is not None:  # tcp: every message names its sender's CURVE key
+            key = _user_id(self._first_frame)
         if info is None:
-            self._receive_unregistered(peer, route, body)
+            self._receive_unregistered(peer, route, body, key)
+        elif key != info.key:
+            # The identity is bound to the key it said hello with: another key's
+            # message under it is refused, and never counts as the peer's heartbeat.
+            self.stats["forbidden"] = self.stats.get("forbidden", 0) + 1
+            self._send_error(
+                route,
+                0,
+                ErrorCode.FORBIDDEN,
+                f"identity {peer} belongs to another key: message refused",
+            )
         else:
-            self._dispatch(peer, body, route)
+            info.last_seen = time.monotonic()
+            self._dispatch(peer, body, route, info.principal)
 
-    def _receive_unregistered(self, peer: str, route: bytes, body: list[Any]) -> None:
+    def _receive_unregistered(
+        self, peer: str, route: bytes, body: list[Any], key: bytes | None
+    ) -> None:
         """Before hello only Hello is served; anything else is told to say hello."""
         try:
             env = decode_envelope(body[0]) if len(body[0]) < 65536 else None
@@ -148,7 +165,11 @@ class RpcServer(_Endpoint):
         if env is None:
             self._send_error(route, 0, ErrorCode.TOO_LARGE, "oversized message before hello")
         elif env.type_name == Hello.type_name and env.kind == Kind.REQUEST:
-            self._dispatch(peer, body, route)
+            self._hello_key = key
+            try:
+                self._dispatch(peer, body, route)
+            finally:
+                self._hello_key = None
         elif env.kind in (Kind.REQUEST, Kind.NOTIFY, Kind.HEARTBEAT):
             call_id = env.call_id if env.kind == Kind.REQUEST else 0
             self._send_error(
@@ -158,7 +179,14 @@ class RpcServer(_Endpoint):
                 f"{peer} has not said hello to this server (instance {self.instance})",
             )
 
-    def _serve(self, peer: str, env: Envelope, frames: Sequence[Any], route: Any) -> None:
+    def _serve(
+        self,
+        peer: str,
+        env: Envelope,
+        frames: Sequence[Any],
+        route: Any,
+        principal: Principal | None = None,
+    ) -> None:
         if env.type_name == Bye.type_name:
             info = self.peers.pop(peer, None)
             if info is not None:
@@ -172,7 +200,7 @@ class RpcServer(_Endpoint):
             if env.kind == Kind.REQUEST:
                 self._send_result(route, env.call_id, result)
             return
-        super()._serve(peer, env, frames, route)
+        super()._serve(peer, env, frames, route, principal)
 
     def _hello(self, peer: str, msg: Hello) -> Welcome:
         if msg.protocol != PROTOCOL_VERSION:
@@ -185,6 +213,22 @@ class RpcServer(_Endpoint):
             raise ProtocolError(
                 ErrorCode.INVALID, f"hello identity {msg.identity!r} != socket identity {peer!r}"
             )
+        key, principal = self._hello_key, None
+        if self.keys is not None:
+            principal = self.keys.access.principal(key)
+            if principal is None:  # ZAP let it in, so the list changed since we loaded it
+                raise ProtocolError(ErrorCode.FORBIDDEN, f"{peer}: its key is not authorized")
+            if not principal.may_use(peer):
+                log.error("hello of %s refused: %s may not use it", peer, principal.describe())
+                raise ProtocolError(
+                    ErrorCode.FORBIDDEN,
+                    f"{principal.describe()} may not connect as {peer!r}",
+                )
+            known = self.peers.get(peer)
+            if known is not None and known.key != key:
+                raise ProtocolError(
+                    ErrorCode.FORBIDDEN, f"identity {peer} is in use by another key"
+                )
         if self.admit_peer is not None:
             try:
                 self.admit_peer(peer, dict(msg.info))
@@ -193,7 +237,7 @@ class RpcServer(_Endpoint):
                 raise ProtocolError(exc.code, exc.detail) from None
         now = time.monotonic()
         rejoined = peer in self.peers
-        info = PeerInfo(peer, msg.host, msg.pid, dict(msg.info), now, now, rejoined)
+        info = PeerInfo(peer, msg.host, msg.pid, dict(msg.info), now, now, rejoined, key, principal)
         self.peers[peer] = info
         self._tasks.spawn(_call_hook(self.on_peer_joined, info), "peer-joined")
         c = self.config
@@ -228,3 +272,14 @@ class RpcServer(_Endpoint):
                     with contextlib.suppress(zmq.ZMQError):
                         self._try_send([peer.encode(), self._heartbeat], True)
             await asyncio.sleep(tick)
+
+
+def _user_id(frame: zmq.Frame | None) -> bytes | None:
+    """The CURVE key (z85) ZAP gave the connection a frame came on; None if none."""
+    if frame is None:
+        return None
+    try:
+        user_id = frame.get("User-Id")
+    except zmq.ZMQError:  # no metadata: not a CURVE connection
+        return None
+    return user_id.encode() if isinstance(user_id, str) else None

@@ -31,8 +31,18 @@ def test_keygen_files_are_private(tmp_path: Path) -> None:
     assert mode(keys) == 0o700 and mode(keys / "authorized") == 0o700
     assert {p.name for p in written} >= {"server.key_secret", "driver.key", "worker.key_secret"}
     assert all(mode(p) == 0o600 for p in written)
-    assert {p.name for p in (keys / "authorized").iterdir()} == {"driver.key", "worker.key"}
-    assert keygen(keys, ["driver"]) == []  # idempotent: never overwrites a key
+    assert {p.name for p in (keys / "authorized").iterdir()} == {
+        "driver.key",
+        "driver.role",
+        "worker.key",
+        "worker.role",
+    }
+    assert (keys / "authorized" / "driver.role").read_text() == "admin\n"  # the default role
+    assert keygen(keys, ["driver"]) == []  # idempotent: never overwrites a key or role
+    written = keygen(keys, ["drv-a"], role="driver", pipelines=["a", "b"])
+    assert (keys / "authorized" / "drv-a.role").read_text() == "driver a,b\n"
+    with pytest.raises(SecurityError, match="expected one of"):
+        keygen(keys, ["x"], role="root")
 
 
 def test_loose_secret_key_refused(tmp_path: Path) -> None:

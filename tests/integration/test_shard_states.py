@@ -51,7 +51,7 @@ async def test_a_shard_woken_without_weights_refuses_until_a_sync_brings_them(
     async with Coordinator(ipc_ep, ClusterShape(1, 1)) as co:
         driver = await joined_pipeline(co.endpoint, "P", TOPO)
         worker = await ShardWorker(ScriptedEngine(), co.endpoint, "P", 0, sleep_level=2).start()
-        client = await RpcClient(worker.data.endpoint, "router/P/0").connect()
+        client = await RpcClient(worker.data.endpoint, "P/router/0").connect()
         try:
             await driver.report_progress(8, 0, force=True)
             await driver.request("actor_infer", "GENERATION", timeout=10)
@@ -82,7 +82,7 @@ async def test_past_the_drain_timeout_running_requests_are_cut_before_the_sleep(
         worker = await ShardWorker(
             engine, co.endpoint, "P", 0, sleep_level=1, drain_timeout_s=0.3
         ).start()
-        client = await RpcClient(worker.data.endpoint, "router/P/0").connect()
+        client = await RpcClient(worker.data.endpoint, "P/router/0").connect()
         try:
             await driver.report_progress(8, 0, force=True)
             await driver.request("actor_infer", "GENERATION", timeout=10)
@@ -128,7 +128,7 @@ async def test_a_sync_that_fails_midway_takes_the_shard_out_of_service(ipc_ep: s
     async with Coordinator(ipc_ep, ClusterShape(1, 1)) as co:
         driver = await joined_pipeline(co.endpoint, "P", TOPO)
         worker = await ShardWorker(engine, co.endpoint, "P", 0).start()
-        client = await RpcClient(worker.data.endpoint, "router/P/0").connect()
+        client = await RpcClient(worker.data.endpoint, "P/router/0").connect()
         try:
             cache.build(0, {"w": torch.ones(64, 64)})
             await driver.publish_weights(cache.promote(0))

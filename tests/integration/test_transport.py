@@ -156,9 +156,14 @@ async def test_server_restart_reconnects_and_reregisters(spawn, ipc_ep) -> None:
     async with client:
         first_instance = client.server_instance
         server.kill9()
+        async with asyncio.timeout(5):  # the client notices the silence...
+            while client.connected:
+                await asyncio.sleep(0.02)
+        # ...and a call made while disconnected waits for the reconnection (one made
+        # before the client noticed could fail with ConnectionLost: it was sent)
+        call = asyncio.ensure_future(client.call(Ping(seq=7), timeout=20))
         server = spawn("server", ipc_ep, "--hb", "0.2")
-        # calls made while disconnected wait for the reconnection
-        assert await client.call(Ping(seq=7), timeout=20) == Pong(seq=7)
+        assert await call == Pong(seq=7)
         assert client.server_instance != first_instance
         assert client.reconnects == 1
         assert len(registrations) == 2

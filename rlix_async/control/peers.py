@@ -1,0 +1,193 @@
+"""Peers and leases: which workers and drivers are connected, and what their
+coming and going does to the plan.
+
+A shard worker is checked against its rank's devices at hello, its incarnation is
+journaled, and a lost one leaves the plan fenced until a replacement says hello. A
+driver that goes silent keeps its leases for ``lease_timeout_s``; after a restart,
+ranks the journal says are awake whose worker never returns are fenced. Dropping a
+pipeline reaps everything keyed by it. A part of
+:class:`~rlix_async.control.coordinator.Coordinator` (which inherits it), like
+:mod:`~rlix_async.control.realise`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from rlix_async.control import journal as ev
+from rlix_async.control import messages as m
+from rlix_async.control.realise import PlanRealiser, devices_of, log
+from rlix_async.control.registry import RegistryError
+from rlix_async.control.topology import INFER
+from rlix_async.transport import PeerInfo
+
+
+class PeerWatcher(PlanRealiser):
+    _closed: bool
+
+    def _admit_peer(self, identity: str, info: dict[str, object]) -> None:
+        """Refuse (at hello) a shard worker bound to devices that are not its rank's."""
+        shard = m.shard_rank(identity)
+        devices = info.get("devices")
+        if shard is None or not devices:
+            return  # a worker that binds no devices itself (library use) is not checked
+        pid, rank = shard
+        p = self.registry.pipelines.get(pid)
+        spec = p.clusters.get(INFER) if p is not None else None
+        if spec is None:
+            return  # its pipeline registers later: checked then
+        expected = list(spec.bundle(rank)) if rank < spec.dp else []
+        if list(devices) != expected:  # type: ignore[call-overload]
+            raise RegistryError(
+                "wrong_devices",
+                f"shard {identity} is bound to devices {devices} but rank {rank} of "
+                f"{pid}/{INFER} has devices {expected}",
+            )
+
+    def _check_bound_workers(self, pid: str) -> None:
+        """Shard workers usually say hello before their pipeline registers, when their
+        devices cannot be checked yet: check them now. A misbound one is disconnected
+        (its hello is refused from now on) and its rank never started."""
+        p = self.registry.pipelines[pid]
+        for ident, info in list(self.server.peers.items()):
+            shard = m.shard_rank(ident)
+            if shard is None or shard[0] != pid:
+                continue
+            try:
+                self._admit_peer(ident, info.info)
+            except RegistryError as exc:
+                log.error("%s; rank %s will not be started", exc.detail, shard[1])
+                p.offline.add(shard[1])
+                self.server.drop_peer(ident)
+
+    def _peer_joined(self, info: PeerInfo) -> None:
+        shard = m.shard_rank(info.identity)
+        if shard is not None:
+            pid, rank = shard
+            p = self.registry.pipelines.get(pid)
+            incarnation = f"{info.host}:{info.pid}"
+            if self.registry.workers.get((pid, rank)) != incarnation:
+                self.journal.record(
+                    ev.ShardJoined(pipeline=pid, rank=rank, incarnation=incarnation)
+                )
+            lifted = self.registry.worker_joined(pid, rank, incarnation)
+            if lifted is not None:
+                log.warning(
+                    "%s: a new worker (%s) replaced %s: fence on devices %s lifted",
+                    info.identity,
+                    incarnation,
+                    lifted.holder,
+                    list(lifted.devices),
+                )
+                self._journal_fences()
+            elif (pid, rank) in self.registry.fences:
+                # the same process is back (a blip): it must confirm its sleep
+                self.tasks.spawn(self._sleep_rank(pid, rank), "sleep-rejoined")
+            if info.info.get("data_endpoint"):
+                self.shard_endpoints[(pid, rank)] = str(info.info["data_endpoint"])
+            if info.info.get("data_key"):
+                self.shard_data_keys[(pid, rank)] = str(info.info["data_key"])
+            if p is not None and rank in p.offline:
+                p.offline.discard(rank)  # back: it may be started again
+                self.kick()
+            if p is not None and rank in p.active:
+                # its rank was already awake in the plan (it started late, or we
+                # restarted): make the worker match; wake is idempotent
+                self.tasks.spawn(self._expand_joined(pid, rank), "wake-joined")
+        driver_of = m.driver_pipeline(info.identity)
+        if driver_of is not None and (d := self.registry.pipelines.get(driver_of)) is not None:
+            d.connected, d.lost_at = True, None
+
+    def _peer_lost(self, info: PeerInfo) -> None:
+        shard = m.shard_rank(info.identity)
+        if shard is not None:
+            # A lost worker may still hold its devices (silent is not dead): its rank
+            # leaves the plan and stays fenced until a replacement says hello.
+            pid, rank = shard
+            p = self.registry.pipelines.get(pid)
+            if p is not None:
+                if rank in p.active:
+                    log.warning("shard worker %s lost: rank %s fenced", info.identity, rank)
+                p.offline.add(rank)  # not started again until its worker returns
+                self._give_up_rank(pid, rank, "worker lost")
+            f = self.registry.fences.get((pid, rank))
+            if f is not None and not f.reason.startswith("worker lost"):
+                f.reason = f"worker lost ({f.reason})"
+            self.shard_versions.pop((pid, rank), None)
+            return
+        driver_of = m.driver_pipeline(info.identity)
+        if driver_of is not None and (d := self.registry.pipelines.get(driver_of)) is not None:
+            d.connected, d.lost_at = False, time.monotonic()
+            log.warning(
+                "driver of %s lost; its leases expire in %.1fs unless it returns",
+                driver_of,
+                self.cfg.lease_timeout_s,
+            )
+
+    async def _lease_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(min(0.5, self.cfg.lease_timeout_s / 4))
+            now = time.monotonic()
+            for p in list(self.registry.pipelines.values()):
+                if p.lost_at is not None and now - p.lost_at > self.cfg.lease_timeout_s:
+                    self._drop_pipeline(p.id, "lease expired")
+            # a long-lived coordinator's journal is folded into one snapshot now and
+            # then, so a restart never replays its whole history
+            self.journal.maybe_compact(self.registry)
+
+    def _drop_pipeline(self, pid: str, reason: str) -> None:
+        p = self.registry.remove(pid, fence=True)
+        if p is None:
+            return
+        # Everything else keyed by the pipeline goes with it (a long-lived coordinator
+        # sees thousands of pipelines come and go).
+        self.weights.pop(pid, None)
+        tables = (self.shard_versions, self.shard_endpoints, self.shard_data_keys)
+        for table in (*tables, self.shard_memory):
+            for key in [k for k in table if k[0] == pid]:
+                del table[key]
+        log.warning(
+            "pipeline %s dropped (%s): releasing %s and %d rollout ranks",
+            pid,
+            reason,
+            sorted(p.held),
+            len(p.active),
+        )
+        for cluster in p.held:
+            self.journal.record(ev.Released(pipeline=pid, cluster=cluster))
+        if p.active:
+            self.journal.record(
+                ev.Shrunk(
+                    pipeline=pid,
+                    cluster=INFER,
+                    ranks=sorted(p.active),
+                    devices=devices_of(p.clusters[INFER], p.active),
+                )
+            )
+            for r in p.active:  # put its shards to sleep: fenced until they confirm
+                self.tasks.spawn(self._sleep_rank(pid, r), "sleep-dropped")
+        self.journal.record(ev.Unregistered(pipeline=pid, reason=reason))
+        self._journal_fences()
+        self.kick()
+
+    async def _expire_phantom_ranks(self) -> None:
+        """Ranks the journal says are awake, whose worker has not said hello within
+        ``lease_timeout_s`` of the restart, leave the plan fenced (the worker may be
+        alive and holding memory; it is lifted when a worker for the rank returns)."""
+        await asyncio.sleep(self.cfg.lease_timeout_s)
+        for p in list(self.registry.pipelines.values()):
+            for rank in sorted(p.active):
+                if m.worker_identity(p.id, rank) in self.server.peers:
+                    continue
+                if self.registry.workers.get((p.id, rank)) is None:
+                    continue  # driver-run engines: no worker is expected
+                log.warning(
+                    "%s rank %d: awake in the journal, but its worker never came back "
+                    "within %.0fs of the restart: fenced",
+                    p.id,
+                    rank,
+                    self.cfg.lease_timeout_s,
+                )
+                p.offline.add(rank)
+                self._give_up_rank(p.id, rank, "worker never returned after a restart")

@@ -1,0 +1,109 @@
+"""The shard worker process (``rlix-async shard``): bind the devices, build the
+engine, serve the coordinator's commands and the routers' requests until signalled.
+The worker itself is :class:`~rlix_async.shards.worker.ShardWorker`."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import time
+
+from rlix_async.aio import until_signalled
+from rlix_async.config import EngineConfig, ShardConfig
+from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
+from rlix_async.shards.devices import (
+    DeviceBindingError,
+    check_binding,
+)
+from rlix_async.shards.engine import ShardEngine
+from rlix_async.shards.worker import LoadOnWake, ShardWorker, shutdown_engine
+from rlix_async.transport import TransportConfig
+
+
+def build_engine(
+    engine: EngineConfig, model: str | None, *, seed: int = 0, tp: int = 1, cuda: bool = False
+) -> ShardEngine:
+    if engine.kind == "custom":
+        from rlix_async.loading import load_object
+
+        assert engine.custom is not None  # the config refuses custom without it
+        return load_object(engine.custom)(**engine.custom_args)  # type: ignore[no-any-return]
+    from rlix_async.shards.vllm_engine import VllmEngine
+
+    assert model is not None  # the config refuses vllm without it
+    return VllmEngine(model, engine.for_device(cuda), seed=seed, tp=tp, cuda=cuda)
+
+
+async def serve(cfg: ShardConfig) -> int:
+    """The shard worker process (``rlix-async shard``): serve until signalled. Returns 3
+    when the engine died, so a launcher replaces this worker; 2 when it does not see
+    the devices it is bound to or the coordinator refuses them."""
+    import torch
+
+    cuda = cfg.engine.kind == "vllm" and torch.cuda.is_available()
+    try:
+        check_binding(
+            cfg.devices, cfg.tensor_parallel_size, torch.cuda.device_count() if cuda else None
+        )
+    except DeviceBindingError as exc:
+        print(f"error: shard {cfg.pipeline}/{cfg.rank}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    engine_cfg = cfg.engine.for_device(cuda)
+
+    def build() -> ShardEngine:
+        return build_engine(engine_cfg, cfg.model, tp=cfg.tensor_parallel_size, cuda=cuda)
+
+    engine: ShardEngine = LoadOnWake(build) if engine_cfg.load == "first_wake" else build()
+    # The shard's own key: shard-HOST, else shard, else the shared client key. Its
+    # tcp data plane serves with that same pair (never the coordinator's secret);
+    # routers learn its public key from the coordinator.
+    key_name, keys = (
+        ClientKeys.load_first(cfg.keys, f"shard-{socket.gethostname()}", "shard", "client")
+        if cfg.keys
+        else ("", None)
+    )
+    transport = TransportConfig.with_heartbeat(cfg.heartbeat_interval_s)
+    worker = ShardWorker(
+        engine,
+        cfg.coordinator or ipc_endpoint("coordinator"),
+        cfg.pipeline,
+        cfg.rank,
+        keys=keys,
+        transport=transport,
+        drain_timeout_s=cfg.drain_timeout_s,
+        data_endpoint=cfg.data_endpoint,
+        # a tcp data plane (routers on other nodes) is authenticated like every tcp socket
+        data_keys=ServerKeys.load(cfg.keys, key_name)
+        if cfg.keys and (cfg.data_endpoint or "").startswith("tcp://")
+        else None,
+        devices=cfg.devices,
+        sleep_level=cfg.engine.sleep_level,
+        cuda=cuda,
+        sleep_timeout_s=cfg.sleep_timeout_s,
+    )
+    try:
+        await worker.start()
+    except ConnectionError as exc:  # e.g. the coordinator refused our devices
+        print(f"error: shard {cfg.pipeline}/{cfg.rank}: {exc}", file=sys.stderr, flush=True)
+        await worker.close()
+        shutdown_engine(engine)
+        return 2
+    print(f"READY {worker.data.endpoint}", flush=True)
+    dead = asyncio.ensure_future(worker.engine_dead.wait())
+    signalled = asyncio.ensure_future(until_signalled())
+    await asyncio.wait([dead, signalled], return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    t0 = time.monotonic()
+    await worker.close()
+    if dead.done():
+        return 3
+    dead.cancel()
+    t1 = time.monotonic()
+    shutdown_engine(engine)
+    print(
+        f"stopped: worker closed in {t1 - t0:.1f} s, engine in {time.monotonic() - t1:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 0

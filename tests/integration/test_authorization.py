@@ -1,0 +1,280 @@
+"""Who may do what: every forged action is refused, over real sockets.
+
+A real coordinator on tcp with CURVE keys made by ``keygen`` (a key per role), real
+clients (the ``PipelineClient`` library and raw ``RpcClient``s) and a real shard
+worker with the scripted engine (tests/helpers/scripted_engine.py, in process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+from helpers.scripted_engine import ScriptedEngine
+
+from rlix_async.control import messages as m
+from rlix_async.control.client import PipelineClient, ResumeRefused
+from rlix_async.control.coordinator import Coordinator
+from rlix_async.control.topology import ClusterShape, ClusterSpec
+from rlix_async.protocol import (
+    Envelope,
+    ErrorCode,
+    Kind,
+    RpcError,
+    decode_body,
+    decode_envelope,
+    encode,
+    hello,
+)
+from rlix_async.security import ClientKeys, ServerKeys, keygen
+from rlix_async.shards.router import Router
+from rlix_async.shards.worker import ShardWorker
+from rlix_async.transport import CallTimeout, RpcClient, RpcServer, TransportConfig
+
+SHAPE = ClusterShape(nodes=1, gpus_per_node=4)
+TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (1,))}
+TOPO_B = {"actor_train": ClusterSpec(1, (2,)), "actor_infer": ClusterSpec(1, (3,))}
+TCP = "tcp://127.0.0.1:0"
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Path:
+    d = tmp_path / "keys"
+    keygen(d)  # server + client (admin)
+    keygen(d, ["driver-a"], role="driver", pipelines=["a"])
+    keygen(d, ["driver-b"], role="driver", pipelines=["b"])
+    keygen(d, ["shard"], role="shard", pipelines=["*"])
+    return d
+
+
+async def refused_hello(endpoint: str, identity: str, keys: ClientKeys) -> str:
+    client = RpcClient(endpoint, identity, keys=keys)
+    with pytest.raises(ConnectionError) as info:
+        await client.connect(timeout=10)
+    await client.close()
+    return str(info.value)
+
+
+async def test_each_key_connects_only_under_the_identities_of_its_role(keys: Path) -> None:
+    async with Coordinator(TCP, SHAPE, keys=ServerKeys.load(keys)) as co:
+        ep = co.endpoint
+        drv_a = ClientKeys.load(keys, "driver-a")
+        shard = ClientKeys.load(keys, "shard")
+        assert "may not connect as 'b/driver/0'" in await refused_hello(ep, "b/driver/0", drv_a)
+        assert "may not connect as 'a/infer/0'" in await refused_hello(ep, "a/infer/0", drv_a)
+        assert "may not connect as 'a/driver/0'" in await refused_hello(ep, "a/driver/0", shard)
+        assert "forbidden" in await refused_hello(ep, "anon-1/driver/0", drv_a)  # no ids
+        # ...and each is served under its own
+        async with RpcClient(ep, "a/driver/0", keys=drv_a) as ok:
+            assert isinstance(await ok.call(m.StatusRequest()), m.StatusReply)
+        async with RpcClient(ep, "a/infer/0", keys=shard):
+            pass
+
+
+async def test_a_driver_acts_only_for_its_own_pipeline(keys: Path) -> None:
+    async with Coordinator(TCP, SHAPE, keys=ServerKeys.load(keys)) as co:
+        ep = co.endpoint
+        b = await PipelineClient.connect(
+            ep, pipeline_id="b", keys=ClientKeys.load(keys, "driver-b")
+        )
+        await b.register(TOPO_B)
+        await b.admit()
+        assert await b.request("actor_train", "ACTOR_TRAINING", timeout=5) == [2]
+        async with RpcClient(ep, "a/driver/0", keys=ClientKeys.load(keys, "driver-a")) as a:
+            forged: list[m.Message] = [
+                m.ReleaseStage(pipeline_id="b", cluster="actor_train"),
+                m.Unregister(pipeline_id="b"),
+                m.RequestStage(pipeline_id="b", cluster="actor_infer", priority="GENERATION"),
+                m.ShrinkAll(pipeline_id="b"),
+                m.AdmitPipeline(pipeline_id="b"),
+                m.RegisterPipeline(pipeline_id="b", clusters=TOPO_B),
+            ]
+            for msg in forged:
+                with pytest.raises(RpcError) as info:
+                    await a.call(msg, timeout=5)
+                assert info.value.code == ErrorCode.FORBIDDEN, msg
+                assert "a/driver/0 may not act for pipeline 'b'" in info.value.detail
+        # b's lease is untouched by any of it
+        assert co.registry.pipelines["b"].held
+        assert co.registry.pipelines["b"].admitted
+        # the admin key (the CLI's) may act for any pipeline
+        async with RpcClient(ep, "admin-1/cli/0", keys=ClientKeys.load(keys)) as admin:
+            await admin.call(m.Unregister(pipeline_id="b"), timeout=5)
+        assert "b" not in co.registry.pipelines
+        await b.close()
+
+
+async def test_on_ipc_identity_rules_still_hold(ipc_ep: str) -> None:
+    """No keys on ipc (every peer is the local user), but a driver still acts only
+    for the pipeline its identity names."""
+    async with Coordinator(ipc_ep, SHAPE) as co:
+        b = await PipelineClient.connect(co.endpoint, pipeline_id="b")
+        await b.register(TOPO_B)
+        async with RpcClient(co.endpoint, "a/driver/0") as a:
+            with pytest.raises(RpcError, match="may not act for pipeline 'b'"):
+                await a.call(m.Unregister(pipeline_id="b"), timeout=5)
+        assert "b" in co.registry.pipelines
+        await b.close()
+
+
+async def test_a_live_identity_cannot_be_taken_over(keys: Path) -> None:
+    """No router handover: a second connection under a live peer's identity (even with
+    the same key) is never served, and the live peer keeps its replies."""
+    async with Coordinator(TCP, SHAPE, keys=ServerKeys.load(keys)) as co:
+        drv_a = ClientKeys.load(keys, "driver-a")
+        async with RpcClient(co.endpoint, "a/driver/0", keys=drv_a) as live:
+            usurper = RpcClient(co.endpoint, "a/driver/0", keys=drv_a)
+            with pytest.raises(ConnectionError, match="another live process"):
+                await usurper.connect(timeout=3)
+            await usurper.close()
+            assert isinstance(await live.call(m.StatusRequest(), timeout=5), m.StatusReply)
+        # once the live one is gone, the identity is free again
+        async with RpcClient(co.endpoint, "a/driver/0", keys=drv_a) as back:
+            assert isinstance(await back.call(m.StatusRequest(), timeout=5), m.StatusReply)
+
+
+async def test_a_reply_counts_only_from_the_peer_the_call_went_to(ipc_ep: str) -> None:
+    """A peer that guesses a call id cannot answer (or forge a shard's ack for) a call
+    sent to another peer: its reply is ignored and the real one still counts."""
+    fast = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=30)
+    async with RpcServer(ipc_ep, config=fast) as server:
+        ctx = zmq.asyncio.Context()
+        socks = {}
+        for ident in ("p/infer/0", "p/infer/1"):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, ident.encode())
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(server.endpoint)
+            await s.send(encode(Kind.REQUEST, 1, hello(ident)))
+            assert decode_body(decode_envelope(await s.recv())).type_name == "Welcome"
+            socks[ident] = s
+        call = asyncio.ensure_future(
+            server.call("p/infer/0", m.ShardCommand(action="sleep"), timeout=1.5)
+        )
+        header = await next_request(socks["p/infer/0"])
+        forged = m.ShardAck(state=m.ShardState.ASLEEP)
+        await socks["p/infer/1"].send(encode(Kind.REPLY, header.call_id, forged))
+        with pytest.raises(CallTimeout):  # the forgery did not answer it
+            await call
+        call = asyncio.ensure_future(
+            server.call("p/infer/0", m.ShardCommand(action="sleep"), timeout=5)
+        )
+        header = await next_request(socks["p/infer/0"])
+        await socks["p/infer/1"].send(encode(Kind.REPLY, header.call_id, forged))
+        real = m.ShardAck(state=m.ShardState.ACTIVE)
+        await socks["p/infer/0"].send(encode(Kind.REPLY, header.call_id, real))
+        assert await call == real
+        for s in socks.values():
+            s.close()
+        ctx.term()
+
+
+async def next_request(sock: zmq.asyncio.Socket) -> Envelope:
+    while True:  # heartbeats come in between
+        env = decode_envelope(await sock.recv())
+        if env.kind == Kind.REQUEST:
+            return env
+
+
+async def test_a_conflicting_resume_is_refused_whole(ipc_ep: str) -> None:
+    """A Resume claiming devices someone else holds changes nothing (not even its
+    registration), and the client stops retrying it: its waits fail at once."""
+    shared = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (1,))}
+    async with Coordinator(ipc_ep, SHAPE) as co:
+        a = await PipelineClient.connect(co.endpoint, pipeline_id="a")
+        await a.register(TOPO)
+        await a.admit()
+        assert await a.request("actor_train", "ACTOR_TRAINING", timeout=5) == [0]
+        async with RpcClient(co.endpoint, "c/driver/0") as c:
+            claim = m.Resume(
+                pipeline_id="c",
+                clusters=shared,
+                admitted=True,
+                held={"actor_infer": "GENERATION", "actor_train": "ACTOR_TRAINING"},
+            )
+            journal_before = co.status()
+            with pytest.raises(RpcError) as info:
+                await c.call(claim, timeout=5)
+            assert info.value.code == "lease_conflict"
+            assert "nothing of this resume was applied" in info.value.detail
+        assert "c" not in co.registry.pipelines  # not even registered
+        assert co.status().owners == journal_before.owners
+        await a.close()
+
+
+async def test_the_client_gives_up_a_refused_resume(ipc_ep: str) -> None:
+    async with Coordinator(ipc_ep, SHAPE) as co:
+        a = await PipelineClient.connect(co.endpoint, pipeline_id="a")
+        await a.register(TOPO)
+        await a.admit()
+        await a.request("actor_train", "ACTOR_TRAINING", timeout=5)
+        # The coordinator forgets a (as if restarted on a lost journal) and another
+        # pipeline takes its device; a's reconnection must not loop on its Resume.
+        co.registry.remove("a")
+        x = await PipelineClient.connect(co.endpoint, pipeline_id="x")
+        await x.register({"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (2,))})
+        await x.admit()
+        await x.request("actor_train", "ACTOR_TRAINING", timeout=5)
+        await a._resume(a.rpc)  # what every reconnection runs
+        assert a.failed is not None and "refused our resume" in a.failed
+        # nothing is sent again: every call fails at once with the refusal
+        with pytest.raises(ResumeRefused, match="refused our resume"):
+            await asyncio.wait_for(a.request("actor_infer", "GENERATION", timeout=30), 5)
+        assert "a" not in co.registry.pipelines
+        await a.close()
+        await x.close()
+
+
+async def test_the_shard_data_plane_serves_with_its_own_key(keys: Path) -> None:
+    """Only the coordinator holds the server secret: a shard's tcp data plane serves
+    with the shard's key, the router learns that public key from the coordinator,
+    and only the pipeline's own routers are served there."""
+    shard_server = ServerKeys.load(keys, "shard")
+    assert shard_server.public != ServerKeys.load(keys).public
+    async with Coordinator(TCP, SHAPE, keys=ServerKeys.load(keys)) as co:
+        drv_a = ClientKeys.load(keys, "driver-a")
+        a = await PipelineClient.connect(co.endpoint, pipeline_id="a", keys=drv_a)
+        await a.register(TOPO)
+        await a.admit()
+        worker = await ShardWorker(
+            ScriptedEngine(),
+            co.endpoint,
+            "a",
+            0,
+            keys=ClientKeys.load(keys, "shard"),
+            data_endpoint=TCP,
+            data_keys=shard_server,
+            sleep_level=1,
+        ).start()
+        await a.report_progress(10, 0, force=True)
+        assert await a.request("actor_infer", "GENERATION", timeout=10) == [0]
+        async with asyncio.timeout(5):
+            while 0 not in a.data_keys:
+                await a.wait_ranks_change(timeout=5)
+        assert a.data_keys[0] == shard_server.public.decode()
+        router = Router(a, keys=drv_a)
+        traj = await router.generate([1, 2, 3], max_tokens=3)
+        assert len(traj.token_ids) == 3
+        await router.close()
+        # b's driver key may not reach a's shard, even knowing its endpoint and key
+        drv_b = ClientKeys.load(keys, "driver-b").for_server(shard_server.public)
+        intruder = RpcClient(worker.data.endpoint, "b/router/0", keys=drv_b)
+        with pytest.raises(ConnectionError, match="may not use shard a/infer/0"):
+            await intruder.connect(timeout=5)
+        await intruder.close()
+        await worker.close()
+        await a.close()
+
+
+def test_role_files_are_parsed_strictly(keys: Path) -> None:
+    from rlix_async.security import SecurityError
+
+    (keys / "authorized" / "shard.role").write_text("shard\n")  # pipelines missing
+    with pytest.raises(SecurityError, match="needs its pipelines"):
+        ServerKeys.load(keys)
+    (keys / "authorized" / "shard.role").unlink()
+    with pytest.raises(SecurityError, match=r"has no shard\.role"):
+        ServerKeys.load(keys)
