@@ -6,19 +6,26 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from rlix_async.cli import add_overrides, check_output, load_for
+from rlix_async.cli import UsageError, add_overrides, check_output, load_for
 
 
 def _keygen(args: argparse.Namespace) -> int:
     from rlix_async.security import keygen
 
     check_output(args.dir, directory=True)
-    written = keygen(args.dir, args.client or None)
+    if args.role != "admin" and not args.pipeline:
+        raise UsageError(f"--role {args.role} needs --pipeline ID (repeatable) or --pipeline '*'")
+    if args.role == "admin" and args.pipeline:
+        raise UsageError("--pipeline goes with --role driver or shard (admin acts for all)")
+    written = keygen(args.dir, args.client or None, role=args.role, pipelines=args.pipeline)
     for path in written:
         print(path)
     if not written:
         print(f"{args.dir}: keys already present, nothing written")
-    print(f"copy {args.dir} to every node (0600 files); pass keys={args.dir} to each process")
+    print(
+        f"give every node {args.dir}/server.key, {args.dir}/authorized/ and the secret keys its "
+        f"processes use (0600 files); pass keys={args.dir} to each process"
+    )
     return 0
 
 
@@ -168,6 +175,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="append",
         metavar="NAME",
         help="client key pair name (repeatable; default: client)",
+    )
+    p.add_argument(
+        "--role",
+        choices=["admin", "driver", "shard"],
+        default="admin",
+        help="what the new keys may do: admin (the CLI: anything), driver (its pipelines' "
+        "driver and routers), shard (its pipelines' shard workers); default admin",
+    )
+    p.add_argument(
+        "--pipeline",
+        action="append",
+        metavar="ID",
+        help="a pipeline a driver or shard key acts for (repeatable; '*': any)",
     )
     p.set_defaults(func=_keygen)
 
