@@ -22,11 +22,21 @@ from rlix_async import (
     Group,
     TorchTrainer,
     TrainConfig,
+    Trajectory,
     WeightCache,
     target_tokens,
 )
 
 PROMPTS, SAMPLES = 4, 4
+
+
+def token_versions(traj: Trajectory) -> list[int]:
+    """The weight version of every token, as the router returned it: a request cut by a
+    shrink and resumed elsewhere may mix versions, and the trainer's importance weights
+    need the truth. (With ``min_version`` set, no shard without a version answers.)"""
+    if None in traj.versions:
+        raise RuntimeError("a shard answered without a weight version")
+    return [v for v in traj.versions if v is not None]
 
 
 async def main(endpoint: str, steps: int) -> None:
@@ -40,22 +50,29 @@ async def main(endpoint: str, steps: int) -> None:
     cache = WeightCache("my-experiment")
     rng = random.Random(0)
     try:
-        cache.build(0, trainer.weights_for_cache())
+        # Packing the weights into shared memory copies the whole model: off the event
+        # loop (like training), so heartbeats and the router keep running meanwhile.
+        await asyncio.to_thread(cache.build, 0, trainer.weights_for_cache())
         await hooks.after_training(0, cache.promote(0))  # shards start from version 0
         for step in range(1, steps + 1):
             groups = []
             await hooks.report_progress(PROMPTS, 0)  # demand: the planner wakes shards
             for i in range(PROMPTS):  # rollout: the router picks an awake shard
                 prompt = task.prompt(rng)
+                # min_version: only the newest weights (on-policy); a shard still on older
+                # ones refuses, and the router waits for one that has synced
                 trajs = await asyncio.gather(
-                    *(hooks.router.generate(prompt, max_tokens=8) for _ in range(SAMPLES))
+                    *(
+                        hooks.router.generate(prompt, max_tokens=8, min_version=step - 1)
+                        for _ in range(SAMPLES)
+                    )
                 )
                 groups.append(
                     Group(
                         prompt,
                         [t.token_ids for t in trajs],
                         [t.logprobs for t in trajs],
-                        [[step - 1] * len(t.token_ids) for t in trajs],
+                        [token_versions(t) for t in trajs],  # as the shards reported them
                         [task.score(prompt, t.token_ids) for t in trajs],
                     )
                 )
@@ -63,10 +80,14 @@ async def main(endpoint: str, steps: int) -> None:
             await hooks.before_training(step)  # waits for the training devices
             # off the event loop, so heartbeats and the router keep running
             stats = await asyncio.to_thread(trainer.train_step, groups)
-            cache.build(step, trainer.weights_for_cache())
+            await asyncio.to_thread(cache.build, step, trainer.weights_for_cache())
             await hooks.after_training(step, cache.promote(step))  # release + publish
             reward = sum(r for g in groups for r in g.rewards) / (PROMPTS * SAMPLES)
-            print(f"step {step}: reward {reward:.3f} loss {stats['loss']:.4f}")
+            versions = sorted({v for g in groups for vs in g.versions for v in vs})
+            print(
+                f"step {step}: reward {reward:.3f} loss {stats['loss']:.4f} "
+                f"trained on weight versions {versions}"
+            )
         await hooks.clear_progress()
     finally:
         await hooks.close()

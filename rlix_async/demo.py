@@ -25,6 +25,7 @@ from typing import Any
 from rlix_async.config import LaunchConfig, convert
 from rlix_async.control.journal import Expanded, ShardSynced, Shrunk, read_journal
 from rlix_async.launch import Launcher
+from rlix_async.rollout.ledger import LEDGER, tally
 
 STEPS = 15
 
@@ -73,6 +74,11 @@ def journal_counts(journal: Path) -> dict[str, dict[str, int]]:
 
 
 def summarize(cfg: LaunchConfig, wall_s: float) -> dict[str, Any]:
+    """The run in numbers. Trajectories come from each pipeline's ledger, not from the
+    counters in metrics.jsonl: those are restored from a checkpoint on restart, so the
+    work a kill destroyed would vanish from them. ``lost_trajectories``: failed, or
+    discarded, or done again because a restart rolled them back; plus anything the
+    ledger cannot place (``unaccounted``, zero unless the ledger is broken)."""
     out = Path(cfg.out)
     counts = journal_counts(out / "journal.jsonl")
     pipes: dict[str, Any] = {}
@@ -80,22 +86,29 @@ def summarize(cfg: LaunchConfig, wall_s: float) -> dict[str, Any]:
     for p in cfg.pipelines:
         rows = read_metrics(out, p.id)
         last = rows[-1] if rows else {}
-        generated = last.get("generated", 0)
-        trained = last.get("trained", 0)
-        dropped = last.get("dropped_stale", 0)
-        buffered = last.get("buffered", 0)
-        failed = last.get("failed", 0)
-        # every generated trajectory is trained on, dropped as stale or still buffered
-        lost += failed + max(0, generated - trained - dropped - buffered)
+        t = tally(out / p.id / LEDGER)
+        placed = t.trained + t.dropped_stale + t.cancelled_stale + t.left_over + t.pending + t.lost
+        unaccounted = t.requested - placed  # signed: a ledger that counts too much shows too
+        lost += t.lost + unaccounted
         pipes[p.id] = {
             "steps": last.get("step", 0),
             "reward_first": rows[0]["reward"] if rows else None,
             "reward_last": last.get("reward"),
-            "trajectories_generated": generated,
-            "trajectories_trained": trained,
-            "trajectories_dropped_stale": dropped,
+            "restarts": t.restarts,
+            "trajectories_requested": t.requested,
+            "trajectories_generated": t.generated,
+            "trajectories_trained": t.trained,
+            "trajectories_dropped_stale": t.dropped_stale,
             # stopped unfinished: a finished sibling had made their group too old
-            "trajectories_cancelled_stale": last.get("cancelled_stale", 0),
+            "trajectories_cancelled_stale": t.cancelled_stale,
+            # buffered or in flight when the steps were done: not needed
+            "trajectories_left_over": t.left_over,
+            "trajectories_pending": t.pending,
+            "trajectories_lost": t.lost + unaccounted,
+            "trajectories_failed": t.failed,
+            "trajectories_discarded": t.discarded,
+            "trajectories_lost_to_restarts": t.lost_to_restarts,
+            "trajectories_unaccounted": unaccounted,
             "trajectories_resumed": last.get("resumed", 0),
             **counts.get(p.id, {"shrinks": 0, "expands": 0, "weight_syncs": 0}),
         }
@@ -174,11 +187,14 @@ def run_demo(out: str, steps: int = STEPS, overrides: Sequence[str] = ()) -> dic
 def format_summary(s: dict[str, Any]) -> str:
     lines = [f"wall {s['wall_s']} s, lost trajectories {s['lost_trajectories']}"]
     for pid, p in s["pipelines"].items():
+        restarts = f" ({p['restarts']} restarts)" if p["restarts"] else ""
         lines.append(
             f"  {pid:10s} steps {p['steps']:3d}  reward {p['reward_first']:.3f} -> "
             f"{p['reward_last']:.3f}  generated {p['trajectories_generated']}  trained "
             f"{p['trajectories_trained']}  stale {p['trajectories_dropped_stale']} "
-            f"(+{p['trajectories_cancelled_stale']} stopped early)  shrinks "
+            f"(+{p['trajectories_cancelled_stale']} stopped early)  left over "
+            f"{p['trajectories_left_over']}  lost {p['trajectories_lost']}"
+            f"{restarts}  shrinks "
             f"{p['shrinks']}  expands {p['expands']}  syncs {p['weight_syncs']}"
         )
     return "\n".join(lines)

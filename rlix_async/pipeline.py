@@ -7,11 +7,14 @@ groups through the router into the replay buffer) while it has rollout
 shards, and for each step asks for its training devices (the coordinator
 shrinks the rollout shards there), trains with every rank, builds the weight
 cache, releases the devices and publishes the new version. The other ranks
-wait on the torchrun store for each step's batch. The collective group exists
+receive each step's batch through the torchrun store (``train/batches.py``:
+msgpack, never pickle; no wait without a bound). The collective group exists
 only during a step.
 
-Writes ``OUT/<id>/metrics.jsonl`` (one line per step) and checkpoints under
-``OUT/<id>/ckpt``; ``--resume`` continues from the newest one.
+Writes ``OUT/<id>/metrics.jsonl`` (one line per step), the trajectory ledger
+``OUT/<id>/ledger.jsonl`` (``rollout/ledger.py``: what was asked for and what
+became of it, across restarts) and checkpoints under ``OUT/<id>/ckpt``;
+``--resume`` continues from the newest one.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import contextlib
 import json
 import logging
 import os
-import pickle
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,11 +38,15 @@ import torch.distributed as dist
 from rlix_async.config import ConfigError, PipelineConfig, load_config
 from rlix_async.hooks import ClusterHooks
 from rlix_async.rollout.collector import Collector
+from rlix_async.rollout.ledger import LEDGER, Ledger
+from rlix_async.train.batches import BatchChannel
 from rlix_async.train.buffer import Group, ReplayBuffer
 from rlix_async.train.trainer import TorchTrainer, latest_checkpoint
 from rlix_async.weights.cache import WeightCache
 
 log = logging.getLogger("rlix_async.pipeline")
+# bounds any blocking call on the torchrun store (the per-step groups' rendezvous);
+# the batch hand-over polls instead, with bounds of its own (train/batches.py)
 STORE_TIMEOUT_S = 3600.0
 
 
@@ -52,11 +59,16 @@ class Driver:
         trainer: TorchTrainer,
         store: dist.Store | None,
         ckpt: dict[str, Any] | None = None,
+        *,
+        channel: BatchChannel | None = None,
+        resumed: bool = False,
     ) -> None:
         self.cfg = cfg
         self.trainer = trainer
         self.store = store
+        self.channel = channel  # to the other ranks (None: running alone)
         self.ckpt = ckpt  # the checkpoint resumed from: buffer and collector state
+        self.resumed = resumed  # --resume (with or without a checkpoint to resume from)
         self.buffer = (
             ReplayBuffer.from_state_dict(ckpt["buffer"])
             if ckpt is not None
@@ -70,27 +82,44 @@ class Driver:
 
         if not self.cfg.coordinator:
             raise ValueError(f"pipeline {self.cfg.id}: no coordinator endpoint in its config")
-        keys = ClientKeys.load(self.cfg.keys) if self.cfg.keys else None
-        hooks = await ClusterHooks.join(
-            self.cfg.coordinator, self.cfg.id, self.cfg.clusters, keys=keys
+        keys = (  # this pipeline's own driver key, else the shared client key
+            ClientKeys.load_first(self.cfg.keys, f"driver-{self.cfg.id}", "client")[1]
+            if self.cfg.keys
+            else None
         )
-        collector = Collector(self.cfg, self.buffer, hooks, lambda: self.trainer.step)
-        if self.ckpt is not None:
-            collector.load_state_dict(self.ckpt)
+        # a resume that found no checkpoint starts at step 0 but is not a new run: what
+        # the killed process did is lost, and the ledger must say so
+        ledger = Ledger(
+            self.out / LEDGER,
+            fresh=not self.resumed,
+            from_step=self.trainer.step,
+            buffered=list(self.buffer.groups),
+        )
+        self.buffer.on_drop = ledger.dropped
         try:
-            await self._publish(hooks, cache)
-            await hooks.report_progress(collector.target, 0)
-            collecting = asyncio.ensure_future(collector.run())
+            hooks = await ClusterHooks.join(
+                self.cfg.coordinator, self.cfg.id, self.cfg.clusters, keys=keys
+            )
+            collector = Collector(self.cfg, self.buffer, hooks, lambda: self.trainer.step, ledger)
+            if self.ckpt is not None:
+                collector.load_state_dict(self.ckpt)
             try:
-                while self.trainer.step < self.cfg.steps:
-                    await self._one_step(hooks, cache, collector, collecting)
+                await self._publish(hooks, cache)
+                await hooks.report_progress(collector.target, 0)
+                collecting = asyncio.ensure_future(collector.run())
+                try:
+                    while self.trainer.step < self.cfg.steps:
+                        await self._one_step(hooks, cache, collector, collecting, ledger)
+                finally:
+                    collecting.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await collecting
+                ledger.end(self.trainer.step)  # what is still buffered or in flight: left over
+                await hooks.clear_progress()
             finally:
-                collecting.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await collecting
-            await hooks.clear_progress()
+                await hooks.close()
         finally:
-            await hooks.close()
+            ledger.close()
 
     async def _publish(self, hooks: ClusterHooks, cache: WeightCache) -> None:
         v = self.trainer.step
@@ -115,27 +144,34 @@ class Driver:
         cache: WeightCache,
         collector: Collector,
         collecting: asyncio.Future[None],
+        ledger: Ledger,
     ) -> None:
         await self._wait_for_batch(collector, collecting)
         version = self.trainer.step
         batch = self.buffer.take(version, self.cfg.rollout.groups_per_step)
+        ledger.taken(batch, version)
         collector.set_training(True)
         t0 = time.monotonic()
         await hooks.report_progress(collector.target, collector.target)
         await hooks.before_training(version)
         t1 = time.monotonic()
-        if self.store is not None and self.trainer.world > 1:
-            self.store.set(f"batch/{version}", pickle.dumps(batch))  # type: ignore[arg-type]  # bytes work
+        if self.channel is not None:
+            await asyncio.to_thread(self.channel.post, version, batch)
         stats = await asyncio.to_thread(self._train, batch)
         step = self.trainer.step
         collector.stop_doomed()  # the step moved on: some groups can no longer be used
         if step % self.cfg.checkpoint_every == 0 or step == self.cfg.steps:
-            await asyncio.to_thread(
-                self._save, self.out / "ckpt" / f"step_{step}.pt", collector.state_dict()
-            )
+            # the buffer as of now, taken on the event loop: the collector keeps adding to
+            # it while the checkpoint is written, and the ledger must name what it holds
+            buffered = list(self.buffer.groups)
+            extra = {"buffer": self.buffer.state_dict(), **collector.state_dict()}
+            path = self.out / "ckpt" / f"step_{step}.pt"
+            await asyncio.to_thread(self.trainer.save, path, extra)
+            ledger.checkpoint(step, buffered)  # the step's trajectories are trained for good
         await asyncio.to_thread(self.trainer.offload)  # never block heartbeats
         # every rank's state is off the devices before they are released
-        await asyncio.to_thread(self._wait_followers_offloaded, step)
+        if self.channel is not None:
+            await asyncio.to_thread(self.channel.wait_done, version)
         if step < self.cfg.steps:
             await self._publish(hooks, cache)
             collector.set_training(False)
@@ -165,14 +201,6 @@ class Driver:
         _append_jsonl(self.out / "metrics.jsonl", row)
         log.info("%s step %d reward %.3f", self.cfg.id, row["step"], row["reward"])
 
-    def _wait_followers_offloaded(self, step: int) -> None:
-        if self.store is None or self.trainer.world == 1:
-            return
-        keys = [f"offloaded/{step}/{r}" for r in range(1, self.trainer.world)]
-        self.store.wait(keys, timedelta(seconds=STORE_TIMEOUT_S))
-        for key in keys:
-            self.store.delete_key(key)
-
     def _train(self, batch: list[Group]) -> dict[str, float]:
         self.trainer.reload()
         self.trainer.init_group(self.store)
@@ -181,21 +209,19 @@ class Driver:
         finally:
             self.trainer.destroy_group()
 
-    def _save(self, path: Path, collector_state: dict[str, Any]) -> None:
-        self.trainer.save(path, {"buffer": self.buffer.state_dict(), **collector_state})
-
 
 def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
     with open(path, "a") as fh:
         fh.write(json.dumps(row) + "\n")
 
 
-def _follower(cfg: PipelineConfig, trainer: TorchTrainer, store: dist.Store) -> None:
+def _follower(
+    cfg: PipelineConfig, trainer: TorchTrainer, store: dist.Store, channel: BatchChannel
+) -> None:
     """Ranks > 0: train on each step's batch when rank 0 posts it."""
     while trainer.step < cfg.steps:
-        key = f"batch/{trainer.step}"
-        store.wait([key], timedelta(seconds=STORE_TIMEOUT_S))
-        batch = pickle.loads(store.get(key))
+        version = trainer.step
+        batch = channel.receive(version)
         trainer.reload()
         trainer.init_group(store)
         try:
@@ -203,7 +229,19 @@ def _follower(cfg: PipelineConfig, trainer: TorchTrainer, store: dist.Store) -> 
         finally:
             trainer.destroy_group()
         trainer.offload()
-        store.set(f"offloaded/{trainer.step}/{trainer.rank}", b"1")  # rank 0 releases after
+        channel.done(version)  # rank 0 releases the devices after every rank's
+
+
+def _announcing(channel: BatchChannel | None, body: Callable[[], None]) -> None:
+    """Run ``body`` and tell the other ranks how it ended (they stop waiting at once)."""
+    try:
+        body()
+    except BaseException as exc:
+        if channel is not None:
+            channel.announce_exit(f"failed: {type(exc).__name__}: {exc}")
+        raise
+    if channel is not None:
+        channel.announce_exit("finished")
 
 
 def build_trainer(cfg: PipelineConfig, rank: int, world: int) -> TorchTrainer:
@@ -223,6 +261,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> None:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     store: dist.Store | None = None
+    channel: BatchChannel | None = None
     if world > 1:  # the torchrun agent's store outlives every per-step group
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"],
@@ -231,6 +270,24 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> None:
             is_master=False,
             timeout=timedelta(seconds=STORE_TIMEOUT_S),
         )
+        channel = BatchChannel(store, rank, world)
+        if rank == 0:  # from now: loading the model and checkpoint may take a while
+            channel.start_beat()
+    try:
+        _announcing(channel, lambda: _run_rank(cfg, rank, world, store, channel, resume))
+    finally:
+        if channel is not None:
+            channel.stop_beat()
+
+
+def _run_rank(
+    cfg: PipelineConfig,
+    rank: int,
+    world: int,
+    store: dist.Store | None,
+    channel: BatchChannel | None,
+    resume: bool,
+) -> None:
     torch.manual_seed(cfg.seed)
     trainer = build_trainer(cfg, rank, world)
     ckpt = None
@@ -240,15 +297,15 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> None:
         print(f"{cfg.id}: resumed from {path} (step {trainer.step})", flush=True)
 
     if rank != 0:
-        assert store is not None
-        _follower(cfg, trainer, store)
+        assert store is not None and channel is not None
+        _follower(cfg, trainer, store, channel)
         return
 
     from rlix_async.aio import run
 
     cache = WeightCache(cfg.id)
     try:
-        run(Driver(cfg, trainer, store, ckpt).run(cache))
+        run(Driver(cfg, trainer, store, ckpt, channel=channel, resumed=resume).run(cache))
     finally:
         cache.close()
 

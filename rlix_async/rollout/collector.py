@@ -5,7 +5,8 @@ starts a group only when the replay buffer has room for it within the
 staleness bound (``ReplayBuffer.room``), so what it generates can still be
 trained on; every request names the oldest weights it may run on, and a group
 whose finished sample has become too old is stopped (its shards stop decoding
-it) instead of being decoded to the end and dropped.
+it) instead of being decoded to the end and dropped. Every group it starts, and
+how it came back, goes into the pipeline's ledger (``rollout/ledger.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from rlix_async.config import PipelineConfig
 from rlix_async.hooks import ClusterHooks
+from rlix_async.rollout.ledger import Ledger
 from rlix_async.rollout.tasks import Task, make_task
 from rlix_async.shards.router import Trajectory
 from rlix_async.train.buffer import Group, ReplayBuffer
@@ -33,11 +35,13 @@ class Collector:
         buffer: ReplayBuffer,
         hooks: ClusterHooks,
         step: Callable[[], int],
+        ledger: Ledger | None = None,
     ) -> None:
         self.cfg = cfg
         self.buffer = buffer
         self.hooks = hooks
         self.step = step  # the trainer's current step: the newest weight version
+        self.ledger = ledger
         self.task: Task = make_task(cfg.task)
         self.rng = random.Random(cfg.seed)
         self.prompts_used = 0
@@ -130,6 +134,9 @@ class Collector:
         queued = self.buffer.fresh(step) + (self.in_flight - 1) * rollout.group_size
         batch_ahead = queued // self.target + int(self.training)
         oldest = max(step + batch_ahead - self.cfg.max_trajectory_age_steps, 0)
+        gid = self.ledger.new_id() if self.ledger is not None else ""
+        if self.ledger is not None:  # before any request leaves: a kill now still counts it
+            self.ledger.requested(gid, rollout.group_size, step)
         requests: list[asyncio.Future[Trajectory]] = [
             asyncio.ensure_future(
                 self.hooks.router.generate(
@@ -146,7 +153,7 @@ class Collector:
             r.add_done_callback(lambda _: self._stop_if_doomed(requests))
         try:
             results = await asyncio.gather(*requests, return_exceptions=True)
-            if self._add(prompt, results):
+            if self._add(prompt, results, gid):
                 await self.report()
         finally:
             self._groups.remove(requests)
@@ -155,7 +162,7 @@ class Collector:
             self.in_flight -= 1
             self._room.set()
 
-    def _add(self, prompt: list[int], results: list[Trajectory | BaseException]) -> bool:
+    def _add(self, prompt: list[int], results: list[Trajectory | BaseException], gid: str) -> bool:
         """Count a finished group and buffer it (or count it dropped, if it was doomed);
         True when it was buffered."""
         trajs = [r for r in results if not isinstance(r, BaseException)]
@@ -163,14 +170,20 @@ class Collector:
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
                 log.error("%s: a trajectory failed: %s", self.cfg.id, r)
-        self.failed += len(results) - len(trajs) - cancelled
+        failed = len(results) - len(trajs) - cancelled
+        self.failed += failed
         self.generated += len(trajs)
         self.resumed += sum(1 for t in trajs if t.resumes)
-        if cancelled:  # doomed: what finished is dropped as stale, nothing is trained
+        # doomed: what finished is dropped as stale, nothing is trained; fewer than two
+        # answers: no advantage to compute, the group is discarded (lost work)
+        outcome = "stale" if cancelled else "unusable" if len(trajs) < 2 else "buffered"
+        if self.ledger is not None:
+            self.ledger.finished(gid, len(trajs), failed, cancelled, outcome)
+        if outcome == "stale":
             self.cancelled_stale += cancelled
             self.buffer.add_stale(len(trajs))
             return False
-        if len(trajs) < 2:
+        if outcome == "unusable":
             return False
         self.buffer.add(
             Group(
@@ -180,6 +193,7 @@ class Collector:
                 versions=[[0 if v is None else v for v in t.versions] for t in trajs],
                 rewards=[self.task.score(prompt, t.token_ids) for t in trajs],
                 resumes=sum(t.resumes for t in trajs),
+                id=gid,
             )
         )
         return True

@@ -4,23 +4,32 @@ A group is every sampled response to one prompt (GRPO needs them together).
 Its age is ``trainer_version - oldest token version``; a group older than
 ``max_trajectory_age_steps`` is dropped and counted when a batch is taken,
 never trained on.
+
+A group is a msgspec struct: it crosses from rank 0 to the other trainer ranks
+as msgpack (``encode_batch``/``decode_batch``, checked against this schema on
+decode) and sits in checkpoints as plain lists, so neither path ever unpickles.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 
-@dataclass
-class Group:
+
+class Group(msgspec.Struct):
     prompt: list[int]
     responses: list[list[int]]
     logprobs: list[list[float]]  # behaviour log-probs from the engine, per token
     versions: list[list[int]]  # weight version (trainer step) of every token
     rewards: list[float]
     resumes: int = 0  # times any of its requests was cut by a shrink and resumed
+    # the trajectory ledger's name for it (rollout/ledger.py), kept through checkpoints so
+    # a restart can tell which finished groups came back; "" outside a pipeline
+    id: str = ""
 
     def __post_init__(self) -> None:
         n = len(self.responses)
@@ -35,7 +44,23 @@ class Group:
         return min((min(v) for v in self.versions if v), default=0)
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return msgspec.structs.asdict(self)
+
+
+_BATCH = msgspec.msgpack.Decoder(list[Group])
+
+
+def encode_batch(batch: list[Group]) -> bytes:
+    return msgspec.msgpack.encode(batch)
+
+
+def decode_batch(data: bytes) -> list[Group]:
+    """A batch from ``encode_batch``; anything else (other bytes, a pickle, a group that
+    breaks its own rules) is a ValueError naming what is wrong, never code that runs."""
+    try:
+        return _BATCH.decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise ValueError(f"not a batch of trajectory groups ({len(data)} bytes): {exc}") from None
 
 
 @dataclass
@@ -45,6 +70,11 @@ class ReplayBuffer:
     added: int = 0  # trajectories (responses), not groups
     trained: int = 0
     dropped_stale: int = 0
+    # told of every group dropped as stale, with the trainer version that dropped it
+    # (the pipeline's ledger); not part of the state
+    on_drop: Callable[[list[Group], int], None] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def add(self, group: Group) -> None:
         self.groups.append(group)
@@ -63,10 +93,14 @@ class ReplayBuffer:
 
     def drop_stale(self, version: int) -> int:
         """Drop groups too old for a trainer at ``version``; returns trajectories dropped."""
-        keep = deque(g for g in self.groups if not self.too_old(g.oldest_version, version))
-        dropped = sum(len(g.responses) for g in self.groups) - sum(len(g.responses) for g in keep)
-        self.groups = keep
+        gone = [g for g in self.groups if self.too_old(g.oldest_version, version)]
+        if not gone:
+            return 0
+        self.groups = deque(g for g in self.groups if not self.too_old(g.oldest_version, version))
+        dropped = sum(len(g.responses) for g in gone)
         self.dropped_stale += dropped
+        if self.on_drop is not None:
+            self.on_drop(gone, version)
         return dropped
 
     def fresh(self, version: int) -> int:
@@ -116,6 +150,8 @@ class ReplayBuffer:
         bound = d[
             "max_trajectory_age_steps" if "max_trajectory_age_steps" in d else "max_age_steps"
         ]
-        buf = cls(int(bound), deque(Group(**g) for g in d["groups"]))  # older ones: max_age_steps
+        # checked against the schema: a checkpoint is a file, not trusted to be well formed
+        groups = msgspec.convert(d["groups"], list[Group])
+        buf = cls(int(bound), deque(groups))  # older checkpoints: max_age_steps
         buf.added, buf.trained, buf.dropped_stale = d["added"], d["trained"], d["dropped_stale"]
         return buf

@@ -383,6 +383,8 @@ class TorchTrainer:
     # --- checkpoint ------------------------------------------------------------------------
 
     def save(self, path: Path, extra: dict[str, Any]) -> None:
+        """Model, optimizer, step and RNG, with ``extra``: plain values only (lists,
+        dicts, numbers, strings, tensors), what ``load`` accepts."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         torch.save(
@@ -401,7 +403,10 @@ class TorchTrainer:
         os.replace(tmp, path)  # a kill mid-save never leaves a torn checkpoint
 
     def load(self, path: Path) -> dict[str, Any]:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        """The checkpoint at ``path``, installed; its other entries (buffer, collector
+        state) returned. Read with ``weights_only``: tensors, containers and plain
+        values only, so a file we did not write cannot run code as it is read."""
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
         self.model.load_state_dict(ckpt["model"])
         self.optim.load_state_dict(ckpt["optim"])
         self.step = int(ckpt["step"])

@@ -8,9 +8,14 @@ tests/gpu/test_trainer_gpu.py, adds what only a device can show)."""
 
 from __future__ import annotations
 
+import math
+import os
+import pickle
+import random
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -28,7 +33,7 @@ from rlix_async.config import LossConfig, ModelConfig, TrainConfig
 from rlix_async.models.tiny import save_tiny_llama
 from rlix_async.train import trainer as trainer_module
 from rlix_async.train.algo import policy_loss
-from rlix_async.train.buffer import Group
+from rlix_async.train.buffer import Group, ReplayBuffer
 from rlix_async.train.trainer import TorchTrainer, latest_checkpoint, trainer_device
 
 SMALL = ModelConfig(vocab_size=64, layers=1, hidden=64)
@@ -47,17 +52,48 @@ def test_grpo_steps_raise_the_rewarded_tokens_probability(dtype: Any) -> None:
 
 
 def test_checkpoint_round_trip(tmp_path: Path) -> None:
+    """What the pipeline saves (model, optimizer, RNG, the replay buffer with its groups'
+    ledger ids, the collector's prompt RNG) comes back whole through weights_only."""
     a = TorchTrainer(model=SMALL, seed=0)
     a.train_step(sample_batch(a, torch.Generator().manual_seed(1)))
-    a.save(tmp_path / "step_1.pt", {"extra": 7})
+    buffer = ReplayBuffer(max_trajectory_age_steps=2)
+    buffer.add(msgspec.structs.replace(BATCH[0], id="r1-g7"))
+    rng = random.Random(3)
+    extra = {"buffer": buffer.state_dict(), "driver_rng": rng.getstate(), "prompts_used": 7}
+    a.save(tmp_path / "step_1.pt", extra)
     b = TorchTrainer(model=SMALL, seed=5)
     ckpt = b.load(latest_checkpoint(tmp_path))  # type: ignore[arg-type]
-    assert ckpt["extra"] == 7 and b.step == 1
+    assert b.step == 1 and ckpt["prompts_used"] == 7
+    restored = ReplayBuffer.from_state_dict(ckpt["buffer"])
+    assert list(restored.groups) == list(buffer.groups) and restored.groups[0].id == "r1-g7"
+    again = random.Random()
+    again.setstate(ckpt["driver_rng"])
+    assert again.random() == rng.random()
     for (k, va), (_, vb) in zip(
         a.model.state_dict().items(), b.model.state_dict().items(), strict=True
     ):
         assert torch.equal(va, vb), k
     assert latest_checkpoint(tmp_path / "none") is None
+
+
+class _RunsCode:
+    """A checkpoint entry that runs a command when unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_unrun(tmp_path: Path) -> None:
+    a = TorchTrainer(model=SMALL, seed=0)
+    marker = tmp_path / "ran"
+    a.save(tmp_path / "step_1.pt", {"buffer": _RunsCode(marker)})  # a file we did not write
+    b = TorchTrainer(model=SMALL, seed=5)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        b.load(tmp_path / "step_1.pt")
+    assert not marker.exists() and b.step == 0
 
 
 @pytest.mark.slow
@@ -137,7 +173,7 @@ def test_bfloat16_keeps_the_state_in_bf16_and_the_loss_maths_in_float32(
     t = TorchTrainer(TrainConfig(dtype="bfloat16", minibatches=2), SMALL, seed=0)
     stats = t.train_step(BATCH)
     assert len(seen) == 2 and all(set(s.values()) == {torch.float32} for s in seen), seen
-    assert all(v == v and abs(v) < float("inf") for v in stats.values())
+    assert stats and all(math.isfinite(v) for v in stats.values()), stats
     assert {p.dtype for p in t.model.parameters()} == {torch.bfloat16}
     # the rotary frequencies stay float32, as from_pretrained and vLLM keep them
     assert {b.dtype for b in t.model.buffers()} == {torch.float32}
@@ -205,7 +241,7 @@ def test_offload_and_reload_leave_training_and_checkpoints_as_they_were(tmp_path
     straight.save(tmp_path / "straight.pt", {})
 
     def keys(name: str) -> tuple[set[str], set[int], set[str]]:
-        c = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+        c = torch.load(tmp_path / f"{name}.pt", weights_only=True)
         return set(c["model"]), set(c["optim"]["state"]), set(c["optim"]["state"][0])
 
     assert keys("offloaded") == keys("reloaded") == keys("straight")
@@ -224,7 +260,7 @@ def test_megatron_parameters_and_cache_follow_the_configured_dtype() -> None:
     # params_dtype covers the linear layers; the local spec's norms are cast after the build
     assert {p.dtype for p in t.model.parameters()} == {torch.bfloat16}
     stats = t.train_step(BATCH)
-    assert all(abs(v) < float("inf") for v in stats.values())
+    assert stats and all(math.isfinite(v) for v in stats.values()), stats
     state = [v for s in t.optim.state.values() for k, v in s.items() if k != "step"]
     assert state and {v.dtype for v in state} == {torch.bfloat16}
     assert {v.dtype for v in t.weights_for_cache().values()} == {torch.bfloat16}
