@@ -21,6 +21,7 @@ shared-memory segments.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import signal
@@ -121,6 +122,9 @@ class Launcher:
         self.logs = self.out / "logs"
         self.endpoint = ipc_endpoint(f"coord-{uuid.uuid4().hex[:8]}")
         self.plan = build_plan(cfg, self.out, self.endpoint, resume=resume)
+        # Weight segments are named per run directory: two runs of the same pipeline
+        # ids on one machine never touch each other's (set here too: we clean them up).
+        os.environ.setdefault("RLIX_JOB", hashlib.sha1(str(self.out).encode()).hexdigest()[:8])
         self.coordinator: Proc | None = None
         self.shards: list[Proc] = []
         self.pipelines: dict[str, Proc] = {}

@@ -45,11 +45,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import logging
 import mmap
 import os
 import platform
 import re
+import stat
 import struct
 import zlib
 from collections.abc import Callable, Sequence
@@ -158,12 +160,40 @@ class ShmSpaceError(OSError):
     """The shared-memory directory has no room for the weight cache's segments."""
 
 
+class ShmSecurityError(PermissionError):
+    """A segment or shared-memory directory another user could have written."""
+
+
+def check_shm_dir(shm_dir: Path) -> None:
+    """Refuse a directory where another user could plant or swap our segments: it must
+    be ours and writable by us only, or sticky like /dev/shm (whose files only their
+    owner may remove or rename; each segment's owner and mode are checked on open)."""
+    st = os.stat(shm_dir)
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_ISVTX:
+        return
+    if st.st_uid != os.getuid() or mode & 0o022:
+        raise ShmSecurityError(
+            f"{shm_dir} (RLIX_SHM_DIR) has owner uid {st.st_uid} and mode {mode:o}: other "
+            "users could write weight segments there; use a directory of ours (chmod 700) "
+            "or a sticky one like /dev/shm"
+        )
+
+
 def _safe(part: str) -> str:
     return _SAFE.sub("_", part)
 
 
+def pipeline_prefix(pipeline: str) -> str:
+    """Names that no other pipeline's (``a/b`` vs ``a_b``, ``a`` vs ``a-b``), user's or
+    job's (``RLIX_JOB``, which the launcher sets per run directory) can share."""
+    job = os.environ.get("RLIX_JOB", "")
+    tag = hashlib.sha1(f"{job}/{pipeline}".encode()).hexdigest()[:10]
+    return f"rlix-{os.getuid()}-{_safe(pipeline)}-{tag}-"
+
+
 def segment_prefix(pipeline: str, owner: str) -> str:
-    return f"rlix-{_safe(pipeline)}-{_safe(owner)}-"
+    return f"{pipeline_prefix(pipeline)}{_safe(owner)}-"
 
 
 def layout_segment_name(pipeline: str, owner: str, fingerprint: str) -> str:
@@ -202,12 +232,18 @@ class Segment:
     ) -> None:
         self.name = name
         self.path = shm_dir / name
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        check_shm_dir(shm_dir)
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(self.path, flags, 0o600)
         try:
             if create:
                 _reserve(fd, self.path, max(size, 1))
             st = os.fstat(fd)
+            if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+                raise ShmSecurityError(
+                    f"{self.path}: owner uid {st.st_uid}, mode "
+                    f"{stat.S_IMODE(st.st_mode):o}; a weight segment must be ours and 0600"
+                )
             self.size, self.inode = st.st_size, st.st_ino
             # MAP_POPULATE: fault the whole mapping in one call rather than page
             # by page during the first copy.
@@ -319,7 +355,7 @@ def write_header(
 
 def remove_pipeline_segments(pipeline: str, shm_dir: Path = SHM_DIR) -> None:
     """Every segment of ``pipeline``, whatever its owner (a launcher's final cleanup)."""
-    for path in shm_dir.glob(f"rlix-{_safe(pipeline)}-*"):
+    for path in shm_dir.glob(pipeline_prefix(pipeline) + "*"):
         path.unlink(missing_ok=True)
 
 

@@ -19,6 +19,9 @@ from pathlib import Path
 import pytest
 from helpers.cluster import SCRIPTED_ENGINE
 
+from rlix_async.rollout.ledger import LEDGER, tally
+from rlix_async.weights.shm import pipeline_prefix
+
 pytest.importorskip("transformers")
 
 CONFIG = """
@@ -54,7 +57,7 @@ def _write(tmp_path: Path, steps: int) -> tuple[Path, Path, str]:
 def _no_leftovers(out: Path, pid: str) -> None:
     left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout
     assert not left.split(), f"orphan processes: {left}"
-    assert not list(Path("/dev/shm").glob(f"rlix-{pid}-*"))
+    assert not list(Path("/dev/shm").glob(pipeline_prefix(pid) + "*"))
 
 
 @pytest.mark.timeout(240)
@@ -72,6 +75,11 @@ def test_launch_runs_two_pipelines_to_the_end_and_leaves_nothing(tmp_path: Path)
         assert [r["step"] for r in rows] == [1, 2, 3]
         assert rows[-1]["failed"] == 0
         assert (out / p / "ckpt" / "step_3.pt").exists()
+        # nothing lost, by the ledger: every step's batch (a's crossing to its second
+        # rank as msgpack) trained, the rest left over when the steps were done
+        t = tally(out / p / LEDGER)
+        assert (t.lost, t.pending, t.restarts, t.trained) == (0, 0, 0, 3 * 2 * 2), t
+        assert t.requested == t.trained + t.dropped_stale + t.cancelled_stale + t.left_over
     events = [json.loads(x)["ev"] for x in (out / "journal.jsonl").read_text().splitlines()]
     assert "shrink" in events and "expand" in events and "synced" in events
     _no_leftovers(out, pid)
@@ -90,7 +98,7 @@ def test_sigterm_stops_every_process_and_removes_shared_memory(tmp_path: Path) -
     while not (out / f"{pid}-a" / "metrics.jsonl").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "no training step"
         time.sleep(0.5)
-    assert list(Path("/dev/shm").glob(f"rlix-{pid}-*"))  # caches exist mid-run
+    assert list(Path("/dev/shm").glob(pipeline_prefix(pid) + "*"))  # caches exist mid-run
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
     assert proc.returncode == 130

@@ -157,7 +157,7 @@ async def test_server_restart_reconnects_and_reregisters(spawn, ipc_ep) -> None:
         first_instance = client.server_instance
         server.kill9()
         async with asyncio.timeout(5):  # the client notices the silence...
-            while client.connected:
+            while client.connected:  # noqa: ASYNC110  (polls the client's state)
                 await asyncio.sleep(0.02)
         # ...and a call made while disconnected waits for the reconnection (one made
         # before the client noticed could fail with ConnectionLost: it was sent)

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from rlix_async.config import EngineConfig  # noqa: E402
 from rlix_async.shards.vllm_engine import VllmEngine  # noqa: E402
 from rlix_async.weights.cache import SHM_DIR, WeightCache  # noqa: E402
+from rlix_async.weights.shm import pipeline_prefix  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 PROMPTS = [[1, 2, 3, 4, 5], [17, 9, 300, 42], [7]]
@@ -108,7 +109,7 @@ async def test_greedy_matches_hf_across_weight_updates(models) -> None:
     finally:
         engine.shutdown()
         cache.close()
-    assert not list(SHM_DIR.glob(f"rlix-{pipeline}-*"))
+    assert not list(SHM_DIR.glob(pipeline_prefix(pipeline) + "*"))
 
 
 @pytest.fixture

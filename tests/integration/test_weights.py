@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -40,7 +41,9 @@ from rlix_async.weights.shm import (
     current_slot_ref,
     forget_mappings,
     layout_segment_name,
+    pipeline_prefix,
     read_header,
+    segment_prefix,
     sync_local,
     write_header,
 )
@@ -52,7 +55,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
 
 
 def leftovers(pipeline: str) -> list[str]:
-    return sorted(p.name for p in SHM_DIR.glob(f"rlix-{pipeline}-*"))
+    return sorted(p.name for p in SHM_DIR.glob(pipeline_prefix(pipeline) + "*"))
 
 
 @settings(max_examples=150, deadline=None)
@@ -89,7 +92,7 @@ def test_packing_round_trip_is_exact(specs, bucket_bytes) -> None:
 
 def test_cache_keeps_two_versions_private_and_cleans_up() -> None:
     pipe = f"t{uuid.uuid4().hex[:6]}"
-    stale = SHM_DIR / f"rlix-{pipe}-rank0-slot0"
+    stale = SHM_DIR / f"{segment_prefix(pipe, 'rank0')}slot0"
     stale.write_bytes(b"left by a crashed owner")
     cache = WeightCache(pipe, bucket_bytes=4096)
     assert not stale.exists() or stale.stat().st_size != 23  # removed at start
@@ -199,14 +202,11 @@ def test_remote_sync_and_owner_killed_mid_sync() -> None:
         assert sink.version == 1
         ref2 = owner.build(2, 2)
         sink.delay = 0.3  # slow enough to kill the owner in the middle
-
-        def kill_soon() -> None:
-            time.sleep(0.5)
-            owner.p.kill()
-
-        threading.Thread(target=kill_soon).start()
+        killer = threading.Timer(0.5, owner.p.kill)
+        killer.start()
         with pytest.raises(SyncError):
             run(sync_remote(ref2, owner.endpoint, sink, credits=1, timeout=3))
+        killer.join(timeout=10)
         assert sink.version == 1  # the failed sync did not change the version
         owner.p.wait(timeout=10)
         owner = Owner(pipe, ep)  # restarted owner removes the dead one's segments
@@ -228,18 +228,19 @@ def test_two_pipelines_sync_concurrently() -> None:
     try:
         refs = [o.build(1, 1) for o in owners]
 
-        def one(i: int) -> None:
+        def one(i: int) -> TensorSink:
             sink = SlowSink(fresh(1), delay=0.05)
             t0 = time.monotonic()
             run(sync_remote(refs[i], owners[i].endpoint, sink, credits=1))
             spans[pipes[i]] = (t0, time.monotonic())
-            assert sink.version == 1
+            return sink
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        # futures, not bare threads: what fails in a worker thread is raised here
+        with ThreadPoolExecutor(2) as pool:
+            sinks = [f.result(timeout=60) for f in [pool.submit(one, i) for i in range(2)]]
+        for sink in sinks:
+            assert sink.version == 1
+            assert all(torch.equal(sink.tensors[k], v) for k, v in state(1).items())
     finally:
         for o in owners:
             o.stop()
@@ -427,7 +428,7 @@ def test_seqlock_never_accepts_a_torn_read_under_a_busy_writer() -> None:
     try:
         first = msgspec.json.decode(writer.stdout.readline(), type=CacheRef)
         slots = [
-            msgspec.structs.replace(first, segment=f"rlix-{pipe}-rank0-slot{i}") for i in (0, 1)
+            msgspec.structs.replace(first, segment=f"{segment_prefix(pipe, 'rank0')}slot{i}") for i in (0, 1)
         ]
         sink = UniformSink({f"w{i}": torch.empty(1 << 20, dtype=torch.uint8) for i in range(4)})
         accepted = overwritten = 0
