@@ -1,6 +1,6 @@
 """The torch trainer backend: a HF ``LlamaForCausalLM`` under torchrun, DDP over gloo/NCCL.
 
-Time-sharing cycle (seed 000): the collective group lives only while the
+Time-sharing cycle: the collective group lives only while the
 trainer holds its devices. ``reload`` and ``init_group`` before a step (a fresh
 group on a prefix of the persistent torchrun store), ``train_step``, then
 ``destroy_group``, ``offload`` (the whole training state into page-locked host

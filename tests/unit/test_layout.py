@@ -177,3 +177,26 @@ def test_bench_rpc_cli_defaults_are_the_config_defaults() -> None:
     choices = {a.dest: a.choices for a in rpc._actions if a.choices}
     assert tuple(choices["transport"]) == get_args(Transport)
     assert tuple(choices["pin"]) == get_args(Pin)
+
+
+def test_no_reference_leaves_the_repository() -> None:
+    """README, docs, launchers, examples and code cite only what is in the repository:
+    no sibling directories (the source documents), no seed numbers, no web pages
+    (loopback and the Perfetto UI a trace is opened in are tools, not references)."""
+    import re
+
+    root = PACKAGE.parent
+    leaving = re.compile(
+        r"\.\./shared|\bseeds?/|\(seed \d{3}\)|seed \d{3}\b|"
+        r"https?://(?!127\.0\.0\.1|localhost|ui\.perfetto\.dev)"
+    )
+    files = [root / "README.md", *(root / "docs").glob("*.md")]
+    for folder in ("rlix_async", "launchers", "examples", "scripts"):
+        files += [p for p in (root / folder).rglob("*") if p.is_file() and p.suffix != ".pyc"]
+    found = [
+        f"{path.relative_to(root)}:{n}: {line.strip()[:80]}"
+        for path in files
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if leaving.search(line)
+    ]
+    assert found == []
