@@ -23,7 +23,7 @@ or ``shard``; a trainer node: ``driver-ID``), with ``server.key`` and
 Authorization: every message a tcp peer sends carries its CURVE public key (ZMQ's
 ``User-Id``); the server binds the peer's identity to that key at hello and
 refuses any message from another key. A key's role decides which identities it
-may take (:meth:`Principal.may_use`): a driver key only ``P/driver/*`` and
+may take (:meth:`Principal.may_use`): a driver key only ``P/driver/0`` and
 ``P/router/*`` of its pipelines, a shard key only ``P/infer/*`` and
 ``P/weights/*``, an admin key (the CLI) any. Handlers then act only for the
 pipeline the caller's identity names. On ipc:// there are no keys: every local
@@ -108,11 +108,13 @@ class Principal:
         """Whether this key may connect under ``identity`` (``PIPELINE/KIND/INDEX``)."""
         if self.role == "admin":
             return True
-        pipeline, kind = [*identity.split("/"), "", ""][:2]
+        pipeline, kind, index = [*identity.split("/"), "", "", ""][:3]
         if self.role == "driver":
             if kind == "driver" and pipeline.startswith("anon-"):
                 return self.pipelines is None  # asks the coordinator for a fresh id
-            return kind in ("driver", "router") and self.covers(pipeline)
+            if kind == "driver":  # one driver per pipeline: a second one is refused
+                return index == "0" and self.covers(pipeline)
+            return kind == "router" and self.covers(pipeline)
         if self.role == "shard":
             return kind in ("infer", "weights") and self.covers(pipeline)
         return False

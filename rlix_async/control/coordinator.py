@@ -107,7 +107,7 @@ class Coordinator(PeerWatcher):
         s.on(m.ClearProgress, self._clear_progress)
         s.on(m.Unregister, self._unregister)
         s.on(m.Resume, self._resume)
-        s.on(m.StatusRequest, lambda msg, ctx: self.status())
+        s.on(m.StatusRequest, self._status)
         s.on(m.PublishWeights, self._publish_weights)
 
     @property
@@ -322,6 +322,11 @@ class Coordinator(PeerWatcher):
     def _resume(self, msg: m.Resume, ctx: CallContext) -> Ok:
         """A driver back after a coordinator restart (or a blip) re-asserts its state."""
         self._authorize(ctx, msg.pipeline_id)
+        driver = m.driver_identity(msg.pipeline_id)
+        if ctx.peer != driver and driver in self.server.peers:
+            raise RegistryError(
+                "pipeline_live", f"{msg.pipeline_id}'s driver is connected: only it may resume"
+            )
         pid = msg.pipeline_id
         prev = self.registry.pipelines.get(pid)
         known = prev is not None and prev.registered
@@ -383,6 +388,14 @@ class Coordinator(PeerWatcher):
         self.tasks.spawn(
             self._grant(pid, cluster, priority_name(p.held[cluster]), devices), "regrant"
         )
+
+    def _status(self, msg: m.StatusRequest, ctx: CallContext) -> m.StatusReply:
+        """Every pipeline, device owner and fence: for admins and drivers, not for shard
+        keys (a shard host has no business reading the whole cluster)."""
+        pr = ctx.principal
+        if pr is not None and pr.role == "shard":
+            raise RegistryError(ErrorCode.FORBIDDEN, f"{pr.describe()} may not read the status")
+        return self.status()
 
     def status(self) -> m.StatusReply:
         pipes = [

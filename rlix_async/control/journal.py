@@ -394,9 +394,12 @@ class Journal:
         try:
             os.fsync(self._fd)
         except OSError as exc:
-            raise JournalWriteError(
+            error = JournalWriteError(
                 exc.errno, f"journal fsync failed: {exc.strerror}", str(self.path)
-            ) from exc
+            )
+            if self.on_error is not None:  # (record's own sync reports through record)
+                self.on_error(error)
+            raise error from exc
         self._unsynced = False
 
     def compact(self, registry: Registry) -> None:

@@ -33,6 +33,7 @@ still buffered or in flight is left over (not needed: the steps are done).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -43,6 +44,7 @@ from typing import Any
 from rlix_async.train.buffer import Group
 
 LEDGER = "ledger.jsonl"
+log = logging.getLogger(__name__)
 
 
 def read_events(path: Path) -> Iterator[dict[str, Any]]:
@@ -53,7 +55,24 @@ def read_events(path: Path) -> Iterator[dict[str, Any]]:
         for line in fh:
             if not line.endswith(b"\n"):
                 return
-            yield json.loads(line)
+            try:
+                event = json.loads(line)
+            except ValueError:  # a line a crash tore, with another glued on (older runs)
+                log.warning("%s: unreadable ledger line skipped", path)
+                continue
+            if isinstance(event, dict) and "ev" in event:
+                yield event
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """Truncate after the last newline: what a crash mid-write left is not a line."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        log.warning("%s: cut off %d bytes of a torn last line", path, len(data) - end)
+        os.truncate(path, end)
 
 
 class Ledger:
@@ -62,6 +81,7 @@ class Ledger:
     def __init__(self, path: Path, *, fresh: bool, from_step: int, buffered: list[Group]) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        _cut_torn_tail(path)  # the first line we append must not glue onto a fragment
         self.run = sum(1 for e in read_events(path) if e["ev"] == "start")
         self._seq = 0
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

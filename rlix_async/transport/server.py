@@ -151,7 +151,11 @@ class RpcServer(_Endpoint):
             )
         else:
             info.last_seen = time.monotonic()
-            self._dispatch(peer, body, route, info.principal)
+            self._hello_key = key  # a known peer may say hello again (it reconnected)
+            try:
+                self._dispatch(peer, body, route, info.principal)
+            finally:
+                self._hello_key = None
 
     def _receive_unregistered(
         self, peer: str, route: bytes, body: list[Any], key: bytes | None

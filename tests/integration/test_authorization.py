@@ -33,11 +33,22 @@ from rlix_async.security import ClientKeys, ServerKeys, keygen
 from rlix_async.shards.router import Router
 from rlix_async.shards.worker import ShardWorker
 from rlix_async.transport import CallTimeout, RpcClient, RpcServer, TransportConfig
+from rlix_async.weights.ref import CacheRef
 
 SHAPE = ClusterShape(nodes=1, gpus_per_node=4)
 TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (1,))}
 TOPO_B = {"actor_train": ClusterSpec(1, (2,)), "actor_infer": ClusterSpec(1, (3,))}
 TCP = "tcp://127.0.0.1:0"
+FAKE_REF = CacheRef(
+    pipeline="b",
+    owner="rank0",
+    version=1,
+    segment="x",
+    generation=0,
+    fingerprint="f",
+    total_bytes=1,
+    host="h",
+)
 
 
 @pytest.fixture
@@ -84,19 +95,33 @@ async def test_a_driver_acts_only_for_its_own_pipeline(keys: Path) -> None:
         await b.admit()
         assert await b.request("actor_train", "ACTOR_TRAINING", timeout=5) == [2]
         async with RpcClient(ep, "a/driver/0", keys=ClientKeys.load(keys, "driver-a")) as a:
+            infer = m.RequestStage(pipeline_id="b", cluster="actor_infer", priority="GENERATION")
             forged: list[m.Message] = [
                 m.ReleaseStage(pipeline_id="b", cluster="actor_train"),
                 m.Unregister(pipeline_id="b"),
-                m.RequestStage(pipeline_id="b", cluster="actor_infer", priority="GENERATION"),
+                infer,
                 m.ShrinkAll(pipeline_id="b"),
                 m.AdmitPipeline(pipeline_id="b"),
                 m.RegisterPipeline(pipeline_id="b", clusters=TOPO_B),
+                m.ReleaseAndRequest(pipeline_id="b", release="actor_train", request=infer),
+                m.Resume(pipeline_id="b", clusters=TOPO_B, admitted=True, held={}),
+                m.PublishWeights(pipeline_id="b", ref=FAKE_REF),
             ]
             for msg in forged:
                 with pytest.raises(RpcError) as info:
                     await a.call(msg, timeout=5)
                 assert info.value.code == ErrorCode.FORBIDDEN, msg
                 assert "a/driver/0 may not act for pipeline 'b'" in info.value.detail
+            # notifications get no reply: refused all the same, b's progress unchanged
+            await b.report_progress(40, 10, force=True)
+            async with asyncio.timeout(5):
+                while co.registry.pipelines["b"].remaining() != 30:  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+            await a.notify(m.ReportProgress(pipeline_id="b", target=99, completed=0))
+            await a.notify(m.ClearProgress(pipeline_id="b", stream=None))
+            await a.call(m.StatusRequest(), timeout=5)  # served after both (one socket)
+            assert co.registry.pipelines["b"].remaining() == 30
+            assert "b" not in co.weights
         # b's lease is untouched by any of it
         assert co.registry.pipelines["b"].held
         assert co.registry.pipelines["b"].admitted
@@ -278,3 +303,34 @@ def test_role_files_are_parsed_strictly(keys: Path) -> None:
     (keys / "authorized" / "shard.role").unlink()
     with pytest.raises(SecurityError, match=r"has no shard\.role"):
         ServerKeys.load(keys)
+
+
+async def test_one_driver_per_pipeline_and_no_status_for_shard_keys(keys: Path) -> None:
+    async with Coordinator(TCP, SHAPE, keys=ServerKeys.load(keys)) as co:
+        drv_a = ClientKeys.load(keys, "driver-a")
+        assert "may not connect as 'a/driver/1'" in await refused_hello(
+            co.endpoint, "a/driver/1", drv_a
+        )
+        async with RpcClient(co.endpoint, "a/infer/0", keys=ClientKeys.load(keys, "shard")) as s:
+            with pytest.raises(RpcError, match="may not read the status"):
+                await s.call(m.StatusRequest(), timeout=5)
+
+
+async def test_a_killed_tcp_peer_comes_back_under_its_identity_at_once(spawn, keys: Path) -> None:
+    """kill -9 sends no goodbye: the server still lists the peer when its replacement
+    (same identity, same key) says hello, which must be served, not refused."""
+    slow = TransportConfig(heartbeat_interval_s=2.0, heartbeat_timeout_s=30.0)
+    server = RpcServer(TCP, keys=ServerKeys.load(keys), config=slow)
+    async with server:
+        first = await asyncio.to_thread(  # (our loop serves its hello meanwhile)
+            spawn, "client", server.endpoint, "--keys", str(keys), "--identity", "a/driver/0"
+        )
+        assert "a/driver/0" in server.peers  # READY: its hello was answered
+        first.kill9()
+        assert "a/driver/0" in server.peers  # not yet declared dead (30 s timeout)
+        async with asyncio.timeout(15):
+            back = await RpcClient(
+                server.endpoint, "a/driver/0", keys=ClientKeys.load(keys)
+            ).connect(timeout=15)
+        assert server.peers["a/driver/0"].rejoined
+        await back.close()

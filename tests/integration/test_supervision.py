@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import sys
 import time
 from pathlib import Path
@@ -62,6 +63,27 @@ async def test_a_failed_journal_write_aborts_the_plan(ipc_ep: str, tmp_path: Pat
         assert co.fatal is not None and co.fatal.done()
         assert "journal write failed" in co.fatal.result()
         assert co.plans == 0  # nothing was realised
+        await a.close()
+
+
+async def test_a_failed_fsync_of_a_plan_is_fatal_too(
+    ipc_ep: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan's events were written but could not be made durable (EIO from fsync,
+    the disk failing): not carried out, and the coordinator turns fatal."""
+    async with Coordinator(ipc_ep, SHAPE, journal=tmp_path / "j.jsonl") as co:
+        a = await joined_pipeline(co.endpoint, "a", TOPO)
+
+        def failing_fsync(fd: int) -> None:
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(os, "fsync", failing_fsync)
+        with pytest.raises(TimeoutError):
+            await a.request("actor_train", "ACTOR_TRAINING", timeout=1.5)
+        assert co.fatal is not None and co.fatal.done()
+        assert "fsync failed" in co.fatal.result()
+        assert co.plans == 0
+        monkeypatch.undo()
         await a.close()
 
 

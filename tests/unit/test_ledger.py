@@ -153,3 +153,18 @@ def test_events_after_the_end_and_a_torn_last_line_are_ignored(tmp_path: Path) -
         fh.write('{"ev":"requested","g":"torn"')  # a crash mid-line
     assert [e["ev"] for e in read_events(path)][-1] == "requested"
     assert tally(path) == Tally(requested=2, generated=2, trained=2)
+
+
+def test_a_torn_last_line_is_cut_before_the_next_run_appends(tmp_path: Path) -> None:
+    """A crash mid-write leaves a fragment; the next Ledger must not glue its start
+    line onto it (which made every later read fail)."""
+    from rlix_async.rollout.ledger import Ledger, read_events
+
+    path = tmp_path / "ledger.jsonl"
+    Ledger(path, fresh=True, from_step=0, buffered=[]).close()
+    with open(path, "ab") as fh:
+        fh.write(b'{"ev":"requested","gro')  # torn
+    Ledger(path, fresh=False, from_step=0, buffered=[]).close()
+    events = list(read_events(path))
+    assert [e["ev"] for e in events].count("start") == 2
+    assert all(line.startswith(b"{") for line in path.read_bytes().splitlines())
