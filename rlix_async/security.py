@@ -33,6 +33,7 @@ peer is the same user, and only the identity rules apply.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import stat
@@ -42,6 +43,8 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
+
+log = logging.getLogger(__name__)
 
 SERVER_CERT = "server"
 DEFAULT_CLIENT = "client"
@@ -238,6 +241,14 @@ class ClientKeys:
         d = Path(keys_dir)
         for name in names:
             if (d / f"{name}.key_secret").exists():
+                if name == DEFAULT_CLIENT and names[0] != DEFAULT_CLIENT:
+                    log.warning(
+                        "no %s key in %s: using the shared %r key (an admin key on most "
+                        "setups; see rlix-async keygen --role)",
+                        names[0],
+                        d,
+                        DEFAULT_CLIENT,
+                    )
                 return name, cls.load(d, name)
         raise SecurityError(
             f"{d} holds none of the keys {', '.join(names)} (run `rlix-async keygen`)"
