@@ -20,7 +20,6 @@ import pytest
 from helpers.cluster import SCRIPTED_ENGINE
 
 from rlix_async.rollout.ledger import LEDGER, tally
-from rlix_async.weights.shm import pipeline_prefix
 
 pytest.importorskip("transformers")
 
@@ -57,7 +56,7 @@ def _write(tmp_path: Path, steps: int) -> tuple[Path, Path, str]:
 def _no_leftovers(out: Path, pid: str) -> None:
     left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout
     assert not left.split(), f"orphan processes: {left}"
-    assert not list(Path("/dev/shm").glob(pipeline_prefix(pid) + "*"))
+    assert not list(Path("/dev/shm").glob(f"rlix-{os.getuid()}-{pid}-*"))
 
 
 @pytest.mark.timeout(240)
@@ -98,7 +97,7 @@ def test_sigterm_stops_every_process_and_removes_shared_memory(tmp_path: Path) -
     while not (out / f"{pid}-a" / "metrics.jsonl").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "no training step"
         time.sleep(0.5)
-    assert list(Path("/dev/shm").glob(pipeline_prefix(pid) + "*"))  # caches exist mid-run
+    assert list(Path("/dev/shm").glob(f"rlix-{os.getuid()}-{pid}-*"))  # caches exist mid-run
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
     assert proc.returncode == 130
