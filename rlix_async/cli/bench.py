@@ -127,6 +127,65 @@ def _preempt(args: argparse.Namespace) -> int:
     return 0 if r["lost_requests"] == 0 else 1
 
 
+def _coordinator(args: argparse.Namespace) -> int:
+    from rlix_async.bench.coordinator import (
+        CoordinatorBenchConfig,
+        format_result,
+        run_coordinator_bench,
+    )
+
+    cfg = CoordinatorBenchConfig(
+        peers=args.peers,
+        pipelines=args.pipelines,
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        step_s=args.step_s,
+        shard_delay_ms=args.shard_delay_ms,
+        peer_procs=args.peer_procs,
+        driver_procs=args.driver_procs,
+        profile=args.profile,
+        coordinator_log=args.coordinator_log,
+        idle=args.idle,
+        snapshots=args.snapshots,
+        slow_callback_ms=args.slow_callback_ms,
+    )
+    try:
+        r = run_coordinator_bench(cfg)
+    except ValueError as exc:  # a layout the peers and pipelines cannot make
+        raise UsageError(str(exc)) from None
+    print(json.dumps(r, indent=2) if args.json else format_result(r))
+    return 0 if r["false_dead"] == 0 and (r["calls"] > 0 or args.idle) else 1
+
+
+def _register_coordinator(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = bsub.add_parser(
+        "coordinator",
+        help="the coordinator at cluster scale: N shard peers and P drivers on real sockets "
+        "(exit 1: a peer wrongly declared dead)",
+    )
+    p.add_argument("--peers", type=positive_int, default=4096, help="shard peers (= devices)")
+    p.add_argument("--pipelines", type=positive_int, default=256)
+    p.add_argument("--duration", type=_positive_float, default=30.0, help="measured seconds")
+    p.add_argument("--warmup", type=_positive_float, default=5.0, help="seconds before them")
+    p.add_argument("--step-s", type=_positive_float, default=20.0, help="one RL step, seconds")
+    p.add_argument(
+        "--shard-delay-ms", type=_positive_float, default=200.0, help="a shard's sleep/wake/sync"
+    )
+    p.add_argument("--peer-procs", type=positive_int, help="default: one per 1,024 peers")
+    p.add_argument("--driver-procs", type=positive_int, help="default: one per 128 pipelines")
+    p.add_argument("--idle", action="store_true", help="no RL cycle: the cost of liveness alone")
+    p.add_argument("--profile", help="run the coordinator under cProfile, stats to this file")
+    p.add_argument("--coordinator-log", help="keep the coordinator's log in this file")
+    p.add_argument("--snapshots", help="keep every 25th planner snapshot in this directory")
+    p.add_argument(
+        "--slow-callback-ms",
+        type=_positive_float,
+        help="asyncio debug mode in the coordinator: log every callback slower than this",
+    )
+    _json_flag(p)
+    p.set_defaults(func=_coordinator)
+
+
 def _json_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
@@ -182,6 +241,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--repeats", type=positive_int, default=3, help="timed runs (best is kept)")
     _json_flag(p)
     p.set_defaults(func=_gpu)
+    _register_coordinator(bsub)
     p = bsub.add_parser("preempt", help="shrink a vLLM shard under load: latency, waste, losses")
     p.add_argument("--requests", type=positive_int, default=32, help="requests in flight")
     p.add_argument("--max-tokens", type=positive_int, default=96)
