@@ -34,6 +34,10 @@ class TransportConfig:
     max_concurrent_handlers: int = 4096
     send_timeout_s: float = 5.0
     connect_timeout_s: float = 30.0
+    # ZMTP pings on the server's connections, timeout 3x: how long a connection whose
+    # host vanished without closing it (power, partition) keeps its identity, so its
+    # replacement's hello waits. Liveness is the heartbeats above, not this.
+    socket_heartbeat_s: float = 10.0
 
     @classmethod
     def with_heartbeat(cls, interval_s: float) -> TransportConfig:
@@ -41,7 +45,12 @@ class TransportConfig:
         return cls(heartbeat_interval_s=interval_s, heartbeat_timeout_s=2.5 * interval_s)
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "call_timeout_s"):
+        for name in (
+            "heartbeat_interval_s",
+            "heartbeat_timeout_s",
+            "call_timeout_s",
+            "socket_heartbeat_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

@@ -261,3 +261,33 @@ async def test_an_answer_to_a_peer_that_is_gone_is_dropped_not_raised(ipc_ep) ->
         assert server.stats["dropped_sends"] == 1
         async with RpcClient(server.endpoint, "a/b/0") as client:
             assert await client.call(Ping(seq=2)) == Pong(seq=2)
+
+
+async def test_heartbeats_are_spread_over_the_interval(ipc_ep) -> None:
+    """Each peer is beaten once per interval, a fifth of the peers per tick rather than
+    all in one callback (4,096 sends at once held the loop for tens of ms), and
+    nobody is declared dead for it."""
+    lost: list[str] = []
+    async with RpcServer(
+        ipc_ep, config=FAST, on_peer_lost=lambda p: lost.append(p.identity)
+    ) as server:
+        clients = [
+            await RpcClient(server.endpoint, f"p{i}/driver/0", config=FAST).connect()
+            for i in range(10)
+        ]
+        batches: list[list[str]] = []
+        real = server._beat
+
+        def recorded(peers: list[str]) -> None:
+            batches.append(list(peers))
+            real(peers)
+
+        server._beat = recorded  # type: ignore[method-assign]
+        await asyncio.sleep(1.3)  # six intervals
+        assert batches and max(map(len, batches)) <= 2  # ceil(10 / 5)
+        rounds = [b for batch in batches for b in batch]
+        for c in clients:  # about once per interval each, never skipped for long
+            assert 4 <= rounds.count(c.identity) <= 8, rounds.count(c.identity)
+        assert not lost
+        for c in clients:
+            await c.close()
