@@ -4,7 +4,7 @@
 
 - ``coordinator``: the real coordinator (``control.coordinator.serve``, the code
   ``rlix-async coordinator`` runs) with timers around the scheduling step
-  (snapshot, plan, check) and a probe of the event loop's lag; the samples are
+  (snapshot, plan in the planner thread, check and apply on the loop) and a probe of the event loop's lag; the samples are
   written to ``STATS`` when it is stopped. The timers are wrapped around the
   methods from outside, so the coordinator's code is the shipped one.
 - ``peers``: many simulated shard workers in one process. Each is its own DEALER
@@ -166,9 +166,10 @@ def serve_coordinator(spec: dict[str, Any]) -> None:
     )
     cfg = load_config(spec["coordinator_config"], CoordinatorConfig)
     t = _Timings()
-    # Class attributes: the scheduler loop calls self.schedule_once(), schedule_once
-    # calls the module's plan/check_plan and self.registry.snapshot().
-    co.Coordinator.schedule_once = t.wrap("schedule", co.Coordinator.schedule_once)  # type: ignore[method-assign]
+    # Class attributes: the scheduler loop takes self.registry.snapshot(), runs the
+    # module's plan in the planner thread, then self._carry_out() on the loop (a
+    # snapshot again, check_plan, apply): "schedule" is that on-loop part.
+    co.Coordinator._carry_out = t.wrap("schedule", co.Coordinator._carry_out)  # type: ignore[method-assign]
     co.plan = t.wrap("plan", _keeping_snapshots(co.plan, spec.get("snapshots")))
     co.check_plan = t.wrap("check", co.check_plan)
     Registry.snapshot = t.wrap("snapshot", Registry.snapshot)  # type: ignore[method-assign]

@@ -27,8 +27,9 @@ What is measured, in the window after the warm-up:
 - coordinator CPU (% of one core) and RSS, from /proc via psutil.
 - ``plans_per_s``: planner runs; ``applied_plans_per_s``: plans that changed
   something (status ``plans``); ``plan_cpu_pct``: the planner's CPU time over the
-  window (% of a core); ``schedule_ms``: a synchronous scheduling step on the loop
-  (``schedule_once``: snapshot, plan, check, apply), when the coordinator has one;
+  window (% of a core), in the coordinator's planner thread; ``schedule_ms``: the
+  part of a scheduling step on the event loop (``_carry_out``: check and apply) and
+  ``snapshot_ms`` the registry snapshots it takes (two per step);
   ``loop_lag_ms``: how late a 10 ms timer fired on the coordinator's loop.
 """
 
@@ -298,6 +299,7 @@ async def _measure(
         "status": _ms(status_s),
         "applied_plans": last.plans - first.plans if first and last else None,
         "rejected_plans": last.rejected_plans if last else None,
+        "stale_plans": last.stale_plans - first.stale_plans if first and last else None,
         "fenced_at_end": len(last.fenced) if last else None,
         "status_failures": failures,
         "status_reconnects": rpc.reconnects,
@@ -494,6 +496,7 @@ def _summarise(
             else round(window["applied_plans"] / cfg.duration_s, 1)
         ),
         "rejected_plans": window["rejected_plans"],
+        "stale_plans": window["stale_plans"],
         "schedule_ms": _ms(schedule),
         "schedule_busy_pct": round(100 * sum(schedule) / cfg.duration_s, 1),
         "schedule_cpu_ms": _ms(schedule_cpu),
@@ -539,7 +542,7 @@ def format_result(r: dict[str, Any]) -> str:
             f"never came up ({r['setup_failed']}, after {r['setup_s']:.0f} s); "
             f"{r['false_dead']} peers declared dead"
         )
-    g, sch, lag = r["grant_wait"], r["schedule_ms"], r["loop_lag_ms"]
+    g, sch, lag, snp = r["grant_wait"], r["schedule_ms"], r["loop_lag_ms"], r["snapshot_ms"]
     lines = [
         f"coordinator at {r['peers']} shard peers + {r['pipelines']} pipelines "
         f"({r['devices']} devices), {r['duration_s']:.0f} s after a {r['warmup_s']:.0f} s "
@@ -561,9 +564,10 @@ def format_result(r: dict[str, Any]) -> str:
         f"{r['coord_loop_cpu_pct']:.0f}%), RSS {r['coord_rss_mb']:.0f} MiB"
         f"  (peers {r['peers_cpu_pct']:.0f}%, drivers {r['drivers_cpu_pct']:.0f}%)",
         f"  planning       {r['plans_per_s']:.1f} plans/s ({r['applied_plans_per_s']}/s changed "
-        f"something); plan p50 {r['plan_ms']['p50_ms']:.1f} ms (CPU "
-        f"{r['plan_cpu_ms']['p50_ms']:.1f} ms), {r['plan_cpu_pct']:.0f}% of a core; scheduling "
-        f"step on the loop p50 {sch['p50_ms']:.1f} ms p99 {sch['p99_ms']:.1f} ms",
+        f"something, {r['stale_plans']} out of date); plan p50 {r['plan_ms']['p50_ms']:.1f} ms (CPU "
+        f"{r['plan_cpu_ms']['p50_ms']:.1f} ms) in its thread, {r['plan_cpu_pct']:.0f}% of a "
+        f"core; on the loop: check+apply p50 {sch['p50_ms']:.1f} ms p99 {sch['p99_ms']:.1f} ms, "
+        f"snapshot p50 {snp['p50_ms']:.1f} ms p99 {snp['p99_ms']:.1f} ms",
         f"  loop lag       p50 {lag['p50_ms']:.1f} ms  p99 {lag['p99_ms']:.1f} ms  "
         f"max {lag['max_ms']:.1f} ms; full GC {r['gc_full_ms']['n']}x, max "
         f"{r['gc_full_ms']['max_ms']:.0f} ms",

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -29,9 +30,9 @@ from rlix_async.control import journal as ev
 from rlix_async.control import messages as m
 from rlix_async.control.journal import Journal, JournalWriteError, open_journal
 from rlix_async.control.peers import PeerWatcher
-from rlix_async.control.planner import check_plan, plan
+from rlix_async.control.planner import check_plan, idle_after, plan
 from rlix_async.control.registry import Registry, RegistryError
-from rlix_async.control.snapshot import Plan, RankChange
+from rlix_async.control.snapshot import Plan, RankChange, Snapshot
 from rlix_async.control.topology import (
     INFER,
     ClusterName,
@@ -83,7 +84,7 @@ class Coordinator(PeerWatcher):
         # that answers calls but never schedules or expires a lease again.
         self.fatal: asyncio.Future[str] | None = None
         self._wake = asyncio.Event()
-        self._unfenced = asyncio.Event()
+        self._fence_lifted: dict[tuple[str, int], asyncio.Event] = {}
         self._journaled_fences: set[tuple[str, int]] = set()
         self._sleeping: set[tuple[str, int]] = set()
         self.weights: dict[str, CacheRef] = {}  # latest promoted version per pipeline
@@ -93,7 +94,12 @@ class Coordinator(PeerWatcher):
         self.shard_memory: dict[tuple[str, int], int] = {}  # bytes in use, last acked
         self.plans = 0
         self.rejected_plans = 0
+        self.stale_plans = 0  # planned in the thread, out of date when back: planned again
         self.plan_seconds = 0.0  # time spent planning, all plans (bench coordinator reads it)
+        # The planner runs here, off the event loop: at 4096 devices x 256 pipelines a
+        # plan costs tens of ms, which on the loop would delay every call and heartbeat
+        # behind it. One thread: plans are sequential anyway.
+        self._planner = ThreadPoolExecutor(1, thread_name_prefix="planner")
         self._closed = False
         s = self.server
         s.on(m.AllocatePipelineId, self._allocate)
@@ -165,6 +171,7 @@ class Coordinator(PeerWatcher):
     async def close(self) -> None:
         self._closed = True
         await self.tasks.close()
+        self._planner.shutdown(wait=False, cancel_futures=True)
         await self.server.close()
         self.journal.close()
 
@@ -398,6 +405,9 @@ class Coordinator(PeerWatcher):
         return self.status()
 
     def status(self) -> m.StatusReply:
+        memory: dict[str, dict[int, int]] = {}
+        for (pid, rank), used in self.shard_memory.items():
+            memory.setdefault(pid, {})[rank] = used
         pipes = [
             m.PipelineStatus(
                 id=p.id,
@@ -407,7 +417,7 @@ class Coordinator(PeerWatcher):
                 active_ranks=sorted(p.active),
                 remaining=p.remaining(),
                 requests={c: priority_name(r.priority) for c, r in p.requests.items()},
-                shard_memory={r: b for (q, r), b in self.shard_memory.items() if q == p.id},
+                shard_memory=memory.get(p.id, {}),
             )
             for p in self.registry.pipelines.values()
         ]
@@ -417,6 +427,7 @@ class Coordinator(PeerWatcher):
             pipelines=pipes,
             plans=self.plans,
             rejected_plans=self.rejected_plans,
+            stale_plans=self.stale_plans,
             fenced=[
                 m.FenceStatus(
                     pipeline=f.pipeline,
@@ -435,9 +446,9 @@ class Coordinator(PeerWatcher):
     async def _scheduler_loop(self) -> None:
         """Plan on every kick, coalesced: after a plan that took ``d`` seconds the
         next one waits until ``3 d`` (at least ``plan_interval_s``) have passed, so
-        planning takes at most a quarter of the loop however fast events arrive (at
-        4096 devices x 256 pipelines a plan costs ~15 ms and progress reports arrive
-        hundreds of times a second). Kicks meanwhile are remembered, not lost."""
+        planning takes at most a quarter of a core however fast events arrive (at
+        4096 devices x 256 pipelines progress reports arrive hundreds of times a
+        second). Kicks meanwhile are remembered, not lost."""
         while not self._closed:
             with contextlib.suppress(TimeoutError):  # asyncio.timeout never swallows a cancel
                 async with asyncio.timeout(self.cfg.rebalance_s):
@@ -445,7 +456,7 @@ class Coordinator(PeerWatcher):
             self._wake.clear()
             t0 = time.perf_counter()
             try:
-                self.schedule_once()
+                await self._schedule_step()
             except Exception:  # a planner bug must not stop scheduling for everyone
                 log.exception("scheduling step failed; will retry on the next event")
             took = time.perf_counter() - t0
@@ -454,10 +465,42 @@ class Coordinator(PeerWatcher):
             if pause > 0:
                 await asyncio.sleep(pause)
 
-    def schedule_once(self) -> Plan | None:
+    async def _schedule_step(self) -> Plan | None:
+        """One scheduling step with the plan computed in the planner thread. The
+        snapshot it plans on is immutable; the registry may change meanwhile, so the
+        plan is checked again against the registry as it is when it comes back, and
+        applied only if it still holds (else it is dropped and the next step plans
+        again): a release only frees devices, a new request waits for the next plan,
+        while a grant whose request was withdrawn or an expand onto devices granted
+        meanwhile is refused by the check."""
         snap = self.registry.snapshot()
-        result = plan(snap)
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self._planner, plan, snap)
+        if self._closed:
+            return None
+        now = self.registry.snapshot()
+        result.idle_devices = idle_after(now, result)  # derived, not decided: of now
+        return self._carry_out(now, result, planned_on=snap)
+
+    def schedule_once(self) -> Plan | None:
+        """One scheduling step, all of it on the calling thread (tests, tools)."""
+        snap = self.registry.snapshot()
+        return self._carry_out(snap, plan(snap))
+
+    def _carry_out(
+        self, snap: Snapshot, result: Plan, *, planned_on: Snapshot | None = None
+    ) -> Plan | None:
+        """Check ``result`` against ``snap`` (the registry now), apply it, realise it.
+        A plan made on an older snapshot (``planned_on``) that was sound there but no
+        longer is, is out of date, not wrong: dropped, and the next step plans again."""
         violations = check_plan(snap, result)
+        if violations and planned_on is not None:
+            stale = dict(idle_devices=idle_after(planned_on, result))
+            if not check_plan(planned_on, msgspec.structs.replace(result, **stale)):
+                self.stale_plans += 1
+                log.info("plan out of date when made, planning again: %s", violations[:3])
+                self.kick()
+                return None
         if violations:
             self.rejected_plans += 1
             self._tell_status()

@@ -308,7 +308,12 @@ Event = (
     | RegistrySnapshot
 )
 # What a power loss must not take once the coordinator acted on it: every event
-# replay rebuilds state from, except progress (frequent, advisory, re-reported).
+# replay rebuilds state from, except progress (frequent, advisory, re-reported) and
+# Unfenced. Losing an Unfenced is safe: replay keeps the fence and the restarted
+# coordinator asks the rank to sleep again; and whatever acts on the freed devices
+# (a grant, an expand) is a plan, whose own fsync makes the Unfenced line before it
+# durable too. Not fsyncing it matters: every confirmed sleep writes one, thousands
+# a minute at 4,096 devices, each a 0.2-1.2 ms stall of the coordinator's loop.
 LEASE_EVENTS = (
     Registered,
     Admitted,
@@ -318,7 +323,6 @@ LEASE_EVENTS = (
     Expanded,
     Shrunk,
     Fenced,
-    Unfenced,
     ShardJoined,
     RegistrySnapshot,
 )

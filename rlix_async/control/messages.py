@@ -176,6 +176,7 @@ class StatusReply(Message):
     plans: int
     rejected_plans: int
     fenced: list[FenceStatus] = []
+    stale_plans: int = 0  # out of date when the planner thread was done: planned again
 
 
 ShardAction = Literal["sleep", "wake", "sync"]

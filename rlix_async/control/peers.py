@@ -50,9 +50,9 @@ class PeerWatcher(PlanRealiser):
         devices cannot be checked yet: check them now. A misbound one is disconnected
         (its hello is refused from now on) and its rank never started."""
         p = self.registry.pipelines[pid]
+        prefix = m.worker_identity(pid, 0)[:-1]  # "<pid>/infer/": no parse of every peer
         for ident, info in list(self.server.peers.items()):
-            shard = m.shard_rank(ident)
-            if shard is None or shard[0] != pid:
+            if not ident.startswith(prefix) or (shard := m.shard_rank(ident)) is None:
                 continue
             try:
                 self._admit_peer(ident, info.info)

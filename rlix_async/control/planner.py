@@ -358,6 +358,10 @@ def check_plan(snap: Snapshot, result: Plan) -> list[str]:
         if req is None or req.priority == "GENERATION":
             errors.append(f"grant {g.pipeline}/{g.cluster} answers no gang request")
             continue
+        if g.priority != req.priority:
+            errors.append(
+                f"grant {g.pipeline}/{g.cluster} at {g.priority}, requested at {req.priority}"
+            )
         if g.devices != list(pipes[g.pipeline].clusters[g.cluster].devices):
             errors.append(f"grant {g.pipeline}/{g.cluster} is not the whole device list")
         for d in g.devices:
@@ -385,3 +389,26 @@ def check_plan(snap: Snapshot, result: Plan) -> list[str]:
     if sorted(result.idle_devices) != idle:
         errors.append(f"idle_devices {result.idle_devices} != unowned devices {idle}")
     return errors
+
+
+def idle_after(snap: Snapshot, result: Plan) -> list[int]:
+    """The devices nobody holds once ``result`` is applied to ``snap``: no fence, no
+    stage held or granted, no awake rank (the plan's ``idle_devices``, derived)."""
+    owned = set(snap.fenced)
+    active = {p.id: set(p.active_ranks.get(INFER, ())) for p in snap.pipelines}
+    for ch in result.shrink:
+        active.get(ch.pipeline, set()).difference_update(ch.ranks)
+    for ch in result.expand:
+        active.setdefault(ch.pipeline, set()).update(ch.ranks)
+    pipes = {p.id: p for p in snap.pipelines}
+    for p in snap.pipelines:
+        for cname in p.held:
+            owned.update(p.clusters[cname].devices)
+    for g in result.grants:
+        owned.update(g.devices)
+    for pid, ranks in active.items():
+        spec = pipes[pid].clusters.get(INFER) if pid in pipes else None
+        for r in ranks:
+            if spec is not None and 0 <= r < spec.dp:
+                owned.update(spec.bundle(r))
+    return [d for d in range(snap.cluster.num_devices) if d not in owned]

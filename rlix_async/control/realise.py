@@ -46,7 +46,7 @@ class PlanRealiser:
     shard_data_keys: dict[tuple[str, int], str]  # their CURVE public keys (tcp)
     shard_memory: dict[tuple[str, int], int]  # bytes in use, as last acknowledged
     _journaled_fences: set[tuple[str, int]]
-    _unfenced: asyncio.Event  # set (and replaced) whenever a fence is lifted
+    _fence_lifted: dict[tuple[str, int], asyncio.Event]  # set when that fence is lifted
     _sleeping: set[tuple[str, int]]  # ranks with a sleep (or its retries) under way
 
     def _apply(self, result: Plan) -> list[str]:
@@ -74,9 +74,11 @@ class PlanRealiser:
         for pid, rank in sorted(lifted):
             self.journal.record(ev.Unfenced(pipeline=pid, rank=rank))
         self._journaled_fences = now
+        for key in lifted:  # wake only those waiting for this fence: hundreds of sleeps
+            waiters = self._fence_lifted.pop(key, None)  # are confirmed in one burst
+            if waiters is not None:
+                waiters.set()
         if lifted:
-            self._unfenced.set()
-            self._unfenced = asyncio.Event()
             self.kick()  # the devices can be planned again
 
     def _journal_plan(self, result: Plan) -> None:
@@ -191,17 +193,19 @@ class PlanRealiser:
         while blocking := self.registry.blocking_fences(devices):
             if not wanted():
                 return False
-            lifted = self._unfenced
+            f = blocking[0]  # lifted: look again (another may still be in the way)
+            lifted = self._fence_lifted.setdefault((f.pipeline, f.rank), asyncio.Event())
             try:
                 async with asyncio.timeout(self.cfg.command_timeout_s):
                     await lifted.wait()
             except TimeoutError:
-                log.error(
-                    "%s waits for devices %s: fenced by %s",
-                    what,
-                    devices,
-                    "; ".join(map(str, blocking)),
-                )
+                if wanted():
+                    log.error(
+                        "%s waits for devices %s: fenced by %s",
+                        what,
+                        devices,
+                        "; ".join(map(str, blocking)),
+                    )
         return wanted()
 
     async def _grant(

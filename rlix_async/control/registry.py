@@ -300,9 +300,8 @@ class Registry:
         # Fenced devices nobody owns. One already held (a grant waiting for the fence
         # to lift before it is delivered) or awake (a wake waiting likewise) is owned.
         fenced: list[int] = []
-        if self.fences:  # (owners() walks every device: only when there is a fence)
-            owned = {d for d, o in enumerate(self.owners()) if o is not None}
-            fenced = sorted(self.fenced_devices() - owned)
+        if self.fences:
+            fenced = sorted(self.fenced_devices() - self.owned_devices())
         return Snapshot(cluster=self.shape, pipelines=pipes, policy=self.policy, fenced=fenced)
 
     def apply(self, plan: Plan, *, fence: bool = False) -> list[str]:
@@ -332,6 +331,18 @@ class Registry:
                 del p.requests[INFER]
                 answered.append(p.id)
         return answered
+
+    def owned_devices(self) -> set[int]:
+        """Devices a stage holds or an awake rank runs on (``owners()`` not None)."""
+        out: set[int] = set()
+        for p in self.pipelines.values():
+            for c in p.held:
+                out.update(p.clusters[c].devices)
+            if p.active and INFER in p.clusters:
+                spec = p.clusters[INFER]
+                for r in p.active:
+                    out.update(spec.bundle(r))
+        return out
 
     def owners(self) -> list[DeviceOwner | None]:
         """Per device: the stage or rollout shard holding it (None: idle)."""

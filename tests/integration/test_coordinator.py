@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from rlix_async.config import SchedulerConfig
 from rlix_async.control import coordinator as coord_mod
 from rlix_async.control.client import PipelineClient
 from rlix_async.control.coordinator import Coordinator
-from rlix_async.control.messages import DeviceOwner
+from rlix_async.control.messages import DeviceOwner, StatusReply, StatusRequest
 from rlix_async.control.registry import Registry, RegistryError
 from rlix_async.control.snapshot import Grant, Plan
 from rlix_async.control.topology import ClusterShape, ClusterSpec, Priority
@@ -42,6 +44,25 @@ def test_registry_refuses_bad_input() -> None:
         reg.request(pid, "actor_train", Priority.GENERATION, None)
     first = reg.request(pid, "actor_train", Priority.ACTOR_TRAINING, None)
     assert reg.request(pid, "actor_train", Priority.ACTOR_TRAINING, None) is first  # idempotent
+
+
+def test_owned_devices_are_the_devices_with_an_owner() -> None:
+    """The snapshot's cheap set (every plan, twice) matches the per-device list."""
+    reg = Registry(ClusterShape(nodes=1, gpus_per_node=8))
+    for pid, base in (("A", 0), ("B", 4)):
+        reg.register(
+            pid,
+            {
+                "actor_train": ClusterSpec(2, (base, base + 1)),
+                "actor_infer": ClusterSpec(1, tuple(range(base, base + 4))),
+            },
+        )
+    reg.pipelines["A"].held["actor_train"] = Priority.ACTOR_TRAINING
+    reg.pipelines["B"].active.update({1, 3})
+    reg.fence("B", 0, (4,), "sleeping")
+    expected = {d for d, o in enumerate(reg.owners()) if o is not None}
+    assert reg.owned_devices() == expected == {0, 1, 5, 7}
+    assert reg.snapshot().fenced == [4]
 
 
 async def test_bad_topology_is_refused_with_a_clear_error(ipc_ep: str) -> None:
@@ -128,6 +149,79 @@ async def test_restart_from_journal_keeps_leases(ipc_ep: str, tmp_path: Path) ->
         assert await waiting == [0, 1]
         await b.close()
     assert '"ev":"unregister"' in journal.read_text()
+
+
+async def test_planning_runs_off_the_event_loop(ipc_ep: str, monkeypatch) -> None:
+    """While a plan is computed (here one that takes 0.8 s) the coordinator answers
+    calls at once: the planner runs in its thread, not on the event loop."""
+    started = threading.Event()
+    real = coord_mod.plan
+
+    def slow(snap):  # type: ignore[no-untyped-def]
+        started.set()
+        time.sleep(0.8)
+        return real(snap)
+
+    async with Coordinator(ipc_ep, SHAPE) as co:
+        a = await joined(co.endpoint, "A")
+        monkeypatch.setattr(coord_mod, "plan", slow)
+        t0 = time.monotonic()
+        co.kick()
+        assert await asyncio.to_thread(started.wait, 5)
+        reply = await a._call(StatusRequest())  # asked while the plan is made
+        assert time.monotonic() - t0 < 0.5, "the call waited for the 0.8 s plan"
+        assert isinstance(reply, StatusReply) and reply.devices == 4
+        await a.close()
+
+
+async def test_a_plan_out_of_date_when_made_is_dropped_and_made_again(
+    ipc_ep: str, monkeypatch
+) -> None:
+    """A plan made in the thread on a snapshot the registry has since left (here the
+    request it grants was withdrawn meanwhile) is not applied, is not counted as a
+    broken plan, and the next step plans on the registry as it is."""
+    gate, planning = threading.Event(), threading.Event()
+    real = coord_mod.plan
+
+    def gated(snap):  # type: ignore[no-untyped-def]
+        if any(r.cluster == "actor_train" for p in snap.pipelines for r in p.requests):
+            planning.set()
+            gate.wait(5)
+        return real(snap)
+
+    async with Coordinator(ipc_ep, SHAPE) as co:
+        a = await joined(co.endpoint, "A")
+        monkeypatch.setattr(coord_mod, "plan", gated)
+        waiting = asyncio.ensure_future(a.request("actor_train", "ACTOR_TRAINING", timeout=10))
+        assert await asyncio.to_thread(planning.wait, 5)
+        withdrawn = co.registry.pipelines["A"].requests.pop("actor_train")
+        gate.set()
+        async with asyncio.timeout(5):
+            while co.stale_plans == 0:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        assert co.rejected_plans == 0
+        assert co.registry.pipelines["A"].held == {}
+        assert not waiting.done()
+        co.registry.pipelines["A"].requests["actor_train"] = withdrawn  # asked again
+        co.kick()
+        assert await waiting == [0, 1]
+        assert co.rejected_plans == 0
+        await a.close()
+
+
+async def test_a_plan_broken_on_its_own_snapshot_is_rejected_in_the_thread_too(
+    ipc_ep: str, monkeypatch
+) -> None:
+    def broken(snap):  # type: ignore[no-untyped-def]
+        return Plan(grants=[Grant("A", "actor_train", "ACTOR_TRAINING", [0, 1])])
+
+    async with Coordinator(ipc_ep, SHAPE) as co:
+        a = await joined(co.endpoint, "A")
+        monkeypatch.setattr(coord_mod, "plan", broken)
+        assert await co._schedule_step() is None
+        assert co.rejected_plans == 1 and co.stale_plans == 0
+        assert co.registry.pipelines["A"].held == {}
+        await a.close()
 
 
 async def test_invalid_plan_is_never_applied(ipc_ep: str, monkeypatch) -> None:

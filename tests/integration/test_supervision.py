@@ -200,14 +200,14 @@ async def test_kicks_coalesce_into_few_plans(ipc_ep: str) -> None:
     cfg = SchedulerConfig(plan_interval_s=0.2, rebalance_s=60)
     async with Coordinator(ipc_ep, SHAPE, config=cfg) as co:
         calls = 0
-        real = co.schedule_once
+        real = co._schedule_step
 
-        def counted():  # type: ignore[no-untyped-def]
+        async def counted():  # type: ignore[no-untyped-def]
             nonlocal calls
             calls += 1
-            return real()
+            return await real()
 
-        co.schedule_once = counted  # type: ignore[method-assign]
+        co._schedule_step = counted  # type: ignore[method-assign]
         t0 = time.monotonic()
         for _ in range(100):
             co.kick()

@@ -428,7 +428,8 @@ def test_seqlock_never_accepts_a_torn_read_under_a_busy_writer() -> None:
     try:
         first = msgspec.json.decode(writer.stdout.readline(), type=CacheRef)
         slots = [
-            msgspec.structs.replace(first, segment=f"{segment_prefix(pipe, 'rank0')}slot{i}") for i in (0, 1)
+            msgspec.structs.replace(first, segment=f"{segment_prefix(pipe, 'rank0')}slot{i}")
+            for i in (0, 1)
         ]
         sink = UniformSink({f"w{i}": torch.empty(1 << 20, dtype=torch.uint8) for i in range(4)})
         accepted = overwritten = 0

@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlix_async.bench.snapshots import random_snapshot
-from rlix_async.control.planner import check_plan, plan, water_fill
+from rlix_async.control.planner import check_plan, idle_after, plan, water_fill
 from rlix_async.control.snapshot import (
+    Grant,
     PipelineIn,
     Plan,
     ProgressIn,
@@ -258,7 +259,30 @@ snapshots = st.builds(
 @settings(max_examples=400, deadline=None)
 @given(snapshots)
 def test_every_plan_passes_the_validator(snap: Snapshot) -> None:
-    assert check_plan(snap, plan(snap)) == []
+    out = plan(snap)
+    assert check_plan(snap, out) == []
+    # the coordinator re-derives idle devices for plans made in its thread
+    assert idle_after(snap, out) == sorted(out.idle_devices)
+
+
+def test_a_grant_at_another_priority_than_requested_is_refused() -> None:
+    snap = Snapshot(
+        cluster=ClusterShape(1, 4),
+        pipelines=[
+            PipelineIn(
+                id="a",
+                clusters={
+                    "actor_train": ClusterSpec(1, (0, 1)),
+                    "actor_infer": ClusterSpec(1, (0, 1, 2, 3)),
+                },
+                requests=[RequestIn(seq=1, cluster="actor_train", priority="ACTOR_TRAINING")],
+            )
+        ],
+    )
+    out = plan(snap)
+    assert check_plan(snap, out) == []
+    out.grants[0] = Grant("a", "actor_train", "CRITIC_TRAINING", [0, 1])
+    assert any("requested at ACTOR_TRAINING" in e for e in check_plan(snap, out))
 
 
 @settings(max_examples=400, deadline=None)
