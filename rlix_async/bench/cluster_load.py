@@ -478,6 +478,8 @@ async def run_drivers(spec: dict[str, Any], index: int) -> None:
     for pc in clients:
         pc.calls.clear()  # registration is not the steady state
     st = _DriverStats()
+    lag: list[tuple[float, float, float]] = []  # a late reply may be this loop's, not the
+    probe = asyncio.ensure_future(_lag_probe(lag))  # coordinator's: measured to tell
     rng = random.Random(spec["seed"] * 1000 + index)
     loops = [
         asyncio.ensure_future(_pipeline(pc, spec, rng, st))
@@ -486,9 +488,9 @@ async def run_drivers(spec: dict[str, Any], index: int) -> None:
     ]
     await asyncio.sleep(max(0.0, t_end - time.monotonic()))
     failed = [repr(t.exception()) for t in loops if t.done() and t.exception() is not None]
-    for t in loops:
+    for t in [*loops, probe]:
         t.cancel()
-    await asyncio.gather(*loops, return_exceptions=True)
+    await asyncio.gather(*loops, probe, return_exceptions=True)
     out = {
         "calls": [c for pc in clients for c in pc.calls],
         "grants": st.grants,
@@ -496,6 +498,7 @@ async def run_drivers(spec: dict[str, Any], index: int) -> None:
         "progress_sent": st.progress_sent,
         "failed": failed[:5],
         "reconnects": sum(pc.rpc.reconnects for pc in clients),
+        "lag": lag,
     }
     print(json.dumps(out), flush=True)
     await asyncio.gather(*(pc.close() for pc in clients))

@@ -508,6 +508,8 @@ def _summarise(
         "check_ms": _ms(_in(stats.get("check", []), t0, t1)),
         "journal_ms": _ms(_in(stats.get("journal", []), t0, t1)),
         "loop_lag_ms": _ms(_in(stats.get("lag", []), t0, t1)),
+        # the drivers' own loops: a reply read late there is not the coordinator's
+        "driver_loop_lag_ms": _ms([x for d in drivers for x in _in(d.get("lag", []), t0, t1)]),
         "worst_stalls": stalls,
         # the cyclic GC's pauses, and those of full (generation 2) collections
         "gc_ms": _ms(_in(stats.get("gc", []), t0, t1)),
@@ -570,7 +572,8 @@ def format_result(r: dict[str, Any]) -> str:
         f"snapshot p50 {snp['p50_ms']:.1f} ms p99 {snp['p99_ms']:.1f} ms",
         f"  loop lag       p50 {lag['p50_ms']:.1f} ms  p99 {lag['p99_ms']:.1f} ms  "
         f"max {lag['max_ms']:.1f} ms; full GC {r['gc_full_ms']['n']}x, max "
-        f"{r['gc_full_ms']['max_ms']:.0f} ms",
+        f"{r['gc_full_ms']['max_ms']:.0f} ms; drivers' loops p99 "
+        f"{r['driver_loop_lag_ms']['p99_ms']:.1f} ms",
         f"  load           {r['steps']} steps, {r['progress_per_s']:.0f} progress reports/s, "
         f"shard commands {r['shard_commands']}",
         "  goals          "
