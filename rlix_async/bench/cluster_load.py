@@ -135,7 +135,9 @@ def _time_gc() -> list[tuple[float, float, float]]:
     return rows
 
 
-def _keeping_snapshots(plan: Callable[..., Any], out: str | None) -> Callable[..., Any]:
+def _keeping_snapshots(
+    plan: Callable[..., Any], out: str | None, arg: int = 0
+) -> Callable[..., Any]:
     """With ``out``: every 25th snapshot the planner sees is written there as JSON, for
     ``rlix-async plan SNAPSHOT.json`` and profiling the planner on live states."""
     if out is None:
@@ -145,11 +147,12 @@ def _keeping_snapshots(plan: Callable[..., Any], out: str | None) -> Callable[..
     Path(out).mkdir(parents=True, exist_ok=True)
     calls = [0]
 
-    def keeping(snap: Any) -> Any:
+    def keeping(*args: Any) -> Any:  # the snapshot is args[arg] (1: a method's)
         calls[0] += 1
         if calls[0] % 25 == 0:
-            Path(out, f"snapshot-{calls[0]:05d}.json").write_bytes(msgspec.json.encode(snap))
-        return plan(snap)
+            snap = msgspec.json.encode(args[arg])
+            Path(out, f"snapshot-{calls[0]:05d}.json").write_bytes(snap)
+        return plan(*args)
 
     return keeping
 
@@ -158,6 +161,7 @@ def serve_coordinator(spec: dict[str, Any]) -> None:
     from rlix_async.config import CoordinatorConfig, load_config
     from rlix_async.control import coordinator as co
     from rlix_async.control.journal import Journal
+    from rlix_async.control.planner_proc import PlannerProcess
     from rlix_async.control.registry import Registry
 
     raise_fd_limit()
@@ -170,7 +174,10 @@ def serve_coordinator(spec: dict[str, Any]) -> None:
     # module's plan in the planner thread, then self._carry_out() on the loop (a
     # snapshot again, check_plan, apply): "schedule" is that on-loop part.
     co.Coordinator._carry_out = t.wrap("schedule", co.Coordinator._carry_out)  # type: ignore[method-assign]
-    co.plan = t.wrap("plan", _keeping_snapshots(co.plan, spec.get("snapshots")))
+    co.plan = t.wrap("plan", _keeping_snapshots(co.plan, spec.get("snapshots")))  # in the thread
+    PlannerProcess.plan = t.wrap(  # type: ignore[method-assign]  # the round trip to the process
+        "plan", _keeping_snapshots(PlannerProcess.plan, spec.get("snapshots"), arg=1)
+    )
     co.check_plan = t.wrap("check", co.check_plan)
     Registry.snapshot = t.wrap("snapshot", Registry.snapshot)  # type: ignore[method-assign]
     # every journal append is a write(2) on the loop (an fsync too, for some events)

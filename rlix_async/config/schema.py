@@ -78,6 +78,14 @@ class SchedulerConfig(Config, frozen=True):
             le=10,
         ),
     ] = 0.0
+    planner_process: Annotated[
+        bool,
+        doc(
+            "Plan in a child process of the coordinator (true) or in a thread of it "
+            "(false). A plan at 4,096 devices costs 30-50 ms of Python; in a thread it "
+            "holds the GIL and the event loop's calls and heartbeats wait behind it."
+        ),
+    ] = True
     policy: Annotated[Policy, doc("The planner's policy (as in a snapshot).")] = Policy()
 
 

@@ -31,6 +31,7 @@ from rlix_async.control import messages as m
 from rlix_async.control.journal import Journal, JournalWriteError, open_journal
 from rlix_async.control.peers import PeerWatcher
 from rlix_async.control.planner import check_plan, idle_after, plan
+from rlix_async.control.planner_proc import PlannerProcess
 from rlix_async.control.registry import Registry, RegistryError
 from rlix_async.control.snapshot import Plan, RankChange, Snapshot
 from rlix_async.control.topology import (
@@ -96,10 +97,12 @@ class Coordinator(PeerWatcher):
         self.rejected_plans = 0
         self.stale_plans = 0  # planned in the thread, out of date when back: planned again
         self.plan_seconds = 0.0  # time spent planning, all plans (bench coordinator reads it)
-        # The planner runs here, off the event loop: at 4096 devices x 256 pipelines a
-        # plan costs tens of ms, which on the loop would delay every call and heartbeat
-        # behind it. One thread: plans are sequential anyway.
+        # The planner runs off the event loop: at 4096 devices x 256 pipelines a plan
+        # costs tens of ms, which on the loop would delay every call and heartbeat
+        # behind it. This thread plans, or waits (GIL released) for the planner
+        # process to. One thread: plans are sequential anyway.
         self._planner = ThreadPoolExecutor(1, thread_name_prefix="planner")
+        self.planner_process = PlannerProcess() if self.cfg.planner_process else None
         self._closed = False
         s = self.server
         s.on(m.AllocatePipelineId, self._allocate)
@@ -146,6 +149,8 @@ class Coordinator(PeerWatcher):
                     len(self.registry.pipelines),
                 )
         self.fatal = asyncio.get_running_loop().create_future()
+        if self.planner_process is not None:
+            self.planner_process.start()
         await self.server.start()
         for pid, rank in list(self.registry.fences):  # replayed: lifted by their workers'
             self.tasks.spawn(self._sleep_rank(pid, rank), "sleep-replayed")  # return (or now)
@@ -172,6 +177,8 @@ class Coordinator(PeerWatcher):
         self._closed = True
         await self.tasks.close()
         self._planner.shutdown(wait=False, cancel_futures=True)
+        if self.planner_process is not None:
+            await asyncio.to_thread(self.planner_process.close)
         await self.server.close()
         self.journal.close()
 
@@ -466,7 +473,8 @@ class Coordinator(PeerWatcher):
                 await asyncio.sleep(pause)
 
     async def _schedule_step(self) -> Plan | None:
-        """One scheduling step with the plan computed in the planner thread. The
+        """One scheduling step with the plan computed off the loop (the planner
+        process, or the planner thread: ``SchedulerConfig.planner_process``). The
         snapshot it plans on is immutable; the registry may change meanwhile, so the
         plan is checked again against the registry as it is when it comes back, and
         applied only if it still holds (else it is dropped and the next step plans
@@ -475,7 +483,8 @@ class Coordinator(PeerWatcher):
         meanwhile is refused by the check."""
         snap = self.registry.snapshot()
         loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self._planner, plan, snap)
+        make = self.planner_process.plan if self.planner_process is not None else plan
+        result = await loop.run_in_executor(self._planner, make, snap)
         if self._closed:
             return None
         now = self.registry.snapshot()

@@ -24,6 +24,8 @@ from rlix_async.protocol import RpcError
 
 SHAPE = ClusterShape(nodes=1, gpus_per_node=4)
 TOPO = {"actor_train": ClusterSpec(1, (0, 1)), "actor_infer": ClusterSpec(1, (0, 1, 2, 3))}
+# the planner in the coordinator's thread, where a test can substitute coord_mod.plan
+IN_THREAD = SchedulerConfig(planner_process=False)
 
 
 async def joined(endpoint: str, pid: str, topo=TOPO) -> PipelineClient:
@@ -162,7 +164,7 @@ async def test_planning_runs_off_the_event_loop(ipc_ep: str, monkeypatch) -> Non
         time.sleep(0.8)
         return real(snap)
 
-    async with Coordinator(ipc_ep, SHAPE) as co:
+    async with Coordinator(ipc_ep, SHAPE, config=IN_THREAD) as co:
         a = await joined(co.endpoint, "A")
         monkeypatch.setattr(coord_mod, "plan", slow)
         t0 = time.monotonic()
@@ -189,7 +191,7 @@ async def test_a_plan_out_of_date_when_made_is_dropped_and_made_again(
             gate.wait(5)
         return real(snap)
 
-    async with Coordinator(ipc_ep, SHAPE) as co:
+    async with Coordinator(ipc_ep, SHAPE, config=IN_THREAD) as co:
         a = await joined(co.endpoint, "A")
         monkeypatch.setattr(coord_mod, "plan", gated)
         waiting = asyncio.ensure_future(a.request("actor_train", "ACTOR_TRAINING", timeout=10))
@@ -215,7 +217,7 @@ async def test_a_plan_broken_on_its_own_snapshot_is_rejected_in_the_thread_too(
     def broken(snap):  # type: ignore[no-untyped-def]
         return Plan(grants=[Grant("A", "actor_train", "ACTOR_TRAINING", [0, 1])])
 
-    async with Coordinator(ipc_ep, SHAPE) as co:
+    async with Coordinator(ipc_ep, SHAPE, config=IN_THREAD) as co:
         a = await joined(co.endpoint, "A")
         monkeypatch.setattr(coord_mod, "plan", broken)
         assert await co._schedule_step() is None
