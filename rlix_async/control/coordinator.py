@@ -86,6 +86,7 @@ class Coordinator(PeerWatcher):
         self.fatal: asyncio.Future[str] | None = None
         self._wake = asyncio.Event()
         self._fence_lifted: dict[tuple[str, int], asyncio.Event] = {}
+        self._journal_sync_due = False
         self._journaled_fences: set[tuple[str, int]] = set()
         self._sleeping: set[tuple[str, int]] = set()
         self.weights: dict[str, CacheRef] = {}  # latest promoted version per pipeline
@@ -149,9 +150,9 @@ class Coordinator(PeerWatcher):
                     len(self.registry.pipelines),
                 )
         self.fatal = asyncio.get_running_loop().create_future()
+        await self.server.start()
         if self.planner_process is not None:
             self.planner_process.start()
-        await self.server.start()
         for pid, rank in list(self.registry.fences):  # replayed: lifted by their workers'
             self.tasks.spawn(self._sleep_rank(pid, rank), "sleep-replayed")  # return (or now)
         self.tasks.spawn(self._scheduler_loop(), CRITICAL_SCHEDULER)

@@ -310,10 +310,11 @@ Event = (
 # What a power loss must not take once the coordinator acted on it: every event
 # replay rebuilds state from, except progress (frequent, advisory, re-reported) and
 # Unfenced. Losing an Unfenced is safe: replay keeps the fence and the restarted
-# coordinator asks the rank to sleep again; and whatever acts on the freed devices
-# (a grant, an expand) is a plan, whose own fsync makes the Unfenced line before it
-# durable too. Not fsyncing it matters: every confirmed sleep writes one, thousands
-# a minute at 4,096 devices, each a 0.2-1.2 ms stall of the coordinator's loop.
+# coordinator asks the rank to sleep again (a rank whose worker is gone for good
+# stays fenced, so the window is kept short: lifted fences are fsynced together
+# 50 ms after the first, realise.UNFENCE_SYNC_S). Not fsyncing each one matters:
+# every confirmed sleep writes one, thousands a minute at 4,096 devices, each a
+# 0.2-1.2 ms stall of the coordinator's loop.
 LEASE_EVENTS = (
     Registered,
     Admitted,

@@ -376,6 +376,8 @@ def check_plan(snap: Snapshot, result: Plan) -> list[str]:
                 errors.append(f"expand of {grown.id} rank {r} out of range")
             elif r in active[grown.id]:
                 errors.append(f"expand of {grown.id} rank {r}, which is already active")
+            elif r in grown.offline_ranks.get(INFER, ()):
+                errors.append(f"expand of {grown.id} rank {r}, which is offline")
             active[grown.id].add(r)
     for pid, ranks in active.items():
         spec = pipes[pid].clusters.get(INFER)

@@ -12,6 +12,7 @@ Every command has a timeout (``command_timeout_s``; a sync gets
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 
@@ -19,7 +20,7 @@ from rlix_async.aio import Supervisor
 from rlix_async.config import SchedulerConfig
 from rlix_async.control import journal as ev
 from rlix_async.control import messages as m
-from rlix_async.control.journal import Journal
+from rlix_async.control.journal import Journal, JournalWriteError
 from rlix_async.control.registry import Registry
 from rlix_async.control.snapshot import Plan, RankChange
 from rlix_async.control.topology import INFER, ClusterName, ClusterSpec, Priority, PriorityName
@@ -27,6 +28,8 @@ from rlix_async.transport import RpcServer
 from rlix_async.weights.ref import CacheRef
 
 log = logging.getLogger("rlix_async.control.coordinator")
+
+UNFENCE_SYNC_S = 0.05  # lifted fences are fsynced together, this long after the first
 
 
 def devices_of(spec: ClusterSpec, ranks: Iterable[int]) -> list[int]:
@@ -47,6 +50,7 @@ class PlanRealiser:
     shard_memory: dict[tuple[str, int], int]  # bytes in use, as last acknowledged
     _journaled_fences: set[tuple[str, int]]
     _fence_lifted: dict[tuple[str, int], asyncio.Event]  # set when that fence is lifted
+    _journal_sync_due: bool  # an fsync of lifted fences is scheduled
     _sleeping: set[tuple[str, int]]  # ranks with a sleep (or its retries) under way
 
     def _apply(self, result: Plan) -> list[str]:
@@ -79,7 +83,24 @@ class PlanRealiser:
             if waiters is not None:
                 waiters.set()
         if lifted:
+            self._sync_journal_soon()
             self.kick()  # the devices can be planned again
+
+    def _sync_journal_soon(self) -> None:
+        """Unfenced lines are not fsynced one by one (hundreds a second at scale, each
+        a stall of the loop): one fsync covers those of the next UNFENCE_SYNC_S, so a
+        power loss takes at most that much of them (events.LEASE_EVENTS says why
+        losing one is safe; this keeps the window short)."""
+        if self._journal_sync_due:
+            return
+        self._journal_sync_due = True
+
+        def sync() -> None:
+            self._journal_sync_due = False
+            with contextlib.suppress(JournalWriteError):  # on_error made us fatal
+                self.journal.sync()
+
+        asyncio.get_running_loop().call_later(UNFENCE_SYNC_S, sync)
 
     def _journal_plan(self, result: Plan) -> None:
         for ch in result.shrink:

@@ -34,9 +34,10 @@ class TransportConfig:
     max_concurrent_handlers: int = 4096
     send_timeout_s: float = 5.0
     connect_timeout_s: float = 30.0
-    # ZMTP pings on the server's connections, timeout 3x: how long a connection whose
-    # host vanished without closing it (power, partition) keeps its identity, so its
-    # replacement's hello waits. Liveness is the heartbeats above, not this.
+    # ZMTP pings on the server's connections, timeout the same: a connection whose
+    # host vanished without closing it (power, partition) keeps its identity up to
+    # twice this, and a replacement's hello waits that long (well within
+    # connect_timeout_s). Liveness is the heartbeats above, not this.
     socket_heartbeat_s: float = 10.0
 
     @classmethod
@@ -53,8 +54,10 @@ class TransportConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            # the server beats each peer once a round, spread over the round: a peer
+            # that joins mid-round hears its first beat up to two intervals later
+            raise ValueError("heartbeat_timeout_s must be at least 2 x heartbeat_interval_s")
         if self.max_message_bytes < 1024 or self.max_concurrent_handlers < 1:
             raise ValueError("max_message_bytes >= 1024 and max_concurrent_handlers >= 1")
 

@@ -289,3 +289,30 @@ async def test_dead_shard_worker_frees_its_rank(ipc_ep: str) -> None:
         changed = a.active_ranks
         assert 3 not in changed and 3 not in co.registry.pipelines["A"].active
         await a.close()
+
+
+async def test_lifted_fences_are_fsynced_together_soon(ipc_ep: str, tmp_path: Path) -> None:
+    """An Unfenced line is not fsynced on its own (hundreds a second at scale): one
+    fsync covers every fence lifted in the next 50 ms."""
+    async with Coordinator(ipc_ep, SHAPE, journal=tmp_path / "journal.jsonl") as co:
+        a = await joined(co.endpoint, "A")
+        syncs: list[float] = []
+        real = co.journal.sync
+
+        def counted() -> None:
+            syncs.append(time.monotonic())
+            real()
+
+        co.journal.sync = counted  # type: ignore[method-assign]
+        for rank in range(4):
+            co.registry.fence("A", rank, (rank,), "test")
+        co._journal_fences()  # Fenced: lease events, fsynced each
+        syncs.clear()
+        for rank in range(4):  # confirmed one by one, as acknowledgements arrive
+            co.registry.confirm_asleep("A", rank, None)
+            co._journal_fences()
+        assert syncs == []  # not yet: the lines are written, their fsync is pending
+        await asyncio.sleep(0.2)
+        assert len(syncs) == 1
+        assert (tmp_path / "journal.jsonl").read_text().count('"ev":"unfence"') == 4
+        await a.close()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
+import time
 
 import msgspec
 import pytest
@@ -14,7 +16,7 @@ from helpers.cluster import joined_pipeline
 from rlix_async.bench.snapshots import random_snapshot
 from rlix_async.control.coordinator import Coordinator
 from rlix_async.control.planner import plan
-from rlix_async.control.planner_proc import PlannerError, PlannerProcess
+from rlix_async.control.planner_proc import PlannerError, PlannerProcess, PlannerTimeout
 from rlix_async.control.snapshot import PipelineIn, RequestIn, Snapshot
 from rlix_async.control.topology import ClusterShape, ClusterSpec
 
@@ -52,6 +54,59 @@ def test_same_plans_as_the_function_restarted_when_killed_errors_reported() -> N
     finally:
         proc.close()
     assert proc.pid is None
+
+
+def test_a_hung_planner_is_killed_and_replaced_within_its_timeout() -> None:
+    proc = PlannerProcess(timeout_s=0.5)
+    proc.start()
+    try:
+        hung = proc.pid
+        assert hung is not None
+        os.kill(hung, signal.SIGSTOP)  # alive, never answers, never reads
+        # 4,096 devices: ~90 KB, more than a pipe holds, so the write itself must
+        # give up at the deadline too
+        snap = random_snapshot(random.Random(1), 4096, 256)
+        t0 = time.monotonic()
+        with pytest.raises(
+            PlannerTimeout, match=r"(took no snapshot|did not answer) in 0\.5 s; restarted"
+        ):
+            proc.plan(snap)
+        assert time.monotonic() - t0 < 3
+        assert proc.restarts == 1 and proc.pid != hung
+        with pytest.raises(ProcessLookupError):
+            os.kill(hung, 0)  # killed and reaped
+        assert msgspec.json.encode(proc.plan(snap)) == msgspec.json.encode(plan(snap))
+    finally:
+        proc.close()
+
+
+def test_close_does_not_wait_for_a_hung_plan() -> None:
+    """Closing (the coordinator stopping) while a plan waits on a hung child ends
+    both at once, not after the 60 s timeout, and starts no new child."""
+    proc = PlannerProcess()
+    proc.start()
+    hung = proc.pid
+    assert hung is not None
+    os.kill(hung, signal.SIGSTOP)
+    outcome: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            proc.plan(random_snapshot(random.Random(2), 64, 4))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    time.sleep(0.3)  # the plan is waiting
+    t0 = time.monotonic()
+    proc.close()
+    asker.join(5)
+    assert time.monotonic() - t0 < 3
+    assert len(outcome) == 1 and isinstance(outcome[0], PlannerError)
+    assert proc.pid is None and proc.restarts == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(hung, 0)
 
 
 async def test_a_coordinator_plans_in_its_process_and_survives_its_death(ipc_ep: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -265,8 +266,8 @@ async def test_an_answer_to_a_peer_that_is_gone_is_dropped_not_raised(ipc_ep) ->
 
 async def test_heartbeats_are_spread_over_the_interval(ipc_ep) -> None:
     """Each peer is beaten once per interval, a fifth of the peers per tick rather than
-    all in one callback (4,096 sends at once held the loop for tens of ms), and
-    nobody is declared dead for it."""
+    all in one callback (4,096 sends at once held the loop for tens of ms); no peer,
+    not even one that joins mid-round, goes longer than two intervals without one."""
     lost: list[str] = []
     async with RpcServer(
         ipc_ep, config=FAST, on_peer_lost=lambda p: lost.append(p.identity)
@@ -276,18 +277,32 @@ async def test_heartbeats_are_spread_over_the_interval(ipc_ep) -> None:
             for i in range(10)
         ]
         batches: list[list[str]] = []
+        beats: dict[str, list[float]] = {}
         real = server._beat
 
         def recorded(peers: list[str]) -> None:
             batches.append(list(peers))
+            now = time.monotonic()
+            for peer in peers:
+                beats.setdefault(peer, []).append(now)
             real(peers)
 
         server._beat = recorded  # type: ignore[method-assign]
-        await asyncio.sleep(1.3)  # six intervals
-        assert batches and max(map(len, batches)) <= 2  # ceil(10 / 5)
-        rounds = [b for batch in batches for b in batch]
-        for c in clients:  # about once per interval each, never skipped for long
-            assert 4 <= rounds.count(c.identity) <= 8, rounds.count(c.identity)
-        assert not lost
+        await asyncio.sleep(0.5)
+        late = await RpcClient(server.endpoint, "late/driver/0", config=FAST).connect()
+        joined_at = time.monotonic()
+        await asyncio.sleep(1.3)
+        end = time.monotonic()
+        assert batches and max(map(len, batches)) <= 3  # ceil(11 / 5)
+        interval = FAST.heartbeat_interval_s
         for c in clients:
+            times = beats[c.identity]
+            gaps = [b - a for a, b in itertools.pairwise(times)]
+            assert max(gaps) <= interval + 2 * interval / 5 + 0.05, gaps  # one per round
+            assert end - times[-1] <= interval + 0.1
+        first = beats[late.identity][0] - joined_at
+        assert first <= 2 * interval + 0.05, first
+        assert not lost
+        assert all(c.reconnects == 0 for c in [*clients, late])  # nobody thought us dead
+        for c in [*clients, late]:
             await c.close()

@@ -17,6 +17,7 @@ from rlix_async.control.snapshot import (
     PipelineIn,
     Plan,
     ProgressIn,
+    RankChange,
     RequestIn,
     Snapshot,
     SnapshotError,
@@ -484,3 +485,24 @@ def test_offline_ranks_are_never_started() -> None:
     result = plan(snap)
     assert [(c.pipeline, c.ranks) for c in result.expand] == [("P", [1])]
     assert result.idle_devices == [0]
+
+
+def test_an_expand_of_an_offline_rank_is_refused() -> None:
+    """The coordinator re-checks a plan made in its planner process against the
+    registry as it is when the plan comes back: a rank whose worker was lost
+    meanwhile must not be started."""
+    infer = ClusterSpec(1, (0, 1))
+    snap = Snapshot(
+        cluster=ClusterShape(1, 2),
+        pipelines=[
+            PipelineIn(
+                id="a",
+                clusters={"actor_infer": infer},
+                progress=ProgressIn(target=8, completed=0),
+                offline_ranks={"actor_infer": [1]},
+            )
+        ],
+    )
+    stale = Plan(expand=[RankChange("a", "actor_infer", [0, 1])], idle_devices=[])
+    assert any("rank 1, which is offline" in e for e in check_plan(snap, stale))
+    assert check_plan(snap, plan(snap)) == []
