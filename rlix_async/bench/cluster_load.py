@@ -109,14 +109,16 @@ class _Timings:
 
 
 async def _lag_probe(rows: list[tuple[float, float, float]], period: float = 0.01) -> None:
-    """How late a 10 ms timer fires: the longest stretch the loop spends in one callback
-    (a plan, a burst of messages) shows here. time.monotonic, not loop.time(): uvloop's
+    """How late a 10 ms timer fires, and the loop thread's CPU time meanwhile: the
+    longest stretch the loop spends in one callback (a plan, a burst of messages) shows here. time.monotonic, not loop.time(): uvloop's
     clock ticks in milliseconds."""
     while True:
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.thread_time()
         await asyncio.sleep(period)
         t1 = time.monotonic()
-        rows.append((t1, max(0.0, t1 - t0 - period), 0.0))
+        # and the loop thread's CPU meanwhile: a lag with little CPU was spent off it
+        # (blocked in a system call, or waiting for a core), not in a callback
+        rows.append((t1, max(0.0, t1 - t0 - period), time.thread_time() - c0))
 
 
 def _time_gc() -> list[tuple[float, float, float]]:
@@ -157,6 +159,46 @@ def _keeping_snapshots(
     return keeping
 
 
+def _time_drains() -> list[tuple[float, float, int]]:
+    """(start, seconds, messages) of every turn of the coordinator's socket reader."""
+    from rlix_async.transport.server import RpcServer
+
+    rows: list[tuple[float, float, int]] = []
+    count = [0]
+    drain, receive = RpcServer._drain, RpcServer._receive
+
+    def counted(self: Any, frames: Any) -> None:
+        count[0] += 1
+        receive(self, frames)
+
+    def timed(self: Any) -> None:
+        t0, n0 = time.monotonic(), count[0]
+        drain(self)
+        if count[0] > n0:
+            rows.append((t0, time.monotonic() - t0, count[0] - n0))
+
+    RpcServer._receive = counted  # type: ignore[method-assign]
+    RpcServer._drain = timed  # type: ignore[method-assign]
+    return rows
+
+
+def _entered(
+    rows: list[tuple[str, float, float]], handler: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``handler`` (a coordinator method taking a message with ``pipeline_id``) that
+    records (pipeline, entered, left) in monotonic time, which every process of the
+    bench shares (CLOCK_MONOTONIC is system-wide)."""
+
+    def timed(self: Any, msg: Any, ctx: Any) -> Any:
+        t0 = time.monotonic()
+        try:
+            return handler(self, msg, ctx)
+        finally:
+            rows.append((msg.pipeline_id, t0, time.monotonic()))
+
+    return timed
+
+
 def serve_coordinator(spec: dict[str, Any]) -> None:
     from rlix_async.config import CoordinatorConfig, load_config
     from rlix_async.control import coordinator as co
@@ -179,9 +221,24 @@ def serve_coordinator(spec: dict[str, Any]) -> None:
         "plan", _keeping_snapshots(PlannerProcess.plan, spec.get("snapshots"), arg=1)
     )
     co.check_plan = t.wrap("check", co.check_plan)
+    # the drivers' calls as the coordinator sees them: (pipeline, entered, left) per
+    # handler, matched with the drivers' own (type, pipeline, start, round trip) to
+    # split a round trip into before the handler, the handler, and after it
+    handled: dict[str, list[tuple[str, float, float]]] = {}
+    for name, attr in (
+        ("RequestStage", "_request"),
+        ("ReleaseStage", "_release"),
+        ("PublishWeights", "_publish_weights"),
+    ):
+        setattr(
+            co.Coordinator,
+            attr,
+            _entered(handled.setdefault(name, []), getattr(co.Coordinator, attr)),
+        )
     Registry.snapshot = t.wrap("snapshot", Registry.snapshot)  # type: ignore[method-assign]
     # every journal append is a write(2) on the loop (an fsync too, for some events)
     Journal.record = t.wrap("journal", Journal.record)  # type: ignore[method-assign]
+    drains = _time_drains()
     lag: list[tuple[float, float, float]] = []
     gc_pauses = _time_gc()
 
@@ -200,7 +257,9 @@ def serve_coordinator(spec: dict[str, Any]) -> None:
         run(main())
     finally:
         Path(spec["coordinator_stats"]).write_text(
-            json.dumps({**t.samples, "lag": lag, "gc": gc_pauses})
+            json.dumps(
+                {**t.samples, "lag": lag, "gc": gc_pauses, "handled": handled, "drains": drains}
+            )
         )
 
 
@@ -409,14 +468,14 @@ class TimedClient(PipelineClient):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.calls: list[tuple[str, float, float]] = []  # (type, start, seconds)
+        self.calls: list[tuple[str, float, float, str]] = []  # (type, start, seconds, pipeline)
 
     async def _call(self, msg: Message, *, timeout: float = 120.0) -> Message:
         t0 = time.monotonic()
         try:
             return await super()._call(msg, timeout=timeout)
         finally:
-            self.calls.append((msg.type_name, t0, time.monotonic() - t0))
+            self.calls.append((msg.type_name, t0, time.monotonic() - t0, self.pipeline_id))
 
 
 @dataclass
@@ -513,6 +572,10 @@ async def run_drivers(spec: dict[str, Any], index: int) -> None:
 
 def main(argv: list[str]) -> None:
     role, spec = argv[0], load_spec(argv[1])
+    # first, so the planner process (a child of the coordinator) inherits it
+    cpus = spec.get("coordinator_cpus" if role == "coordinator" else "load_cpus")
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     if role == "coordinator":
         serve_coordinator(spec)
     elif role == "peers":

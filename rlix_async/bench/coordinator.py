@@ -38,6 +38,7 @@ What is measured, in the window after the warm-up:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import math
 import os
@@ -80,6 +81,9 @@ class CoordinatorBenchConfig:
     idle: bool = False  # drivers register and heartbeat only: the cost of liveness alone
     snapshots: str | None = None  # keep every 25th snapshot the planner saw in this directory
     slow_callback_ms: float | None = None  # asyncio debug: log callbacks slower than this
+    # the coordinator (and its planner process) on these CPUs, the peers and drivers on
+    # the others; None: everything shares every CPU
+    coordinator_cpus: list[int] | None = None
     seed: int = 0
 
 
@@ -140,6 +144,12 @@ def _spec(cfg: CoordinatorBenchConfig, tmp: Path) -> dict[str, Any]:
         "idle": cfg.idle,
         "snapshots": str(Path(cfg.snapshots).resolve()) if cfg.snapshots else None,
         "slow_callback_ms": cfg.slow_callback_ms,
+        "coordinator_cpus": cfg.coordinator_cpus,
+        "load_cpus": (
+            sorted(os.sched_getaffinity(0) - set(cfg.coordinator_cpus))
+            if cfg.coordinator_cpus
+            else None
+        ),
     }
 
 
@@ -362,6 +372,9 @@ def run_coordinator_bench(cfg: CoordinatorBenchConfig) -> dict[str, Any]:
         spec = _spec(cfg, tmp)
         spec_path = tmp / "spec.json"
         spec_path.write_text(json.dumps(spec))
+        cpus = os.sched_getaffinity(0)
+        if spec["load_cpus"]:  # this process polls status and samples CPU: load, too
+            os.sched_setaffinity(0, spec["load_cpus"])
         children: list[_Child] = []
         coord_log = Path(cfg.coordinator_log) if cfg.coordinator_log else tmp / "coordinator.log"
         with coord_log.open("w") as log:
@@ -391,9 +404,11 @@ def run_coordinator_bench(cfg: CoordinatorBenchConfig) -> dict[str, Any]:
             finally:
                 for c in reversed(children):
                     c.stop(signal.SIGKILL)
+                os.sched_setaffinity(0, cpus)
         stats = json.loads(Path(spec["coordinator_stats"]).read_text())
         result = _summarise(cfg, window, driver_out, peer_out, stats, coord_log.read_text())
         result["setup_s"] = round(setup_s, 1)
+        result["coordinator_cpus"] = cfg.coordinator_cpus
         if cfg.profile:
             result["profile_top"] = _profile_top(cfg.profile)
         return result
@@ -435,7 +450,7 @@ def _summarise(
     t0, t1 = window["t_start"], window["t_end"]
     calls = [c for d in drivers for c in d["calls"] if t0 <= c[1] < t1]
     by_call: dict[str, list[float]] = {}
-    for name, _, dt in calls:
+    for name, _, dt, *_ in calls:
         by_call.setdefault(name, []).append(dt)
     latency = _ms([c[2] for c in calls])
     schedule = _in(stats.get("schedule", []), t0, t1)
@@ -472,6 +487,7 @@ def _summarise(
         "p99_ms": latency["p99_ms"],
         "max_ms": latency["max_ms"],
         "by_call": {name: _ms(v) for name, v in sorted(by_call.items())},
+        "call_split": _split_calls(calls, stats.get("handled", {})),
         "grant_wait": _ms([w for d in drivers for w in _in(d["grants"], t0, t1)]),
         "steps": sum(t0 <= t < t1 for d in drivers for t in d["steps"]),
         "progress_per_s": round(
@@ -513,6 +529,9 @@ def _summarise(
         "check_ms": _ms(_in(stats.get("check", []), t0, t1)),
         "journal_ms": _ms(_in(stats.get("journal", []), t0, t1)),
         "loop_lag_ms": _ms(_in(stats.get("lag", []), t0, t1)),
+        # the reader's turns: messages read per second, and how long a turn held the loop
+        "received_per_s": round(sum(_in(stats.get("drains", []), t0, t1, 2)) / cfg.duration_s),
+        "reader_turn_ms": _ms(_in(stats.get("drains", []), t0, t1)),
         # the drivers' own loops: a reply read late there is not the coordinator's
         "driver_loop_lag_ms": _ms([x for d in drivers for x in _in(d.get("lag", []), t0, t1)]),
         "worst_stalls": stalls,
@@ -535,6 +554,39 @@ def _summarise(
         "p99_ms <= 50": result["p99_ms"] <= 50,
     }
     return result
+
+
+def _split_calls(calls: list[list[Any]], handled: dict[str, list[list[Any]]]) -> dict[str, Any]:
+    """Each driver call's round trip in three: from its send to the coordinator's
+    handler (the driver's and coordinator's ZMQ threads, the coordinator's socket
+    queue and loop), the handler, and from the handler back to the driver's await.
+    A call is matched to the handler run of its type and pipeline that began inside
+    it; ``slowest`` splits the slowest 1% the same way."""
+    entered: dict[tuple[str, str], list[list[Any]]] = {}
+    for name, rows in handled.items():
+        for pid, t_in, t_out in rows:
+            entered.setdefault((name, pid), []).append([t_in, t_out])
+    for runs in entered.values():
+        runs.sort()
+    parts: list[tuple[float, float, float, float]] = []  # (round trip, before, in, after)
+    for name, t0, dt, pid in calls:
+        runs = entered.get((name, pid), [])
+        i = bisect.bisect_left(runs, [t0])
+        if i < len(runs) and runs[i][0] <= t0 + dt:
+            t_in, t_out = runs[i]
+            parts.append((dt, t_in - t0, t_out - t_in, t0 + dt - t_out))
+    parts.sort()
+    slowest = parts[-max(1, len(parts) // 100) :] if parts else []
+    return {
+        "matched": len(parts),
+        "before_handler": _ms([p[1] for p in parts]),
+        "handler": _ms([p[2] for p in parts]),
+        "after_handler": _ms([p[3] for p in parts]),
+        "slowest": {
+            k: round(1000 * sum(p[i] for p in slowest) / len(slowest), 2) if slowest else 0.0
+            for i, k in enumerate(["round_trip_ms", "before_ms", "handler_ms", "after_ms"])
+        },
+    }
 
 
 def count_dead(log: str) -> Counter[str]:
@@ -561,6 +613,13 @@ def format_result(r: dict[str, Any]) -> str:
         f"    {name:18s} {row['n']:6d}  p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms"
         for name, row in r["by_call"].items()
     ]
+    cs = r["call_split"]
+    lines.append(
+        f"    split p99: before the handler {cs['before_handler']['p99_ms']:.1f} ms, in it "
+        f"{cs['handler']['p99_ms']:.1f} ms, after it {cs['after_handler']['p99_ms']:.1f} ms "
+        f"(slowest 1%: {cs['slowest']['before_ms']:.0f} / {cs['slowest']['handler_ms']:.0f} / "
+        f"{cs['slowest']['after_ms']:.0f} ms)"
+    )
     lines += [
         f"  grant wait     {g['n']:6d}  p50 {g['p50_ms']:7.1f} ms  p99 {g['p99_ms']:7.1f} ms"
         "  (training request to grant; shrinks included)",
@@ -575,6 +634,8 @@ def format_result(r: dict[str, Any]) -> str:
         f"(the planner process: {r['planner_process_cpu_pct']:.0f}% of a core; in the thread: "
         f"{r['plan_cpu_pct']:.0f}%); on the loop: check+apply p50 {sch['p50_ms']:.1f} ms p99 {sch['p99_ms']:.1f} ms, "
         f"snapshot p50 {snp['p50_ms']:.1f} ms p99 {snp['p99_ms']:.1f} ms",
+        f"  reader         {r['received_per_s']} messages/s, a turn p99 "
+        f"{r['reader_turn_ms']['p99_ms']:.1f} ms max {r['reader_turn_ms']['max_ms']:.1f} ms",
         f"  loop lag       p50 {lag['p50_ms']:.1f} ms  p99 {lag['p99_ms']:.1f} ms  "
         f"max {lag['max_ms']:.1f} ms; full GC {r['gc_full_ms']['n']}x, max "
         f"{r['gc_full_ms']['max_ms']:.0f} ms; drivers' loops p99 "

@@ -109,6 +109,25 @@ def _positive_float(text: str) -> float:
     return x
 
 
+def _cpu_list(text: str) -> list[int]:
+    """'1', '0,2' or '2-3' as a sorted list of CPU numbers this process may use, with
+    at least one left over for the load generator."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CPUs like '1' or '2-3', got {text!r}") from None
+    usable = os.sched_getaffinity(0)
+    if not cpus or not cpus <= usable or not usable - cpus:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: must be some, not all, of the CPUs this process may use "
+            f"({','.join(map(str, sorted(usable)))})"
+        )
+    return sorted(cpus)
+
+
 def _preempt(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays JSON
@@ -148,6 +167,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         idle=args.idle,
         snapshots=args.snapshots,
         slow_callback_ms=args.slow_callback_ms,
+        coordinator_cpus=args.coordinator_cpus,
     )
     try:
         r = run_coordinator_bench(cfg)
@@ -181,6 +201,13 @@ def _register_coordinator(bsub: argparse._SubParsersAction[argparse.ArgumentPars
         "--slow-callback-ms",
         type=_positive_float,
         help="asyncio debug mode in the coordinator: log every callback slower than this",
+    )
+    p.add_argument(
+        "--coordinator-cpus",
+        type=_cpu_list,
+        help="pin the coordinator (and its planner process) to these CPUs, e.g. '1' or "
+        "'2-3', and the simulated peers and drivers to the others: the coordinator with "
+        "cores of its own, as on a cluster's head node",
     )
     _json_flag(p)
     p.set_defaults(func=_coordinator)

@@ -116,6 +116,15 @@ class CoordinatorConfig(Config, frozen=True):
     heartbeat_interval_s: Annotated[
         float, doc("Heartbeat period; a peer silent 2.5 periods is dead.", gt=0)
     ] = 1.0
+    io_threads: Annotated[
+        int,
+        doc(
+            "ZMQ I/O threads of the coordinator's socket; its connections are spread over"
+            " them (at 4,096 peers two halved the calls' p99 against one: docs/PERF.md).",
+            ge=1,
+            le=16,
+        ),
+    ] = 2
     scheduler: Annotated[SchedulerConfig, doc("Leases, timers and timeouts.")] = SchedulerConfig()
 
 

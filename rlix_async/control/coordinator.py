@@ -561,7 +561,9 @@ async def serve(cfg: CoordinatorConfig) -> None:
         cfg.cluster,
         journal=cfg.journal,
         keys=ServerKeys.load(cfg.keys) if cfg.keys else None,
-        transport=TransportConfig.with_heartbeat(cfg.heartbeat_interval_s),
+        transport=TransportConfig.with_heartbeat(
+            cfg.heartbeat_interval_s, io_threads=cfg.io_threads
+        ),
         config=cfg.scheduler,
         on_status=metrics.update if metrics is not None else None,
     )

@@ -101,7 +101,7 @@ class _Endpoint:
     def __init__(self, config: TransportConfig | None, name: str) -> None:
         self.config = config or TransportConfig()
         self.instance = uuid.uuid4().hex[:12]
-        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._ctx: zmq.Context[Any] = zmq.Context(io_threads=self.config.io_threads)
         # An endpoint dropped without close() must not hang the interpreter in
         # zmq's context termination (it waits for open sockets): destroy instead.
         weakref.finalize(self, _destroy_context, self._ctx)

@@ -30,6 +30,10 @@ from rlix_async.transport.types import Buffer, PeerInfo, TransportConfig
 
 log = logging.getLogger(__name__)
 
+# Heartbeats sent in one loop callback at most (about 3 ms of sends): a round's
+# peers are spread over as many ticks as that takes.
+BEATS_PER_TICK = 128
+
 
 class RpcServer(_Endpoint):
     """ROUTER side. Peers say hello first; then any message counts as a heartbeat."""
@@ -259,26 +263,30 @@ class RpcServer(_Endpoint):
         self.peers.pop(peer, None)
 
     async def _heartbeat_loop(self) -> None:
-        """Every tick (a fifth of the interval): declare silent peers dead, and beat to
-        the peers whose turn it is. Each peer's beat is due once per interval, but the
-        peers are spread over the ticks of a round: 4,096 sends in one callback hold
-        the loop for tens of ms, a fifth of them per tick only a few."""
+        """Beat to each peer once per interval, the peers spread over the round's ticks
+        (at least five, and enough that a tick sends at most ``BEATS_PER_TICK``: at
+        4,096 peers one tick's sends held the loop ~20 ms with a fifth of them each);
+        five times per interval, declare silent peers dead."""
         c = self.config
-        ticks = 5
-        tick = c.heartbeat_interval_s / ticks
         due: list[str] = []  # this round's peers not beaten to yet
-        per_tick = 0
+        per_tick, tick = 0, c.heartbeat_interval_s / 5
+        next_scan = 0.0
         while not self._closed:
             self._drain()  # safety net: a missed FD edge can stall a reader for one tick at most
             now = time.monotonic()
-            cutoff = now - c.heartbeat_timeout_s
-            for peer, info in [(p, i) for p, i in self.peers.items() if i.last_seen < cutoff]:
-                del self.peers[peer]
-                log.warning("peer %s silent for %.2fs: declared dead", peer, now - info.last_seen)
-                self._tasks.spawn(_call_hook(self.on_peer_lost, info), "peer-lost")
-            if not due:  # a new round: everyone listed now, a fifth per tick
+            if now >= next_scan:
+                next_scan = now + c.heartbeat_interval_s / 5
+                cutoff = now - c.heartbeat_timeout_s
+                for peer, info in [(p, i) for p, i in self.peers.items() if i.last_seen < cutoff]:
+                    del self.peers[peer]
+                    log.warning(
+                        "peer %s silent for %.2fs: declared dead", peer, now - info.last_seen
+                    )
+                    self._tasks.spawn(_call_hook(self.on_peer_lost, info), "peer-lost")
+            if not due:  # a new round: everyone listed now, spread over its ticks
                 due = list(self.peers)
-                per_tick = -(-len(due) // ticks)
+                ticks = max(5, -(-len(due) // BEATS_PER_TICK))
+                per_tick, tick = -(-len(due) // ticks), c.heartbeat_interval_s / ticks
             batch, due = due[:per_tick], due[per_tick:]
             self._beat([peer for peer in batch if peer in self.peers])
             await asyncio.sleep(tick)

@@ -39,11 +39,14 @@ class TransportConfig:
     # twice this, and a replacement's hello waits that long (well within
     # connect_timeout_s). Liveness is the heartbeats above, not this.
     socket_heartbeat_s: float = 10.0
+    # ZMQ I/O threads of this endpoint's context: a socket's connections are spread
+    # over them (a server with thousands of peers; a client needs one).
+    io_threads: int = 1
 
     @classmethod
-    def with_heartbeat(cls, interval_s: float) -> TransportConfig:
+    def with_heartbeat(cls, interval_s: float, **kw: Any) -> TransportConfig:
         """Heartbeats every ``interval_s``; a peer silent 2.5 intervals is dead."""
-        return cls(heartbeat_interval_s=interval_s, heartbeat_timeout_s=2.5 * interval_s)
+        return cls(heartbeat_interval_s=interval_s, heartbeat_timeout_s=2.5 * interval_s, **kw)
 
     def __post_init__(self) -> None:
         for name in (
@@ -60,6 +63,8 @@ class TransportConfig:
             raise ValueError("heartbeat_timeout_s must be at least 2 x heartbeat_interval_s")
         if self.max_message_bytes < 1024 or self.max_concurrent_handlers < 1:
             raise ValueError("max_message_bytes >= 1024 and max_concurrent_handlers >= 1")
+        if self.io_threads < 1:
+            raise ValueError("io_threads must be >= 1")
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ import itertools
 import time
 
 import pytest
+import zmq
 from helpers.peer import (
     Answer,
     Boom,
@@ -264,10 +265,17 @@ async def test_an_answer_to_a_peer_that_is_gone_is_dropped_not_raised(ipc_ep) ->
             assert await client.call(Ping(seq=2)) == Pong(seq=2)
 
 
-async def test_heartbeats_are_spread_over_the_interval(ipc_ep) -> None:
-    """Each peer is beaten once per interval, a fifth of the peers per tick rather than
-    all in one callback (4,096 sends at once held the loop for tens of ms); no peer,
-    not even one that joins mid-round, goes longer than two intervals without one."""
+@pytest.mark.parametrize(("beats_per_tick", "largest_batch"), [(128, 3), (2, 2)])
+async def test_heartbeats_are_spread_over_the_interval(
+    ipc_ep, monkeypatch: pytest.MonkeyPatch, beats_per_tick: int, largest_batch: int
+) -> None:
+    """Each peer is beaten once per interval, the peers spread over at least five ticks
+    and enough that no tick sends more than BEATS_PER_TICK, rather than all in one
+    callback (4,096 sends at once held the loop for tens of ms); no peer, not even
+    one that joins mid-round, goes longer than two intervals without one."""
+    import rlix_async.transport.server as server_mod
+
+    monkeypatch.setattr(server_mod, "BEATS_PER_TICK", beats_per_tick)
     lost: list[str] = []
     async with RpcServer(
         ipc_ep, config=FAST, on_peer_lost=lambda p: lost.append(p.identity)
@@ -293,7 +301,8 @@ async def test_heartbeats_are_spread_over_the_interval(ipc_ep) -> None:
         joined_at = time.monotonic()
         await asyncio.sleep(1.3)
         end = time.monotonic()
-        assert batches and max(map(len, batches)) <= 3  # ceil(11 / 5)
+        # 11 peers: ceil(11 / 5) a tick, or at most BEATS_PER_TICK over more ticks
+        assert batches and max(map(len, batches)) == largest_batch
         interval = FAST.heartbeat_interval_s
         for c in clients:
             times = beats[c.identity]
@@ -306,3 +315,23 @@ async def test_heartbeats_are_spread_over_the_interval(ipc_ep) -> None:
         assert all(c.reconnects == 0 for c in [*clients, late])  # nobody thought us dead
         for c in [*clients, late]:
             await c.close()
+
+
+async def test_server_spreads_connections_over_its_io_threads(ipc_ep) -> None:
+    """``io_threads`` sizes the server's ZMQ context (the coordinator's default is 2:
+    at 4,096 peers one I/O thread queued calls behind its bursts); calls from many
+    peers are answered whichever thread their connection landed on."""
+    cfg = TransportConfig(io_threads=2)
+    async with RpcServer(ipc_ep, config=cfg) as server:
+        server.on(Ping, lambda msg, ctx: Pong(seq=msg.seq))
+        assert server._ctx.get(zmq.IO_THREADS) == 2
+        clients = [await RpcClient(server.endpoint, f"p{i}/driver/0").connect() for i in range(8)]
+        try:
+            replies = await asyncio.gather(*(c.call(Ping(seq=i)) for i, c in enumerate(clients)))
+            assert replies == [Pong(seq=i) for i in range(8)]
+            assert clients[0]._ctx.get(zmq.IO_THREADS) == 1  # a client needs one
+        finally:
+            for c in clients:
+                await c.close()
+    with pytest.raises(ValueError, match="io_threads"):
+        TransportConfig(io_threads=0)
