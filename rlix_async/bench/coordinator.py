@@ -444,7 +444,7 @@ def _summarise(
     window: dict[str, Any],
     drivers: list[dict[str, Any]],
     peers: list[dict[str, Any]],
-    stats: dict[str, list[list[float]]],
+    stats: dict[str, Any],
     log: str,
 ) -> dict[str, Any]:
     t0, t1 = window["t_start"], window["t_end"]
