@@ -110,14 +110,14 @@ class _Timings:
 
 async def _lag_probe(rows: list[tuple[float, float, float]], period: float = 0.01) -> None:
     """How late a 10 ms timer fires, and the loop thread's CPU time meanwhile: the
-    longest stretch the loop spends in one callback (a plan, a burst of messages) shows here. time.monotonic, not loop.time(): uvloop's
-    clock ticks in milliseconds."""
+    longest stretch the loop spends in one callback (a plan, a burst of messages)
+    shows here. time.monotonic, not loop.time(): uvloop's clock ticks in ms."""
     while True:
         t0, c0 = time.monotonic(), time.thread_time()
         await asyncio.sleep(period)
         t1 = time.monotonic()
-        # and the loop thread's CPU meanwhile: a lag with little CPU was spent off it
-        # (blocked in a system call, or waiting for a core), not in a callback
+        # a lag with little CPU was spent off the loop thread (blocked in a system
+        # call, or waiting for a core), not in a callback
         rows.append((t1, max(0.0, t1 - t0 - period), time.thread_time() - c0))
 
 

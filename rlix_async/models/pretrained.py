@@ -115,7 +115,7 @@ def convert(
     if done is not None:
         return done
     gguf = find_gguf(model)
-    for module in ("gguf", "accelerate", "transformers"):
+    for module in ("gguf", "accelerate"):  # the `models` extra (transformers is core)
         try:
             __import__(module)
         except ImportError:

@@ -269,7 +269,7 @@ class RpcServer(_Endpoint):
         five times per interval, declare silent peers dead."""
         c = self.config
         due: list[str] = []  # this round's peers not beaten to yet
-        per_tick, tick = 0, c.heartbeat_interval_s / 5
+        per_tick, tick = 0, 0.0  # set when each round starts
         next_scan = 0.0
         while not self._closed:
             self._drain()  # safety net: a missed FD edge can stall a reader for one tick at most
