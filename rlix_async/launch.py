@@ -106,6 +106,43 @@ def _write(path: Path, cfg: msgspec.Struct) -> Path:
     return path
 
 
+def resolve_recipes(cfg: LaunchConfig) -> LaunchConfig:
+    """Text recipes as every process reads them: data files and a reward file as absolute
+    paths, and ``max_prompt_tokens`` unset filled in with what the engine's context
+    leaves after the response (longer prompts would fail in the engine)."""
+    pipelines = []
+    for p in cfg.pipelines:
+        if p.data is not None:
+            data = msgspec.structs.replace(
+                p.data,
+                train=str(Path(p.data.train).resolve()),
+                eval=str(Path(p.data.eval).resolve()) if p.data.eval else None,
+                max_prompt_tokens=p.data.max_prompt_tokens
+                or cfg.engine.max_model_len - p.rollout.max_tokens,
+            )
+            reward = p.reward
+            where, sep, name = (reward or "").rpartition(":")
+            if sep and where.endswith(".py"):
+                reward = f"{Path(where).resolve()}:{name}"
+            p = msgspec.structs.replace(p, data=data, reward=reward)
+        pipelines.append(p)
+    return msgspec.structs.replace(cfg, pipelines=pipelines)
+
+
+def check_recipes(cfg: LaunchConfig) -> None:
+    """Load every text recipe once (tokenizer, data files, reward) before any process
+    starts: a bad file or reward is a LaunchError (exit 2), not a torchrun crash loop."""
+    from rlix_async.rollout.recipe import RecipeError, load_recipe
+
+    for i, p in enumerate(cfg.pipelines):
+        if p.data is None:
+            continue
+        try:
+            load_recipe(p).close()
+        except RecipeError as exc:
+            raise LaunchError(f"pipelines[{i}] ({p.id}): {exc}") from None
+
+
 class Launcher:
     """Starts the :mod:`process plan <rlix_async.process_plan>` of a one-node config."""
 
@@ -116,6 +153,8 @@ class Launcher:
                 "machine's processes; see the plan with --dry-run and run several nodes "
                 "with launchers/slurm/rlix.sbatch"
             )
+        cfg = resolve_recipes(cfg)
+        check_recipes(cfg)
         self.cfg = cfg
         self.resume = resume
         self.out = Path(cfg.out).resolve()

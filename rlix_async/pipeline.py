@@ -11,7 +11,13 @@ receive each step's batch through the torchrun store (``train/batches.py``:
 msgpack, never pickle; no wait without a bound). The collective group exists
 only during a step.
 
-Writes ``OUT/<id>/metrics.jsonl`` (one line per step), the trajectory ledger
+A text recipe (``data`` and ``reward``: ``rollout/recipe.py``) is loaded by rank 0
+before it joins; its greedy evaluations (``eval_every``) run beside the collector
+on the pipeline's shards (``rollout/evaluate.py``).
+
+Writes ``OUT/<id>/metrics.jsonl`` (one line per step, and one per evaluation with
+its ``eval/...`` keys), ``OUT/<id>/samples.jsonl`` (a few trajectories per step as
+text, for text recipes), the trajectory ledger
 ``OUT/<id>/ledger.jsonl`` (``rollout/ledger.py``: what was asked for and what
 became of it, across restarts) and checkpoints under ``OUT/<id>/ckpt``;
 ``--resume`` continues from the newest one.
@@ -38,7 +44,9 @@ import torch.distributed as dist
 from rlix_async.config import ConfigError, PipelineConfig, load_config
 from rlix_async.hooks import ClusterHooks
 from rlix_async.rollout.collector import Collector
+from rlix_async.rollout.evaluate import Evaluator, eval_due
 from rlix_async.rollout.ledger import LEDGER, Ledger
+from rlix_async.rollout.recipe import Recipe, RecipeError, load_recipe
 from rlix_async.train.batches import BatchChannel
 from rlix_async.train.buffer import Group, ReplayBuffer
 from rlix_async.train.trainer import TorchTrainer, latest_checkpoint
@@ -62,8 +70,11 @@ class Driver:
         *,
         channel: BatchChannel | None = None,
         resumed: bool = False,
+        recipe: Recipe | None = None,
     ) -> None:
         self.cfg = cfg
+        self.recipe = recipe  # a text recipe's tokenizer, data and reward (None: token task)
+        self._evals: asyncio.Task[None] | None = None  # the evaluations, one after another
         self.trainer = trainer
         self.store = store
         self.channel = channel  # to the other ranks (None: running alone)
@@ -100,20 +111,29 @@ class Driver:
             hooks = await ClusterHooks.join(
                 self.cfg.coordinator, self.cfg.id, self.cfg.clusters, keys=keys
             )
-            collector = Collector(self.cfg, self.buffer, hooks, lambda: self.trainer.step, ledger)
+            prompts = self.recipe.train_prompts(self.cfg) if self.recipe is not None else None
+            collector = Collector(
+                self.cfg, self.buffer, hooks, lambda: self.trainer.step, ledger, prompts
+            )
+            self.collector = collector
+            evaluator = self._evaluator(hooks)
             if self.ckpt is not None:
                 collector.load_state_dict(self.ckpt)
             try:
                 await self._publish(hooks, cache)
+                self._maybe_eval(evaluator, self.trainer.step)
                 await hooks.report_progress(collector.target, 0)
                 collecting = asyncio.ensure_future(collector.run())
                 try:
                     while self.trainer.step < self.cfg.steps:
                         await self._one_step(hooks, cache, collector, collecting, ledger)
+                        self._maybe_eval(evaluator, self.trainer.step)
                 finally:
                     collecting.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await collecting
+                if self._evals is not None:  # the last evaluation's row, before leaving
+                    await self._evals
                 ledger.end(self.trainer.step)  # what is still buffered or in flight: left over
                 await hooks.clear_progress()
             finally:
@@ -176,6 +196,11 @@ class Driver:
             await self._publish(hooks, cache)
             collector.set_training(False)
             await collector.report()
+        elif eval_due(step, self.cfg.eval_every):
+            # the last step's weights go out for their evaluation only: its own progress
+            # stream asks for the shards, the rollout's asks for nothing more
+            await self._publish(hooks, cache)
+            await hooks.client.clear_progress("default")
         else:  # the last step: no rollout will use these weights (the checkpoint has them),
             # and nothing more is collected (shards woken now would sync a cache that
             # is removed as the pipeline exits)
@@ -194,12 +219,87 @@ class Driver:
             "failed": collector.failed,
             "cancelled_stale": collector.cancelled_stale,
             "resumed": collector.resumed,
+            **self._response_stats(batch),
             "active_shards": len(hooks.client.active_ranks),
             "time": time.time(),
             **{k: round(v, 5) for k, v in stats.items()},
         }
         _append_jsonl(self.out / "metrics.jsonl", row)
+        self._write_samples(batch, version)
         log.info("%s step %d reward %.3f", self.cfg.id, row["step"], row["reward"])
+
+    # --- text recipes: evaluation, samples, response metrics ------------------------------
+
+    def _evaluator(self, hooks: ClusterHooks) -> Evaluator | None:
+        if self.recipe is None or not self.cfg.eval_every:
+            return None
+        prompts = self.recipe.eval_prompts(self.cfg)
+        if prompts is None:
+            return None
+        return Evaluator(prompts, hooks, max_tokens=self.cfg.rollout.max_tokens)
+
+    def _maybe_eval(self, evaluator: Evaluator | None, version: int) -> None:
+        """Queue an evaluation of weights ``version`` behind the previous one (they run
+        beside the collector; each writes its row to metrics.jsonl when done)."""
+        if evaluator is None or not eval_due(version, self.cfg.eval_every):
+            return
+        previous = self._evals
+
+        async def chained() -> None:
+            if previous is not None:
+                await previous
+            try:
+                row = await evaluator.run(version)
+            except Exception as exc:  # a failed evaluation is reported, not fatal
+                log.error("%s: evaluation of version %d failed: %s", self.cfg.id, version, exc)
+                row = {"step": version, "eval/error": f"{type(exc).__name__}: {exc}"}
+            _append_jsonl(self.out / "metrics.jsonl", row)
+            log.info("%s eval at version %d: %s", self.cfg.id, version, row.get("eval/reward"))
+
+        self._evals = asyncio.ensure_future(chained())
+
+    def _response_stats(self, batch: list[Group]) -> dict[str, float | int]:
+        """Response length, the share cut at max_tokens, the reward's extras (means)."""
+        lengths = [len(r) for g in batch for r in g.responses]
+        stop_ids = set(self.recipe.stop_token_ids) if self.recipe is not None else set()
+        cut = [
+            len(r) >= self.cfg.rollout.max_tokens and not (r and r[-1] in stop_ids)
+            for g in batch
+            for r in g.responses
+        ]
+        stats: dict[str, float | int] = {
+            "response_tokens": sum(lengths) / len(lengths),
+            "truncated": sum(cut) / len(cut),
+        }
+        extras: dict[str, list[float]] = {}
+        for g in batch:
+            for name, values in g.reward_extras.items():
+                extras.setdefault(name, []).extend(v for v in values if v == v)  # not nan
+        stats.update({f"reward/{k}": sum(v) / len(v) for k, v in extras.items() if v})
+        if self.recipe is not None:
+            stats["reward_failed"] = self.recipe.runner.failures
+        return stats
+
+    def _write_samples(self, batch: list[Group], version: int) -> None:
+        """A few of the step's trajectories as text, with reward and weight-version lag."""
+        rows: list[dict[str, Any]] = []
+        for g in batch:
+            for i, text in enumerate(g.response_texts):
+                if len(rows) >= self.cfg.samples_per_step:
+                    break
+                rows.append(
+                    {
+                        "step": version + 1,
+                        "prompt": g.prompt_text,
+                        "response": text,
+                        "reward": g.rewards[i],
+                        "version_lag": version - min(g.versions[i], default=version),
+                        "tokens": len(g.responses[i]),
+                        **{k: v[i] for k, v in g.reward_extras.items()},
+                    }
+                )
+        for row in rows:
+            _append_jsonl(self.out / "samples.jsonl", row)
 
     def _train(self, batch: list[Group]) -> dict[str, float]:
         self.trainer.reload()
@@ -252,11 +352,20 @@ def build_trainer(cfg: PipelineConfig, rank: int, world: int) -> TorchTrainer:
         trainer_cls = MegatronTrainer
     # in host memory until the first grant: the devices are not the pipeline's yet
     return trainer_cls(
-        cfg.train, cfg.model, seed=cfg.seed, rank=rank, world=world, start_offloaded=True
+        cfg.train,
+        cfg.model,
+        seed=cfg.seed,
+        rank=rank,
+        world=world,
+        start_offloaded=True,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
     )
 
 
-def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> None:
+def run_pipeline(
+    cfg: PipelineConfig, *, resume: bool = False, recipe: Recipe | None = None
+) -> None:
     """This rank's part of the pipeline (torchrun sets RANK and WORLD_SIZE)."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -274,7 +383,7 @@ def run_pipeline(cfg: PipelineConfig, *, resume: bool = False) -> None:
         if rank == 0:  # from now: loading the model and checkpoint may take a while
             channel.start_beat()
     try:
-        _announcing(channel, lambda: _run_rank(cfg, rank, world, store, channel, resume))
+        _announcing(channel, lambda: _run_rank(cfg, rank, world, store, channel, resume, recipe))
     finally:
         if channel is not None:
             channel.stop_beat()
@@ -287,6 +396,7 @@ def _run_rank(
     store: dist.Store | None,
     channel: BatchChannel | None,
     resume: bool,
+    recipe: Recipe | None,
 ) -> None:
     torch.manual_seed(cfg.seed)
     trainer = build_trainer(cfg, rank, world)
@@ -305,9 +415,12 @@ def _run_rank(
 
     cache = WeightCache(cfg.id)
     try:
-        run(Driver(cfg, trainer, store, ckpt, channel=channel, resumed=resume).run(cache))
+        driver = Driver(cfg, trainer, store, ckpt, channel=channel, resumed=resume, recipe=recipe)
+        run(driver.run(cache))
     finally:
         cache.close()
+        if recipe is not None:
+            recipe.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -330,10 +443,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{cfg.ranks} devices {list(cfg.clusters['actor_train'].devices)}: run "
                 f"--nproc-per-node={cfg.ranks} (one rank per device)"
             )
-    except ConfigError as exc:
+        # rank 0's collector reads the data and calls the reward: checked before any rank
+        # loads a model (the launcher checked them too, before starting anything)
+        recipe = None
+        if cfg.data is not None and int(os.environ.get("RANK", "0")) == 0:
+            recipe = load_recipe(cfg)
+    except (ConfigError, RecipeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    run_pipeline(cfg, resume=args.resume)
+    run_pipeline(cfg, resume=args.resume, recipe=recipe)
     return 0
 
 

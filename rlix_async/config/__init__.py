@@ -18,6 +18,7 @@ New keys (data, reward, env, lora) land in the schema.
 """
 
 from rlix_async.config.loading import ConfigError, convert, dump, load_config
+from rlix_async.config.scenario import RolloutTimes, Scenario, ScenarioPipeline, SwitchCosts
 from rlix_async.config.schema import (
     ClusterShape,
     ClusterSpec,
@@ -29,12 +30,8 @@ from rlix_async.config.schema import (
     ModelConfig,
     PipelineConfig,
     RolloutConfig,
-    RolloutTimes,
-    Scenario,
-    ScenarioPipeline,
     SchedulerConfig,
     ShardConfig,
-    SwitchCosts,
     TargetTokensTask,
     TaskConfig,
     TrainConfig,

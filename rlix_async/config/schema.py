@@ -7,35 +7,17 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from rlix_async.config.recipe import DataConfig
+from rlix_async.config.schema_base import Config, Endpoint, doc, invalid
 from rlix_async.control.snapshot import Policy
 from rlix_async.control.topology import (
     ClusterName,
     ClusterShape,
     ClusterSpec,
     PipelineId,
-    PriorityName,
     TopologyError,
     validate_topology,
 )
-
-
-def doc(description: str, **bounds: Any) -> msgspec.Meta:
-    """A field's description and bounds (``ge``, ``gt``, ``le``, ``pattern``...)."""
-    return msgspec.Meta(description=description, **bounds)
-
-
-Endpoint = Annotated[str, msgspec.Meta(pattern=r"^(ipc|tcp)://.+")]
-
-
-class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
-    """Base of every config struct: unknown keys are refused, values are immutable
-    (subclasses repeat ``frozen=True`` for type checkers; msgspec inherits it)."""
-
-
-def invalid(field: str, what: str) -> ValueError:
-    """A cross-field rule broken; ``field`` is relative to the struct raising it."""
-    return ValueError(f"{field}: {what}")
-
 
 # --- coordinator ------------------------------------------------------------------------
 
@@ -302,7 +284,25 @@ class RolloutConfig(Config, frozen=True):
         int, doc("Responses sampled per prompt (GRPO needs two or more).", ge=2)
     ] = 4
     max_tokens: Annotated[int, doc("Longest response, in tokens.", ge=1)] = 12
-    temperature: Annotated[float, doc("Sampling temperature.", ge=0)] = 1.0
+    temperature: Annotated[
+        float,
+        doc(
+            "Sampling temperature (> 0: the trainer's log-probs use the same one, so the "
+            "importance ratio compares like with like).",
+            gt=0,
+        ),
+    ] = 1.0
+    top_p: Annotated[
+        float,
+        doc("Nucleus sampling; the trainer's log-probs are renormalised the same way.", gt=0, le=1),
+    ] = 1.0
+    stop: Annotated[
+        list[Annotated[str, msgspec.Meta(min_length=1)]],
+        doc(
+            "Text recipes: stop a response at any of these strings (kept in the response). "
+            "Every response also stops at the tokenizer's end-of-sequence token."
+        ),
+    ] = []
     max_groups_in_flight: Annotated[int, doc("Groups being generated at once, at most.", ge=1)] = 4
 
 
@@ -386,7 +386,46 @@ class PipelineConfig(Config, frozen=True):
     checkpoint_every: Annotated[
         int, doc("Save a checkpoint every N steps (and the last).", ge=1)
     ] = 1
-    task: Annotated[TaskConfig, doc("The reward task (by `name`).")] = TargetTokensTask()
+    task: Annotated[
+        TaskConfig | None,
+        doc(
+            "A token-id reward task (by `name`; test fixtures, no tokenizer). Unset and no "
+            "data: target_tokens."
+        ),
+    ] = None
+    data: Annotated[
+        DataConfig | None,
+        doc("Text prompts from files (needs model.path with a tokenizer, and reward)."),
+    ] = None
+    reward: Annotated[
+        str | None,
+        doc(
+            "With data: 'package.module:function', 'path/to/file.py:function' or a built-in "
+            "(math_answer, exact_match, regex_format), called as fn(prompt, response, row)."
+        ),
+    ] = None
+    reward_args: Annotated[
+        dict[str, Any], doc("Keyword arguments for the reward (regex_format: pattern).")
+    ] = {}
+    reward_timeout_s: Annotated[
+        float,
+        doc(
+            "A reward call taking longer counts as a failed reward (the trajectory scores 0).",
+            gt=0,
+        ),
+    ] = 30.0
+    eval_every: Annotated[
+        int,
+        doc(
+            "Greedy evaluation on data.eval before the first step and every N steps "
+            "(metrics eval/...); 0: never.",
+            ge=0,
+        ),
+    ] = 0
+    samples_per_step: Annotated[
+        int,
+        doc("Trajectories per step written as text to samples.jsonl (text recipes).", ge=0),
+    ] = 4
     rollout: Annotated[RolloutConfig, doc("Batch shape and sampling.")] = RolloutConfig()
     train: Annotated[TrainConfig, doc("Trainer backend, optimizer and loss.")] = TrainConfig()
     model: Annotated[ModelConfig, doc("The policy model.")] = ModelConfig()
@@ -426,11 +465,52 @@ class PipelineConfig(Config, frozen=True):
                 f"{self.nproc} ranks for {len(train.devices)} actor_train devices "
                 f"{list(train.devices)}: each rank gets exactly one device",
             )
-        if self.model.path is None and self.task.vocab > self.model.vocab_size:
+        self._check_recipe()
+
+    @property
+    def token_task(self) -> TaskConfig | None:
+        """The token-id task this pipeline trains on (None: a text recipe, ``data``)."""
+        if self.data is not None:
+            return None
+        return self.task or TargetTokensTask()
+
+    def _check_recipe(self) -> None:
+        if self.data is None:
+            text_only = {
+                "reward": self.reward,
+                "eval_every": self.eval_every,
+                "rollout.stop": self.rollout.stop,
+            }
+            for key, value in text_only.items():
+                if value:
+                    raise invalid(
+                        key, "needs data (a text recipe); token-id tasks score themselves"
+                    )
+            task = self.token_task
+            assert task is not None
+            if self.model.path is None and task.vocab > self.model.vocab_size:
+                raise invalid(
+                    "task.vocab",
+                    f"{task.vocab} exceeds the model's vocab_size {self.model.vocab_size}",
+                )
+            return
+        if self.task is not None:
+            raise invalid("task", "a pipeline trains on a token-id task or on data, not both")
+        if self.model.path is None:
+            raise invalid("model.path", "data needs a model directory with a tokenizer")
+        if not self.reward:
             raise invalid(
-                "task.vocab",
-                f"{self.task.vocab} exceeds the model's vocab_size {self.model.vocab_size}",
+                "reward",
+                "data needs a reward ('module:function', 'file.py:function' or a built-in)",
             )
+        if self.train.backend == "megatron":
+            raise invalid(
+                "train.backend",
+                "megatron builds its own Llama from `model` and cannot load model.path yet; "
+                "use backend torch for text recipes",
+            )
+        if self.eval_every and self.data.eval is None:
+            raise invalid("eval_every", "needs data.eval (the evaluation prompts)")
 
 
 class LaunchConfig(Config, frozen=True):
@@ -464,6 +544,21 @@ class LaunchConfig(Config, frozen=True):
                     f"{infer_tp} > gpus_per_node={self.cluster.gpus_per_node}: a shard "
                     "(one vLLM engine) runs on one node",
                 )
+            if p.data is not None and p.data.max_prompt_tokens is not None:
+                longest = p.data.max_prompt_tokens + p.rollout.max_tokens
+                if longest > self.engine.max_model_len:
+                    raise invalid(
+                        f"{at}.data.max_prompt_tokens",
+                        f"{p.data.max_prompt_tokens} + rollout.max_tokens "
+                        f"{p.rollout.max_tokens} > engine.max_model_len "
+                        f"{self.engine.max_model_len}",
+                    )
+            if p.data is not None and p.rollout.max_tokens >= self.engine.max_model_len:
+                raise invalid(
+                    f"{at}.rollout.max_tokens",
+                    f"{p.rollout.max_tokens} leaves no room for a prompt in "
+                    f"engine.max_model_len {self.engine.max_model_len}",
+                )
             train = p.clusters["actor_train"].devices
             nodes = sorted({d // self.cluster.gpus_per_node for d in train})
             if len(nodes) > 1:
@@ -479,86 +574,3 @@ def _check_topology(at: str, clusters: dict[ClusterName, ClusterSpec], shape: Cl
         validate_topology(dict(clusters), shape)
     except TopologyError as exc:
         raise invalid(at, str(exc)) from None
-
-
-# --- simulator -------------------------------------------------------------------------
-
-
-class SwitchCosts(Config, frozen=True):
-    sleep_s: Annotated[float, doc("Seconds a shard takes to abort, drain and sleep.", ge=0)] = 0.0
-    wake_s: Annotated[float, doc("Seconds a shard takes to wake.", ge=0)] = 0.0
-    sync_gib_per_s: Annotated[float, doc("Weight sync bandwidth per shard, GiB/s.", gt=0)] = 2.0
-    model_gib: Annotated[float, doc("Weights moved per sync, GiB.", ge=0)] = 0.0
-
-    @property
-    def sync_s(self) -> float:
-        return self.model_gib / self.sync_gib_per_s
-
-
-class RolloutTimes(Config, frozen=True):
-    dist: Annotated[
-        Literal["lognormal", "pareto", "fixed"],
-        doc("Distribution of one trajectory's generation time."),
-    ] = "lognormal"
-    median_s: Annotated[float, doc("Median trajectory time, seconds.", gt=0)] = 60.0
-    sigma: Annotated[float, doc("lognormal: sigma of the log.", ge=0)] = 1.0
-    alpha: Annotated[float, doc("pareto: tail index.", gt=0)] = 1.5
-    max_s: Annotated[float, doc("Trajectories are cut at this many seconds.", gt=0)] = 3600.0
-
-
-class ScenarioPipeline(Config, frozen=True):
-    id: PipelineId
-    clusters: Annotated[
-        dict[ClusterName, ClusterSpec], doc("actor_train and actor_infer, at least.")
-    ]
-    start_s: Annotated[float, doc("Simulated second the pipeline starts.", ge=0)] = 0.0
-    steps: Annotated[int, doc("Training steps to simulate.", ge=1)] = 10
-    step_target: Annotated[int, doc("Trajectories per training step.", ge=1)] = 64
-    max_trajectory_age_steps: Annotated[
-        int, doc("Staleness bound, as in PipelineConfig (0: on-policy).", ge=0)
-    ] = 1
-    slots_per_shard: Annotated[int, doc("Trajectories one shard runs at once.", ge=1)] = 16
-    reprefill_s: Annotated[
-        float, doc("Seconds to resume a cut trajectory elsewhere (re-prefill).", ge=0)
-    ] = 0.0
-    rollout: Annotated[RolloutTimes, doc("How long trajectories take.")] = RolloutTimes()
-    stages: Annotated[
-        dict[PriorityName, Annotated[float, msgspec.Meta(ge=0)]],
-        doc("Seconds per training stage, run in order on actor_train."),
-    ] = msgspec.field(default_factory=lambda: {"ACTOR_TRAINING": 60.0})
-
-    def __post_init__(self) -> None:
-        for name in ("actor_train", "actor_infer"):
-            if name not in self.clusters:
-                raise invalid("clusters", f"{name} is required")
-
-    def topology(self) -> dict[ClusterName, ClusterSpec]:
-        return dict(self.clusters)
-
-    @property
-    def train_s(self) -> float:
-        return sum(self.stages.values())
-
-    def devices(self) -> set[int]:
-        return {d for c in self.clusters.values() for d in c.devices}
-
-
-class Scenario(Config, frozen=True):
-    cluster: Annotated[ClusterShape, doc("Nodes and devices per node.")]
-    pipelines: Annotated[list[ScenarioPipeline], doc("The pipelines.", min_length=1)]
-    switch: Annotated[SwitchCosts, doc("What moving a shard costs.")] = SwitchCosts()
-    plan_interval_s: Annotated[
-        float, doc("Planner debounce, simulated seconds (0: plan on every change).", ge=0)
-    ] = 1.0
-
-    def __post_init__(self) -> None:
-        seen: set[str] = set()
-        for i, p in enumerate(self.pipelines):
-            if p.id in seen:
-                raise invalid(f"pipelines[{i}].id", f"duplicate pipeline id {p.id!r}")
-            seen.add(p.id)
-            _check_topology(f"pipelines[{i}].clusters", p.clusters, self.cluster)
-
-    @property
-    def shape(self) -> ClusterShape:
-        return self.cluster

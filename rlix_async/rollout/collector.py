@@ -14,14 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 from collections.abc import Callable
 from typing import Any
 
 from rlix_async.config import PipelineConfig
 from rlix_async.hooks import ClusterHooks
 from rlix_async.rollout.ledger import Ledger
-from rlix_async.rollout.tasks import Task, make_task
+from rlix_async.rollout.recipe import PromptSource, Sample, make_token_prompts
 from rlix_async.shards.router import Trajectory
 from rlix_async.train.buffer import Group, ReplayBuffer
 
@@ -36,14 +35,16 @@ class Collector:
         hooks: ClusterHooks,
         step: Callable[[], int],
         ledger: Ledger | None = None,
+        prompts: PromptSource | None = None,
     ) -> None:
         self.cfg = cfg
         self.buffer = buffer
         self.hooks = hooks
         self.step = step  # the trainer's current step: the newest weight version
         self.ledger = ledger
-        self.task: Task = make_task(cfg.task)
-        self.rng = random.Random(cfg.seed)
+        # where prompts come from and how responses score: a text recipe's dataset and
+        # reward, else the config's token-id task
+        self.prompts: PromptSource = prompts or make_token_prompts(cfg)
         self.prompts_used = 0
         self.in_flight = 0
         self.failed = 0  # trajectories whose generation raised: counted, never hidden
@@ -82,7 +83,7 @@ class Collector:
     def state_dict(self) -> dict[str, Any]:
         return {
             "prompts_used": self.prompts_used,
-            "driver_rng": self.rng.getstate(),
+            **self.prompts.state_dict(),
             "generated": self.generated,
             "failed": self.failed,
             "cancelled_stale": self.cancelled_stale,
@@ -90,7 +91,7 @@ class Collector:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts_used = state["prompts_used"]
-        self.rng.setstate(state["driver_rng"])
+        self.prompts.load_state_dict(state)
         self.generated = state.get("generated", 0)
         self.failed = state.get("failed", 0)
         self.cancelled_stale = state.get("cancelled_stale", 0)
@@ -125,7 +126,7 @@ class Collector:
 
     async def _one_group(self) -> None:
         rollout = self.cfg.rollout
-        prompt = self.task.prompt(self.rng)
+        sample = self.prompts.next()
         self.prompts_used += 1
         # The oldest weights it may start on: still within the staleness bound at the
         # batch it will land in (the groups ahead of it fill the earlier ones, and
@@ -140,10 +141,13 @@ class Collector:
         requests: list[asyncio.Future[Trajectory]] = [
             asyncio.ensure_future(
                 self.hooks.router.generate(
-                    prompt,
+                    sample.ids,
                     rollout.max_tokens,
                     temperature=rollout.temperature,
+                    top_p=rollout.top_p,
                     min_version=oldest,  # newer weights are always fine
+                    stop_token_ids=self.prompts.stop_token_ids,
+                    stop=self.prompts.stop,
                 )
             )
             for _ in range(rollout.group_size)
@@ -153,7 +157,7 @@ class Collector:
             r.add_done_callback(lambda _: self._stop_if_doomed(requests))
         try:
             results = await asyncio.gather(*requests, return_exceptions=True)
-            if self._add(prompt, results, gid):
+            if await self._add(sample, results, gid):
                 await self.report()
         finally:
             self._groups.remove(requests)
@@ -162,9 +166,11 @@ class Collector:
             self.in_flight -= 1
             self._room.set()
 
-    def _add(self, prompt: list[int], results: list[Trajectory | BaseException], gid: str) -> bool:
-        """Count a finished group and buffer it (or count it dropped, if it was doomed);
-        True when it was buffered."""
+    async def _add(
+        self, sample: Sample, results: list[Trajectory | BaseException], gid: str
+    ) -> bool:
+        """Count a finished group, score and buffer it (or count it dropped, if it was
+        doomed); True when it was buffered."""
         trajs = [r for r in results if not isinstance(r, BaseException)]
         cancelled = sum(isinstance(r, asyncio.CancelledError) for r in results)
         for r in results:
@@ -185,15 +191,21 @@ class Collector:
             return False
         if outcome == "unusable":
             return False
+        responses = [t.token_ids for t in trajs]
+        # a failed reward scores 0 and is counted by the runner: the group goes on
+        scored = await self.prompts.score(sample, responses)
         self.buffer.add(
             Group(
-                prompt=prompt,
-                responses=[t.token_ids for t in trajs],
+                prompt=sample.ids,
+                responses=responses,
                 logprobs=[t.logprobs for t in trajs],
                 versions=[[0 if v is None else v for v in t.versions] for t in trajs],
-                rewards=[self.task.score(prompt, t.token_ids) for t in trajs],
+                rewards=scored.rewards,
                 resumes=sum(t.resumes for t in trajs),
                 id=gid,
+                prompt_text=sample.text,
+                response_texts=scored.texts,
+                reward_extras=scored.extras,
             )
         )
         return True

@@ -36,8 +36,12 @@ class ShardEngine(Protocol):
         top_p: float = 1.0,
         seed: int | None = None,
         request_id: str | None = None,
+        stop_token_ids: list[int] | None = None,
+        stop: list[str] | None = None,
     ) -> AsyncIterator[GenerationChunk]:
-        """Cumulative outputs of one request; cancelling the iteration aborts it."""
+        """Cumulative outputs of one request; cancelling the iteration aborts it.
+        It ends early at a token of ``stop_token_ids`` or a string of ``stop``
+        (both kept in the output)."""
         ...
 
     async def load_version(self, ref: CacheRef) -> None:

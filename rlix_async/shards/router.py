@@ -119,6 +119,8 @@ class Router:
         top_p: float = 1.0,
         seed: int | None = None,
         min_version: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        stop: list[str] | None = None,
     ) -> Trajectory:
         traj = Trajectory(list(prompt_ids))
         self._n += 1
@@ -147,6 +149,8 @@ class Router:
                         top_p=top_p,
                         seed=seed,
                         min_version=min_version,
+                        stop_token_ids=stop_token_ids or [],
+                        stop=stop or [],
                     ),
                     timeout=self.attempt_timeout_s,
                 )

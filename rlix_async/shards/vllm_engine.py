@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -30,6 +31,13 @@ from rlix_async.shards.vllm_plugin import BACKEND
 from rlix_async.weights.ref import CacheRef
 from rlix_async.weights.shm import SHM_DIR
 from rlix_async.weights.sinks import SyncError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def has_tokenizer(model: str) -> bool:
+    """Whether the model directory carries a tokenizer (the launcher's random model does not)."""
+    return any((Path(model) / name).is_file() for name in TOKENIZER_FILES)
 
 
 class VllmEngine:
@@ -50,9 +58,16 @@ class VllmEngine:
 
         vllm_plugin.register()  # this process too (the entry point covers the others)
         config = (config or EngineConfig()).for_device(cuda)
+        self.has_tokenizer = has_tokenizer(model)
         kwargs: dict[str, Any] = dict(
             model=model,
-            skip_tokenizer_init=True,  # we generate on token ids
+            # Prompts arrive as token ids either way; the tokenizer is what stop strings
+            # are matched with (a random test model has none).
+            skip_tokenizer_init=not self.has_tokenizer,
+            # log-probs of the distribution tokens are sampled from (after temperature
+            # and top-p), which the trainer recomputes (train/algo.py sampling_log_probs):
+            # the default, raw logits, would bias every importance ratio when T != 1
+            logprobs_mode="processed_logprobs",
             dtype=config.dtype,
             tensor_parallel_size=tp,
             max_model_len=config.max_model_len,
@@ -83,17 +98,24 @@ class VllmEngine:
         seed: int | None = None,
         logprobs: bool = True,
         request_id: str | None = None,
+        stop_token_ids: list[int] | None = None,
+        stop: list[str] | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if stop and not self.has_tokenizer:
+            raise ValueError("stop strings need a model directory with a tokenizer")
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
             seed=seed,
             logprobs=0 if logprobs else None,
-            detokenize=False,
+            stop_token_ids=stop_token_ids or None,
+            stop=stop or None,
+            include_stop_str_in_output=True,  # the response trained on is what was decoded
+            detokenize=bool(stop),  # strings are matched on the detokenized text
         )
         rid = request_id or f"r{next(self._ids)}"
         version = self.weight_version

@@ -123,11 +123,29 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
 
             initialize_layerwise_reload(self.model)
             self.reloading = True
-            self.model.load_weights(staged.named)  # type: ignore[operator]  # vLLM's models have it
+            self.model.load_weights(self._with_tied_head(staged.named))  # type: ignore[operator]
             return
         raise SyncError(
             f"no consistent version of {update_info.pipeline} after {MAX_ATTEMPTS} tries"
         )
+
+    def _with_tied_head(
+        self, named: list[tuple[str, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The embedding again as ``lm_head.weight`` when the model ties them: trainers
+        leave the tied head out of the cache (it would move the largest matrix twice),
+        but vLLM's layerwise reload counts the head as a layer of its own, and one that
+        receives nothing keeps its old tensor (the output layer would stay stale)."""
+        names = {name for name, _ in named}
+        text_config = getattr(self.model_config, "hf_text_config", None)
+        if (
+            getattr(text_config, "tie_word_embeddings", False)
+            and "lm_head.weight" not in names
+            and "model.embed_tokens.weight" in names
+        ):
+            embed = next(t for name, t in named if name == "model.embed_tokens.weight")
+            return [*named, ("lm_head.weight", embed)]
+        return named
 
     def shutdown(self) -> None:
         forget_mappings()

@@ -244,6 +244,8 @@ class ShardWorker:
             top_p=msg.top_p,
             seed=msg.seed,
             request_id=msg.request_id,
+            stop_token_ids=msg.stop_token_ids,
+            stop=msg.stop,
         ):
             if len(chunk.token_ids) < len(decoded.tokens):  # cumulative: shorter is a bug
                 log.error(
@@ -468,6 +470,8 @@ class LoadOnWake:
         top_p: float = 1.0,
         seed: int | None = None,
         request_id: str | None = None,
+        stop_token_ids: list[int] | None = None,
+        stop: list[str] | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         return self._built().generate(
             prompt_ids,
@@ -476,6 +480,8 @@ class LoadOnWake:
             top_p=top_p,
             seed=seed,
             request_id=request_id,
+            stop_token_ids=stop_token_ids,
+            stop=stop,
         )
 
     async def load_version(self, ref: CacheRef) -> None:

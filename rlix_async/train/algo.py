@@ -25,10 +25,47 @@ def group_advantages(
     return centred / (rewards.std(unbiased=False) + eps)
 
 
-def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) per position; logits [B, T, V], targets [B, T]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+def token_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0
+) -> torch.Tensor:
+    """log p(target) per position under the distribution tokens were sampled from.
+
+    logits [B, T, V], targets [B, T]. The logits are divided by ``temperature`` and,
+    when ``top_p < 1``, tokens outside the nucleus are masked out before the softmax,
+    exactly as vLLM's sampler does (``apply_top_k_top_p``: sort ascending, drop the
+    tokens whose cumulative probability is at most ``1 - top_p``, always keep the most
+    likely), so these match the engine's ``processed_logprobs`` and the importance
+    ratio compares like with like. The mask carries no gradient; the kept logits do.
+    """
+    logp = sampling_log_softmax(logits, temperature=temperature, top_p=top_p)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def sampling_log_softmax(
+    logits: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0
+) -> torch.Tensor:
+    """Log-probabilities of every token under the sampling distribution (float32)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    scaled = logits.float() / temperature
+    if top_p < 1.0:
+        scaled = scaled.masked_fill(outside_top_p(scaled.detach(), top_p), float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def entropy(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy per position of the distributions ``logp`` [..., V] (masked tokens add 0)."""
+    p = logp.exp()
+    return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+
+
+def outside_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """True for the tokens vLLM's top-p leaves out (same rule, same tie order)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1 - top_p
+    drop[..., -1] = False  # the most likely token always stays
+    return torch.zeros_like(drop).scatter(-1, order, drop)
 
 
 def is_weights(

@@ -30,11 +30,20 @@ class Group(msgspec.Struct):
     # the trajectory ledger's name for it (rollout/ledger.py), kept through checkpoints so
     # a restart can tell which finished groups came back; "" outside a pipeline
     id: str = ""
+    # text recipes: what the model saw and said (samples.jsonl), and the reward's named
+    # extras per response (logged as per-step means); empty for token-id tasks
+    prompt_text: str = ""
+    response_texts: list[str] = []
+    reward_extras: dict[str, list[float]] = {}
 
     def __post_init__(self) -> None:
         n = len(self.responses)
         if not n or not (len(self.logprobs) == len(self.versions) == len(self.rewards) == n):
             raise ValueError("group: responses, logprobs, versions and rewards must align")
+        if self.response_texts and len(self.response_texts) != n:
+            raise ValueError("group: one response text per response")
+        if any(len(v) != n for v in self.reward_extras.values()):
+            raise ValueError("group: one value of each reward extra per response")
         for r, lp, v in zip(self.responses, self.logprobs, self.versions, strict=True):
             if not (len(r) == len(lp) == len(v)):
                 raise ValueError("group: every token needs a log-prob and a version")

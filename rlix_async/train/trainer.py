@@ -28,7 +28,13 @@ import torch
 import torch.distributed as dist
 
 from rlix_async.config import ModelConfig, TrainConfig, resolve_dtype
-from rlix_async.train.algo import group_advantages, policy_loss, token_log_probs
+from rlix_async.train.algo import (
+    entropy,
+    group_advantages,
+    policy_loss,
+    sampling_log_softmax,
+    token_log_probs,
+)
 from rlix_async.train.buffer import Group
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -132,8 +138,12 @@ class TorchTrainer:
         rank: int = 0,
         world: int = 1,
         start_offloaded: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
     ) -> None:
         self.cfg = cfg or TrainConfig()
+        # the rollout's sampling: log-probs are of the distribution tokens were drawn from
+        self.temperature, self.top_p = temperature, top_p
         self.model_cfg = model or ModelConfig()
         self.seed = seed
         self.rank, self.world = rank, world
@@ -337,19 +347,33 @@ class TorchTrainer:
 
     def _logp(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         logits = self.forward_logits(model, ids)[:, :-1]
-        return token_log_probs(logits, ids[:, 1:])  # float32 from any logits dtype
+        # float32 from any logits dtype
+        return token_log_probs(logits, ids[:, 1:], temperature=self.temperature, top_p=self.top_p)
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         self._require_on_device("train_step()")
         t = self._tensors(groups)
         model = self._ddp or self.model
         self.model.train()
-        with torch.no_grad():
-            old = self._logp(self.model, t["ids"])  # pi_old: these weights, before the update
+        with torch.no_grad():  # pi_old: these weights, before the update
+            full = sampling_log_softmax(
+                self.forward_logits(self.model, t["ids"])[:, :-1],
+                temperature=self.temperature,
+                top_p=self.top_p,
+            )
+            old = full.gather(-1, t["ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+            tokens = t["mask"].sum().clamp(min=1.0)
+            mean_entropy = float((entropy(full) * t["mask"]).sum() / tokens)
+            del full
         n = t["ids"].shape[0]
         order = torch.arange(n, device=self.device)
         parts = [p for p in order.chunk(max(1, min(self.cfg.minibatches, n))) if len(p)]
-        stats: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "is_weight_mean": 0.0}
+        stats: dict[str, float] = {
+            "loss": 0.0,
+            "clip_frac": 0.0,
+            "is_weight_mean": 0.0,
+            "entropy": mean_entropy,  # of the sampling distribution, over response tokens
+        }
         for idx in parts:
             logp = self._logp(model, t["ids"][idx])
             loss, s = policy_loss(
@@ -377,8 +401,13 @@ class TorchTrainer:
         """HF names, as vLLM's ``load_weights`` expects them, in the trainer's dtype.
 
         After ``offload`` these are views of the page-locked host buffers (no copy).
+        A tied ``lm_head.weight`` is left out: it is the embedding (vLLM's loader skips
+        it too), and sending it would move the largest matrix twice.
         """
-        return cast_floats(self.model.state_dict(), self.dtype)
+        state = self.model.state_dict()
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        return cast_floats(state, self.dtype)
 
     # --- checkpoint ------------------------------------------------------------------------
 

@@ -121,7 +121,7 @@ def test_the_timeline_reads_the_same_events(tmp_path: Path) -> None:
 
 def test_the_simulator_writes_typed_events(tmp_path: Path) -> None:
     from rlix_async.config import convert
-    from rlix_async.config.schema import Scenario
+    from rlix_async.config.scenario import Scenario
     from rlix_async.sim.engine import Simulation
 
     sc = convert(

@@ -218,3 +218,27 @@ async def test_a_group_is_stopped_once_a_finished_request_is_too_old() -> None:
         Collector._stop_if_doomed(collector, requests)  # type: ignore[arg-type]
     assert not any(f.cancelled() for f in fresh + unknown)
     assert [f.cancelled() for f in doomed] == [False, False, True, True]
+
+
+def test_log_probs_follow_the_sampling_temperature_and_nucleus() -> None:
+    """The trainer's log-probs are of the distribution vLLM samples from: logits / T,
+    then top-p as vLLM cuts it (keep the fewest most likely tokens whose mass exceeds
+    p; the most likely always stays), renormalised."""
+    from rlix_async.train.algo import outside_top_p
+
+    logits = torch.tensor([[[0.0, 1.0, 2.0, 3.0]]])
+    target = torch.tensor([[2]])
+    hot = token_log_probs(logits, target, temperature=2.0)
+    assert torch.allclose(hot, torch.log_softmax(logits / 2.0, -1)[..., 2])
+    assert not torch.allclose(hot, token_log_probs(logits, target))
+    # probs 0.032, 0.087, 0.237, 0.644: p=0.7 keeps tokens 2 and 3, p=0.5 token 3 only
+    assert outside_top_p(logits, 0.7).tolist() == [[[True, True, False, False]]]
+    assert outside_top_p(logits, 0.5).tolist() == [[[True, True, True, False]]]
+    assert outside_top_p(logits, 0.01).tolist() == [[[True, True, True, False]]]
+    kept = torch.softmax(torch.tensor([2.0, 3.0]), -1)
+    nucleus = token_log_probs(logits, target, top_p=0.7)
+    assert torch.allclose(nucleus, kept[0].log().reshape(1, 1))
+    # a token outside the nucleus has probability 0 there
+    assert token_log_probs(logits, torch.tensor([[0]]), top_p=0.7).item() == float("-inf")
+    with pytest.raises(ValueError, match="temperature"):
+        token_log_probs(logits, target, temperature=0.0)

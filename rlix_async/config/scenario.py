@@ -1,0 +1,100 @@
+"""The simulator's scenario: a cluster, pipelines with stage times, and switch costs.
+
+``rlix-async simulate SCENARIO.yaml`` reads a :class:`Scenario`; its pipelines
+use the same topology rules as the real ones (``config/schema.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from rlix_async.config.schema import Config, _check_topology, doc, invalid
+from rlix_async.control.topology import (
+    ClusterName,
+    ClusterShape,
+    ClusterSpec,
+    PipelineId,
+    PriorityName,
+)
+
+
+class SwitchCosts(Config, frozen=True):
+    sleep_s: Annotated[float, doc("Seconds a shard takes to abort, drain and sleep.", ge=0)] = 0.0
+    wake_s: Annotated[float, doc("Seconds a shard takes to wake.", ge=0)] = 0.0
+    sync_gib_per_s: Annotated[float, doc("Weight sync bandwidth per shard, GiB/s.", gt=0)] = 2.0
+    model_gib: Annotated[float, doc("Weights moved per sync, GiB.", ge=0)] = 0.0
+
+    @property
+    def sync_s(self) -> float:
+        return self.model_gib / self.sync_gib_per_s
+
+
+class RolloutTimes(Config, frozen=True):
+    dist: Annotated[
+        Literal["lognormal", "pareto", "fixed"],
+        doc("Distribution of one trajectory's generation time."),
+    ] = "lognormal"
+    median_s: Annotated[float, doc("Median trajectory time, seconds.", gt=0)] = 60.0
+    sigma: Annotated[float, doc("lognormal: sigma of the log.", ge=0)] = 1.0
+    alpha: Annotated[float, doc("pareto: tail index.", gt=0)] = 1.5
+    max_s: Annotated[float, doc("Trajectories are cut at this many seconds.", gt=0)] = 3600.0
+
+
+class ScenarioPipeline(Config, frozen=True):
+    id: PipelineId
+    clusters: Annotated[
+        dict[ClusterName, ClusterSpec], doc("actor_train and actor_infer, at least.")
+    ]
+    start_s: Annotated[float, doc("Simulated second the pipeline starts.", ge=0)] = 0.0
+    steps: Annotated[int, doc("Training steps to simulate.", ge=1)] = 10
+    step_target: Annotated[int, doc("Trajectories per training step.", ge=1)] = 64
+    max_trajectory_age_steps: Annotated[
+        int, doc("Staleness bound, as in PipelineConfig (0: on-policy).", ge=0)
+    ] = 1
+    slots_per_shard: Annotated[int, doc("Trajectories one shard runs at once.", ge=1)] = 16
+    reprefill_s: Annotated[
+        float, doc("Seconds to resume a cut trajectory elsewhere (re-prefill).", ge=0)
+    ] = 0.0
+    rollout: Annotated[RolloutTimes, doc("How long trajectories take.")] = RolloutTimes()
+    stages: Annotated[
+        dict[PriorityName, Annotated[float, msgspec.Meta(ge=0)]],
+        doc("Seconds per training stage, run in order on actor_train."),
+    ] = msgspec.field(default_factory=lambda: {"ACTOR_TRAINING": 60.0})
+
+    def __post_init__(self) -> None:
+        for name in ("actor_train", "actor_infer"):
+            if name not in self.clusters:
+                raise invalid("clusters", f"{name} is required")
+
+    def topology(self) -> dict[ClusterName, ClusterSpec]:
+        return dict(self.clusters)
+
+    @property
+    def train_s(self) -> float:
+        return sum(self.stages.values())
+
+    def devices(self) -> set[int]:
+        return {d for c in self.clusters.values() for d in c.devices}
+
+
+class Scenario(Config, frozen=True):
+    cluster: Annotated[ClusterShape, doc("Nodes and devices per node.")]
+    pipelines: Annotated[list[ScenarioPipeline], doc("The pipelines.", min_length=1)]
+    switch: Annotated[SwitchCosts, doc("What moving a shard costs.")] = SwitchCosts()
+    plan_interval_s: Annotated[
+        float, doc("Planner debounce, simulated seconds (0: plan on every change).", ge=0)
+    ] = 1.0
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for i, p in enumerate(self.pipelines):
+            if p.id in seen:
+                raise invalid(f"pipelines[{i}].id", f"duplicate pipeline id {p.id!r}")
+            seen.add(p.id)
+            _check_topology(f"pipelines[{i}].clusters", p.clusters, self.cluster)
+
+    @property
+    def shape(self) -> ClusterShape:
+        return self.cluster

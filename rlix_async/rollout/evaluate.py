@@ -1,0 +1,132 @@
+"""Greedy evaluation of a text recipe on its pipeline's own shards, time-shared like rollout.
+
+An evaluation decodes every prompt of the eval set greedily (temperature 0) on
+weights of at least the version it evaluates, through the pipeline's router, and
+scores each response with the recipe's reward. Its demand goes to the planner as
+a progress stream of its own (``eval``: target = prompts, completed = answered),
+summed with the rollout's, so the coordinator keeps (or wakes) shards for it as
+it does for rollout, and it shares the cluster the same way. The result is a row
+of ``eval/<metric>`` means.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any
+
+from rlix_async.hooks import ClusterHooks
+from rlix_async.rollout.recipe import Sample, TextPrompts
+from rlix_async.shards.router import Trajectory
+
+log = logging.getLogger("rlix_async.eval")
+STREAM = "eval"
+
+
+def eval_due(step: int, every: int) -> bool:
+    """Evaluate the weights of ``step`` (0: before the first step) every ``every`` steps."""
+    return every > 0 and step % every == 0
+
+
+def summarize(
+    rewards: list[float],
+    extras: dict[str, list[float]],
+    lengths: list[int],
+    truncated: list[bool],
+    failed: int,
+) -> dict[str, float]:
+    """``eval/<metric>`` means; a request that failed scores 0 (counted in eval/failed)."""
+    n = len(rewards) + failed
+    row = {
+        "eval/reward": sum(rewards) / n if n else math.nan,
+        "eval/n": float(n),
+        "eval/failed": float(failed),
+        "eval/response_tokens": sum(lengths) / len(lengths) if lengths else math.nan,
+        "eval/truncated": sum(truncated) / len(truncated) if truncated else math.nan,
+    }
+    for name, values in extras.items():
+        finite = [v for v in values if not math.isnan(v)]
+        row[f"eval/{name}"] = sum(finite) / len(finite) if finite else math.nan
+    return row
+
+
+class Evaluator:
+    def __init__(
+        self,
+        prompts: TextPrompts,
+        hooks: ClusterHooks,
+        *,
+        max_tokens: int,
+        concurrency: int = 32,
+        timeout_s: float = 3600.0,
+    ) -> None:
+        self.prompts = prompts
+        self.hooks = hooks
+        self.max_tokens = max_tokens
+        self.concurrency = concurrency
+        self.timeout_s = timeout_s
+
+    async def run(self, version: int) -> dict[str, Any]:
+        """Evaluate weights ``version`` (or newer, if the shards moved on meanwhile)."""
+        t0 = time.monotonic()
+        samples = [Sample(p.ids, p.text, p.row, p.index) for p in self.prompts.dataset.prompts]
+        total, done = len(samples), 0
+        client = self.hooks.client
+        gate = asyncio.Semaphore(self.concurrency)
+        rewards: list[float] = []
+        extras: dict[str, list[float]] = {}
+        lengths: list[int] = []
+        truncated: list[bool] = []
+        versions: list[int] = []
+        failed = 0
+
+        async def one(sample: Sample) -> None:
+            nonlocal done, failed
+            async with gate:
+                try:
+                    traj = await self._generate(sample, version)
+                except Exception as exc:  # one prompt's failure is counted, not fatal
+                    failed += 1
+                    if failed == 1:
+                        log.error("eval at version %d: a request failed: %s", version, exc)
+                    traj = None
+            if traj is not None:
+                scored = await self.prompts.score(sample, [traj.token_ids])
+                rewards.append(scored.rewards[0])
+                for name, values in scored.extras.items():
+                    extras.setdefault(name, []).append(values[0])
+                lengths.append(len(traj.token_ids))
+                truncated.append(self._truncated(traj))
+                versions.extend(v for v in traj.versions if v is not None)
+            done += 1
+            await client.report_progress(total, done, STREAM)
+
+        await client.report_progress(total, 0, STREAM, force=True)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await asyncio.gather(*(one(s) for s in samples))
+        finally:
+            await client.clear_progress(STREAM)
+        row: dict[str, Any] = {"step": version}
+        row.update(summarize(rewards, extras, lengths, truncated, failed))
+        row["eval/weight_version_min"] = min(versions, default=version)
+        row["eval_s"] = round(time.monotonic() - t0, 3)
+        row["time"] = time.time()
+        return row
+
+    async def _generate(self, sample: Sample, version: int) -> Trajectory:
+        return await self.hooks.router.generate(
+            sample.ids,
+            self.max_tokens,
+            temperature=0.0,  # greedy
+            min_version=version,
+            stop_token_ids=self.prompts.stop_token_ids,
+            stop=self.prompts.stop,
+        )
+
+    def _truncated(self, traj: Trajectory) -> bool:
+        """Cut at max_tokens without reaching an end-of-sequence token."""
+        ended = bool(traj.token_ids) and traj.token_ids[-1] in self.prompts.stop_token_ids
+        return len(traj.token_ids) >= self.max_tokens and not ended

@@ -1,0 +1,225 @@
+"""Where a pipeline's prompts come from and how its responses are scored.
+
+Two kinds, one interface for the collector and the evaluator:
+
+- :class:`TokenTaskPrompts`: a token-id task (``rollout/tasks.py``): random
+  prompts from the vocabulary, scored on token ids. The fast test fixtures.
+- :class:`TextPrompts`: a text recipe: rows of a dataset rendered with the
+  model's chat template (``rollout/dataset.py``), responses decoded and scored
+  by the user's reward (``rollout/rewards.py``), off the event loop.
+
+:func:`load_recipe` builds a text recipe from a pipeline config: tokenizer,
+datasets and reward, each failure a :class:`RecipeError` naming the file. The
+launcher calls it before any process starts, so a missing file, a row without
+the prompt key or a reward that does not import is a config error, not a crash
+inside torchrun after the engines are up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlix_async.config import PipelineConfig
+from rlix_async.rollout.dataset import DataError, PromptDataset, PromptOrder
+from rlix_async.rollout.rewards import RewardError, RewardRunner, load_reward
+from rlix_async.rollout.tasks import Task, make_task
+
+
+class RecipeError(ValueError):
+    """A text recipe that cannot run (bad data, a reward that does not load): one line."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt to sample a group of responses for."""
+
+    ids: list[int]
+    text: str = ""  # the rendered prompt (text recipes)
+    row: dict[str, Any] = field(default_factory=dict)  # the row's other fields, for the reward
+    index: int = -1  # the row in its file
+
+
+@dataclass
+class Scored:
+    rewards: list[float]
+    texts: list[str]  # the responses decoded ([] for token-id tasks)
+    extras: dict[str, list[float]]  # the reward's named extras (nan where a response had none)
+
+
+class TokenTaskPrompts:
+    """Random prompts of a token-id task; the score is a pure function of the tokens."""
+
+    stop_token_ids: list[int] = []
+    stop: list[str] = []
+
+    def __init__(self, task: Task, seed: int) -> None:
+        self.task = task
+        self.rng = random.Random(seed)
+
+    def next(self) -> Sample:
+        return Sample(self.task.prompt(self.rng))
+
+    async def score(self, sample: Sample, responses: list[list[int]]) -> Scored:
+        return Scored([self.task.score(sample.ids, r) for r in responses], [], {})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"driver_rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.setstate(_as_rng_state(state["driver_rng"]))
+
+
+class TextPrompts:
+    """Rows of a dataset in a deterministic order per epoch, scored by the user's reward."""
+
+    def __init__(
+        self,
+        dataset: PromptDataset,
+        tokenizer: Any,
+        runner: RewardRunner,
+        *,
+        order: PromptOrder | None = None,
+        stop_token_ids: list[int] | None = None,
+        stop: list[str] | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.order = order
+        self.stop_token_ids = list(stop_token_ids or [])
+        self.stop = list(stop or [])
+
+    def next(self) -> Sample:
+        if self.order is None:
+            raise RuntimeError("an evaluation set is read in file order, not drawn from")
+        p = self.dataset.prompts[self.order.next()]
+        return Sample(p.ids, p.text, p.row, p.index)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    async def score(self, sample: Sample, responses: list[list[int]]) -> Scored:
+        texts = [self.decode(r) for r in responses]
+        scores = await asyncio.gather(
+            *(self.runner.score(sample.text, t, sample.row) for t in texts)
+        )
+        names = sorted({k for s in scores for k in s.extras})
+        extras = {k: [s.extras.get(k, math.nan) for s in scores] for k in names}
+        return Scored([s.value for s in scores], texts, extras)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"data_order": self.order.state_dict() if self.order is not None else {}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.order is not None and state.get("data_order"):
+            self.order.load_state_dict(state["data_order"])
+
+
+PromptSource = TokenTaskPrompts | TextPrompts
+
+
+def _as_rng_state(state: Any) -> tuple[Any, ...]:
+    """random.getstate() after a round trip through a checkpoint (lists for tuples)."""
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+@dataclass
+class Recipe:
+    """A text recipe, loaded: what rank 0's collector and evaluator use."""
+
+    tokenizer: Any
+    train: PromptDataset
+    eval: PromptDataset | None
+    runner: RewardRunner
+    stop_token_ids: list[int]
+
+    def train_prompts(self, cfg: PipelineConfig) -> TextPrompts:
+        assert cfg.data is not None
+        order = PromptOrder(len(self.train), cfg.seed, shuffle=cfg.data.shuffle)
+        return self._prompts(self.train, cfg, order)
+
+    def eval_prompts(self, cfg: PipelineConfig) -> TextPrompts | None:
+        return None if self.eval is None else self._prompts(self.eval, cfg, None)
+
+    def _prompts(
+        self, dataset: PromptDataset, cfg: PipelineConfig, order: PromptOrder | None
+    ) -> TextPrompts:
+        return TextPrompts(
+            dataset,
+            self.tokenizer,
+            self.runner,
+            order=order,
+            stop_token_ids=self.stop_token_ids,
+            stop=list(cfg.rollout.stop),
+        )
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def stop_token_ids(model_path: str, tokenizer: Any) -> list[int]:
+    """The ids a response ends at: the tokenizer's end of sequence and the model's
+    generation config's (which may name several, e.g. an end-of-turn token too)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if (Path(model_path) / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    return sorted(ids)
+
+
+def load_recipe(cfg: PipelineConfig) -> Recipe:
+    """Tokenizer, datasets and reward of a text recipe; RecipeError names what is wrong."""
+    data = cfg.data
+    if data is None or cfg.model.path is None or cfg.reward is None:
+        raise RecipeError(f"pipeline {cfg.id}: not a text recipe (data, model.path, reward)")
+    model = Path(cfg.model.path)
+    if not (model / "config.json").is_file():
+        raise RecipeError(f"model.path: {model} is not a Hugging Face model directory")
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+    except (OSError, ValueError) as exc:
+        raise RecipeError(f"model.path: {model}: no tokenizer ({_one_line(exc)})") from None
+    try:
+        runner = RewardRunner(
+            load_reward(cfg.reward, cfg.reward_args), timeout_s=cfg.reward_timeout_s
+        )
+    except RewardError as exc:
+        raise RecipeError(f"reward: {exc}") from None
+    try:
+        keys = data.keys
+        train = PromptDataset(
+            data.train, tokenizer, max_prompt_tokens=data.max_prompt_tokens, **keys
+        )
+        evaluation = None
+        if data.eval is not None:
+            evaluation = PromptDataset(
+                data.eval, tokenizer, max_prompt_tokens=data.max_prompt_tokens, **keys
+            )
+            if data.eval_rows is not None:
+                del evaluation.prompts[data.eval_rows :]
+    except DataError as exc:
+        runner.close()
+        raise RecipeError(str(exc)) from None
+    return Recipe(tokenizer, train, evaluation, runner, stop_token_ids(str(model), tokenizer))
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
+
+
+def make_token_prompts(cfg: PipelineConfig) -> TokenTaskPrompts:
+    task = cfg.token_task
+    assert task is not None, "a text recipe has no token task"
+    return TokenTaskPrompts(make_task(task), cfg.seed)
