@@ -36,6 +36,7 @@ def summarize(
     lengths: list[int],
     truncated: list[bool],
     failed: int,
+    reward_failed: int = 0,
 ) -> dict[str, float]:
     """``eval/<metric>`` means; a request that failed scores 0 (counted in eval/failed)."""
     n = len(rewards) + failed
@@ -43,6 +44,7 @@ def summarize(
         "eval/reward": sum(rewards) / n if n else math.nan,
         "eval/n": float(n),
         "eval/failed": float(failed),
+        "eval/reward_failed": float(reward_failed),
         "eval/response_tokens": sum(lengths) / len(lengths) if lengths else math.nan,
         "eval/truncated": sum(truncated) / len(truncated) if truncated else math.nan,
     }
@@ -80,10 +82,10 @@ class Evaluator:
         lengths: list[int] = []
         truncated: list[bool] = []
         versions: list[int] = []
-        failed = 0
+        failed = reward_failed = 0
 
         async def one(sample: Sample) -> None:
-            nonlocal done, failed
+            nonlocal done, failed, reward_failed
             async with gate:
                 try:
                     traj = await self._generate(sample, version)
@@ -95,6 +97,7 @@ class Evaluator:
             if traj is not None:
                 scored = await self.prompts.score(sample, [traj.token_ids])
                 rewards.append(scored.rewards[0])
+                reward_failed += scored.failed
                 for name, values in scored.extras.items():
                     extras.setdefault(name, []).append(values[0])
                 lengths.append(len(traj.token_ids))
@@ -110,7 +113,7 @@ class Evaluator:
         finally:
             await client.clear_progress(STREAM)
         row: dict[str, Any] = {"step": version}
-        row.update(summarize(rewards, extras, lengths, truncated, failed))
+        row.update(summarize(rewards, extras, lengths, truncated, failed, reward_failed))
         row["eval/weight_version_min"] = min(versions, default=version)
         row["eval_s"] = round(time.monotonic() - t0, 3)
         row["time"] = time.time()

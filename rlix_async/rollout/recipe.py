@@ -49,6 +49,7 @@ class Scored:
     rewards: list[float]
     texts: list[str]  # the responses decoded ([] for token-id tasks)
     extras: dict[str, list[float]]  # the reward's named extras (nan where a response had none)
+    failed: int = 0  # reward calls that raised, timed out or returned no finite score
 
 
 class TokenTaskPrompts:
@@ -110,7 +111,8 @@ class TextPrompts:
         )
         names = sorted({k for s in scores for k in s.extras})
         extras = {k: [s.extras.get(k, math.nan) for s in scores] for k in names}
-        return Scored([s.value for s in scores], texts, extras)
+        failed = sum(s.error is not None for s in scores)
+        return Scored([s.value for s in scores], texts, extras, failed)
 
     def state_dict(self) -> dict[str, Any]:
         return {"data_order": self.order.state_dict() if self.order is not None else {}}

@@ -37,19 +37,34 @@ def token_log_probs(
     likely), so these match the engine's ``processed_logprobs`` and the importance
     ratio compares like with like. The mask carries no gradient; the kept logits do.
     """
-    logp = sampling_log_softmax(logits, temperature=temperature, top_p=top_p)
+    logp = sampling_log_softmax(logits, temperature=temperature, top_p=top_p, keep=targets)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def sampling_log_softmax(
-    logits: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Log-probabilities of every token under the sampling distribution (float32)."""
+    """Log-probabilities of every token under the sampling distribution (float32).
+
+    ``keep`` [B, T]: token ids never cut by top-p, the tokens actually sampled. The
+    engine sampled them from its nucleus, but the trainer's logits differ from the
+    engine's in the last bits (and after an update, by more): a token at the edge of
+    the nucleus would get log-prob -inf here and turn the loss into NaN. Kept, it
+    is renormalised over the nucleus plus itself: the engine's value whenever it is
+    inside, finite always.
+    """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     scaled = logits.float() / temperature
     if top_p < 1.0:
-        scaled = scaled.masked_fill(outside_top_p(scaled.detach(), top_p), float("-inf"))
+        outside = outside_top_p(scaled.detach(), top_p)
+        if keep is not None:
+            outside = outside.scatter(-1, keep.unsqueeze(-1), False)
+        scaled = scaled.masked_fill(outside, float("-inf"))
     return torch.log_softmax(scaled, dim=-1)
 
 
@@ -103,6 +118,14 @@ def policy_loss(
     if ref_logp is not None:
         ref_logp = ref_logp.float()
     mask = mask.float()
+    # positions outside the responses (prompt, padding) may hold -inf log-probs:
+    # zeroed, so that 0 * inf never turns the masked sum into NaN
+    live = mask > 0
+    logp, old_logp = logp.where(live, 0.0), old_logp.where(live, 0.0)
+    if behavior_logp is not None:
+        behavior_logp = behavior_logp.where(live, 0.0)
+    if ref_logp is not None:
+        ref_logp = ref_logp.where(live, 0.0)
     n = mask.sum().clamp(min=1.0)
     adv = advantages.unsqueeze(-1)
     ratio = torch.exp(logp - old_logp)

