@@ -41,7 +41,8 @@ def demo_config(out: str, steps: int = STEPS, overrides: Sequence[str] = ()) -> 
     return convert(raw, LaunchConfig, "rlix_async/demo.yaml", overrides)
 
 
-def read_metrics(out: Path, pid: str) -> list[dict[str, Any]]:
+def read_metrics(out: Path, pid: str, *, evals: bool = False) -> list[dict[str, Any]]:
+    """A pipeline's step rows (``evals``: its evaluation rows, ``eval/...``), one per step."""
     path = out / pid / "metrics.jsonl"
     if not path.exists():
         return []
@@ -52,7 +53,8 @@ def read_metrics(out: Path, pid: str) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue  # a line being written
     # a resumed pipeline repeats steps after its checkpoint: the latest wins
-    by_step = {r["step"]: r for r in rows}
+    key = "eval/reward" if evals else "reward"
+    by_step = {r["step"]: r for r in rows if key in r}
     return [by_step[s] for s in sorted(by_step)]
 
 

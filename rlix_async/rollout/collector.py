@@ -25,6 +25,8 @@ from rlix_async.shards.router import Trajectory
 from rlix_async.train.buffer import Group, ReplayBuffer
 
 log = logging.getLogger("rlix_async.rollout")
+# drop_uniform_groups resamples at most this many batches' worth of groups in a row
+UNIFORM_LIMIT = 10
 
 
 class Collector:
@@ -53,6 +55,9 @@ class Collector:
         # requests stopped unfinished because a finished sibling made their group too
         # old to train on (the group was bound to be dropped: why finish decoding it)
         self.cancelled_stale = 0
+        self.filtered = 0  # trajectories of groups dropped for equal rewards (drop_uniform_groups)
+        self.uniform_in_a_row = 0  # groups filtered since the last one buffered
+        self.reward_failed = 0  # trajectories left out because their reward failed
         self.training = False  # a batch is taken and its step not yet published
         self._groups: list[list[asyncio.Future[Trajectory]]] = []  # requests in flight
         self._room = asyncio.Event()
@@ -87,6 +92,8 @@ class Collector:
             "generated": self.generated,
             "failed": self.failed,
             "cancelled_stale": self.cancelled_stale,
+            "filtered": self.filtered,
+            "reward_failed": self.reward_failed,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -95,6 +102,8 @@ class Collector:
         self.generated = state.get("generated", 0)
         self.failed = state.get("failed", 0)
         self.cancelled_stale = state.get("cancelled_stale", 0)
+        self.filtered = state.get("filtered", 0)
+        self.reward_failed = state.get("reward_failed", 0)
 
     async def run(self) -> None:
         """Keep groups in flight while the buffer needs them and they cannot go stale."""
@@ -161,6 +170,7 @@ class Collector:
                 await self.report()
         finally:
             self._groups.remove(requests)
+            self.prompts.settle(sample)  # its row is no longer in flight (data order)
             for r in requests:  # this task cancelled (shutdown): its requests end with it
                 r.cancel()
             self.in_flight -= 1
@@ -182,30 +192,63 @@ class Collector:
         self.resumed += sum(1 for t in trajs if t.resumes)
         # doomed: what finished is dropped as stale, nothing is trained; fewer than two
         # answers: no advantage to compute, the group is discarded (lost work)
-        outcome = "stale" if cancelled else "unusable" if len(trajs) < 2 else "buffered"
+        outcome = "stale" if cancelled else "unusable" if len(trajs) < 2 else None
+        if outcome is not None:
+            if self.ledger is not None:
+                self.ledger.finished(gid, len(trajs), failed, cancelled, outcome)
+            if outcome == "stale":
+                self.cancelled_stale += cancelled
+                self.buffer.add_stale(len(trajs))
+            return False
+        scored = await self.prompts.score(sample, [t.token_ids for t in trajs])
+        # a response whose reward failed (raised, timed out, not finite) is counted and
+        # left out: a 0 there would be a verdict the reward never gave
+        kept = [i for i, error in enumerate(scored.errors) if not error]
+        reward_failed = len(trajs) - len(kept)
+        self.reward_failed += reward_failed
+        trajs = [trajs[i] for i in kept]
+        rewards = [scored.rewards[i] for i in kept]
+        texts = [scored.texts[i] for i in kept] if scored.texts else []
+        extras = {k: [v[i] for i in kept] for k, v in scored.extras.items()}
+        failed += reward_failed
+        outcome = "buffered"
+        if len(trajs) < 2:
+            outcome = "unusable"
+        elif self.cfg.rollout.drop_uniform_groups and len(set(rewards)) == 1:
+            # DAPO's dynamic sampling: every answer scored alike, no advantage, no
+            # gradient; another prompt takes its room. Bounded: after many in a row
+            # (the policy solves, or fails, everything) they are trained on, with a warning
+            self.uniform_in_a_row += 1
+            if self.uniform_in_a_row <= UNIFORM_LIMIT * self.cfg.rollout.groups_per_step:
+                outcome = "filtered"
+            elif self.uniform_in_a_row == UNIFORM_LIMIT * self.cfg.rollout.groups_per_step + 1:
+                log.warning(
+                    "%s: %d groups in a row scored alike; training on them (no gradient) "
+                    "instead of resampling forever",
+                    self.cfg.id,
+                    self.uniform_in_a_row - 1,
+                )
+        if outcome == "buffered":
+            self.uniform_in_a_row = 0
         if self.ledger is not None:
             self.ledger.finished(gid, len(trajs), failed, cancelled, outcome)
-        if outcome == "stale":
-            self.cancelled_stale += cancelled
-            self.buffer.add_stale(len(trajs))
+        if outcome == "filtered":
+            self.filtered += len(trajs)
+            self._room.set()
+        if outcome != "buffered":
             return False
-        if outcome == "unusable":
-            return False
-        responses = [t.token_ids for t in trajs]
-        # a failed reward scores 0 and is counted by the runner: the group goes on
-        scored = await self.prompts.score(sample, responses)
         self.buffer.add(
             Group(
                 prompt=sample.ids,
-                responses=responses,
+                responses=[t.token_ids for t in trajs],
                 logprobs=[t.logprobs for t in trajs],
                 versions=[[0 if v is None else v for v in t.versions] for t in trajs],
-                rewards=scored.rewards,
+                rewards=rewards,
                 resumes=sum(t.resumes for t in trajs),
                 id=gid,
                 prompt_text=sample.text,
-                response_texts=scored.texts,
-                reward_extras=scored.extras,
+                response_texts=texts,
+                reward_extras=extras,
             )
         )
         return True

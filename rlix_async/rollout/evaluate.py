@@ -48,9 +48,9 @@ def summarize(
         "eval/response_tokens": sum(lengths) / len(lengths) if lengths else math.nan,
         "eval/truncated": sum(truncated) / len(truncated) if truncated else math.nan,
     }
-    for name, values in extras.items():
+    for name, values in extras.items():  # the reward's extras, apart from the fields above
         finite = [v for v in values if not math.isnan(v)]
-        row[f"eval/{name}"] = sum(finite) / len(finite) if finite else math.nan
+        row[f"eval/reward/{name}"] = sum(finite) / len(finite) if finite else math.nan
     return row
 
 
@@ -86,7 +86,7 @@ class Evaluator:
 
         async def one(sample: Sample) -> None:
             nonlocal done, failed, reward_failed
-            async with gate:
+            async with gate:  # generation and scoring: at most `concurrency` at once
                 try:
                     traj = await self._generate(sample, version)
                 except Exception as exc:  # one prompt's failure is counted, not fatal
@@ -94,15 +94,15 @@ class Evaluator:
                     if failed == 1:
                         log.error("eval at version %d: a request failed: %s", version, exc)
                     traj = None
-            if traj is not None:
-                scored = await self.prompts.score(sample, [traj.token_ids])
-                rewards.append(scored.rewards[0])
-                reward_failed += scored.failed
-                for name, values in scored.extras.items():
-                    extras.setdefault(name, []).append(values[0])
-                lengths.append(len(traj.token_ids))
-                truncated.append(self._truncated(traj))
-                versions.extend(v for v in traj.versions if v is not None)
+                if traj is not None:
+                    scored = await self.prompts.score(sample, [traj.token_ids])
+                    rewards.append(scored.rewards[0])  # a failed reward scores 0 here
+                    reward_failed += sum(scored.errors)
+                    for name, values in scored.extras.items():
+                        extras.setdefault(name, []).append(values[0])
+                    lengths.append(len(traj.token_ids))
+                    truncated.append(self._truncated(traj))
+                    versions.extend(v for v in traj.versions if v is not None)
             done += 1
             await client.report_progress(total, done, STREAM)
 
@@ -114,7 +114,9 @@ class Evaluator:
             await client.clear_progress(STREAM)
         row: dict[str, Any] = {"step": version}
         row.update(summarize(rewards, extras, lengths, truncated, failed, reward_failed))
+        # the weights it ran on: at least `version` (the shards may have moved on)
         row["eval/weight_version_min"] = min(versions, default=version)
+        row["eval/weight_version_max"] = max(versions, default=version)
         row["eval_s"] = round(time.monotonic() - t0, 3)
         row["time"] = time.time()
         return row

@@ -15,8 +15,9 @@ starts in this ledger, ``seq`` its groups in that run. Events (``ev``):
 - ``requested``: a group's ``n`` requests went to the router, at trainer version ``v``;
 - ``finished``: they came back: ``ok`` with tokens, ``failed`` (raised),
   ``cancelled`` (stopped early: a finished sibling had made the group too old), and
-  the ``outcome``: ``buffered``, ``stale`` (dropped at once) or ``unusable`` (fewer
-  than two answers: nothing to compare, discarded);
+  the ``outcome``: ``buffered``, ``stale`` (dropped at once), ``unusable`` (fewer
+  than two answers: nothing to compare, discarded) or ``filtered`` (every answer
+  scored alike, dropped by ``rollout.drop_uniform_groups``: by choice, not lost);
 - ``dropped``: buffered groups too old for trainer version ``v``;
 - ``taken``: the groups of the batch trained at version ``v`` (into step ``v + 1``);
 - ``checkpoint``: the checkpoint of ``step`` is on disk: what was taken below that
@@ -145,6 +146,7 @@ class Tally:
     pending: int = 0  # buffered, in flight or in an unsaved step: the run is not over
     failed: int = 0  # their generation raised
     discarded: int = 0  # finished, but too few of their group did to use it
+    filtered: int = 0  # their group's rewards were all equal (drop_uniform_groups): not lost
     lost_to_restarts: int = 0  # finished, in flight or trained after the checkpoint resumed from
     restarts: int = 0
 
@@ -159,7 +161,8 @@ class Tally:
 @dataclass
 class _Group:
     n: int
-    state: str = "flight"  # flight buffered taken | trained dropped lost discarded left_over
+    # flight buffered taken | trained dropped lost discarded filtered left_over
+    state: str = "flight"
     live: int = 0  # its trajectories that the state is about (the finished ones, once back)
     version: int = 0  # the version it was taken at
     failed: int = 0
@@ -188,7 +191,9 @@ def tally(path: Path) -> Tally:
         elif ev == "finished":
             g = groups[e["g"]]
             g.failed, g.cancelled, g.live, g.back = e["failed"], e["cancelled"], e["ok"], True
-            g.state = {"buffered": "buffered", "stale": "dropped"}.get(e["outcome"], "discarded")
+            g.state = {"buffered": "buffered", "stale": "dropped", "filtered": "filtered"}.get(
+                e["outcome"], "discarded"
+            )
         elif ev in ("dropped", "taken"):
             for gid in e["g"]:
                 if gid in groups:  # a checkpoint from before the ledger: ids unknown

@@ -41,7 +41,7 @@ class Sample:
     ids: list[int]
     text: str = ""  # the rendered prompt (text recipes)
     row: dict[str, Any] = field(default_factory=dict)  # the row's other fields, for the reward
-    index: int = -1  # the row in its file
+    index: int = -1  # text recipes: its position in the dataset's prompts
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Scored:
     rewards: list[float]
     texts: list[str]  # the responses decoded ([] for token-id tasks)
     extras: dict[str, list[float]]  # the reward's named extras (nan where a response had none)
-    failed: int = 0  # reward calls that raised, timed out or returned no finite score
+    errors: list[bool] = field(default_factory=list)  # per response: its reward failed
 
 
 class TokenTaskPrompts:
@@ -66,7 +66,12 @@ class TokenTaskPrompts:
         return Sample(self.task.prompt(self.rng))
 
     async def score(self, sample: Sample, responses: list[list[int]]) -> Scored:
-        return Scored([self.task.score(sample.ids, r) for r in responses], [], {})
+        return Scored(
+            [self.task.score(sample.ids, r) for r in responses], [], {}, [False] * len(responses)
+        )
+
+    def settle(self, sample: Sample) -> None:
+        """Random prompts: nothing to keep track of."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"driver_rng": self.rng.getstate()}
@@ -94,12 +99,25 @@ class TextPrompts:
         self.order = order
         self.stop_token_ids = list(stop_token_ids or [])
         self.stop = list(stop or [])
+        # positions (in dataset.prompts) drawn and not yet settled: a checkpoint keeps
+        # them, and a resume hands them out first, so no row is skipped by a restart
+        self.in_flight: list[int] = []
+        self.replay: list[int] = []
 
     def next(self) -> Sample:
+        """The next row: first those a checkpoint had in flight, then the epoch's order."""
         if self.order is None:
             raise RuntimeError("an evaluation set is read in file order, not drawn from")
-        p = self.dataset.prompts[self.order.next()]
-        return Sample(p.ids, p.text, p.row, p.index)
+        position = self.replay.pop(0) if self.replay else self.order.next()
+        self.in_flight.append(position)
+        p = self.dataset.prompts[position]
+        return Sample(p.ids, p.text, p.row, position)
+
+    def settle(self, sample: Sample) -> None:
+        """The sample's group came back (buffered, dropped or filtered): its row is no
+        longer one a checkpoint must hand out again."""
+        if sample.index in self.in_flight:
+            self.in_flight.remove(sample.index)
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -111,15 +129,22 @@ class TextPrompts:
         )
         names = sorted({k for s in scores for k in s.extras})
         extras = {k: [s.extras.get(k, math.nan) for s in scores] for k in names}
-        failed = sum(s.error is not None for s in scores)
-        return Scored([s.value for s in scores], texts, extras, failed)
+        errors = [s.error is not None for s in scores]
+        return Scored([s.value for s in scores], texts, extras, errors)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"data_order": self.order.state_dict() if self.order is not None else {}}
+        return {
+            "data_order": self.order.state_dict() if self.order is not None else {},
+            "data_in_flight": [*self.replay, *self.in_flight],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.order is not None and state.get("data_order"):
-            self.order.load_state_dict(state["data_order"])
+        if self.order is None:
+            return
+        if "data_order" not in state:
+            raise ValueError("the checkpoint holds no data position (a token-task run?)")
+        self.order.load_state_dict(state["data_order"])
+        self.replay = [int(i) for i in state.get("data_in_flight", [])]
 
 
 PromptSource = TokenTaskPrompts | TextPrompts
@@ -140,6 +165,9 @@ class Recipe:
     eval: PromptDataset | None
     runner: RewardRunner
     stop_token_ids: list[int]
+    # evaluation's own threads and failure count: an evaluation never delays (or times
+    # out) the rollout's rewards, and its failures are its own
+    eval_runner: RewardRunner | None = None
 
     def train_prompts(self, cfg: PipelineConfig) -> TextPrompts:
         assert cfg.data is not None
@@ -147,15 +175,21 @@ class Recipe:
         return self._prompts(self.train, cfg, order)
 
     def eval_prompts(self, cfg: PipelineConfig) -> TextPrompts | None:
-        return None if self.eval is None else self._prompts(self.eval, cfg, None)
+        if self.eval is None:
+            return None
+        return self._prompts(self.eval, cfg, None, self.eval_runner or self.runner)
 
     def _prompts(
-        self, dataset: PromptDataset, cfg: PipelineConfig, order: PromptOrder | None
+        self,
+        dataset: PromptDataset,
+        cfg: PipelineConfig,
+        order: PromptOrder | None,
+        runner: RewardRunner | None = None,
     ) -> TextPrompts:
         return TextPrompts(
             dataset,
             self.tokenizer,
-            self.runner,
+            runner or self.runner,
             order=order,
             stop_token_ids=self.stop_token_ids,
             stop=list(cfg.rollout.stop),
@@ -163,6 +197,13 @@ class Recipe:
 
     def close(self) -> None:
         self.runner.close()
+        if self.eval_runner is not None:
+            self.eval_runner.close()
+
+    @property
+    def stuck(self) -> int:
+        """Reward calls that timed out and still hold a thread."""
+        return self.runner.stuck + (self.eval_runner.stuck if self.eval_runner else 0)
 
 
 def stop_token_ids(model_path: str, tokenizer: Any) -> list[int]:
@@ -191,12 +232,13 @@ def load_recipe(cfg: PipelineConfig) -> Recipe:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model))
+        stops = stop_token_ids(str(model), tokenizer)
     except (OSError, ValueError) as exc:
-        raise RecipeError(f"model.path: {model}: no tokenizer ({_one_line(exc)})") from None
+        raise RecipeError(f"model.path: {model}: no usable tokenizer ({_one_line(exc)})") from None
+    if len(stops) > 64:
+        raise RecipeError(f"model.path: {model}: {len(stops)} end-of-sequence ids (at most 64)")
     try:
-        runner = RewardRunner(
-            load_reward(cfg.reward, cfg.reward_args), timeout_s=cfg.reward_timeout_s
-        )
+        reward = load_reward(cfg.reward, cfg.reward_args)
     except RewardError as exc:
         raise RecipeError(f"reward: {exc}") from None
     try:
@@ -212,9 +254,12 @@ def load_recipe(cfg: PipelineConfig) -> Recipe:
             if data.eval_rows is not None:
                 del evaluation.prompts[data.eval_rows :]
     except DataError as exc:
-        runner.close()
         raise RecipeError(str(exc)) from None
-    return Recipe(tokenizer, train, evaluation, runner, stop_token_ids(str(model), tokenizer))
+    runner = RewardRunner(reward, timeout_s=cfg.reward_timeout_s)
+    eval_runner = (
+        RewardRunner(reward, timeout_s=cfg.reward_timeout_s) if evaluation is not None else None
+    )
+    return Recipe(tokenizer, train, evaluation, runner, stops, eval_runner)
 
 
 def _one_line(exc: BaseException) -> str:

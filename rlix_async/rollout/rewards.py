@@ -296,22 +296,57 @@ class RewardRunner:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_threads, thread_name_prefix="reward"
         )
+        # one slot per thread, held until the thread is free again (not until the call
+        # times out): a call's timeout starts once a thread runs it, never in a queue
+        self._slots = asyncio.Semaphore(max_threads)
+        self.max_threads = max_threads
+        self.stuck = 0  # calls that timed out and still hold their thread
+
+    async def _in_thread(self, prompt: str, response: str, row: dict[str, Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        try:  # a free thread: bounded, since timed-out calls may hold every one forever
+            async with asyncio.timeout(self.timeout_s * 10):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise RuntimeError(
+                f"no reward thread free for {self.timeout_s * 10:g} s "
+                f"({self.stuck} of {self.max_threads} held by calls that timed out)"
+            ) from None
+        future = self._pool.submit(self.reward, prompt, response, row)
+
+        def freed(_: concurrent.futures.Future[Any]) -> None:
+            loop.call_soon_threadsafe(self._slots.release)
+
+        future.add_done_callback(freed)
+        try:
+            async with asyncio.timeout(self.timeout_s) as deadline:
+                return await asyncio.wrap_future(future)
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # the reward's own TimeoutError
+            if not future.done():
+                self.stuck += 1
+                future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._unstuck))
+            raise _TimedOut from None
+
+    def _unstuck(self) -> None:
+        self.stuck -= 1
 
     async def score(self, prompt: str, response: str, row: dict[str, Any]) -> Score:
         """The response's Score; a failed one (counted) when the reward misbehaves."""
         try:
-            async with asyncio.timeout(self.timeout_s) as deadline:
-                if self.reward.is_async:
-                    result = await self.reward(prompt, response, row)
-                else:
-                    loop = asyncio.get_running_loop()
-                    result = await loop.run_in_executor(
-                        self._pool, self.reward, prompt, response, row
-                    )
-        except TimeoutError as exc:
-            if deadline.expired():
-                return self._fail(f"timed out after {self.timeout_s:g} s", row)
-            return self._fail(_raised(exc), row)
+            if self.reward.is_async:
+                try:
+                    async with asyncio.timeout(self.timeout_s) as deadline:
+                        result = await self.reward(prompt, response, row)
+                except TimeoutError:
+                    if deadline.expired():
+                        raise _TimedOut from None
+                    raise
+            else:
+                result = await self._in_thread(prompt, response, row)
+        except _TimedOut:
+            return self._fail(f"timed out after {self.timeout_s:g} s", row)
         except Exception as exc:
             return self._fail(_raised(exc), row)
         value, extras, error = _read_result(result)
@@ -334,6 +369,10 @@ class RewardRunner:
         else:
             logger.debug("reward %r failed: %s", self.reward.name, error)
         return Score(value=0.0, extras={}, error=error)
+
+
+class _TimedOut(Exception):
+    """Our timeout fired (not a TimeoutError the reward raised itself)."""
 
 
 def _read_result(result: Any) -> tuple[float, dict[str, float], str | None]:

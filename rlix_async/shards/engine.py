@@ -22,6 +22,9 @@ class GenerationChunk:
     logprobs: list[float] = field(default_factory=list)
     finished: bool = False
     weight_version: int | None = None  # the weights these tokens were decoded with
+    # why it finished: "stop" (end of sequence, a stop token or string) and "length"
+    # (max_tokens) are ends of the response; "abort" or None (unknown) is not
+    finish_reason: str | None = None
 
 
 class ShardEngine(Protocol):

@@ -28,8 +28,8 @@ class Generate(Message):
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
     seed: int | None = None
     # Text recipes: end the response at any of these token ids (the tokenizer's
-    # end-of-sequence) or strings (kept in the response). Tokens only on resume: a
-    # string cut in two by a shrink is not seen.
+    # end-of-sequence) or strings (kept in the response). A string split across the
+    # point where a shrink cut the response is not seen by the resumed request.
     stop_token_ids: Annotated[list[int], msgspec.Meta(max_length=64)] = []
     stop: Annotated[list[str], msgspec.Meta(max_length=16)] = []
     # The oldest weight version this request may run on (None: any). A shard on

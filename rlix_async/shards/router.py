@@ -196,6 +196,8 @@ class Router:
             stale_deadline = None
             if not reply.preempted:
                 break
+            if stop_token_ids and traj.token_ids and traj.token_ids[-1] in stop_token_ids:
+                break  # it ended at its end of sequence as it was cut: nothing to resume
             traj.resumes += 1
         return traj
 

@@ -65,7 +65,7 @@ class VllmEngine:
             # are matched with (a random test model has none).
             skip_tokenizer_init=not self.has_tokenizer,
             # log-probs of the distribution tokens are sampled from (after temperature
-            # and top-p), which the trainer recomputes (train/algo.py sampling_log_probs):
+            # and top-p), which the trainer recomputes (train/algo.py token_log_probs):
             # the default, raw logits, would bias every importance ratio when T != 1
             logprobs_mode="processed_logprobs",
             dtype=config.dtype,
@@ -136,7 +136,8 @@ class VllmEngine:
                             step[tok].logprob  # type: ignore[index]  # set: we asked for them
                             for tok, step in zip(comp.token_ids, comp.logprobs, strict=False)
                         ]
-                yield GenerationChunk(list(tokens), list(lps), out.finished, version)
+                reason = comp.finish_reason if out.finished else None
+                yield GenerationChunk(list(tokens), list(lps), out.finished, version, reason)
         finally:
             self._inflight.discard(rid)
 

@@ -138,14 +138,20 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
         receives nothing keeps its old tensor (the output layer would stay stale)."""
         names = {name for name, _ in named}
         text_config = getattr(self.model_config, "hf_text_config", None)
+        head = getattr(self.model, "lm_head", None)
         if (
-            getattr(text_config, "tie_word_embeddings", False)
-            and "lm_head.weight" not in names
-            and "model.embed_tokens.weight" in names
+            not getattr(text_config, "tie_word_embeddings", False)
+            or "lm_head.weight" in names
+            or not isinstance(head, torch.nn.Module)  # e.g. Gemma: logits from the embedding
         ):
-            embed = next(t for name, t in named if name == "model.embed_tokens.weight")
-            return [*named, ("lm_head.weight", embed)]
-        return named
+            return named
+        embed = next((t for name, t in named if name == "model.embed_tokens.weight"), None)
+        if embed is None:  # a tied model whose embedding has another name: never stale silently
+            raise SyncError(
+                "the model ties lm_head to its embedding, and the update holds neither "
+                "lm_head.weight nor model.embed_tokens.weight"
+            )
+        return [*named, ("lm_head.weight", embed)]
 
     def shutdown(self) -> None:
         forget_mappings()

@@ -72,6 +72,7 @@ class _Decoded:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     version: int | None = None  # the weights they were decoded with
+    ended: bool = False  # the engine finished it on its own (a stop, or max_tokens)
 
     def result(self, request_id: str, *, preempted: bool) -> GenerateResult:
         return GenerateResult(
@@ -200,7 +201,10 @@ class ShardWorker:
         decoded = self._decoded[msg.request_id] = _Decoded(version=self.synced_version)
         try:
             await self._serve(msg, decoded)
-            cut = self.preempted and len(decoded.tokens) < msg.max_tokens
+            # cut: a shrink ended it early. A response that ended at its end of sequence
+            # or a stop string while the shrink ran is finished: resumed, it would be
+            # continued past its end (and that tail trained on)
+            cut = self.preempted and not decoded.ended and len(decoded.tokens) < msg.max_tokens
             return decoded.result(msg.request_id, preempted=cut)
         except asyncio.CancelledError:
             if msg.request_id not in self._cut:
@@ -256,6 +260,7 @@ class ShardWorker:
                 continue
             self.decoded_tokens += len(chunk.token_ids) - len(decoded.tokens)
             decoded.tokens, decoded.logprobs = chunk.token_ids, chunk.logprobs
+            decoded.ended = chunk.finish_reason in ("stop", "length")
             if chunk.weight_version is not None:
                 decoded.version = chunk.weight_version
 

@@ -355,20 +355,26 @@ class TorchTrainer:
         t = self._tensors(groups)
         model = self._ddp or self.model
         self.model.train()
-        with torch.no_grad():  # pi_old: these weights, before the update
-            full = sampling_log_softmax(
-                self.forward_logits(self.model, t["ids"])[:, :-1],
-                temperature=self.temperature,
-                top_p=self.top_p,
-                keep=t["ids"][:, 1:],
-            )
-            old = full.gather(-1, t["ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
-            tokens = t["mask"].sum().clamp(min=1.0)
-            mean_entropy = float((entropy(full) * t["mask"]).sum() / tokens)
-            del full
         n = t["ids"].shape[0]
         order = torch.arange(n, device=self.device)
         parts = [p for p in order.chunk(max(1, min(self.cfg.minibatches, n))) if len(p)]
+        # pi_old: these weights, before the update; a minibatch at a time, so the
+        # [rows, T, vocab] distributions never exist for the whole batch at once
+        old = torch.zeros_like(t["mask"])
+        entropy_sum = 0.0
+        with torch.no_grad():
+            for idx in parts:
+                ids = t["ids"][idx]
+                full = sampling_log_softmax(
+                    self.forward_logits(self.model, ids)[:, :-1],
+                    temperature=self.temperature,
+                    top_p=self.top_p,
+                    keep=ids[:, 1:],
+                )
+                old[idx] = full.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+                entropy_sum += float((entropy(full) * t["mask"][idx]).sum())
+                del full
+        mean_entropy = entropy_sum / float(t["mask"].sum().clamp(min=1.0))
         stats: dict[str, float] = {
             "loss": 0.0,
             "clip_frac": 0.0,
@@ -434,6 +440,12 @@ class TorchTrainer:
                 "rng": {
                     "torch": torch.get_rng_state(),
                     "python": random.getstate(),
+                    # this rank's device generator (dropout, sampling in a custom loss)
+                    **(
+                        {"cuda": torch.cuda.get_rng_state(self.device)}
+                        if self.device.type == "cuda"
+                        else {}
+                    ),
                 },
                 **extra,
             },
@@ -451,9 +463,26 @@ class TorchTrainer:
         self.step = int(ckpt["step"])
         torch.set_rng_state(ckpt["rng"]["torch"])
         random.setstate(ckpt["rng"]["python"])
+        if "cuda" in ckpt["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], self.device)
         return ckpt
 
 
+def checkpoints(directory: Path) -> list[Path]:
+    """``step_N.pt`` files, oldest step first."""
+    return sorted(directory.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+
+
 def latest_checkpoint(directory: Path) -> Path | None:
-    found = sorted(directory.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    found = checkpoints(directory)
     return found[-1] if found else None
+
+
+def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints; returns what was deleted."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    old = checkpoints(directory)[:-keep]
+    for path in old:
+        path.unlink(missing_ok=True)
+    return old

@@ -17,7 +17,8 @@ default: ``sleep_delay_s`` makes every sleep after the first (the worker's own
 start-up sleep) take that long (a hang, as seen by a coordinator with a shorter
 command timeout); ``sleep_failures`` makes the first N of those sleeps raise;
 ``ignore_abort`` keeps requests running through every abort (only cancelling
-their stream ends them); ``stuck`` requests are counted as running and can
+their stream ends them); ``ignore_pause`` lets requests decode through a pause (a
+request finishing as the shard drains); ``stuck`` requests are counted as running and can
 never be stopped. ``running_at_sleep`` records how many ran at each sleep.
 ``built_marker``: a file created when the engine is built (to see when it is).
 ``load_error``: ``"refused"`` makes the next weight update fail before any
@@ -64,6 +65,7 @@ class ScriptedEngine:
     sleep_delay_s: float = 0.0
     sleep_failures: int = 0
     ignore_abort: bool = False
+    ignore_pause: bool = False
     stuck: int = 0
     load_error: str = ""
     built_marker: str = ""
@@ -82,7 +84,12 @@ class ScriptedEngine:
                 fh.write("built\n")
 
     async def generate(
-        self, prompt_ids: list[int], *, max_tokens: int, **_: object
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        stop_token_ids: list[int] | None = None,
+        **_: object,
     ) -> AsyncIterator[GenerationChunk]:
         key = next(self._keys)
         cancelled = self._running[key] = asyncio.Event()
@@ -90,16 +97,30 @@ class ScriptedEngine:
         tokens: list[int] = []
         try:
             for i in range(max_tokens):
-                while self.paused and not cancelled.is_set():  # noqa: ASYNC110
+                while self.paused and not self.ignore_pause and not cancelled.is_set():  # noqa: ASYNC110
                     await asyncio.sleep(0.001)  # an abort must end a paused request too
                 if cancelled.is_set():
                     yield GenerationChunk(tokens, [0.0] * len(tokens), True, self.weight_version)
                     return
                 await asyncio.sleep(self.token_delay_s)
                 tokens.append((base + i) % self.vocab)
-                yield GenerationChunk(
-                    list(tokens), [0.0] * len(tokens), i == max_tokens - 1, self.weight_version
+                # as vLLM reports it: "stop" at a stop token, "length" at max_tokens
+                reason = (
+                    "stop"
+                    if tokens[-1] in (stop_token_ids or ())
+                    else "length"
+                    if i == max_tokens - 1
+                    else None
                 )
+                yield GenerationChunk(
+                    list(tokens),
+                    [0.0] * len(tokens),
+                    reason is not None,
+                    self.weight_version,
+                    reason,
+                )
+                if reason == "stop":
+                    return
         finally:
             self._running.pop(key, None)
 

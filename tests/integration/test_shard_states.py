@@ -100,6 +100,37 @@ async def test_past_the_drain_timeout_running_requests_are_cut_before_the_sleep(
             await driver.close()
 
 
+async def test_a_response_that_ends_at_its_stop_token_during_a_shrink_is_finished(
+    ipc_ep: str,
+) -> None:
+    """A request that reaches its end of sequence while the shard drains ended on its own:
+    answered as finished, never as cut (resumed, it would be continued past its end)."""
+    # the request goes on through the pause and abort, and ends at its stop token
+    engine = ScriptedEngine(token_delay_s=0.03, ignore_abort=True, ignore_pause=True)
+    async with Coordinator(ipc_ep, ClusterShape(1, 1)) as co:
+        driver = await joined_pipeline(co.endpoint, "P", TOPO)
+        worker = await ShardWorker(
+            engine, co.endpoint, "P", 0, sleep_level=1, drain_timeout_s=5.0
+        ).start()
+        client = await RpcClient(worker.data.endpoint, "P/router/0").connect()
+        try:
+            await driver.report_progress(8, 0, force=True)
+            await driver.request("actor_infer", "GENERATION", timeout=10)
+            # tokens 3, 4, 5, ...: the stop token 15 is the 13th
+            msg = Generate(request_id="eos", prompt_ids=[1, 2], max_tokens=500, stop_token_ids=[15])
+            job = asyncio.ensure_future(client.call(msg, timeout=30))
+            await until(lambda: engine.num_running() == 1)
+            await worker.shrink()  # marks the shard preempted, then waits for the drain
+            result = await asyncio.wait_for(job, 10)
+            assert isinstance(result, GenerateResult)
+            assert result.token_ids[-1] == 15 and len(result.token_ids) == 13
+            assert not result.preempted
+        finally:
+            await client.close()
+            await worker.close()
+            await driver.close()
+
+
 async def test_a_shard_whose_requests_cannot_be_stopped_does_not_sleep(ipc_ep: str) -> None:
     engine = ScriptedEngine(stuck=1)  # one request the engine counts and never ends
     async with Coordinator(ipc_ep, ClusterShape(1, 1)) as co:

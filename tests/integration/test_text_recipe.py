@@ -95,12 +95,13 @@ def write_config(tmp: Path, recipe: dict[str, Path], **changes: str) -> tuple[Pa
     return cfg, out, pid
 
 
-def launch(cfg: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+def launch(cfg: Path, timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "rlix_async.cli", "launch", str(cfg)],
         capture_output=True,
         text=True,
         timeout=timeout,
+        cwd=cwd,
     )
 
 
@@ -110,8 +111,12 @@ def launch(cfg: Path, timeout: float) -> subprocess.CompletedProcess[str]:
 def test_a_text_recipe_trains_evaluates_and_writes_samples(
     tmp_path: Path, recipe: dict[str, Path]
 ) -> None:
-    cfg, out, pid = write_config(tmp_path, recipe)
-    done = launch(cfg, timeout=560)
+    # data and reward named relative to the directory launch runs in: the launcher
+    # resolves them for the pipeline process
+    cfg, out, pid = write_config(
+        tmp_path, recipe, train="train.jsonl", eval="eval.jsonl", reward="reward.py:score"
+    )
+    done = launch(cfg, timeout=560, cwd=recipe["root"])
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
     rows = [json.loads(line) for line in (out / pid / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward" in r]
@@ -129,13 +134,14 @@ def test_a_text_recipe_trains_evaluates_and_writes_samples(
     assert sorted(r["step"] for r in evals) == [0, 1, 2]
     for r in evals:
         assert r["eval/n"] == 5 and r["eval/failed"] == 0 and r["eval/reward_failed"] == 1
-        assert 0.0 <= r["eval/reward"] <= 1.0 and "eval/digits" in r
+        assert 0.0 <= r["eval/reward"] <= 1.0 and "eval/reward/digits" in r
         assert r["eval/weight_version_min"] >= r["step"]
     samples = [json.loads(line) for line in (out / pid / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * 3
     for s in samples:
         assert "What is" in s["prompt"] and s["prompt"].endswith("<|im_start|>assistant\n")
         assert isinstance(s["response"], str) and 0 <= s["version_lag"] <= 1
+        assert set(s["extras"]) == {"digits"}
     log = (out / "logs" / f"pipeline-{pid}.log").read_text()
     assert "a verifier bug on this row" in log  # the first failure, logged with its row
 

@@ -250,3 +250,31 @@ def test_the_status_table_shows_fenced_devices() -> None:
     assert "(fence p[1])" in text and "fenced 4s: worker lost" in text and "h:7" in text
     idle = next(line for line in text.splitlines() if "(idle)" in line)
     assert ". ." in idle  # devices 0 and 2 idle, device 1 (fenced) not
+
+
+def test_the_test_double_engine_is_not_a_production_option() -> None:
+    """`engine: scripted` (the tests' fake engine) cannot be chosen from a config; an
+    engine of your own is `kind: custom` with its class named."""
+    with pytest.raises(ConfigError, match=r"engine.kind: invalid value 'scripted'"):
+        convert({"pipelines": [_pipeline()], "engine": {"kind": "scripted"}}, LaunchConfig, "f")
+
+
+def test_recipe_keys_are_checked_together() -> None:
+    def bad(**keys: object) -> str:
+        with pytest.raises(ConfigError) as err:
+            convert({"pipelines": [_pipeline(**keys)]}, LaunchConfig, "f.yaml")
+        return str(err.value)
+
+    text = {"data": {"train": "t.jsonl"}, "model": {"path": "m"}, "reward": "math_answer"}
+    assert "reward: needs data" in bad(reward="math_answer")
+    assert "rollout.stop: needs data" in bad(rollout={"stop": ["\n"]})
+    assert "model.path: data needs a model directory" in bad(data={"train": "t.jsonl"})
+    assert "eval_every: needs data.eval" in bad(**text, eval_every=2)
+    assert "task: a pipeline trains on a token-id task or on data" in bad(
+        **text, task={"name": "copy_first"}
+    )
+    assert "max_prompt_tokens: 200 + rollout.max_tokens 100 > engine.max_model_len 256" in bad(
+        **{**text, "data": {"train": "t.jsonl", "max_prompt_tokens": 200}},
+        rollout={"max_tokens": 100},
+    )
+    assert "train.backend: megatron builds its own" in bad(**text, train={"backend": "megatron"})

@@ -32,7 +32,9 @@ def _collect(ledger: Ledger, version: int, k: int = 1) -> list[Group]:
 
 
 def _balanced(t: Tally) -> bool:
-    placed = t.trained + t.dropped_stale + t.cancelled_stale + t.left_over + t.pending + t.lost
+    placed = (
+        t.trained + t.dropped_stale + t.cancelled_stale + t.left_over + t.pending + t.lost
+    ) + t.filtered
     return t.requested == placed
 
 
@@ -124,6 +126,18 @@ def test_failures_discards_and_stale_groups_are_each_counted(tmp_path: Path) -> 
     t = tally(path)
     assert (t.failed, t.discarded, t.dropped_stale, t.cancelled_stale) == (4, 1, 1, 3)
     assert (t.left_over, t.lost, t.generated) == (3, 5, 5) and _balanced(t)
+
+
+def test_a_group_filtered_for_equal_rewards_is_counted_and_not_lost(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.jsonl"
+    led = _start(path, fresh=True)
+    led.requested(gid := led.new_id(), 4, 0)
+    led.finished(gid, 4, 0, 0, "filtered")  # all four scored alike: dropped by choice
+    led.requested(gid := led.new_id(), 4, 0)
+    led.finished(gid, 3, 1, 0, "filtered")  # one failed (lost), three filtered
+    led.end(0)
+    t = tally(path)
+    assert (t.filtered, t.failed, t.lost, t.discarded) == (7, 1, 1, 0) and _balanced(t)
 
 
 def test_a_resume_without_a_checkpoint_loses_everything_and_a_fresh_run_starts_over(

@@ -425,3 +425,41 @@ async def test_runner_accepts_a_callable_with_an_async_call_method() -> None:
     assert runner.reward.is_async
     assert await runner.score("", "", {}) == Score(1.0, {})
     runner.close()
+
+
+async def test_a_call_waiting_for_a_thread_is_not_timed_out_by_its_wait() -> None:
+    """With one thread, two 0.3 s calls under a 0.5 s timeout both succeed: the second's
+    clock starts when a thread runs it (timing the queue would fail it at 0.5 s)."""
+
+    def slow(prompt: str, response: str, row: dict[str, Any]) -> float:
+        time.sleep(0.3)
+        return 1.0
+
+    runner = RewardRunner(slow, timeout_s=0.5, max_threads=1)
+    try:
+        scores = await asyncio.gather(*(runner.score("p", "r", {}) for _ in range(2)))
+        assert [s.error for s in scores] == [None, None] and runner.failures == 0
+    finally:
+        runner.close()
+
+
+async def test_a_timed_out_call_holds_its_thread_until_it_returns() -> None:
+    release = threading.Event()
+
+    def stuck(prompt: str, response: str, row: dict[str, Any]) -> float:
+        release.wait(5)
+        return 1.0
+
+    runner = RewardRunner(stuck, timeout_s=0.1, max_threads=1)
+    try:
+        first = await runner.score("p", "r", {})
+        assert first.error is not None and "timed out" in first.error and runner.stuck == 1
+        release.set()
+        async with asyncio.timeout(5):
+            while runner.stuck:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        release.clear()
+        assert (await runner.score("p", "r", {"ok": 1})).error is not None  # times out again
+        release.set()
+    finally:
+        runner.close()

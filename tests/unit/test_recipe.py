@@ -1,0 +1,145 @@
+"""A text recipe's prompts and scoring inside the collector (rollout/recipe.py, collector.py).
+
+Real datasets on disk, the offline tiny tokenizer, real reward runners (threads,
+timeouts) and the real ledger; the collector's ``_add`` is driven with finished
+trajectories as the router returns them (no shards: what is under test is what
+happens to a group once its responses are back).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.tiny_text import tiny_tokenizer
+
+from rlix_async.config import PipelineConfig, convert
+from rlix_async.rollout.collector import UNIFORM_LIMIT, Collector
+from rlix_async.rollout.dataset import PromptDataset, PromptOrder
+from rlix_async.rollout.ledger import Ledger, tally
+from rlix_async.rollout.recipe import TextPrompts
+from rlix_async.rollout.rewards import RewardRunner, load_reward
+from rlix_async.shards.router import Trajectory
+from rlix_async.train.buffer import ReplayBuffer
+
+pytest.importorskip("datasets")
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> PromptDataset:
+    rows = [{"prompt": f"What is {a} + 1?", "answer": a + 1} for a in range(10)]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return PromptDataset(path, tiny_tokenizer(), prompt_key="prompt")
+
+
+def prompts(dataset: PromptDataset, reward: Any, **order: Any) -> TextPrompts:
+    runner = RewardRunner(load_reward(reward) if isinstance(reward, str) else reward, timeout_s=2.0)
+    return TextPrompts(
+        dataset, tiny_tokenizer(), runner, order=PromptOrder(len(dataset), 7, **order)
+    )
+
+
+def test_rows_in_flight_at_a_checkpoint_come_back_first_after_a_resume(
+    dataset: PromptDataset,
+) -> None:
+    """A group whose row was drawn but had not come back when the checkpoint was taken is
+    in no buffer: the resumed run draws that row again, then goes on in the same order."""
+    first = prompts(dataset, "exact_match")
+    drawn = [first.next() for _ in range(4)]
+    first.settle(drawn[1])  # came back (buffered): in the checkpoint's buffer
+    state = first.state_dict()
+    uninterrupted = [first.next().index for _ in range(3)]
+
+    resumed = prompts(dataset, "exact_match")
+    resumed.load_state_dict(state)
+    again = [resumed.next().index for _ in range(3 + 3)]
+    assert again[:3] == [drawn[0].index, drawn[2].index, drawn[3].index]
+    assert again[3:] == uninterrupted
+    with pytest.raises(ValueError, match="no data position"):
+        prompts(dataset, "exact_match").load_state_dict({"prompts_used": 3})
+
+
+def cfg(**rollout: Any) -> PipelineConfig:
+    return convert(
+        {
+            "id": "p",
+            "model": {"path": "m"},
+            "data": {"train": "t.jsonl"},
+            "reward": "unused",
+            "rollout": {"groups_per_step": 1, "group_size": 3, **rollout},
+            "clusters": {"actor_train": {"devices": [0]}, "actor_infer": {"devices": [0]}},
+        },
+        PipelineConfig,
+        "t",
+    )
+
+
+def collector(tmp_path: Path, dataset: PromptDataset, reward: Any, **rollout: Any) -> Collector:
+    ledger = Ledger(tmp_path / "ledger.jsonl", fresh=True, from_step=0, buffered=[])
+    return Collector(
+        cfg(**rollout),
+        ReplayBuffer(1),
+        None,
+        lambda: 0,
+        ledger,
+        prompts(dataset, reward),  # type: ignore[arg-type]
+    )
+
+
+async def add(col: Collector, texts: tuple[str, ...], gid: str) -> bool:
+    """A group of ``texts`` answers to the collector's next prompt, back from the router."""
+    col.ledger.requested(gid, len(texts), 0)  # type: ignore[union-attr]
+    return await col._add(col.prompts.next(), answers(tiny_tokenizer(), *texts), gid)
+
+
+def answers(tokenizer: Any, *texts: str) -> list[Trajectory]:
+    out = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        out.append(Trajectory([1], ids, [-0.5] * len(ids), [0] * len(ids)))
+    return out
+
+
+async def test_a_response_whose_reward_failed_is_left_out_of_its_group(
+    tmp_path: Path, dataset: PromptDataset
+) -> None:
+    def reward(prompt: str, response: str, row: dict[str, Any]) -> float:
+        if response == "boom":
+            raise ValueError("verifier crashed")
+        return float(response == str(row["answer"]))
+
+    col = collector(tmp_path, dataset, reward)
+    first = col.prompts.order.next()  # type: ignore[union-attr]  # peek: drawn again below
+    col.prompts.replay = [first]  # type: ignore[union-attr]
+    right = str(dataset.prompts[first].row["answer"])
+    assert await add(col, (right, "boom", "7x"), "g1")
+    assert col.reward_failed == 1
+    (group,) = col.buffer.groups
+    assert group.rewards == [1.0, 0.0] and group.response_texts == [right, "7x"]
+    # two failures of three: one answer left, nothing to compare: discarded, counted
+    assert not await add(col, ("boom", "boom", "1"), "g2")
+    assert col.reward_failed == 3 and len(col.buffer.groups) == 1
+    col.ledger.close()  # type: ignore[union-attr]
+    t = tally(tmp_path / "ledger.jsonl")
+    assert (t.failed, t.discarded) == (3, 1)
+
+
+async def test_groups_that_score_alike_are_filtered_then_trained_when_nothing_else_comes(
+    tmp_path: Path, dataset: PromptDataset
+) -> None:
+    col = collector(tmp_path, dataset, "exact_match", drop_uniform_groups=True)
+    assert await add(col, ("no", "no", "maybe"), "g0") is False  # all 0: filtered
+    col.uniform_in_a_row = 0
+    limit = UNIFORM_LIMIT * col.cfg.rollout.groups_per_step
+    for i in range(limit):  # every answer wrong: no gradient, resampled
+        assert not await add(col, ("no", "no", "no"), f"f{i}")
+    assert col.filtered == 3 * (limit + 1) and len(col.buffer.groups) == 0
+    # past the limit: trained on rather than resampled forever
+    assert await add(col, ("no", "no", "no"), "last")
+    assert len(col.buffer.groups) == 1 and col.uniform_in_a_row == 0
+    col.ledger.close()  # type: ignore[union-attr]
+    t = tally(tmp_path / "ledger.jsonl")
+    assert t.filtered == 3 * (limit + 1) and t.lost == 0
