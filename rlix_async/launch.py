@@ -107,11 +107,16 @@ def _write(path: Path, cfg: msgspec.Struct) -> Path:
 
 
 def resolve_recipes(cfg: LaunchConfig) -> LaunchConfig:
-    """Text recipes as every process reads them: data files and a reward file as absolute
-    paths, and ``max_prompt_tokens`` unset filled in with what the engine's context
-    leaves after the response (longer prompts would fail in the engine)."""
+    """Pipelines as every process reads them: the model directory, data files and a
+    reward file as absolute paths (``rlix-async export`` reads the model directory from
+    the pipeline's config, from wherever it runs), and ``max_prompt_tokens`` unset
+    filled in with what the engine's context leaves after the response (longer prompts
+    would fail in the engine)."""
     pipelines = []
     for p in cfg.pipelines:
+        if p.model.path is not None:
+            model = msgspec.structs.replace(p.model, path=str(Path(p.model.path).resolve()))
+            p = msgspec.structs.replace(p, model=model)
         if p.data is not None:
             data = msgspec.structs.replace(
                 p.data,

@@ -278,3 +278,28 @@ def test_recipe_keys_are_checked_together() -> None:
         rollout={"max_tokens": 100},
     )
     assert "train.backend: megatron builds its own" in bad(**text, train={"backend": "megatron"})
+
+
+def test_the_launcher_resolves_recipe_paths_and_fills_max_prompt_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlix_async.launch import resolve_recipes
+
+    monkeypatch.chdir(tmp_path)
+    text = {
+        "model": {"path": "models/m"},
+        "data": {"train": "d/train.jsonl", "eval": "d/eval.jsonl"},
+        "reward": "rewards.py:score",
+        "rollout": {"max_tokens": 40},
+    }
+    cfg = convert(
+        {"pipelines": [_pipeline(**text), _pipeline(id="b")], "engine": {"max_model_len": 256}},
+        LaunchConfig,
+        "f",
+    )
+    a, b = resolve_recipes(cfg).pipelines
+    assert a.model.path == str(tmp_path / "models/m")
+    assert a.data is not None and a.data.train == str(tmp_path / "d/train.jsonl")
+    assert a.data.eval == str(tmp_path / "d/eval.jsonl") and a.data.max_prompt_tokens == 216
+    assert a.reward == f"{tmp_path / 'rewards.py'}:score"
+    assert b.data is None and b.model.path is None  # a token-task pipeline as it was
