@@ -26,7 +26,6 @@ from rlix_async.config.schema import (
     CopyFirstTask,
     EngineConfig,
     LaunchConfig,
-    LossConfig,
     ModelConfig,
     PipelineConfig,
     RolloutConfig,
@@ -34,9 +33,9 @@ from rlix_async.config.schema import (
     ShardConfig,
     TargetTokensTask,
     TaskConfig,
-    TrainConfig,
     resolve_dtype,
 )
+from rlix_async.config.training import LossConfig, TrainConfig
 
 __all__ = [
     "ClusterShape",

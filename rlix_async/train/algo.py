@@ -104,8 +104,14 @@ def policy_loss(
     *,
     behavior_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
+    tokens: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level mean loss over every response token of the batch (DAPO style).
+
+    With ``tokens`` the per-token sum is divided by that count instead: the trainer
+    passes the minibatch's tokens over all ranks (times the ranks, since DDP averages
+    gradients), so the update is the mean over the global batch's tokens whatever the
+    split between ranks and micro-batches.
 
     ``advantages`` is per sequence [B]; ``old_logp`` the trainer's log-probs
     before this update, ``behavior_logp`` the engine's at sampling time. Computed
@@ -126,7 +132,11 @@ def policy_loss(
         behavior_logp = behavior_logp.where(live, 0.0)
     if ref_logp is not None:
         ref_logp = ref_logp.where(live, 0.0)
-    n = mask.sum().clamp(min=1.0)
+    # the sums are divided by ``tokens`` when given (the minibatch's response tokens
+    # over every rank and micro-batch: each token weighs the same whoever holds it),
+    # else by this call's own count; the statistics are always this call's means
+    own = mask.sum().clamp(min=1.0)
+    n = own if tokens is None else torch.as_tensor(tokens, dtype=torch.float32).clamp(min=1.0)
     adv = advantages.unsqueeze(-1)
     ratio = torch.exp(logp - old_logp)
     w = is_weights(old_logp, behavior_logp, mask, cfg.is_cap) if behavior_logp is not None else mask
@@ -146,8 +156,8 @@ def policy_loss(
         kl = ((torch.exp(d) - d - 1) * mask).sum() / n
         loss = loss + cfg.kl_coef * kl
     stats = {
-        "clip_frac": float((clip_frac * mask).sum() / n),
-        "is_weight_mean": float(w.sum() / n),
-        "kl": float(kl),
+        "clip_frac": float((clip_frac * mask).sum() / own),
+        "is_weight_mean": float(w.sum() / own),
+        "kl": float(kl.detach() * n / own),
     }
     return loss, stats

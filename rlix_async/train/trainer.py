@@ -15,6 +15,8 @@ importance ratios, advantages and the loss always in float32.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import gc
 import mmap
 import os
@@ -172,6 +174,11 @@ class TorchTrainer:
         self.optim = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
+        # the KL penalty's reference: the starting weights, frozen (a resume rebuilds it
+        # from the same start, so checkpoints need not hold it)
+        self.reference: torch.nn.Module | None = None
+        if self.cfg.loss.kl_coef > 0:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.step = 0
         self._host: PinnedHostBuffers | None = None
         self._offloaded: list[StateKey] = []  # what offload() moved; reload() moves it back
@@ -246,6 +253,13 @@ class TorchTrainer:
             for name, b in mod._buffers.items():
                 if b is not None:
                     out[("buffer", mod_name, name)] = b
+        if self.reference is not None:  # offloaded and reloaded with the policy
+            for n, p in self.reference.named_parameters():
+                out[("refparam", n)] = p.data
+            for mod_name, mod in self.reference.named_modules():
+                for name, b in mod._buffers.items():
+                    if b is not None:
+                        out[("refbuffer", mod_name, name)] = b
         name_of = {p: n for n, p in params.items()}
         for p, state in self.optim.state.items():
             for k, v in state.items():
@@ -263,6 +277,12 @@ class TorchTrainer:
                 params[key[1]].grad = t
             elif key[0] == "buffer":
                 self.model.get_submodule(key[1])._buffers[key[2]] = t
+            elif key[0] == "refparam":
+                assert self.reference is not None
+                self.reference.get_parameter(key[1]).data = t
+            elif key[0] == "refbuffer":
+                assert self.reference is not None
+                self.reference.get_submodule(key[1])._buffers[key[2]] = t
             else:
                 self.optim.state[params[key[1]]][key[2]] = t
 
@@ -361,9 +381,12 @@ class TorchTrainer:
         # pi_old: these weights, before the update; a minibatch at a time, so the
         # [rows, T, vocab] distributions never exist for the whole batch at once
         old = torch.zeros_like(t["mask"])
+        ref = torch.zeros_like(t["mask"]) if self.reference is not None else None
         entropy_sum = 0.0
         with torch.no_grad():
             for idx in parts:
+                if ref is not None and self.reference is not None:
+                    ref[idx] = self._logp(self.reference, t["ids"][idx])
                 ids = t["ids"][idx]
                 full = sampling_log_softmax(
                     self.forward_logits(self.model, ids)[:, :-1],
@@ -383,18 +406,37 @@ class TorchTrainer:
             "grad_norm": 0.0,  # before clipping, mean over the updates made
             "skipped_updates": 0.0,
         }
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        stats["kl"] = 0.0
         for idx in parts:
-            logp = self._logp(model, t["ids"][idx])
-            loss, s = policy_loss(
-                logp,
-                old[idx],
-                t["adv"][idx],
-                t["mask"][idx],
-                self.cfg.loss,
-                behavior_logp=t["behavior"][idx],
-            )
+            # the minibatch's response tokens over every rank: each token weighs the same
+            # whichever rank holds it (DDP averages gradients, hence the world factor)
+            tokens = t["mask"][idx].sum()
+            if dist.is_initialized() and self.world > 1:
+                dist.all_reduce(tokens)
+            micro = idx.split(self.cfg.micro_batch_size) if self.cfg.micro_batch_size else [idx]
             self.optim.zero_grad(set_to_none=True)
-            loss.backward()
+            for j, mi in enumerate(micro):
+                # gradients add up over the micro-batches; DDP reduces once, after the last
+                last = j == len(micro) - 1
+                with contextlib.nullcontext() if last or not ddp else model.no_sync():  # type: ignore[operator]
+                    logp = self._logp(model, t["ids"][mi])
+                    loss, s = policy_loss(
+                        logp,
+                        old[mi],
+                        t["adv"][mi],
+                        t["mask"][mi],
+                        self.cfg.loss,
+                        behavior_logp=t["behavior"][mi],
+                        ref_logp=ref[mi] if ref is not None else None,
+                        tokens=tokens / self.world if ddp else tokens,
+                    )
+                    loss.backward()
+                share = len(mi) / len(idx) / len(parts)
+                stats["loss"] += loss.item() / len(parts)
+                stats["clip_frac"] += s["clip_frac"] * share
+                stats["is_weight_mean"] += s["is_weight_mean"] * share
+                stats["kl"] += s["kl"] * share
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
             # A non-finite gradient would write NaN into every weight and every later
             # rollout: skip that update and count it. Under DDP the gradients are
@@ -404,9 +446,6 @@ class TorchTrainer:
                 stats["grad_norm"] += float(norm) / len(parts)
             else:
                 stats["skipped_updates"] += 1
-            stats["loss"] += loss.item() / len(parts)
-            stats["clip_frac"] += s["clip_frac"] / len(parts)
-            stats["is_weight_mean"] += s["is_weight_mean"] / len(parts)
         # the next step starts from zero_grad: kept, the grads would hold a model's size of
         # device memory and be offloaded and reloaded every cycle for nothing
         self.optim.zero_grad(set_to_none=True)

@@ -264,3 +264,103 @@ def test_megatron_parameters_and_cache_follow_the_configured_dtype() -> None:
     state = [v for s in t.optim.state.values() for k, v in s.items() if k != "step"]
     assert state and {v.dtype for v in state} == {torch.bfloat16}
     assert {v.dtype for v in t.weights_for_cache().values()} == {torch.bfloat16}
+
+
+def _uneven_batch() -> list[Group]:
+    """Responses of different lengths: ranks holding different rows hold different
+    numbers of tokens."""
+    return [
+        Group([1, 2], [[3, 4, 5, 6, 7, 8], [9]], [[-3.0] * 6, [-3.0]], [[0] * 6, [0]], [1.0, 0.0]),
+        Group(
+            [5, 6],
+            [[10, 11], [12, 13, 14, 15]],
+            [[-3.0] * 2, [-3.0] * 4],
+            [[0] * 2, [0] * 4],
+            [0.0, 1.0],
+        ),
+    ]
+
+
+def test_micro_batches_add_up_to_the_same_update() -> None:
+    a = TorchTrainer(TrainConfig(minibatches=1), ModelConfig(vocab_size=64, layers=1, hidden=64))
+    b = TorchTrainer(
+        TrainConfig(minibatches=1, micro_batch_size=1),
+        ModelConfig(vocab_size=64, layers=1, hidden=64),
+    )
+    sa, sb = a.train_step(_uneven_batch()), b.train_step(_uneven_batch())
+    assert abs(sa["grad_norm"] - sb["grad_norm"]) < 1e-6 * sa["grad_norm"]
+    assert abs(sa["loss"] - sb["loss"]) < 1e-6
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        assert torch.allclose(pa, pb, atol=1e-6), name
+
+
+def test_the_reference_model_stays_at_the_start_and_the_kl_grows() -> None:
+    cfg = TrainConfig(minibatches=1, lr=1e-2, loss=LossConfig(kl_coef=0.1))
+    t = TorchTrainer(cfg, ModelConfig(vocab_size=64, layers=1, hidden=64))
+    assert t.reference is not None
+    start = {k: v.clone() for k, v in t.model.state_dict().items()}
+    first = t.train_step(_uneven_batch())
+    assert first["kl"] == 0.0  # the policy is the reference before its first update
+    second = t.train_step(_uneven_batch())
+    assert second["kl"] > 0.0
+    for name, p in t.reference.state_dict().items():
+        assert torch.equal(p, start[name]), name
+    assert not all(torch.equal(p, start[n]) for n, p in t.model.state_dict().items())
+    assert TorchTrainer(TrainConfig()).reference is None  # no KL: no second copy
+
+
+GLOBAL_TOKENS = r"""
+import json, os, sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[2])
+from helpers_batch import batch
+from rlix_async.config import ModelConfig, TrainConfig
+from rlix_async.train.trainer import TorchTrainer
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+t = TorchTrainer(TrainConfig(minibatches=1), ModelConfig(vocab_size=64, layers=1, hidden=64), rank=rank, world=world)
+t.init_group(store)
+stats = t.train_step(batch())
+t.destroy_group()
+json.dump(stats, open(f"{sys.argv[1]}/rank{rank}.json", "w"))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_ranks_weigh_every_token_as_one_rank_does(tmp_path: Path) -> None:
+    """The loss is a mean over the global batch's tokens: two ranks holding rows of
+    different lengths compute the gradient one rank computes on the whole batch (a mean
+    of per-rank means would weigh a short rank's tokens more)."""
+    import inspect
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "helpers_batch.py").write_text(
+        "from rlix_async.train.buffer import Group\n"
+        + inspect.getsource(_uneven_batch).replace("_uneven_batch", "batch")
+    )
+    (tmp_path / "run.py").write_text(GLOBAL_TOKENS)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(tmp_path / "run.py"),
+            str(tmp_path),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    one = TorchTrainer(TrainConfig(minibatches=1), ModelConfig(vocab_size=64, layers=1, hidden=64))
+    alone = one.train_step(_uneven_batch())
+    assert two[0]["grad_norm"] == pytest.approx(two[1]["grad_norm"], rel=1e-6)
+    assert two[0]["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-4)

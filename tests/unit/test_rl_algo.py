@@ -259,3 +259,15 @@ def test_masked_positions_never_make_the_loss_nan() -> None:
     )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+
+
+def test_the_loss_divides_by_the_tokens_it_is_given() -> None:
+    """A rank's share of a global token mean: the same per-token terms, divided by the
+    minibatch's tokens over every rank instead of this call's own."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    args = (logp, logp - 0.1, torch.tensor([1.0]), mask, LossConfig())
+    own, _ = policy_loss(*args)
+    shared, stats = policy_loss(*args, tokens=8.0)  # 2 of 8 global tokens are here
+    assert torch.allclose(shared, own * 2 / 8)
+    assert stats["clip_frac"] == policy_loss(*args)[1]["clip_frac"]  # stats stay local means

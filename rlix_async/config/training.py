@@ -1,0 +1,63 @@
+"""The trainer's config: backend, precision, optimizer, batch splitting and the policy loss."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from rlix_async.config.schema_base import Config, doc, invalid
+
+
+class LossConfig(Config, frozen=True):
+    kind: Annotated[
+        Literal["dapo", "cispo"],
+        doc("dapo: clipped ratio, clip-higher; cispo: clipped IS weight on every token."),
+    ] = "dapo"
+    eps_low: Annotated[float, doc("Lower clip: ratio >= 1 - eps_low.", ge=0, lt=1)] = 0.2
+    eps_high: Annotated[float, doc("Upper clip: ratio <= 1 + eps_high (clip-higher).", ge=0)] = 0.28
+    is_cap: Annotated[
+        float, doc("Truncation of the importance weight pi_old / pi_behaviour.", gt=0)
+    ] = 2.0
+    kl_coef: Annotated[
+        float,
+        doc(
+            "Weight of the k3 KL penalty to the reference model: a frozen copy of the "
+            "starting weights, kept beside the policy (its memory too). 0: no reference.",
+            ge=0,
+        ),
+    ] = 0.0
+
+
+class TrainConfig(Config, frozen=True):
+    backend: Annotated[
+        Literal["torch", "megatron"],
+        doc("torch: HF model under DDP; megatron: megatron-core GPTModel (Llama shape)."),
+    ] = "torch"
+    dtype: Annotated[
+        Literal["auto", "bfloat16", "float32"],
+        doc(
+            "Parameters, optimizer state and the weight cache. auto: bfloat16 on CUDA, "
+            "float32 on CPU. Log-probs, importance ratios and losses are always float32. "
+            "bfloat16 is pure bf16 (no float32 master copy: a 7B model and its Adam state "
+            "fit one 80 GB GPU); an update below a weight's bf16 resolution is lost, so "
+            "with learning rates under about 1e-5 use float32."
+        ),
+    ] = "auto"
+    lr: Annotated[float, doc("AdamW learning rate.", gt=0)] = 2e-3
+    weight_decay: Annotated[float, doc("AdamW weight decay.", ge=0)] = 0.0
+    max_grad_norm: Annotated[float, doc("Gradient clipping norm.", gt=0)] = 1.0
+    minibatches: Annotated[int, doc("Optimizer steps per training step.", ge=1)] = 2
+    micro_batch_size: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        doc(
+            "Sequences per forward/backward on a rank: a minibatch larger than this is "
+            "run in pieces whose gradients add up to the same update (gradient "
+            "accumulation; memory, not maths). Unset: the whole minibatch at once."
+        ),
+    ] = None
+    loss: Annotated[LossConfig, doc("The policy loss.")] = LossConfig()
+
+    def __post_init__(self) -> None:
+        if self.backend == "megatron" and self.loss.kl_coef > 0:
+            raise invalid("loss.kl_coef", "the megatron backend has no reference model yet")
