@@ -38,11 +38,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from rlix_async.config import ConfigError, PipelineConfig, load_config
 from rlix_async.hooks import ClusterHooks
+from rlix_async.observe.loggers import Loggers
 from rlix_async.rollout.collector import Collector
 from rlix_async.rollout.evaluate import Evaluator, eval_due
 from rlix_async.rollout.ledger import LEDGER, Ledger
@@ -76,6 +78,7 @@ class Driver:
         self.recipe = recipe  # a text recipe's tokenizer, data and reward (None: token task)
         self._evals: asyncio.Future[None] | None = None  # the evaluations, one after another
         self._eval_next: int | None = None  # the version due next, while one runs
+        self.loggers: Loggers | None = None  # tensorboard, wandb: views of metrics.jsonl
         self.trainer = trainer
         self.store = store
         self.channel = channel  # to the other ranks (None: running alone)
@@ -108,6 +111,10 @@ class Driver:
             buffered=list(self.buffer.groups),
         )
         self.buffer.on_drop = ledger.dropped
+        if self.cfg.loggers:
+            self.loggers = Loggers(
+                list(self.cfg.loggers), self.out, self.cfg.id, msgspec.to_builtins(self.cfg)
+            )
         try:
             hooks = await ClusterHooks.join(
                 self.cfg.coordinator, self.cfg.id, self.cfg.clusters, keys=keys
@@ -143,6 +150,8 @@ class Driver:
                 await hooks.close()
         finally:
             ledger.close()
+            if self.loggers is not None:
+                self.loggers.close()
 
     async def _publish(self, hooks: ClusterHooks, cache: WeightCache) -> None:
         v = self.trainer.step
@@ -230,7 +239,7 @@ class Driver:
             "time": time.time(),
             **{k: round(v, 5) for k, v in stats.items()},
         }
-        _append_jsonl(self.out / "metrics.jsonl", row)
+        self._record(row)
         self._write_samples(batch, version)
         log.info("%s step %d reward %.3f", self.cfg.id, row["step"], row["reward"])
 
@@ -270,8 +279,14 @@ class Driver:
             except Exception as exc:  # a failed evaluation is reported, not fatal
                 log.error("%s: evaluation of version %d failed: %s", self.cfg.id, version, exc)
                 row = {"step": version, "eval/error": f"{type(exc).__name__}: {exc}"}
-            _append_jsonl(self.out / "metrics.jsonl", row)
+            self._record(row)
             log.info("%s eval at version %d: %s", self.cfg.id, version, row.get("eval/reward"))
+
+    def _record(self, row: dict[str, Any]) -> None:
+        """A row of metrics.jsonl (a step's or an evaluation's), and to the loggers."""
+        _append_jsonl(self.out / "metrics.jsonl", row)
+        if self.loggers is not None:
+            self.loggers.log(row)
 
     def _response_stats(self, batch: list[Group]) -> dict[str, float | int]:
         """Response length, the share cut at max_tokens, the reward's extras (means)."""

@@ -403,6 +403,14 @@ class PipelineConfig(Config, frozen=True):
             ge=0,
         ),
     ] = 0
+    loggers: Annotated[
+        list[Literal["tensorboard", "wandb"]],
+        doc(
+            "Also send metrics.jsonl's rows to these (OUT/<id>/tensorboard, OUT/<id>/wandb; "
+            "wandb offline unless WANDB_MODE says otherwise). pip install "
+            "'rlix_async[loggers]'."
+        ),
+    ] = []
     samples_per_step: Annotated[
         int,
         doc("Trajectories per step written as text to samples.jsonl (text recipes).", ge=0),

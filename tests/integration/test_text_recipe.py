@@ -41,6 +41,7 @@ pipelines:
     reward: {reward}
     reward_timeout_s: 10
     samples_per_step: 3
+    loggers: [tensorboard]
     rollout: {{groups_per_step: 2, group_size: 2, max_tokens: 8, temperature: 0.9, top_p: 0.95}}
     train: {{lr: 0.001}}
     clusters:
@@ -142,6 +143,7 @@ def test_a_text_recipe_trains_evaluates_and_writes_samples(
         assert "What is" in s["prompt"] and s["prompt"].endswith("<|im_start|>assistant\n")
         assert isinstance(s["response"], str) and 0 <= s["version_lag"] <= 1
         assert set(s["extras"]) == {"digits"}
+    assert list((out / pid / "tensorboard").glob("events.out.tfevents.*"))  # the logger
     log = (out / "logs" / f"pipeline-{pid}.log").read_text()
     assert "a verifier bug on this row" in log  # the first failure, logged with its row
 
