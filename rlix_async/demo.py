@@ -123,10 +123,14 @@ def plot_rewards(cfg: LaunchConfig, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from rlix_async.observe.timeline import pipeline_colours
+
+    colour = pipeline_colours([p.id for p in cfg.pipelines])  # as in timeline.png
     fig, ax = plt.subplots(figsize=(7, 4))
     for p in cfg.pipelines:
         rows = read_metrics(Path(cfg.out), p.id)
-        ax.plot([r["step"] for r in rows], [r["reward"] for r in rows], marker="o", label=p.id)
+        steps, rewards = [r["step"] for r in rows], [r["reward"] for r in rows]
+        ax.plot(steps, rewards, marker="o", label=p.id, color=colour[p.id])
     ax.set_xlabel("training step")
     ax.set_ylabel("mean reward of the step's batch")
     ax.set_ylim(0, 1)

@@ -167,6 +167,15 @@ def spans(events: Iterable[Event]) -> list[Span]:
     return own.finish(t_end)
 
 
+def pipeline_colours(pipelines: list[str]) -> dict[str, tuple[float, float, float, float]]:
+    """One colour per pipeline id, by sorted id: every picture of a run (timeline, reward,
+    eval curves) gives a pipeline the same colour, whatever order it lists them in."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    return {p: cmap(i % 10) for i, p in enumerate(sorted(set(pipelines)))}
+
+
 def draw_timeline(journal: str | Path, output: str | Path) -> Path:
     drawn = spans(read_journal(journal))
     if not drawn:
@@ -179,8 +188,7 @@ def draw_timeline(journal: str | Path, output: str | Path) -> Path:
 
     t0 = min(s.start for s in drawn)
     pipelines = sorted({s.pipeline for s in drawn})
-    cmap = plt.get_cmap("tab10")
-    colour = {p: cmap(i % 10) for i, p in enumerate(pipelines)}
+    colour = pipeline_colours(pipelines)
     devices = sorted({s.device for s in drawn})
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(devices) + 1.8))
     for s in drawn:

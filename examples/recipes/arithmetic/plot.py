@@ -25,18 +25,33 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from rlix_async.observe.timeline import pipeline_colours
+
+    runs = sorted(d for d in args.run.iterdir() if (d / "metrics.jsonl").is_file())
+    colour = pipeline_colours([run.name for run in runs])  # as in a timeline of the run
     fig, (acc, rew) = plt.subplots(1, 2, figsize=(10, 4))
-    for run in sorted(d for d in args.run.iterdir() if (d / "metrics.jsonl").is_file()):
+    for run in runs:
         evals = read_metrics(args.run, run.name, evals=True)
         steps = read_metrics(args.run, run.name)
         if not evals:
             continue
         t0 = evals[0]["time"]
         minutes = [(r["time"] - t0) / 60 for r in evals]
-        acc.plot(minutes, [r["eval/reward"] for r in evals], marker="o", label=run.name)
+        acc.plot(
+            minutes,
+            [r["eval/reward"] for r in evals],
+            marker="o",
+            label=run.name,
+            color=colour[run.name],
+        )
         for m, r in zip(minutes, evals, strict=True):
             acc.annotate(str(r["step"]), (m, r["eval/reward"]), fontsize=7, alpha=0.7)
-        rew.plot([r["step"] for r in steps], [r["reward"] for r in steps], label=run.name)
+        rew.plot(
+            [r["step"] for r in steps],
+            [r["reward"] for r in steps],
+            label=run.name,
+            color=colour[run.name],
+        )
     acc.set(
         xlabel="minutes since the first evaluation (labels: step)", ylabel="greedy eval accuracy"
     )
