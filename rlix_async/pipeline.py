@@ -48,7 +48,7 @@ from rlix_async.observe.loggers import Loggers
 from rlix_async.rollout.collector import Collector
 from rlix_async.rollout.evaluate import Evaluator, eval_due
 from rlix_async.rollout.ledger import LEDGER, Ledger
-from rlix_async.rollout.recipe import Recipe, RecipeError, load_recipe
+from rlix_async.rollout.recipe import Recipe, RecipeError, finite_mean, load_recipe, truncated
 from rlix_async.train.batches import BatchChannel
 from rlix_async.train.buffer import Group, ReplayBuffer
 from rlix_async.train.trainer import TorchTrainer, latest_checkpoint, prune_checkpoints
@@ -291,11 +291,9 @@ class Driver:
     def _response_stats(self, batch: list[Group]) -> dict[str, float | int]:
         """Response length, the share cut at max_tokens, the reward's extras (means)."""
         lengths = [len(r) for g in batch for r in g.responses]
-        stop_ids = set(self.recipe.stop_token_ids) if self.recipe is not None else set()
+        stop_ids = self.recipe.stop_token_ids if self.recipe is not None else []
         cut = [
-            len(r) >= self.cfg.rollout.max_tokens and not (r and r[-1] in stop_ids)
-            for g in batch
-            for r in g.responses
+            truncated(r, self.cfg.rollout.max_tokens, stop_ids) for g in batch for r in g.responses
         ]
         stats: dict[str, float | int] = {
             "response_tokens": sum(lengths) / len(lengths),
@@ -304,8 +302,9 @@ class Driver:
         extras: dict[str, list[float]] = {}
         for g in batch:
             for name, values in g.reward_extras.items():
-                extras.setdefault(name, []).extend(v for v in values if v == v)  # not nan
-        stats.update({f"reward/{k}": sum(v) / len(v) for k, v in extras.items() if v})
+                extras.setdefault(name, []).extend(values)
+        means = {f"reward/{k}": finite_mean(v) for k, v in extras.items()}
+        stats.update({k: v for k, v in means.items() if v == v})  # an extra never reported: none
         stats["reward_failed"] = self.collector.reward_failed  # left out of their groups
         return stats
 

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from rlix_async.hooks import ClusterHooks
-from rlix_async.rollout.recipe import Sample, TextPrompts
+from rlix_async.rollout.recipe import Sample, TextPrompts, finite_mean, truncated
 from rlix_async.shards.router import Trajectory
 
 log = logging.getLogger("rlix_async.eval")
@@ -34,7 +34,7 @@ def summarize(
     rewards: list[float],
     extras: dict[str, list[float]],
     lengths: list[int],
-    truncated: list[bool],
+    cut: list[bool],
     failed: int,
     reward_failed: int = 0,
 ) -> dict[str, float]:
@@ -46,11 +46,10 @@ def summarize(
         "eval/failed": float(failed),
         "eval/reward_failed": float(reward_failed),
         "eval/response_tokens": sum(lengths) / len(lengths) if lengths else math.nan,
-        "eval/truncated": sum(truncated) / len(truncated) if truncated else math.nan,
+        "eval/truncated": sum(cut) / len(cut) if cut else math.nan,
     }
     for name, values in extras.items():  # the reward's extras, apart from the fields above
-        finite = [v for v in values if not math.isnan(v)]
-        row[f"eval/reward/{name}"] = sum(finite) / len(finite) if finite else math.nan
+        row[f"eval/reward/{name}"] = finite_mean(values)
     return row
 
 
@@ -73,14 +72,14 @@ class Evaluator:
     async def run(self, version: int) -> dict[str, Any]:
         """Evaluate weights ``version`` (or newer, if the shards moved on meanwhile)."""
         t0 = time.monotonic()
-        samples = [Sample(p.ids, p.text, p.row, p.index) for p in self.prompts.dataset.prompts]
+        samples = [self.prompts.at(i) for i in range(len(self.prompts.dataset))]
         total, done = len(samples), 0
         client = self.hooks.client
         gate = asyncio.Semaphore(self.concurrency)
         rewards: list[float] = []
         extras: dict[str, list[float]] = {}
         lengths: list[int] = []
-        truncated: list[bool] = []
+        cut: list[bool] = []
         versions: list[int] = []
         failed = reward_failed = 0
 
@@ -101,7 +100,9 @@ class Evaluator:
                     for name, values in scored.extras.items():
                         extras.setdefault(name, []).append(values[0])
                     lengths.append(len(traj.token_ids))
-                    truncated.append(self._truncated(traj))
+                    cut.append(
+                        truncated(traj.token_ids, self.max_tokens, self.prompts.stop_token_ids)
+                    )
                     versions.extend(v for v in traj.versions if v is not None)
             done += 1
             await client.report_progress(total, done, STREAM)
@@ -113,7 +114,7 @@ class Evaluator:
         finally:
             await client.clear_progress(STREAM)
         row: dict[str, Any] = {"step": version}
-        row.update(summarize(rewards, extras, lengths, truncated, failed, reward_failed))
+        row.update(summarize(rewards, extras, lengths, cut, failed, reward_failed))
         # the weights it ran on: at least `version` (the shards may have moved on)
         row["eval/weight_version_min"] = min(versions, default=version)
         row["eval/weight_version_max"] = max(versions, default=version)
@@ -130,8 +131,3 @@ class Evaluator:
             stop_token_ids=self.prompts.stop_token_ids,
             stop=self.prompts.stop,
         )
-
-    def _truncated(self, traj: Trajectory) -> bool:
-        """Cut at max_tokens without reaching an end-of-sequence token."""
-        ended = bool(traj.token_ids) and traj.token_ids[-1] in self.prompts.stop_token_ids
-        return len(traj.token_ids) >= self.max_tokens and not ended

@@ -52,6 +52,18 @@ class Scored:
     errors: list[bool] = field(default_factory=list)  # per response: its reward failed
 
 
+def truncated(tokens: list[int], max_tokens: int, stop_token_ids: list[int]) -> bool:
+    """A response cut at ``max_tokens`` without reaching an end-of-sequence token."""
+    ended = bool(tokens) and tokens[-1] in stop_token_ids
+    return len(tokens) >= max_tokens and not ended
+
+
+def finite_mean(values: list[float]) -> float:
+    """The mean of the values that are numbers (an extra a response did not report is nan)."""
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
 class TokenTaskPrompts:
     """Random prompts of a token-id task; the score is a pure function of the tokens."""
 
@@ -110,6 +122,10 @@ class TextPrompts:
             raise RuntimeError("an evaluation set is read in file order, not drawn from")
         position = self.replay.pop(0) if self.replay else self.order.next()
         self.in_flight.append(position)
+        return self.at(position)
+
+    def at(self, position: int) -> Sample:
+        """The dataset's prompt at ``position``, as a sample."""
         p = self.dataset.prompts[position]
         return Sample(p.ids, p.text, p.row, position)
 
