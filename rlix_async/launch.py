@@ -135,11 +135,18 @@ def resolve_recipes(cfg: LaunchConfig) -> LaunchConfig:
 
 
 def check_recipes(cfg: LaunchConfig) -> None:
-    """Load every text recipe once (tokenizer, data files, reward) before any process
-    starts: a bad file or reward is a LaunchError (exit 2), not a torchrun crash loop."""
+    """Load every text recipe once (tokenizer, data files, reward), and check that a
+    Megatron pipeline's model directory is one it can build, before any process starts:
+    a bad file or reward is a LaunchError (exit 2), not a torchrun crash loop."""
     from rlix_async.rollout.recipe import RecipeError, load_recipe
+    from rlix_async.train.megatron import MegatronModelError, llama_shape
 
     for i, p in enumerate(cfg.pipelines):
+        if p.train.backend == "megatron" and p.model.path:
+            try:
+                llama_shape(p.model.path)  # a family it would build wrong is refused here
+            except MegatronModelError as exc:
+                raise LaunchError(f"pipelines[{i}] ({p.id}): {exc}") from None
         if p.data is None:
             continue
         try:

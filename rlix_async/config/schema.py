@@ -492,12 +492,6 @@ class PipelineConfig(Config, frozen=True):
                 "reward",
                 "data needs a reward ('module:function', 'file.py:function' or a built-in)",
             )
-        if self.train.backend == "megatron":
-            raise invalid(
-                "train.backend",
-                "megatron builds its own Llama from `model` and cannot load model.path yet; "
-                "use backend torch for text recipes",
-            )
         if self.eval_every and self.data.eval is None:
             raise invalid("eval_every", "needs data.eval (the evaluation prompts)")
 

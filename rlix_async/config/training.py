@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from rlix_async.config.schema_base import Config, doc, invalid
+from rlix_async.config.schema_base import Config, doc
 
 
 class LossConfig(Config, frozen=True):
@@ -32,7 +32,11 @@ class LossConfig(Config, frozen=True):
 class TrainConfig(Config, frozen=True):
     backend: Annotated[
         Literal["torch", "megatron"],
-        doc("torch: HF model under DDP; megatron: megatron-core GPTModel (Llama shape)."),
+        doc(
+            "torch: the HF model under DDP; megatron: a megatron-core GPTModel, built from "
+            "model.path (Llama-family directories only; others are refused at launch) or "
+            "the tiny model's shape."
+        ),
     ] = "torch"
     dtype: Annotated[
         Literal["auto", "bfloat16", "float32"],
@@ -57,7 +61,3 @@ class TrainConfig(Config, frozen=True):
         ),
     ] = None
     loss: Annotated[LossConfig, doc("The policy loss.")] = LossConfig()
-
-    def __post_init__(self) -> None:
-        if self.backend == "megatron" and self.loss.kl_coef > 0:
-            raise invalid("loss.kl_coef", "the megatron backend has no reference model yet")

@@ -2,28 +2,95 @@
 
 Same interface and time-sharing cycle as :class:`TorchTrainer` (per-step
 process groups, offload, cache export), with Megatron's parallel state built
-and destroyed together with the group. Weights leave in HF ``LlamaForCausalLM``
-names (``megatron_to_hf``) because that is what vLLM's loader takes; the
-conversion is exact (tests compare logits). Tensor/pipeline parallel sizes are
-1 here: data parallel over torchrun ranks via DDP. On CPU it needs
-``megatron_cpu_compat`` (megatron-core 0.16.1 assumes CUDA in two places).
+and destroyed together with the group. ``model.path`` names an HF Llama-family
+directory: its weights come in through ``hf_to_megatron`` (grouped-query
+attention, tied embeddings, its RoPE base and norm epsilon); other families are
+refused by :func:`llama_shape` with a one-line reason. Weights leave in HF
+``LlamaForCausalLM`` names (``megatron_to_hf``) because that is what vLLM's
+loader takes; both conversions are exact (tests compare logits). Tensor/pipeline
+parallel sizes are 1 here: data parallel over torchrun ranks via DDP. On CPU it
+needs ``megatron_cpu_compat`` (megatron-core 0.16.1 assumes CUDA in two places).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rlix_async.config import ModelConfig
 from rlix_async.train.buffer import Group
-from rlix_async.train.trainer import TorchTrainer, cast_floats, cast_parameters
+from rlix_async.train.trainer import TorchTrainer, cast_floats, cast_parameters, load_hf_model
 
 
-def _llama_shape(model: ModelConfig) -> dict[str, int]:
+class MegatronModelError(ValueError):
+    """A model directory the Megatron backend cannot load. One line."""
+
+
+def _tiny_shape(model: ModelConfig) -> dict[str, Any]:
     m = model.tiny
-    return {**m, "heads": m["hidden"] // 64, "head_dim": 64, "ffn": 2 * m["hidden"]}
+    heads = m["hidden"] // 64
+    return {
+        **m,
+        "heads": heads,
+        "groups": heads,
+        "head_dim": 64,
+        "ffn": 2 * m["hidden"],
+        "eps": 1e-6,
+        "rope_base": 10000.0,
+        "tied": False,
+        "max_len": 4096,
+    }
+
+
+def llama_shape(path: str) -> dict[str, Any]:
+    """The GPTModel shape of an HF Llama-family directory; MegatronModelError for a
+    model this backend would build wrong (another family, biases, scaled RoPE)."""
+    import transformers
+
+    try:
+        c = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise MegatronModelError(f"{path}: no readable config.json ({exc})") from None
+    if c.model_type != "llama":
+        raise MegatronModelError(
+            f"{path}: the megatron backend loads Llama-family checkpoints (model_type "
+            f"llama), not {c.model_type}; use train.backend torch"
+        )
+    # transformers 5 keeps rope_theta in rope_parameters; 4.x on the config itself
+    rope = getattr(c, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    scaling = getattr(c, "rope_scaling", None)
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+    unsupported = {
+        "attention_bias": getattr(c, "attention_bias", False),
+        "mlp_bias": getattr(c, "mlp_bias", False),
+        f"rope_type {rope_type}": rope_type != "default",
+        f"hidden_act {c.hidden_act}": c.hidden_act != "silu",
+    }
+    if any(unsupported.values()):
+        what = ", ".join(k for k, v in unsupported.items() if v)
+        raise MegatronModelError(
+            f"{path}: the megatron backend builds plain Llama (no biases, default RoPE, "
+            f"SwiGLU); this model has {what}; use train.backend torch"
+        )
+    heads = c.num_attention_heads
+    return {
+        "vocab_size": c.vocab_size,
+        "layers": c.num_hidden_layers,
+        "hidden": c.hidden_size,
+        "heads": heads,
+        "groups": getattr(c, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads,
+        "ffn": c.intermediate_size,
+        "eps": float(c.rms_norm_eps),
+        "rope_base": float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+        "tied": bool(c.tie_word_embeddings),
+        "max_len": c.max_position_embeddings,
+    }
 
 
 def megatron_to_hf(
@@ -75,7 +142,63 @@ def megatron_to_hf(
     return out
 
 
+def hf_to_megatron(
+    sd: Mapping[str, torch.Tensor], heads: int, groups: int, head_dim: int, *, tied: bool
+) -> dict[str, torch.Tensor]:
+    """HF Llama state dict -> Megatron GPT (the inverse of :func:`megatron_to_hf`).
+    With ``tied`` embeddings the output layer is the embedding: ``lm_head`` is dropped."""
+    out: dict[str, torch.Tensor] = {}
+    per = heads // groups
+    top = {
+        "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+        "model.norm.weight": "decoder.final_layernorm.weight",
+        "lm_head.weight": "output_layer.weight",
+    }
+    simple = {
+        "input_layernorm.weight": "input_layernorm.weight",
+        "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+        "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+        "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+    }
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for key, v in sd.items():
+        if key in top:
+            if not (tied and key == "lm_head.weight"):
+                out[top[key]] = v
+            continue
+        parts = key.split(".")
+        if parts[:2] != ["model", "layers"]:
+            raise KeyError(f"no Megatron name for HF weight {key}")
+        pre, rest = f"decoder.layers.{parts[2]}.", ".".join(parts[3:])
+        if rest in simple:
+            out[pre + simple[rest]] = v
+        else:
+            layers.setdefault(pre, {})[rest] = v  # fused below, once all parts are seen
+    for pre, w in layers.items():
+        try:
+            q, k, v = (w.pop(f"self_attn.{n}_proj.weight") for n in "qkv")
+            gate, up = w.pop("mlp.gate_proj.weight"), w.pop("mlp.up_proj.weight")
+        except KeyError as exc:
+            raise KeyError(f"layer {pre} lacks {exc}") from None
+        if w:
+            raise KeyError(f"no Megatron name for HF weights {sorted(w)} of {pre}")
+        hidden = q.shape[1]
+        qkv = torch.cat(  # per group: its q heads, then its k, then its v
+            [
+                q.view(groups, per * head_dim, hidden),
+                k.view(groups, head_dim, hidden),
+                v.view(groups, head_dim, hidden),
+            ],
+            dim=1,
+        )
+        out[pre + "self_attention.linear_qkv.weight"] = qkv.reshape(-1, hidden)
+        out[pre + "mlp.linear_fc1.weight"] = torch.cat([gate, up], 0)  # [gate; up]
+    return out
+
+
 class MegatronTrainer(TorchTrainer):
+    _shape: dict[str, Any]  # the GPTModel's shape, set by _build_model
+
     def _parallel_state(self, store: dist.Store | None) -> None:
         from megatron.core import parallel_state
 
@@ -101,19 +224,19 @@ class MegatronTrainer(TorchTrainer):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        if self.model_cfg.path:
-            raise ValueError("the Megatron backend builds its model from `model`, not a path")
+        path = self.model_cfg.path
+        s = self._shape = llama_shape(path) if path else _tiny_shape(self.model_cfg)
         self._parallel_state(None)  # building the model needs Megatron's parallel state
-        s = _llama_shape(self.model_cfg)
         torch.manual_seed(self.seed)
         tc = TransformerConfig(
             num_layers=s["layers"],
             hidden_size=s["hidden"],
             num_attention_heads=s["heads"],
+            num_query_groups=s["groups"],
             kv_channels=s["head_dim"],
             ffn_hidden_size=s["ffn"],
             normalization="RMSNorm",
-            layernorm_epsilon=1e-6,
+            layernorm_epsilon=s["eps"],
             gated_linear_unit=True,
             activation_func=F.silu,
             add_bias_linear=False,
@@ -132,13 +255,38 @@ class MegatronTrainer(TorchTrainer):
             config=tc,
             transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
             vocab_size=s["vocab_size"],
-            max_sequence_length=4096,
+            max_sequence_length=s["max_len"],
             position_embedding_type="rope",
-            rotary_base=10000,
-            share_embeddings_and_output_weights=False,
+            rotary_base=s["rope_base"],
+            share_embeddings_and_output_weights=s["tied"],
         )
+        if path:
+            self._load_hf(model, path)
         self.destroy_group()  # the time-sharing cycle creates groups per step
         return cast_parameters(model, self.dtype)  # the local spec's norms ignore params_dtype
+
+    def _load_hf(self, model: torch.nn.Module, path: str) -> None:
+        """The directory's weights into ``model``, every parameter accounted for."""
+        s = self._shape
+        hf = load_hf_model(path, torch.float32)
+        weights = hf_to_megatron(
+            hf.state_dict(), s["heads"], s["groups"], s["head_dim"], tied=s["tied"]
+        )
+        del hf
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if "_extra_state" not in k]  # TE/fp8 metadata
+        if missing or unexpected:
+            raise MegatronModelError(
+                f"{path}: weights do not fit the Megatron model (missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]})"
+            )
+
+    def _frozen_copy(self) -> torch.nn.Module:
+        # deepcopy cannot copy the process groups Megatron's modules hold: build another
+        reference = self._build_model()
+        reference.load_state_dict(self.model.state_dict())
+        where = next(self.model.parameters()).device
+        return reference.to(where).eval().requires_grad_(False)
 
     def init_group(self, store: dist.Store | None) -> None:
         self._require_on_device("init_group()")
@@ -169,6 +317,6 @@ class MegatronTrainer(TorchTrainer):
         return super().train_step(groups)
 
     def weights_for_cache(self) -> dict[str, torch.Tensor]:
-        s = _llama_shape(self.model_cfg)
-        hf = megatron_to_hf(self.model.state_dict(), s["heads"], s["heads"], s["head_dim"])
+        s = self._shape
+        hf = megatron_to_hf(self.model.state_dict(), s["heads"], s["groups"], s["head_dim"])
         return cast_floats(hf, self.dtype)

@@ -130,6 +130,19 @@ class PinnedHostBuffers:
             self.views[key] = raw.view(dtype).view(shape)
 
 
+def load_hf_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
+    """An HF causal-LM directory's model, its parameters in ``dtype``."""
+    import transformers
+    from packaging.version import Version
+
+    # transformers 4.56 renamed torch_dtype (kept, with a warning, in 5.x)
+    new = Version(transformers.__version__) >= Version("4.56")
+    model: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(
+        path, **{"dtype" if new else "torch_dtype": dtype}
+    )
+    return model
+
+
 class TorchTrainer:
     def __init__(
         self,
@@ -178,23 +191,20 @@ class TorchTrainer:
         # from the same start, so checkpoints need not hold it)
         self.reference: torch.nn.Module | None = None
         if self.cfg.loss.kl_coef > 0:
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.reference = self._frozen_copy()
         self.step = 0
         self._host: PinnedHostBuffers | None = None
         self._offloaded: list[StateKey] = []  # what offload() moved; reload() moves it back
         if start_offloaded and self.device.type == "cuda":
             self._offloaded = list(self._state_tensors())
 
+    def _frozen_copy(self) -> torch.nn.Module:
+        """A frozen copy of the policy as it is now, where it is now."""
+        return copy.deepcopy(self.model).eval().requires_grad_(False)
+
     def _build_model(self) -> torch.nn.Module:
         if self.model_cfg.path:
-            import transformers
-            from packaging.version import Version
-
-            # transformers 4.56 renamed torch_dtype (kept, with a warning, in 5.x)
-            new = Version(transformers.__version__) >= Version("4.56")
-            return transformers.AutoModelForCausalLM.from_pretrained(
-                self.model_cfg.path, **{"dtype" if new else "torch_dtype": self.dtype}
-            )
+            return load_hf_model(self.model_cfg.path, self.dtype)
         from rlix_async.models.tiny import tiny_llama
 
         return cast_parameters(tiny_llama(self.seed, **self.model_cfg.tiny), self.dtype)

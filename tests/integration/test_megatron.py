@@ -39,6 +39,55 @@ def test_megatron_weights_load_into_hf_llama_with_identical_logits() -> None:
     assert torch.allclose(mg, hf(input_ids=ids).logits, atol=1e-5)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_megatron_loads_an_hf_llama_directory_with_identical_logits(
+    tmp_path: Path, tied: bool
+) -> None:
+    """Grouped-query attention (2 heads, 1 kv group), RoPE and norms as HF computes them;
+    the cache gets the directory's weights back unchanged."""
+    import transformers
+    from helpers.tiny_text import save_tiny_model
+
+    from rlix_async.config import ModelConfig
+    from rlix_async.train.megatron import MegatronTrainer
+
+    path = save_tiny_model(tmp_path / "m", "llama", seed=4, tie_word_embeddings=tied)
+    # not Megatron's defaults, so a shape that ignored the directory's would show
+    c = transformers.AutoConfig.from_pretrained(path)
+    if getattr(c, "rope_parameters", None):
+        c.rope_parameters["rope_theta"] = 50000.0
+    else:
+        c.rope_theta = 50000.0
+    c.rms_norm_eps = 1e-2
+    c.save_pretrained(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    t = MegatronTrainer(model=ModelConfig(path=str(path)), seed=0)
+    expected = hf.state_dict()
+    if tied:
+        expected.pop("lm_head.weight")  # the receiver ties it again (vllm_transfer)
+    cache = t.weights_for_cache()
+    assert cache.keys() == expected.keys()
+    assert all(torch.equal(cache[k], v) for k, v in expected.items())
+    ids = torch.tensor([[5, 17, 30, 2, 9, 44]])
+    t._parallel_state(None)
+    try:
+        with torch.no_grad():
+            mg = t.forward_logits(t.model.eval(), ids)
+    finally:
+        t.destroy_group()
+    assert torch.allclose(mg, hf(input_ids=ids).logits, atol=1e-5)
+
+
+def test_megatron_refuses_a_model_family_it_would_build_wrong(tmp_path: Path) -> None:
+    from helpers.tiny_text import save_tiny_model
+
+    from rlix_async.train.megatron import MegatronModelError, llama_shape
+
+    path = save_tiny_model(tmp_path / "q", "qwen2")
+    with pytest.raises(MegatronModelError, match=r"Llama-family checkpoints .* not qwen2"):
+        llama_shape(str(path))
+
+
 def test_megatron_grpo_steps_learn() -> None:
     from helpers.trainer import mass_below_8, sample_batch
 
@@ -60,6 +109,32 @@ def test_megatron_grpo_steps_learn() -> None:
         t.train_step(sample_batch(View, gen))  # type: ignore[arg-type]
         hf.load_state_dict(t.weights_for_cache())
     assert mass_below_8(View) > 2 * before  # type: ignore[arg-type]
+
+
+def test_the_megatron_reference_stays_at_the_start_and_the_kl_grows() -> None:
+    from helpers.trainer import sample_batch
+
+    from rlix_async.config import LossConfig, ModelConfig, TrainConfig
+    from rlix_async.models.tiny import tiny_llama
+    from rlix_async.train.megatron import MegatronTrainer
+
+    cfg = TrainConfig(backend="megatron", lr=1e-2, minibatches=1, loss=LossConfig(kl_coef=0.1))
+    t = MegatronTrainer(cfg, ModelConfig(**SMALL), seed=0)
+    assert t.reference is not None
+
+    class View:  # sample_batch reads `.model` as an HF model
+        model = tiny_llama(0, **SMALL).eval()
+
+    View.model.load_state_dict(t.weights_for_cache())
+    batch = sample_batch(View, torch.Generator().manual_seed(0))  # type: ignore[arg-type]
+    start = {k: v.clone() for k, v in t.model.state_dict().items() if v is not None}
+    first = t.train_step(batch)
+    assert first["kl"] == 0.0  # the policy is the reference before its first update
+    second = t.train_step(batch)
+    assert second["kl"] > 0.0
+    for name, p in t.reference.state_dict().items():
+        assert p is None or torch.equal(p, start[name]), name
+    assert not all(torch.equal(t.model.state_dict()[n], v) for n, v in start.items())
 
 
 @pytest.mark.timeout(400)
