@@ -146,6 +146,23 @@ def _preempt(args: argparse.Namespace) -> int:
     return 0 if r["lost_requests"] == 0 else 1
 
 
+def _transparency(args: argparse.Namespace) -> int:
+    from rlix_async.cli import check_output
+
+    check_output(args.out, directory=True)
+    from rlix_async.bench.transparency import format_transparency, run_transparency
+    from rlix_async.launch import LaunchError
+    from rlix_async.models.pretrained import ModelError
+
+    try:
+        result = run_transparency(args.out, args.seeds, args.steps, args.eval_every)
+    except (ModelError, LaunchError) as exc:  # a missing extra or model package
+        raise UsageError(str(exc)) from None
+    print(json.dumps(result, indent=2) if args.json else format_transparency(result))
+    print(f"wrote {args.out}/transparency.json and transparency.png")
+    return 0 if result["transparent"] else 1
+
+
 def _coordinator(args: argparse.Namespace) -> int:
     from rlix_async.bench.coordinator import CoordinatorBenchConfig, run_coordinator_bench
     from rlix_async.bench.coordinator_report import format_result
@@ -273,3 +290,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--kv-cache-mb", type=positive_int, default=64, help="KV cache per engine (CPU)")
     _json_flag(p)
     p.set_defaults(func=_preempt)
+    p = bsub.add_parser(
+        "transparency",
+        help="the arithmetic recipe alone vs time-shared, per seed: data order, batch sizes, "
+        "staleness, eval curves (exit 1: time-sharing changed the recipe)",
+    )
+    p.add_argument("--out", default="rlix-transparency", help="one directory per run in here")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=positive_int, default=8, help="recipe steps per run")
+    p.add_argument("--eval-every", type=positive_int, default=2)
+    _json_flag(p)
+    p.set_defaults(func=_transparency)

@@ -16,6 +16,7 @@ from rlix_async.cli import (
     load_for,
     positive_int,
 )
+from rlix_async.recipes import RECIPES
 
 if TYPE_CHECKING:
     from rlix_async.config import LaunchConfig
@@ -110,10 +111,19 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     check_output(args.out, directory=True)
-    from rlix_async.demo import format_summary, run_demo  # torch: after the check
+    from rlix_async.demo import demo_config, format_summary, run_demo  # torch: after the check
+    from rlix_async.launch import LaunchError
+    from rlix_async.models.pretrained import ModelError
 
+    try:
+        cfg = demo_config(args.out, args.steps, args.overrides, args.recipe)
+    except ModelError as exc:  # the model's package or the `models` extra is missing
+        raise UsageError(str(exc)) from None
     summaries = []
-    code = _supervised(lambda: summaries.append(run_demo(args.out, args.steps, args.overrides)))
+    try:
+        code = _supervised(lambda: summaries.append(run_demo(cfg)))
+    except LaunchError as exc:  # a recipe's data, reward or tokenizer did not load
+        raise UsageError(str(exc)) from None
     if code:
         return code
     print(format_summary(summaries[0]))
@@ -145,8 +155,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_overrides(p, "pipelines[0].steps=20")
     p.set_defaults(func=_launch)
 
-    p = sub.add_parser("demo", help="two GRPO pipelines time-sharing 4 CPU devices (main job)")
+    p = sub.add_parser(
+        "demo",
+        help="two GRPO pipelines time-sharing 4 CPU devices (main job); --recipe arithmetic: "
+        "a real model learning from a dataset",
+    )
     p.add_argument("--out", default="rlix-demo", help="output directory")
     p.add_argument("--steps", type=positive_int, default=15, help="training steps per pipeline")
+    p.add_argument(
+        "--recipe",
+        choices=sorted(RECIPES),
+        help="run a packaged recipe instead (writes its data under OUT/data, converts its "
+        "model once; needs `bash scripts/setup.sh cpu models recipes`)",
+    )
     add_overrides(p, "engine.kv_cache_mb=64")
     p.set_defaults(func=_demo)

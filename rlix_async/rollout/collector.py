@@ -146,7 +146,7 @@ class Collector:
         oldest = max(step + batch_ahead - self.cfg.max_trajectory_age_steps, 0)
         gid = self.ledger.new_id() if self.ledger is not None else ""
         if self.ledger is not None:  # before any request leaves: a kill now still counts it
-            self.ledger.requested(gid, rollout.group_size, step)
+            self.ledger.requested(gid, rollout.group_size, step, sample.index)
         requests: list[asyncio.Future[Trajectory]] = [
             asyncio.ensure_future(
                 self.hooks.router.generate(

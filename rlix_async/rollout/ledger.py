@@ -13,6 +13,7 @@ starts in this ledger, ``seq`` its groups in that run. Events (``ev``):
 - ``start``: a process began; ``fresh`` (a new run, not ``--resume``), the step it
   resumed from and the ids of the groups its checkpoint's buffer brought back;
 - ``requested``: a group's ``n`` requests went to the router, at trainer version ``v``;
+  text recipes add ``row``, the prompt's position in the training set (the data order);
 - ``finished``: they came back: ``ok`` with tokens, ``failed`` (raised),
   ``cancelled`` (stopped early: a finished sibling had made the group too old), and
   the ``outcome``: ``buffered``, ``stale`` (dropped at once), ``unusable`` (fewer
@@ -105,8 +106,11 @@ class Ledger:
         self._seq += 1
         return f"r{self.run}-g{self._seq}"
 
-    def requested(self, gid: str, n: int, version: int) -> None:
-        self._write(ev="requested", g=gid, n=n, v=version)
+    def requested(self, gid: str, n: int, version: int, row: int = -1) -> None:
+        if row >= 0:
+            self._write(ev="requested", g=gid, n=n, v=version, row=row)
+        else:
+            self._write(ev="requested", g=gid, n=n, v=version)
 
     def finished(self, gid: str, ok: int, failed: int, cancelled: int, outcome: str) -> None:
         self._write(

@@ -175,3 +175,44 @@ def test_bad_recipe_input_is_refused_before_any_process_starts(
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], done.stderr
     assert not (out / "logs").exists()  # nothing was started
+
+
+MEGATRON = "train: {lr: 0.001, backend: megatron, loss: {kl_coef: 0.05}}"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_a_text_recipe_trains_with_the_megatron_backend(
+    tmp_path: Path, recipe: dict[str, Path]
+) -> None:
+    """The Llama directory loaded into Megatron-core (grouped-query attention, tied
+    embeddings), its weights back to vLLM through the cache, and the KL reference."""
+    pytest.importorskip("megatron.core")
+    cfg, out, pid = write_config(tmp_path, recipe)
+    cfg.write_text(cfg.read_text().replace("train: {lr: 0.001}", MEGATRON))
+    done = launch(cfg, timeout=560)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    rows = [json.loads(line) for line in (out / pid / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert steps[0]["kl"] == 0.0 and steps[1]["kl"] > 0.0  # the policy moved off its start
+    # a batch whose groups all scored alike has no gradient (a random model's first, often)
+    assert all(r["skipped_updates"] == 0 for r in steps) and max(r["grad_norm"] for r in steps) > 0
+    evals = [r for r in rows if "eval/reward" in r]
+    assert max(r["eval/weight_version_min"] for r in evals) >= 2  # the trained weights served
+
+
+@pytest.mark.timeout(120)
+def test_megatron_refuses_a_model_it_would_build_wrong_before_any_process_starts(
+    tmp_path: Path, recipe: dict[str, Path]
+) -> None:
+    pytest.importorskip("megatron.core")
+    qwen = save_tiny_model(tmp_path / "qwen", "qwen2")
+    cfg, out, _ = write_config(tmp_path, recipe, model=str(qwen))
+    cfg.write_text(cfg.read_text().replace("train: {lr: 0.001}", MEGATRON))
+    done = launch(cfg, timeout=100)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    (line,) = done.stderr.strip().splitlines()
+    assert "Llama-family checkpoints (model_type llama), not qwen2" in line
+    assert not (out / "logs").exists()  # nothing was started

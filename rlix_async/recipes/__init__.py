@@ -1,0 +1,53 @@
+"""Recipes that ship with the package: a YAML (copy it to start your own) and the code
+that writes its dataset. ``rlix-async demo --recipe NAME`` runs one end to end."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+
+def _arithmetic_data(out: Path) -> None:
+    from rlix_async.recipes.arithmetic import write_data
+
+    write_data(out)
+
+
+# name: (its YAML in this package, the converted model it trains, what writes its data)
+RECIPES: dict[str, tuple[str, str, Callable[[Path], None]]] = {
+    "arithmetic": ("arithmetic.yaml", "smollm2-135m-instruct", _arithmetic_data),
+}
+
+
+def recipe_raw(name: str) -> dict[str, Any]:
+    """The recipe's YAML as a plain dict (KeyError for an unknown name)."""
+    import yaml
+
+    yaml_name = RECIPES[name][0]
+    raw: dict[str, Any] = yaml.safe_load(files(__name__).joinpath(yaml_name).read_text())
+    return raw
+
+
+def prepare_recipe(
+    name: str, out: str, log: Callable[[str], None] = lambda _: None
+) -> tuple[dict[str, Any], Path]:
+    """Write the recipe's data under ``out/data`` and convert its model (once; later
+    calls find it). Returns the recipe's YAML as a dict with ``out``, the data paths and
+    ``model.path`` filled in, and the model's directory."""
+    from rlix_async.models.pretrained import convert as convert_model
+
+    _, model_name, write = RECIPES[name]
+    data = Path(out) / "data"
+    write(data)
+    model = convert_model(model_name, log=log)
+    raw = recipe_raw(name)
+    raw["out"] = out
+    for p in raw["pipelines"]:
+        p["model"] = {**p.get("model", {}), "path": str(model)}
+        d = p["data"]
+        d["train"] = str(data / Path(d["train"]).name)
+        if d.get("eval"):
+            d["eval"] = str(data / Path(d["eval"]).name)
+    return raw, model

@@ -1,0 +1,82 @@
+"""The packaged arithmetic recipe: its data, its YAML ready to launch, and reward.png with
+the eval accuracy beside the batch reward."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlix_async.demo import demo_config, plot_rewards
+from rlix_async.models.pretrained import MARKER
+from rlix_async.recipes import RECIPES, recipe_raw
+from rlix_async.recipes.arithmetic import write_data
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_data_is_the_same_every_time_and_eval_is_held_out(tmp_path: Path) -> None:
+    train, held_out = write_data(tmp_path / "a")
+    again, _ = write_data(tmp_path / "b")
+    assert train.read_bytes() == again.read_bytes()
+    rows, evals = read(train), read(held_out)
+    assert (len(rows), len(evals)) == (3000, 40)
+    assert {r["prompt"] for r in rows}.isdisjoint({r["prompt"] for r in evals})
+    assert len({r["prompt"] for r in rows}) == 60  # the other 60 one-digit sums
+    for r in rows[:20]:
+        a, b = (int(x) for x in r["prompt"][len("What is ") :].split("?")[0].split(" + "))
+        assert r["answer"] == a + b
+
+
+def test_too_many_eval_rows_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="only 100 distinct sums"):
+        write_data(tmp_path, eval_rows=100)
+
+
+def test_the_demo_recipe_config_points_at_its_data_and_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a converted model is a directory with the marker: stand one in so nothing converts
+    cache = tmp_path / "cache"
+    model = cache / "models" / RECIPES["arithmetic"][1]
+    model.mkdir(parents=True)
+    (model / MARKER).write_text("{}")
+    monkeypatch.setenv("RLIX_ASYNC_CACHE", str(cache))
+    out = tmp_path / "run"
+    cfg = demo_config(
+        str(out), steps=3, overrides=["pipelines[0].eval_every=1"], recipe="arithmetic"
+    )
+    (p,) = cfg.pipelines
+    assert p.steps == 3 and p.eval_every == 1
+    assert p.model.path == str(model)
+    assert p.data is not None and Path(p.data.train).parent == out / "data"
+    assert Path(p.data.train).is_file() and p.data.eval and Path(p.data.eval).is_file()
+    # everything else is the packaged YAML's
+    assert p.reward == recipe_raw("arithmetic")["pipelines"][0]["reward"] == "math_answer"
+
+
+def test_reward_png_shows_eval_accuracy_when_a_pipeline_evaluates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import matplotlib.figure
+
+    cfg = demo_config(str(tmp_path), steps=2)
+    evaluating = cfg.pipelines[0].id
+    for p in cfg.pipelines:
+        (tmp_path / p.id).mkdir()
+        rows: list[dict[str, Any]] = [{"step": s, "reward": 0.1 * s} for s in (1, 2)]
+        if p.id == evaluating:
+            rows += [{"step": s, "eval/reward": 0.5 + 0.1 * s} for s in (0, 2)]
+        (tmp_path / p.id / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn: list[Any] = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    plot_rewards(cfg, tmp_path / "reward.png")
+    (fig,) = drawn
+    assert len(fig.axes) == 2
+    (line,) = fig.axes[1].get_lines()  # only the pipeline that evaluates
+    assert line.get_label() == evaluating
+    assert list(line.get_ydata()) == [0.5, 0.7]

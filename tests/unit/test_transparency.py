@@ -1,0 +1,101 @@
+"""`rlix-async bench transparency`'s verdict: each rule fails when a run breaks it; and the
+run record is read from the files a pipeline writes (a real ledger, metrics rows as the
+pipeline writes them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rlix_async.bench.transparency import RunRecord, compare, format_transparency, read_run
+from rlix_async.rollout.ledger import LEDGER, Ledger
+
+
+def run(mode: str, seed: int, evals: dict[int, float], **kw: object) -> RunRecord:
+    base: dict[str, object] = {
+        "rows": [5, 3, 9, 1],
+        "batch": {1: 32, 2: 32},
+        "lag": {1: 0, 2: 1},
+        "eval_n": 40,
+        "bound": 1,
+    }
+    base.update(kw)
+    return RunRecord(mode=mode, seed=seed, evals=evals, **base)  # type: ignore[arg-type]
+
+
+def pairs(shared_evals: list[float], **shared_kw: object) -> list[RunRecord]:
+    alone = [0.70, 0.72, 0.68]
+    out = []
+    for s, (a, b) in enumerate(zip(alone, shared_evals, strict=True)):
+        out.append(run("alone", s, {0: 0.7, 2: a}))
+        out.append(run("shared", s, {0: 0.7, 2: b}, **shared_kw))
+    return out
+
+
+def test_the_same_recipe_shared_is_transparent() -> None:
+    result = compare(pairs([0.71, 0.69, 0.70]))
+    assert result["transparent"]
+    assert all(p["same_data_order"] and p["same_batch_sizes"] for p in result["per_seed"])
+    assert "transparent: True" in format_transparency(result)
+
+
+def test_another_data_order_is_caught() -> None:
+    result = compare(pairs([0.71, 0.69, 0.70], rows=[5, 3, 1, 9]))
+    assert not result["transparent"]
+    assert not any(p["same_data_order"] for p in result["per_seed"])
+
+
+def test_a_shorter_run_compares_the_rows_both_drew() -> None:
+    # the shared run drew fewer rows (it was stopped earlier): its prefix still matches
+    result = compare(pairs([0.71, 0.69, 0.70], rows=[5, 3]))
+    assert all(p["same_data_order"] and p["rows_compared"] == 2 for p in result["per_seed"])
+
+
+def test_another_batch_size_is_caught() -> None:
+    result = compare(pairs([0.71, 0.69, 0.70], batch={1: 32, 2: 28}))
+    assert not result["transparent"]
+
+
+def test_staleness_over_the_bound_is_caught() -> None:
+    result = compare(pairs([0.71, 0.69, 0.70], lag={1: 0, 2: 2}))
+    assert not result["transparent"]
+    assert result["per_seed"][0]["max_lag"] == {"alone": 1, "shared": 2}
+
+
+def test_an_eval_curve_outside_seed_noise_is_caught() -> None:
+    result = compare(pairs([0.95, 0.97, 0.96]))
+    point = next(p for p in result["eval_curve"] if p["step"] == 2)
+    assert point["difference"] > point["noise"]
+    assert not point["within_noise"] and not result["transparent"]
+
+
+def test_noise_is_at_least_one_eval_question() -> None:
+    # every seed scored the same alone: zero spread, yet one question either way is noise
+    runs = []
+    for s in range(3):
+        runs.append(run("alone", s, {2: 0.7}))
+        runs.append(run("shared", s, {2: 0.725}))
+    (point,) = compare(runs)["eval_curve"]
+    assert point["noise"] == 1 / 40 and point["within_noise"]
+
+
+def test_a_run_is_read_from_its_ledger_and_metrics(tmp_path: Path) -> None:
+    pipe = tmp_path / "arithmetic"
+    pipe.mkdir()
+    ledger = Ledger(pipe / LEDGER, fresh=True, from_step=0, buffered=[])
+    for row in (7, 2, 4):
+        ledger.requested(ledger.new_id(), 4, 0, row)
+    ledger.close()
+    rows = [
+        {"step": 0, "eval/reward": 0.5, "eval/n": 40.0, "time": 1.0},
+        {"step": 1, "reward": 0.2, "trained": 32, "trained_on_versions": [0], "time": 2.0},
+        {"step": 2, "reward": 0.3, "trained": 64, "trained_on_versions": [0, 1], "time": 3.0},
+        {"step": 2, "eval/reward": 0.6, "eval/n": 40.0, "time": 4.0},
+    ]
+    (pipe / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = read_run(tmp_path, "alone", 3, bound=1, wall_s=12.34)
+    assert r.rows == [7, 2, 4]
+    assert r.batch == {1: 32, 2: 32}
+    assert r.lag == {1: 0, 2: 1}  # step 2 trains at version 1 on a version-0 trajectory
+    assert r.evals == {0: 0.5, 2: 0.6} and r.eval_n == 40
+    assert (r.seed, r.wall_s, r.neighbour_steps) == (3, 12.3, 0)
