@@ -2,10 +2,11 @@
 
 For each seed, the arithmetic recipe runs twice with the same pipeline config: alone
 (its trainer on device 0, its vLLM shard on device 1), and time-shared with a
-neighbour pipeline (a token-id GRPO pipeline on the tiny model) that trains on device
-2 and rolls out on devices 1 and 2. Device 1 is contested: whenever the neighbour's
-demand wins it, the recipe's shard is shrunk (its requests aborted and resumed later)
-and the recipe waits. The neighbour is stopped when the recipe has done its steps.
+neighbour pipeline (the same recipe, another seed, no evaluation) that trains on
+device 2 and rolls out on devices 1 and 2. Device 1 is contested: whenever the
+neighbour's demand wins it, the recipe's shard is shrunk (its requests aborted and
+resumed later) and the recipe waits. The neighbour is stopped when the recipe has
+done its steps.
 
 What is compared, per seed and over seeds (the pure part, :func:`compare`, is tested
 without engines):
@@ -26,6 +27,7 @@ come back in a different order. Neither changes the recipe.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import signal
@@ -158,28 +160,25 @@ def transparency_config(
     recipe = raw["pipelines"][0]
     recipe.update(seed=seed, steps=steps, eval_every=eval_every, checkpoint_every=steps)
     if mode == "shared":
+        # The neighbour is the same recipe with another seed and no evaluation: on this
+        # machine every logical device shares the same 2 cores, and a token-id toy
+        # pipeline (hundreds of tiny steps a minute) took nearly all of them, starving
+        # the recipe of CPU rather than of devices.
         raw["cluster"]["gpus_per_node"] = 3
-        raw["pipelines"].append(
-            {
-                "id": NEIGHBOUR,
-                "seed": 100 + seed,
-                "steps": 100_000,  # stopped when the recipe is done
-                "max_trajectory_age_steps": 1,
-                "checkpoint_every": 100_000,
-                "task": {"name": "target_tokens", "lo": 0, "hi": 32},
-                "rollout": {
-                    "groups_per_step": 8,
-                    "group_size": 4,
-                    "max_tokens": 12,
-                    "max_groups_in_flight": 6,
-                },
-                "train": {"lr": 0.01, "loss": {"kind": "dapo"}},
-                "clusters": {
-                    "actor_train": {"tp": 1, "devices": [2]},
-                    "actor_infer": {"tp": 1, "devices": [1, 2]},
-                },
-            }
+        neighbour = copy.deepcopy(recipe)
+        neighbour.update(
+            id=NEIGHBOUR,
+            seed=100 + seed,
+            steps=100_000,  # stopped when the recipe is done
+            eval_every=0,
+            checkpoint_every=100_000,
+            clusters={
+                "actor_train": {"tp": 1, "devices": [2]},
+                "actor_infer": {"tp": 1, "devices": [1, 2]},
+            },
         )
+        neighbour["data"] = {k: v for k, v in neighbour["data"].items() if k != "eval"}
+        raw["pipelines"].append(neighbour)
     return convert(raw, LaunchConfig, f"bench transparency ({mode})")
 
 
