@@ -1,7 +1,7 @@
 """``rlix-async demo [--out DIR] [--recipe NAME]``: the main job.
 
 Without ``--recipe``: two async GRPO pipelines time-sharing 4 logical devices, on a
-tiny random model and token-id tasks, in about 3 minutes here: what time-sharing does
+tiny random model and token-id tasks, in about 5 minutes here: what time-sharing does
 (shrinks, expands, weight syncs, nothing lost). ``--recipe arithmetic``: a real model
 (SmolLM2-135M-Instruct) learning one-digit sums from a dataset and a reward, in about
 12 minutes here: what a recipe does (greedy eval accuracy rising). Both write the same
@@ -187,6 +187,7 @@ def run_demo(cfg: LaunchConfig) -> dict[str, Any]:
     from rlix_async.observe.timeline import draw_timeline
 
     outp = Path(cfg.out)
+    launcher = Launcher(cfg)  # checks the recipes: a bad one leaves the last run's files
     journal = outp / "journal.jsonl"
     if journal.exists():
         journal.unlink()  # a fresh run; `launch --resume` is the way to continue one
@@ -196,7 +197,6 @@ def run_demo(cfg: LaunchConfig) -> dict[str, Any]:
         for ck in (outp / p.id / "ckpt").glob("step_*.pt"):
             ck.unlink()
     t0 = time.monotonic()
-    launcher = Launcher(cfg)
     with Progress(
         TextColumn("{task.description:<10}"),
         BarColumn(),

@@ -12,17 +12,21 @@ What is compared, per seed and over seeds (the pure part, :func:`compare`, is te
 without engines):
 
 - data order: the training rows in the order they were drawn (the ledger's
-  ``requested`` events): the same seed must draw the same rows;
+  ``requested`` events): the same seed must draw the same rows. Which drawn rows
+  came back in time for which step depends on timing; the share of rows trained
+  alone that were trained shared too is reported, with the trajectories dropped or
+  stopped as stale;
 - batch size: trajectories trained per step;
 - staleness: per step, how many versions behind the oldest trajectory trained was,
-  against the pipeline's bound;
-- the greedy eval curve: per step, the mean over seeds alone and shared, the seed
-  spread, and whether the difference lies within seed noise (twice the standard error
-  of the difference of the means, at least one eval question).
+  against the pipeline's bound (the buffer drops what is older, so this guards the
+  buffer rather than measuring sharing);
+- the greedy eval curve at every step asked for (a missing evaluation fails the
+  verdict): per step, the shared minus alone difference paired by seed, judged
+  against a 95% interval of its mean (Student's t, at least one eval question);
+  two seeds at least.
 
 Times differ (sharing waits for devices, and on this 2-core machine the neighbour's
-processes take CPU); which rows land in which step may differ too, because groups
-come back in a different order. Neither changes the recipe.
+processes take CPU). Neither changes the recipe.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import signal
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,22 +56,36 @@ class RunRecord:
     mode: str
     seed: int
     rows: list[int]  # training rows in the order they were drawn
+    trained_rows: dict[int, list[int]]  # step -> the rows of the groups it trained on
     batch: dict[int, int]  # step -> trajectories trained
     lag: dict[int, int]  # step -> versions behind of its oldest trajectory
     evals: dict[int, float]  # step -> greedy eval accuracy
     eval_n: int  # eval questions
     bound: int  # max_trajectory_age_steps
     wall_s: float = 0.0
+    stale: int = 0  # trajectories dropped or stopped as too old (never trained)
     shrinks: int = 0  # the recipe's shard shrunk (journal)
     neighbour_steps: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _last_run(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events since the last fresh start: an earlier, interrupted attempt in the same
+    directory must not count twice."""
+    starts = [i for i, e in enumerate(events) if e["ev"] == "start" and e.get("fresh")]
+    return events[starts[-1] :] if starts else events
 
 
 def read_run(out: Path, mode: str, seed: int, bound: int, wall_s: float) -> RunRecord:
     from rlix_async.demo import journal_counts, read_metrics
-    from rlix_async.rollout.ledger import LEDGER, read_events
+    from rlix_async.rollout.ledger import LEDGER, read_events, tally
 
-    rows = [e["row"] for e in read_events(out / RECIPE / LEDGER) if e["ev"] == "requested"]
+    events = _last_run(list(read_events(out / RECIPE / LEDGER)))
+    row_of = {e["g"]: e["row"] for e in events if e["ev"] == "requested"}
+    rows = [e["row"] for e in events if e["ev"] == "requested"]
+    # the batch taken at version v is trained into step v + 1
+    trained_rows = {
+        e["v"] + 1: sorted(row_of[g] for g in e["g"]) for e in events if e["ev"] == "taken"
+    }
     steps = read_metrics(out, RECIPE)
     batch: dict[int, int] = {}
     lag: dict[int, int] = {}
@@ -79,23 +97,42 @@ def read_run(out: Path, mode: str, seed: int, bound: int, wall_s: float) -> RunR
         lag[r["step"]] = r["step"] - 1 - min(r["trained_on_versions"])
     evals = read_metrics(out, RECIPE, evals=True)
     neighbour = read_metrics(out, NEIGHBOUR)
+    t = tally(out / RECIPE / LEDGER)
     return RunRecord(
         mode=mode,
         seed=seed,
         rows=rows,
+        trained_rows=trained_rows,
         batch=batch,
         lag=lag,
         evals={r["step"]: r["eval/reward"] for r in evals},
         eval_n=int(evals[0]["eval/n"]) if evals else 0,
         bound=bound,
         wall_s=round(wall_s, 1),
+        stale=t.dropped_stale + t.cancelled_stale,
         shrinks=journal_counts(out / "journal.jsonl").get(RECIPE, {}).get("shrinks", 0),
         neighbour_steps=neighbour[-1]["step"] if neighbour else 0,
     )
 
 
-def compare(runs: Sequence[RunRecord]) -> dict[str, Any]:
-    """Alone against shared: the rules above, per seed and over seeds."""
+# Student's t, two-sided 95%, by degrees of freedom (no scipy for eleven numbers)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306}
+
+
+def _overlap(a: dict[int, list[int]], b: dict[int, list[int]]) -> float:
+    """The share of the rows ``a`` trained on that ``b`` trained on too (as multisets)."""
+    from collections import Counter
+
+    ca = Counter(r for rows in a.values() for r in rows)
+    cb = Counter(r for rows in b.values() for r in rows)
+    total = sum(ca.values())
+    return sum((ca & cb).values()) / total if total else 0.0
+
+
+def compare(runs: Sequence[RunRecord], eval_steps: Sequence[int]) -> dict[str, Any]:
+    """Alone against shared, paired by seed: the rules above. ``eval_steps``: the steps
+    every run was asked to evaluate at; a run missing one is not transparent (an eval
+    that failed or was skipped must not shrink the comparison to nothing)."""
     by = {(r.mode, r.seed): r for r in runs}
     seeds = sorted({r.seed for r in runs if ("alone", r.seed) in by and ("shared", r.seed) in by})
     per_seed = []
@@ -106,46 +143,64 @@ def compare(runs: Sequence[RunRecord]) -> dict[str, Any]:
             {
                 "seed": s,
                 "rows_compared": n,
+                # drawn in the seed's order: must hold whatever the timing
                 "same_data_order": n > 0 and a.rows[:n] == b.rows[:n],
+                # which drawn rows came back in time for which step depends on timing
+                "trained_rows_overlap": round(_overlap(a.trained_rows, b.trained_rows), 3),
                 "same_batch_sizes": a.batch == b.batch,
+                # the buffer drops what is over the bound, so this is a guard, not a finding
                 "staleness_within_bound": all(v <= r.bound for r in (a, b) for v in r.lag.values()),
                 "max_lag": {
                     "alone": max(a.lag.values(), default=0),
                     "shared": max(b.lag.values(), default=0),
                 },
+                "stale": {"alone": a.stale, "shared": b.stale},
+                "evals_complete": all(st in r.evals for r in (a, b) for st in eval_steps),
                 "wall_s": {"alone": a.wall_s, "shared": b.wall_s},
                 "recipe_shrinks": {"alone": a.shrinks, "shared": b.shrinks},
                 "neighbour_steps": b.neighbour_steps,
             }
         )
     curve = []
-    eval_steps = sorted(set.intersection(*(set(r.evals) for r in runs))) if runs else []
+    one_question = 1 / max(min((r.eval_n for r in runs if r.eval_n), default=1), 1)
     for step in eval_steps:
-        point: dict[str, Any] = {"step": step}
-        for mode in MODES:
-            values = [by[(mode, s)].evals[step] for s in seeds]
+        pairs = [
+            (by[("alone", s)].evals[step], by[("shared", s)].evals[step])
+            for s in seeds
+            if step in by[("alone", s)].evals and step in by[("shared", s)].evals
+        ]
+        point: dict[str, Any] = {"step": step, "seeds": len(pairs)}
+        for i, mode in enumerate(MODES):
+            values = [p[i] for p in pairs]
             point[mode] = {
                 "mean": statistics.fmean(values) if values else math.nan,
                 "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
                 "values": values,
             }
-        k = len(seeds)
-        se = math.sqrt((point["alone"]["sd"] ** 2 + point["shared"]["sd"] ** 2) / max(k, 1))
-        one_question = 1 / max(min(r.eval_n for r in runs), 1)
-        point["difference"] = point["shared"]["mean"] - point["alone"]["mean"]
-        point["noise"] = max(2 * se, one_question)
-        point["within_noise"] = abs(point["difference"]) <= point["noise"] + 1e-9  # float sums
+        diffs = [b - a for a, b in pairs]
+        point["difference"] = statistics.fmean(diffs) if diffs else math.nan
+        if len(diffs) >= 2:
+            # paired by seed: a 95% interval of the mean difference, at least one question
+            se = statistics.stdev(diffs) / math.sqrt(len(diffs))
+            point["noise"] = max(T95.get(len(diffs) - 1, 2.0) * se, one_question)
+            point["within_noise"] = abs(point["difference"]) <= point["noise"] + 1e-9
+        else:
+            point["noise"], point["within_noise"] = None, None  # one seed: not judged
         curve.append(point)
     return {
         "seeds": seeds,
         "per_seed": per_seed,
         "eval_curve": curve,
-        "transparent": bool(per_seed)
+        "transparent": len(per_seed) >= 2
         and all(
-            p["same_data_order"] and p["same_batch_sizes"] and p["staleness_within_bound"]
+            p["same_data_order"]
+            and p["same_batch_sizes"]
+            and p["staleness_within_bound"]
+            and p["evals_complete"]
             for p in per_seed
         )
-        and all(p["within_noise"] for p in curve),
+        and bool(curve)
+        and all(p["within_noise"] is True for p in curve),
     }
 
 
@@ -182,6 +237,10 @@ def transparency_config(
     return convert(raw, LaunchConfig, f"bench transparency ({mode})")
 
 
+class TransparencyError(RuntimeError):
+    """A run of the bench did not finish. One line."""
+
+
 def run_until_recipe_done(cfg: LaunchConfig, poll_s: float = 1.0) -> float:
     """Launch ``cfg`` and stop everything once the recipe's pipeline has finished (the
     neighbour never does). Returns the wall time."""
@@ -190,15 +249,17 @@ def run_until_recipe_done(cfg: LaunchConfig, poll_s: float = 1.0) -> float:
     def _terminated(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
+    launcher = Launcher(cfg)  # a bad recipe is a LaunchError here, before anything starts
     previous = signal.signal(signal.SIGTERM, _terminated)
-    launcher = Launcher(cfg)
     t0 = time.monotonic()
     try:
         launcher.start()
         while RECIPE not in launcher.exit_codes and launcher.step():
             time.sleep(poll_s)
         if launcher.exit_codes.get(RECIPE) != 0:
-            raise RuntimeError(f"{RECIPE} did not finish: {launcher.exit_codes}")
+            raise TransparencyError(
+                f"{RECIPE} did not finish (exit codes {launcher.exit_codes}); see {cfg.out}/logs"
+            )
         return time.monotonic() - t0
     finally:
         launcher.stop()
@@ -213,24 +274,33 @@ def run_transparency(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Every (seed, mode) run in turn, alone then shared per seed (so a cut-short bench
-    still has pairs); a run whose record exists is not run again."""
+    still has pairs). A run whose ``record.json`` says it finished with these steps is
+    read again, not rerun; any other leftover directory is cleared first."""
+    import shutil
+
     runs = []
     for seed in seeds:
         for mode in MODES:
             run_dir = Path(out) / f"{mode}-seed{seed}"
             record = run_dir / "record.json"
-            if record.exists():
-                runs.append(RunRecord(**json.loads(record.read_text())))
-                continue
             cfg = transparency_config(str(run_dir), mode, seed, steps, eval_every, log)
-            log(f"{mode} seed {seed}: {steps} steps, eval every {eval_every} (logs: {run_dir})")
-            wall = run_until_recipe_done(cfg)
             bound = cfg.pipelines[0].max_trajectory_age_steps
-            run = read_run(run_dir, mode, seed, bound, wall)
-            record.write_text(json.dumps(asdict(run)))
-            log(f"  {wall:.0f} s; eval {run.evals}")
+            done = json.loads(record.read_text()) if record.exists() else None
+            if done is None or (done.get("steps", steps), done.get("eval_every", eval_every)) != (
+                steps,
+                eval_every,
+            ):
+                for leftover in ("journal.jsonl", RECIPE, NEIGHBOUR, "logs"):
+                    path = run_dir / leftover
+                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+                log(f"{mode} seed {seed}: {steps} steps, eval every {eval_every} ({run_dir})")
+                wall = run_until_recipe_done(cfg)
+                done = {"wall_s": wall, "steps": steps, "eval_every": eval_every}
+                record.write_text(json.dumps(done))
+            run = read_run(run_dir, mode, seed, bound, done["wall_s"])
+            log(f"  {mode} seed {seed}: {run.wall_s:.0f} s; eval {run.evals}")
             runs.append(run)
-    result = compare(runs)
+    result = compare(runs, list(range(0, steps + 1, eval_every)))
     result["runs"] = [asdict(r) for r in runs]
     result["steps"], result["eval_every"] = steps, eval_every
     (Path(out) / "transparency.json").write_text(json.dumps(result, indent=2))
@@ -267,24 +337,29 @@ def plot_transparency(runs: Sequence[RunRecord], path: Path) -> None:
 
 
 def format_transparency(result: dict[str, Any]) -> str:
+    def pair(d: dict[str, Any]) -> str:
+        return f"{d['alone']}/{d['shared']}"
+
     lines = []
     for p in result["per_seed"]:
         lines.append(
             f"seed {p['seed']}: data order {'same' if p['same_data_order'] else 'DIFFERENT'} "
-            f"({p['rows_compared']} rows), batch sizes "
-            f"{'same' if p['same_batch_sizes'] else 'DIFFERENT'}, max lag "
-            f"{p['max_lag']['alone']}/{p['max_lag']['shared']} (alone/shared, "
-            f"{'within' if p['staleness_within_bound'] else 'OVER'} the bound), wall "
-            f"{p['wall_s']['alone']:.0f}/{p['wall_s']['shared']:.0f} s, recipe shrinks "
-            f"{p['recipe_shrinks']['alone']}/{p['recipe_shrinks']['shared']}, neighbour "
-            f"steps {p['neighbour_steps']}"
+            f"({p['rows_compared']} rows drawn; {p['trained_rows_overlap']:.0%} of the rows "
+            f"trained alone also trained shared), batch sizes "
+            f"{'same' if p['same_batch_sizes'] else 'DIFFERENT'}, evals "
+            f"{'complete' if p['evals_complete'] else 'MISSING'}; alone/shared: max lag "
+            f"{pair(p['max_lag'])} ({'within' if p['staleness_within_bound'] else 'OVER'} the "
+            f"bound), stale {pair(p['stale'])}, wall {p['wall_s']['alone']:.0f}/"
+            f"{p['wall_s']['shared']:.0f} s, recipe shrinks {pair(p['recipe_shrinks'])}, "
+            f"neighbour steps {p['neighbour_steps']}"
         )
-    lines.append("step  alone mean (sd)   shared mean (sd)   difference  noise  within")
+    lines.append("step  alone mean (sd)   shared mean (sd)   paired diff  noise   within")
     for c in result["eval_curve"]:
         a, s = c["alone"], c["shared"]
+        noise = "  -  " if c["noise"] is None else f"{c['noise']:.3f}"
         lines.append(
             f"{c['step']:4d}  {a['mean']:.3f} ({a['sd']:.3f})     {s['mean']:.3f} ({s['sd']:.3f})"
-            f"      {c['difference']:+.3f}     {c['noise']:.3f}  {c['within_noise']}"
+            f"      {c['difference']:+.3f}     {noise}   {c['within_noise']}"
         )
     lines.append(f"transparent: {result['transparent']}")
     return "\n".join(lines)

@@ -147,19 +147,33 @@ def _preempt(args: argparse.Namespace) -> int:
 
 
 def _transparency(args: argparse.Namespace) -> int:
+    import sys
+
     from rlix_async.cli import check_output
 
     check_output(args.out, directory=True)
-    from rlix_async.bench.transparency import format_transparency, run_transparency
+    from rlix_async.bench.transparency import (
+        TransparencyError,
+        format_transparency,
+        run_transparency,
+    )
     from rlix_async.launch import LaunchError
     from rlix_async.models.pretrained import ModelError
 
+    def progress(line: str) -> None:  # stdout stays the result's (--json: JSON only)
+        print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    if len(set(args.seeds)) < 2:
+        raise UsageError("--seeds: two at least (seed noise needs more than one seed)")
     try:
-        result = run_transparency(args.out, args.seeds, args.steps, args.eval_every)
+        result = run_transparency(args.out, args.seeds, args.steps, args.eval_every, progress)
     except (ModelError, LaunchError) as exc:  # a missing extra or model package
         raise UsageError(str(exc)) from None
+    except TransparencyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(result, indent=2) if args.json else format_transparency(result))
-    print(f"wrote {args.out}/transparency.json and transparency.png")
+    progress(f"wrote {args.out}/transparency.json and transparency.png")
     return 0 if result["transparent"] else 1
 
 
@@ -296,7 +310,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "staleness, eval curves (exit 1: time-sharing changed the recipe)",
     )
     p.add_argument("--out", default="rlix-transparency", help="one directory per run in here")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="two at least")
     p.add_argument("--steps", type=positive_int, default=8, help="recipe steps per run")
     p.add_argument("--eval-every", type=positive_int, default=2)
     _json_flag(p)

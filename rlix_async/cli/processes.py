@@ -110,6 +110,8 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.out is None:  # a recipe's run never overwrites the scheduling demo's
+        args.out = "rlix-recipe" if args.recipe else "rlix-demo"
     check_output(args.out, directory=True)
     from rlix_async.demo import demo_config, format_summary, run_demo  # torch: after the check
     from rlix_async.launch import LaunchError
@@ -160,7 +162,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="two GRPO pipelines time-sharing 4 CPU devices (main job); --recipe arithmetic: "
         "a real model learning from a dataset",
     )
-    p.add_argument("--out", default="rlix-demo", help="output directory")
+    p.add_argument("--out", help="output directory (rlix-demo; with --recipe: rlix-recipe)")
     p.add_argument("--steps", type=positive_int, default=15, help="training steps per pipeline")
     p.add_argument(
         "--recipe",

@@ -219,13 +219,21 @@ class MegatronTrainer(TorchTrainer):
         from rlix_async.train import megatron_cpu_compat
 
         megatron_cpu_compat.apply()  # before Megatron is imported or used (CPU only)
+        path = self.model_cfg.path
+        self._shape = llama_shape(path) if path else _tiny_shape(self.model_cfg)
+        model = self._gpt_model()
+        if path:
+            self._load_hf(model, path)
+        return model
+
+    def _gpt_model(self) -> torch.nn.Module:
+        """A GPTModel of ``self._shape``, seeded initial weights, in the trainer's dtype."""
         import torch.nn.functional as F
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        path = self.model_cfg.path
-        s = self._shape = llama_shape(path) if path else _tiny_shape(self.model_cfg)
+        s = self._shape
         self._parallel_state(None)  # building the model needs Megatron's parallel state
         torch.manual_seed(self.seed)
         tc = TransformerConfig(
@@ -260,8 +268,6 @@ class MegatronTrainer(TorchTrainer):
             rotary_base=s["rope_base"],
             share_embeddings_and_output_weights=s["tied"],
         )
-        if path:
-            self._load_hf(model, path)
         self.destroy_group()  # the time-sharing cycle creates groups per step
         return cast_parameters(model, self.dtype)  # the local spec's norms ignore params_dtype
 
@@ -283,7 +289,8 @@ class MegatronTrainer(TorchTrainer):
 
     def _frozen_copy(self) -> torch.nn.Module:
         # deepcopy cannot copy the process groups Megatron's modules hold: build another
-        reference = self._build_model()
+        # (not from the checkpoint again: the policy's weights are the ones to copy)
+        reference = self._gpt_model()
         reference.load_state_dict(self.model.state_dict())
         where = next(self.model.parameters()).device
         return reference.to(where).eval().requires_grad_(False)

@@ -48,7 +48,7 @@ def test_megatron_loads_an_hf_llama_directory_with_identical_logits(
     import transformers
     from helpers.tiny_text import save_tiny_model
 
-    from rlix_async.config import ModelConfig
+    from rlix_async.config import LossConfig, ModelConfig, TrainConfig
     from rlix_async.train.megatron import MegatronTrainer
 
     path = save_tiny_model(tmp_path / "m", "llama", seed=4, tie_word_embeddings=tied)
@@ -61,7 +61,12 @@ def test_megatron_loads_an_hf_llama_directory_with_identical_logits(
     c.rms_norm_eps = 1e-2
     c.save_pretrained(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    t = MegatronTrainer(model=ModelConfig(path=str(path)), seed=0)
+    # with a KL reference: a second model holding the directory's weights too
+    cfg = TrainConfig(backend="megatron", loss=LossConfig(kl_coef=0.1))
+    t = MegatronTrainer(cfg, ModelConfig(path=str(path)), seed=0)
+    assert t.reference is not None
+    for name, p in t.model.state_dict().items():
+        assert p is None or torch.equal(t.reference.state_dict()[name], p), name
     expected = hf.state_dict()
     if tied:
         expected.pop("lm_head.weight")  # the receiver ties it again (vllm_transfer)

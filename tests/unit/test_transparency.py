@@ -9,11 +9,15 @@ from pathlib import Path
 
 from rlix_async.bench.transparency import RunRecord, compare, format_transparency, read_run
 from rlix_async.rollout.ledger import LEDGER, Ledger
+from rlix_async.train.buffer import Group
+
+STEPS = [0, 2]
 
 
 def run(mode: str, seed: int, evals: dict[int, float], **kw: object) -> RunRecord:
     base: dict[str, object] = {
         "rows": [5, 3, 9, 1],
+        "trained_rows": {1: [3, 5], 2: [1, 9]},
         "batch": {1: 32, 2: 32},
         "lag": {1: 0, 2: 1},
         "eval_n": 40,
@@ -24,7 +28,7 @@ def run(mode: str, seed: int, evals: dict[int, float], **kw: object) -> RunRecor
 
 
 def pairs(shared_evals: list[float], **shared_kw: object) -> list[RunRecord]:
-    alone = [0.70, 0.72, 0.68]
+    alone = [0.70, 0.80, 0.60]
     out = []
     for s, (a, b) in enumerate(zip(alone, shared_evals, strict=True)):
         out.append(run("alone", s, {0: 0.7, 2: a}))
@@ -33,58 +37,95 @@ def pairs(shared_evals: list[float], **shared_kw: object) -> list[RunRecord]:
 
 
 def test_the_same_recipe_shared_is_transparent() -> None:
-    result = compare(pairs([0.71, 0.69, 0.70]))
+    result = compare(pairs([0.725, 0.775, 0.60]), STEPS)
     assert result["transparent"]
     assert all(p["same_data_order"] and p["same_batch_sizes"] for p in result["per_seed"])
+    assert all(p["trained_rows_overlap"] == 1.0 for p in result["per_seed"])
     assert "transparent: True" in format_transparency(result)
 
 
 def test_another_data_order_is_caught() -> None:
-    result = compare(pairs([0.71, 0.69, 0.70], rows=[5, 3, 1, 9]))
+    result = compare(pairs([0.70, 0.80, 0.60], rows=[5, 3, 1, 9]), STEPS)
     assert not result["transparent"]
     assert not any(p["same_data_order"] for p in result["per_seed"])
 
 
 def test_a_shorter_run_compares_the_rows_both_drew() -> None:
     # the shared run drew fewer rows (it was stopped earlier): its prefix still matches
-    result = compare(pairs([0.71, 0.69, 0.70], rows=[5, 3]))
+    result = compare(pairs([0.70, 0.80, 0.60], rows=[5, 3]), STEPS)
     assert all(p["same_data_order"] and p["rows_compared"] == 2 for p in result["per_seed"])
 
 
+def test_other_rows_trained_are_reported_not_judged() -> None:
+    # timing decides which drawn group lands in which step, and which goes stale
+    result = compare(pairs([0.70, 0.80, 0.60], trained_rows={1: [3, 5], 2: [9, 4]}), STEPS)
+    assert all(p["trained_rows_overlap"] == 0.75 for p in result["per_seed"])
+    assert result["transparent"]
+
+
 def test_another_batch_size_is_caught() -> None:
-    result = compare(pairs([0.71, 0.69, 0.70], batch={1: 32, 2: 28}))
+    result = compare(pairs([0.70, 0.80, 0.60], batch={1: 32, 2: 28}), STEPS)
     assert not result["transparent"]
 
 
 def test_staleness_over_the_bound_is_caught() -> None:
-    result = compare(pairs([0.71, 0.69, 0.70], lag={1: 0, 2: 2}))
+    result = compare(pairs([0.70, 0.80, 0.60], lag={1: 0, 2: 2}), STEPS)
     assert not result["transparent"]
     assert result["per_seed"][0]["max_lag"] == {"alone": 1, "shared": 2}
 
 
-def test_an_eval_curve_outside_seed_noise_is_caught() -> None:
-    result = compare(pairs([0.95, 0.97, 0.96]))
+def test_a_consistent_drop_is_caught_even_when_seeds_spread_widely() -> None:
+    # alone spreads 0.60-0.80 over seeds; shared is 0.10 lower on every one of them:
+    # unpaired, that hides inside the spread; paired by seed, it does not
+    result = compare(pairs([0.60, 0.70, 0.50]), STEPS)
     point = next(p for p in result["eval_curve"] if p["step"] == 2)
-    assert point["difference"] > point["noise"]
+    assert abs(point["difference"] + 0.10) < 1e-9
     assert not point["within_noise"] and not result["transparent"]
 
 
 def test_noise_is_at_least_one_eval_question() -> None:
-    # every seed scored the same alone: zero spread, yet one question either way is noise
-    runs = []
-    for s in range(3):
-        runs.append(run("alone", s, {2: 0.7}))
-        runs.append(run("shared", s, {2: 0.725}))
-    (point,) = compare(runs)["eval_curve"]
+    # the same difference on every seed: zero spread, yet one question either way is noise
+    (point,) = compare(
+        [
+            run(m, s, {2: 0.7 if m == "alone" else 0.725})
+            for s in range(3)
+            for m in ("alone", "shared")
+        ],
+        [2],
+    )["eval_curve"]
     assert point["noise"] == 1 / 40 and point["within_noise"]
+
+
+def test_a_missing_evaluation_fails_the_verdict() -> None:
+    runs = pairs([0.70, 0.80, 0.60])
+    del runs[1].evals[2]  # seed 0's shared run never evaluated step 2 (failed or skipped)
+    result = compare(runs, STEPS)
+    assert not result["per_seed"][0]["evals_complete"] and not result["transparent"]
+    # and with no evaluation at all there is nothing to call transparent
+    bare = [run(m, s, {}) for s in range(3) for m in ("alone", "shared")]
+    assert not compare(bare, STEPS)["transparent"]
+
+
+def test_one_seed_is_not_judged() -> None:
+    result = compare(pairs([0.70, 0.80, 0.60])[:2], STEPS)
+    assert all(p["within_noise"] is None for p in result["eval_curve"])
+    assert not result["transparent"]
 
 
 def test_a_run_is_read_from_its_ledger_and_metrics(tmp_path: Path) -> None:
     pipe = tmp_path / "arithmetic"
     pipe.mkdir()
+    # an earlier, interrupted attempt in the same directory: not counted
+    old = Ledger(pipe / LEDGER, fresh=True, from_step=0, buffered=[])
+    old.requested(old.new_id(), 4, 0, 99)
+    old.close()
     ledger = Ledger(pipe / LEDGER, fresh=True, from_step=0, buffered=[])
+    ids = []
     for row in (7, 2, 4):
-        ledger.requested(ledger.new_id(), 4, 0, row)
+        ids.append(ledger.new_id())
+        ledger.requested(ids[-1], 4, 0, row)
+    taken = [Group([1], [[2]], [[0.0]], [[0]], [1.0], id=gid) for gid in (ids[1], ids[0])]
+    ledger.taken(taken, 0)
     ledger.close()
     rows = [
         {"step": 0, "eval/reward": 0.5, "eval/n": 40.0, "time": 1.0},
@@ -95,6 +136,7 @@ def test_a_run_is_read_from_its_ledger_and_metrics(tmp_path: Path) -> None:
     (pipe / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     r = read_run(tmp_path, "alone", 3, bound=1, wall_s=12.34)
     assert r.rows == [7, 2, 4]
+    assert r.trained_rows == {1: [2, 7]}  # taken at version 0: trained into step 1
     assert r.batch == {1: 32, 2: 32}
     assert r.lag == {1: 0, 2: 1}  # step 2 trains at version 1 on a version-0 trajectory
     assert r.evals == {0: 0.5, 2: 0.6} and r.eval_n == 40
