@@ -38,7 +38,7 @@ import signal
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,9 @@ class RunRecord:
     stale: int = 0  # trajectories dropped or stopped as too old (never trained)
     shrinks: int = 0  # the recipe's shard shrunk (journal)
     neighbour_steps: int = 0
+    # evaluations that ran on other weights than their step's (a later version: the
+    # pipeline evaluates on weights of at least its step), as [step, min, max]
+    eval_off_step: list[list[int]] = field(default_factory=list)
 
 
 def _last_run(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -112,6 +115,12 @@ def read_run(out: Path, mode: str, seed: int, bound: int, wall_s: float) -> RunR
         stale=t.dropped_stale + t.cancelled_stale,
         shrinks=journal_counts(out / "journal.jsonl").get(RECIPE, {}).get("shrinks", 0),
         neighbour_steps=neighbour[-1]["step"] if neighbour else 0,
+        eval_off_step=[
+            [r["step"], r["eval/weight_version_min"], r["eval/weight_version_max"]]
+            for r in evals
+            if (r.get("eval/weight_version_min"), r.get("eval/weight_version_max"))
+            != (r["step"], r["step"])
+        ],
     )
 
 
@@ -156,6 +165,8 @@ def compare(runs: Sequence[RunRecord], eval_steps: Sequence[int]) -> dict[str, A
                 },
                 "stale": {"alone": a.stale, "shared": b.stale},
                 "evals_complete": all(st in r.evals for r in (a, b) for st in eval_steps),
+                # an eval on later weights than its step's would shift that curve
+                "evals_on_their_step": not a.eval_off_step and not b.eval_off_step,
                 "wall_s": {"alone": a.wall_s, "shared": b.wall_s},
                 "recipe_shrinks": {"alone": a.shrinks, "shared": b.shrinks},
                 "neighbour_steps": b.neighbour_steps,
@@ -197,6 +208,7 @@ def compare(runs: Sequence[RunRecord], eval_steps: Sequence[int]) -> dict[str, A
             and p["same_batch_sizes"]
             and p["staleness_within_bound"]
             and p["evals_complete"]
+            and p["evals_on_their_step"]
             for p in per_seed
         )
         and bool(curve)
@@ -347,7 +359,8 @@ def format_transparency(result: dict[str, Any]) -> str:
             f"({p['rows_compared']} rows drawn; {p['trained_rows_overlap']:.0%} of the rows "
             f"trained alone also trained shared), batch sizes "
             f"{'same' if p['same_batch_sizes'] else 'DIFFERENT'}, evals "
-            f"{'complete' if p['evals_complete'] else 'MISSING'}; alone/shared: max lag "
+            f"{'complete' if p['evals_complete'] else 'MISSING'}"
+            f"{'' if p['evals_on_their_step'] else ' (some on LATER weights)'}; alone/shared: max lag "
             f"{pair(p['max_lag'])} ({'within' if p['staleness_within_bound'] else 'OVER'} the "
             f"bound), stale {pair(p['stale'])}, wall {p['wall_s']['alone']:.0f}/"
             f"{p['wall_s']['shared']:.0f} s, recipe shrinks {pair(p['recipe_shrinks'])}, "

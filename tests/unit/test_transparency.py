@@ -106,6 +106,13 @@ def test_a_missing_evaluation_fails_the_verdict() -> None:
     assert not compare(bare, STEPS)["transparent"]
 
 
+def test_an_evaluation_on_later_weights_fails_the_verdict() -> None:
+    # the pipeline evaluates step 2 on weights of at least version 2: a late one ran on 3
+    result = compare(pairs([0.70, 0.80, 0.60], eval_off_step=[[2, 3, 3]]), STEPS)
+    assert not any(p["evals_on_their_step"] for p in result["per_seed"])
+    assert not result["transparent"]
+
+
 def test_one_seed_is_not_judged() -> None:
     result = compare(pairs([0.70, 0.80, 0.60])[:2], STEPS)
     assert all(p["within_noise"] is None for p in result["eval_curve"])
@@ -127,11 +134,16 @@ def test_a_run_is_read_from_its_ledger_and_metrics(tmp_path: Path) -> None:
     taken = [Group([1], [[2]], [[0.0]], [[0]], [1.0], id=gid) for gid in (ids[1], ids[0])]
     ledger.taken(taken, 0)
     ledger.close()
+
+    def on(lo: int, hi: int) -> dict[str, int]:
+        return {"eval/weight_version_min": lo, "eval/weight_version_max": hi}
+
     rows = [
-        {"step": 0, "eval/reward": 0.5, "eval/n": 40.0, "time": 1.0},
+        {"step": 0, "eval/reward": 0.5, "eval/n": 40.0, "time": 1.0, **on(0, 0)},
         {"step": 1, "reward": 0.2, "trained": 32, "trained_on_versions": [0], "time": 2.0},
         {"step": 2, "reward": 0.3, "trained": 64, "trained_on_versions": [0, 1], "time": 3.0},
-        {"step": 2, "eval/reward": 0.6, "eval/n": 40.0, "time": 4.0},
+        {"step": 2, "eval/reward": 0.6, "eval/n": 40.0, "time": 4.0, **on(2, 2)},
+        {"step": 4, "eval/reward": 0.7, "eval/n": 40.0, "time": 5.0, **on(4, 5)},
     ]
     (pipe / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     r = read_run(tmp_path, "alone", 3, bound=1, wall_s=12.34)
@@ -139,5 +151,6 @@ def test_a_run_is_read_from_its_ledger_and_metrics(tmp_path: Path) -> None:
     assert r.trained_rows == {1: [2, 7]}  # taken at version 0: trained into step 1
     assert r.batch == {1: 32, 2: 32}
     assert r.lag == {1: 0, 2: 1}  # step 2 trains at version 1 on a version-0 trajectory
-    assert r.evals == {0: 0.5, 2: 0.6} and r.eval_n == 40
+    assert r.evals == {0: 0.5, 2: 0.6, 4: 0.7} and r.eval_n == 40
+    assert r.eval_off_step == [[4, 4, 5]]  # part of step 4's eval ran on version 5
     assert (r.seed, r.wall_s, r.neighbour_steps) == (3, 12.3, 0)
