@@ -210,7 +210,7 @@ class Driver:
             await self._publish(hooks, cache)
             collector.set_training(False)
             await collector.report()
-        elif eval_due(step, self.cfg.eval_every):
+        elif eval_due(step, self.cfg.eval_every, self.cfg.steps):
             # the last step's weights go out for their evaluation only: its own progress
             # stream asks for the shards, the rollout's asks for nothing more
             await self._publish(hooks, cache)
@@ -258,7 +258,7 @@ class Driver:
         metrics.jsonl when done). One runs at a time; one more waits, the newest due:
         an evaluation slower than ``eval_every`` steps skips the versions in between
         (logged) instead of queueing without bound behind the training."""
-        if evaluator is None or not eval_due(version, self.cfg.eval_every):
+        if evaluator is None or not eval_due(version, self.cfg.eval_every, self.cfg.steps):
             return
         if self._eval_next is not None:
             log.warning(

@@ -398,8 +398,8 @@ class PipelineConfig(Config, frozen=True):
     eval_every: Annotated[
         int,
         doc(
-            "Greedy evaluation on data.eval before the first step and every N steps "
-            "(metrics eval/...); 0: never.",
+            "Greedy evaluation on data.eval before the first step, every N steps and "
+            "after the last (metrics eval/...); 0: never.",
             ge=0,
         ),
     ] = 0

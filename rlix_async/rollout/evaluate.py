@@ -25,9 +25,10 @@ log = logging.getLogger("rlix_async.eval")
 STREAM = "eval"
 
 
-def eval_due(step: int, every: int) -> bool:
-    """Evaluate the weights of ``step`` (0: before the first step) every ``every`` steps."""
-    return every > 0 and step % every == 0
+def eval_due(step: int, every: int, last: int) -> bool:
+    """Evaluate the weights of ``step`` (0: before the first step) every ``every`` steps,
+    and those of the ``last`` step whatever the cadence: a run ends on a measurement."""
+    return every > 0 and (step % every == 0 or step == last)
 
 
 def summarize(

@@ -143,3 +143,11 @@ async def test_groups_that_score_alike_are_filtered_then_trained_when_nothing_el
     col.ledger.close()  # type: ignore[union-attr]
     t = tally(tmp_path / "ledger.jsonl")
     assert t.filtered == 3 * (limit + 1) and t.lost == 0
+
+
+def test_evaluations_come_every_n_steps_and_at_the_last() -> None:
+    from rlix_async.rollout.evaluate import eval_due
+
+    assert [s for s in range(0, 13) if eval_due(s, 5, last=12)] == [0, 5, 10, 12]
+    assert [s for s in range(0, 11) if eval_due(s, 5, last=10)] == [0, 5, 10]
+    assert not any(eval_due(s, 0, last=12) for s in range(0, 13))  # 0: never
