@@ -169,7 +169,10 @@ def plot_rewards(cfg: LaunchConfig, path: Path) -> None:
     axes[0][0].set_ylabel("mean reward of the step's batch (sampled)")
     if panels == 2:
         axes[0][1].set_ylabel("eval accuracy (greedy, held-out set)")
+    from matplotlib.ticker import MaxNLocator
+
     for ax in axes[0]:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
         ax.set_xlabel("training step")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
