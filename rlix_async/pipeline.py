@@ -53,6 +53,7 @@ from rlix_async.train.batches import BatchChannel
 from rlix_async.train.buffer import Group, ReplayBuffer
 from rlix_async.train.trainer import TorchTrainer, latest_checkpoint, prune_checkpoints
 from rlix_async.weights.cache import WeightCache
+from rlix_async.weights.tcp import WeightServer
 
 log = logging.getLogger("rlix_async.pipeline")
 # bounds any blocking call on the torchrun store (the per-step groups' rendezvous);
@@ -97,11 +98,12 @@ class Driver:
 
         if not self.cfg.coordinator:
             raise ValueError(f"pipeline {self.cfg.id}: no coordinator endpoint in its config")
-        keys = (  # this pipeline's own driver key, else the shared client key
-            ClientKeys.load_first(self.cfg.keys, f"driver-{self.cfg.id}", "client")[1]
+        key_name, keys = (  # this pipeline's own driver key, else the shared client key
+            ClientKeys.load_first(self.cfg.keys, f"driver-{self.cfg.id}", "client")
             if self.cfg.keys
-            else None
+            else ("", None)
         )
+        weight_server: WeightServer | None = None
         # a resume that found no checkpoint starts at step 0 but is not a new run: what
         # the killed process did is lost, and the ledger must say so
         ledger = Ledger(
@@ -116,6 +118,7 @@ class Driver:
                 list(self.cfg.loggers), self.out, self.cfg.id, msgspec.to_builtins(self.cfg)
             )
         try:
+            weight_server = await self._serve_weights(cache, key_name)
             hooks = await ClusterHooks.join(
                 self.cfg.coordinator, self.cfg.id, self.cfg.clusters, keys=keys
             )
@@ -152,6 +155,22 @@ class Driver:
             ledger.close()
             if self.loggers is not None:
                 self.loggers.close()
+            if weight_server is not None:
+                await weight_server.close()
+
+    async def _serve_weights(self, cache: WeightCache, key_name: str) -> WeightServer | None:
+        """With ``weights_endpoint``: serve the cache to shards on other nodes, with this
+        driver's own key pair (its public key travels in every published ref)."""
+        endpoint = self.cfg.weights_endpoint
+        if endpoint is None:
+            return None
+        from rlix_async.security import ServerKeys
+
+        keys = ServerKeys.load(self.cfg.keys, key_name) if self.cfg.keys else None
+        server = await WeightServer(cache, endpoint, keys=keys).start()
+        cache.serve(server.endpoint, keys.public.decode() if keys is not None else "")
+        log.info("%s: serving weights at %s", self.cfg.id, server.endpoint)
+        return server
 
     async def _publish(self, hooks: ClusterHooks, cache: WeightCache) -> None:
         v = self.trainer.step

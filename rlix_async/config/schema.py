@@ -426,6 +426,15 @@ class PipelineConfig(Config, frozen=True):
         None
     )
     keys: Annotated[str | None, doc("CURVE key directory, for tcp endpoints.")] = None
+    weights_endpoint: Annotated[
+        Endpoint | None,
+        doc(
+            "tcp://ADDRESS:PORT (PORT 0: any free one) where rank 0 serves its cached "
+            "weights to shards on other nodes, with its driver key (needs keys). Unset: "
+            "shards sync from shared memory, so they must share the trainer's node. Set "
+            "by `rlix-async launch --node` when the pipeline's shards span nodes."
+        ),
+    ] = None
 
     @property
     def ranks(self) -> int:

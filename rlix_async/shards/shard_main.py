@@ -22,7 +22,14 @@ from rlix_async.transport import TransportConfig
 
 
 def build_engine(
-    engine: EngineConfig, model: str | None, *, seed: int = 0, tp: int = 1, cuda: bool = False
+    engine: EngineConfig,
+    model: str | None,
+    *,
+    seed: int = 0,
+    tp: int = 1,
+    cuda: bool = False,
+    keys_dir: str | None = None,
+    key_name: str = "",
 ) -> ShardEngine:
     if engine.kind == "custom":
         from rlix_async.loading import load_object
@@ -32,7 +39,15 @@ def build_engine(
     from rlix_async.shards.vllm_engine import VllmEngine
 
     assert model is not None  # the config refuses vllm without it
-    return VllmEngine(model, engine.for_device(cuda), seed=seed, tp=tp, cuda=cuda)
+    return VllmEngine(
+        model,
+        engine.for_device(cuda),
+        seed=seed,
+        tp=tp,
+        cuda=cuda,
+        keys_dir=keys_dir,
+        key_name=key_name,
+    )
 
 
 async def serve(cfg: ShardConfig) -> int:
@@ -51,18 +66,27 @@ async def serve(cfg: ShardConfig) -> int:
         return 2
     engine_cfg = cfg.engine.for_device(cuda)
 
-    def build() -> ShardEngine:
-        return build_engine(engine_cfg, cfg.model, tp=cfg.tensor_parallel_size, cuda=cuda)
-
-    engine: ShardEngine = LoadOnWake(build) if engine_cfg.load == "first_wake" else build()
     # The shard's own key: shard-HOST, else shard, else the shared client key. Its
     # tcp data plane serves with that same pair (never the coordinator's secret);
-    # routers learn its public key from the coordinator.
+    # routers learn its public key from the coordinator. vLLM's worker pulls weights
+    # from owners on other nodes with it too.
     key_name, keys = (
         ClientKeys.load_first(cfg.keys, f"shard-{socket.gethostname()}", "shard", "client")
         if cfg.keys
         else ("", None)
     )
+
+    def build() -> ShardEngine:
+        return build_engine(
+            engine_cfg,
+            cfg.model,
+            tp=cfg.tensor_parallel_size,
+            cuda=cuda,
+            keys_dir=cfg.keys,
+            key_name=key_name,
+        )
+
+    engine: ShardEngine = LoadOnWake(build) if engine_cfg.load == "first_wake" else build()
     transport = TransportConfig.with_heartbeat(cfg.heartbeat_interval_s)
     worker = ShardWorker(
         engine,

@@ -49,7 +49,11 @@ class VllmEngine:
         seed: int = 0,
         tp: int = 1,
         cuda: bool = False,
+        keys_dir: str | None = None,
+        key_name: str = "",
     ) -> None:
+        """``keys_dir``/``key_name``: this shard's CURVE pair, with which vLLM's worker
+        pulls versions served over tcp by a trainer on another node."""
         from vllm.config import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -87,6 +91,7 @@ class VllmEngine:
         self._ids = itertools.count()
         self._inflight: set[str] = set()
         self._transfer_ready = False
+        self._transfer_init = {"keys_dir": keys_dir, "key_name": key_name} if keys_dir else {}
 
     async def generate(
         self,
@@ -180,7 +185,9 @@ class VllmEngine:
                 f"version {ref.version}: the owner's cache is gone (pipeline finished?)"
             )
         if not self._transfer_ready:
-            await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+            await self.llm.init_weight_transfer_engine(
+                WeightTransferInitRequest(init_info=self._transfer_init)
+            )
             self._transfer_ready = True
         await self.llm.start_weight_update()
         # A failed update ends vLLM's session itself (and our transfer engine starts

@@ -23,6 +23,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from rlix_async.security import ClientKeys
 from rlix_async.weights.packing import Layout
 from rlix_async.weights.pull import pull_blocking
 from rlix_async.weights.ref import CacheRef
@@ -36,6 +37,8 @@ MAX_ATTEMPTS = 20
 @dataclass
 class RlixInitInfo(WeightTransferInitInfo):
     shm_dir: str | None = None
+    keys_dir: str | None = None  # this shard's key pair, for owners on other nodes (tcp)
+    key_name: str = ""
 
 
 @dataclass
@@ -49,6 +52,7 @@ class RlixUpdateInfo(WeightTransferUpdateInfo):
     total_bytes: int
     host: str
     server: str = ""
+    server_key: str = ""
 
 
 class _StagingSink:
@@ -77,12 +81,15 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
 
     shm_dir = SHM_DIR
     layout: Layout | None = None  # read from shared memory once per model layout
+    keys: ClientKeys | None = None
 
     def init_transfer_engine(self, init_info: RlixInitInfo) -> None:
         from pathlib import Path
 
         if init_info.shm_dir:
             self.shm_dir = Path(init_info.shm_dir)
+        if init_info.keys_dir:
+            self.keys = ClientKeys.load(init_info.keys_dir, init_info.key_name or "client")
 
     reloading = False  # the layerwise reload runs only once a version is staged
 
@@ -113,7 +120,9 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
         for _ in range(MAX_ATTEMPTS):
             staged = _StagingSink()
             try:
-                self.layout = pull_blocking(ref, staged, self.layout, shm_dir=self.shm_dir)
+                self.layout = pull_blocking(
+                    ref, staged, self.layout, keys=self.keys, shm_dir=self.shm_dir
+                )
             except SlotOverwritten as exc:
                 logger.warning("%s; copying what the slot holds now", exc)
                 time.sleep(0.01)

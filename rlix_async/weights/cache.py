@@ -75,6 +75,9 @@ class WeightCache:
         self.current: int | None = None
         self._trackers: list[list[SendTracker]] = [[], []]
         self._layout_segment: Segment | None = None
+        # Set by serve(): where shards on other nodes pull from (see weights/tcp.py)
+        self.server = ""
+        self.server_key = ""
         cleanup_stale(pipeline, owner, shm_dir)
 
     @property
@@ -112,6 +115,10 @@ class WeightCache:
         self.current = version
         return self.ref(version)
 
+    def serve(self, endpoint: str, public_key: str = "") -> None:
+        """Name the WeightServer that serves this cache in every ref from now on."""
+        self.server, self.server_key = endpoint, public_key
+
     def ref(self, version: int | None = None) -> CacheRef:
         version = self.current if version is None else version
         if version is None or self.layout is None:
@@ -126,6 +133,8 @@ class WeightCache:
             self.layout.fingerprint(),
             self.layout.total_bytes,
             socket.gethostname(),
+            self.server,
+            self.server_key,
         )
 
     def buffer(self, version: int) -> memoryview:

@@ -30,8 +30,19 @@ async def pull(
         return sync_local(ref, sink, layout, shm_dir=shm_dir)
     if not ref.server:
         raise SyncError(
-            f"version {ref.version} lives on {ref.host} and its owner serves no endpoint"
+            f"version {ref.version} lives on {ref.host} and its owner serves no endpoint "
+            "(set the pipeline's weights_endpoint; `rlix-async launch --node` does)"
         )
+    if ref.server.startswith("tcp://"):
+        if keys is None:
+            raise SyncError(
+                f"version {ref.version} is served at {ref.server}, which needs CURVE keys; "
+                "this shard has none (set keys=DIR)"
+            )
+        if not ref.server_key:
+            raise SyncError(f"version {ref.version}: {ref.server} comes without its public key")
+        # our own pair, and the owner's public key as its driver published it
+        keys = keys.for_server(ref.server_key.encode())
     return await sync_remote(ref, ref.server, sink, layout, keys=keys)
 
 

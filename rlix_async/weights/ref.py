@@ -18,3 +18,6 @@ class CacheRef(msgspec.Struct, frozen=True):
     total_bytes: int
     host: str
     server: str = ""  # the owner's WeightServer endpoint, for shards on other nodes
+    # Its CURVE public key (z85): a shard authenticates the server it pulls from with
+    # this key, which reaches it through the coordinator from the pipeline's own driver.
+    server_key: str = ""

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import socket
+import uuid
 import zlib
 
-from rlix_async.protocol import Message, RpcError
+from rlix_async.protocol import ErrorCode, Message, RpcError
 from rlix_async.security import ClientKeys, ServerKeys
 from rlix_async.transport import CallContext, Reply, RpcClient, RpcServer, TransportConfig
 from rlix_async.weights.cache import WeightCache
@@ -95,6 +97,7 @@ class WeightServer:
         self.server.on(GetLayout, self._layout)
         self.server.on(FetchBucket, self._fetch)
         self.server.on(GetGeneration, self._generation)
+        self.server.admit_peer = self._admit
 
     async def start(self) -> WeightServer:
         await self.server.start()
@@ -106,6 +109,15 @@ class WeightServer:
     @property
     def endpoint(self) -> str:
         return self.server.endpoint
+
+    def _admit(self, identity: str, info: dict[str, object]) -> None:
+        """Only receivers of this cache's pipeline (``PIPELINE/weights/*``): a shard key
+        of another pipeline that may connect at all still gets nothing of ours."""
+        pipeline, kind = [*identity.split("/"), "", ""][:2]
+        if (pipeline, kind) != (self.cache.pipeline, "weights"):
+            raise RpcError(
+                ErrorCode.FORBIDDEN, f"{identity} may not pull {self.cache.pipeline}'s weights"
+            )
 
     def _layout(self, msg: GetLayout, ctx: CallContext) -> LayoutReply:
         layout = self.cache.layout
@@ -138,6 +150,28 @@ class WeightServer:
         return Generation(generation=self.cache.ref(msg.version).generation)
 
 
+def check_bucket(meta: BucketMeta, nbytes: int, ref: CacheRef, layout: Layout, index: int) -> None:
+    """Refuse a bucket that is not the one asked for before it reaches the sink: its
+    index, version, slot generation and size must match the request and the layout
+    (a confused or hostile owner must not load the wrong bytes into a model)."""
+    expected = layout.bucket_sizes[index]
+    problems = [
+        f"index {meta.index}" if meta.index != index else "",
+        f"version {meta.version}" if meta.version != ref.version else "",
+        f"generation {meta.generation} (slot rewritten)"
+        if meta.generation != ref.generation
+        else "",
+        f"{nbytes} bytes ({meta.nbytes} announced, layout says {expected})"
+        if not nbytes == meta.nbytes == expected
+        else "",
+    ]
+    if any(problems):
+        raise SyncError(
+            f"bucket {index} of version {ref.version} refused: got "
+            + ", ".join(p for p in problems if p)
+        )
+
+
 def _fits_buckets(config: TransportConfig | None, layout: Layout | None) -> TransportConfig:
     """A data-plane config whose message limit admits the largest bucket."""
     config = config or TransportConfig()
@@ -164,13 +198,18 @@ async def sync_remote(
     if credits < 1:
         raise ValueError("credits must be >= 1")
     return_freed_buffers_to_os()
-    ident = identity or f"{ref.pipeline}/weights/{socket.gethostname()}-{id(sink) & 0xFFFF}"
+    # Unique by construction: two receivers never share an identity (and so never
+    # each other's replies), whatever their host, process or sink.
+    ident = identity or (
+        f"{ref.pipeline}/weights/{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    )
     client = RpcClient(endpoint, ident, keys=keys, config=_fits_buckets(config, layout))
     try:
         await client.connect(timeout=timeout)
         if layout is None or layout.fingerprint() != ref.fingerprint:
             reply = await client.call(GetLayout(fingerprint=ref.fingerprint), timeout=timeout)
-            assert isinstance(reply, LayoutReply)
+            if not isinstance(reply, LayoutReply) or reply.layout.fingerprint() != ref.fingerprint:
+                raise SyncError(f"{endpoint} sent a layout other than {ref.fingerprint}")
             layout = reply.layout
         sink.start(ref.version, layout)
         window = asyncio.Semaphore(credits)
@@ -180,8 +219,10 @@ async def sync_remote(
                 meta, frames = await client.call_with_frames(
                     FetchBucket(version=ref.version, index=index), timeout=timeout
                 )
-                assert isinstance(meta, BucketMeta)
+                if not isinstance(meta, BucketMeta) or len(frames) != 1:
+                    raise SyncError(f"bucket {index} of version {ref.version}: malformed reply")
                 data = frames[0]
+                check_bucket(meta, memoryview(data).nbytes, ref, layout, index)
                 if meta.crc32 is not None and zlib.crc32(data) != meta.crc32:
                     raise SyncError(f"bucket {index} of version {ref.version}: checksum mismatch")
                 sink.load(BucketView(index, data).tensors(layout))
@@ -198,8 +239,7 @@ async def sync_remote(
         # Seqlock over the wire: frames leave the owner's memory zero-copy, so make
         # sure the slot was not rewritten while they were in flight.
         after = await client.call(GetGeneration(version=ref.version), timeout=timeout)
-        assert isinstance(after, Generation)
-        if after.generation != ref.generation:
+        if not isinstance(after, Generation) or after.generation != ref.generation:
             raise SyncError(f"version {ref.version} was overwritten during the sync")
         sink.finish(ref.version)
         return layout
