@@ -37,7 +37,14 @@ from typing import IO
 import msgspec
 
 from rlix_async.config import LaunchConfig, PipelineConfig, dump
-from rlix_async.process_plan import PlannedProcess, build_plan, model_dir, trainer_process
+from rlix_async.process_plan import (
+    NodePlanError,
+    PlannedProcess,
+    build_plan,
+    model_dir,
+    node_plan,
+    trainer_process,
+)
 from rlix_async.security import ipc_endpoint
 from rlix_async.weights.shm import remove_pipeline_segments
 
@@ -155,27 +162,62 @@ def check_recipes(cfg: LaunchConfig) -> None:
             raise LaunchError(f"pipelines[{i}] ({p.id}): {exc}") from None
 
 
-class Launcher:
-    """Starts the :mod:`process plan <rlix_async.process_plan>` of a one-node config."""
+@dataclass(frozen=True)
+class NodeRole:
+    """This machine's part of a multi-node launch (``rlix-async launch --node``)."""
 
-    def __init__(self, cfg: LaunchConfig, *, resume: bool = False) -> None:
-        if cfg.cluster.nodes != 1:
+    node: int  # its index: device d lives on node d // gpus_per_node
+    coordinator: str  # tcp://HEAD:PORT, bound by node 0, reached by every node
+    address: str  # this node's address as the other nodes reach it
+    keys: str  # the key directory (tcp is always CURVE)
+    job: str  # the same on every node of one run: names its done-markers and segments
+
+
+class Launcher:
+    """Starts the :mod:`process plan <rlix_async.process_plan>` of a one-node config, or
+    with ``node`` one node's share of a multi-node one.
+
+    Nodes of one run coordinate only through the coordinator and the shared output
+    directory: a node ends when every pipeline of the config has a done-marker under
+    ``OUT/nodes/JOB/`` (written by the node that ran its trainer), so a node that only
+    hosts shards stops when the pipelines they serve are over.
+    """
+
+    def __init__(
+        self, cfg: LaunchConfig, *, resume: bool = False, node: NodeRole | None = None
+    ) -> None:
+        if node is None and cfg.cluster.nodes != 1:
             raise LaunchError(
-                f"cluster.nodes is {cfg.cluster.nodes}: `rlix-async launch` starts one "
-                "machine's processes; see the plan with --dry-run and run several nodes "
-                "with launchers/slurm/rlix.sbatch"
+                f"cluster.nodes is {cfg.cluster.nodes}: run `rlix-async launch CONFIG --node K "
+                "--coordinator tcp://HEAD:PORT --address IP --keys DIR --job ID` on each node "
+                "(launchers/README.md; --dry-run prints every node's processes), or "
+                "launchers/slurm/rlix.sbatch"
             )
+        if node is not None:
+            _check_node(cfg, node)
         cfg = resolve_recipes(cfg)
         check_recipes(cfg)
         self.cfg = cfg
         self.resume = resume
+        self.node = node
         self.out = Path(cfg.out).resolve()
         self.logs = self.out / "logs"
-        self.endpoint = ipc_endpoint(f"coord-{uuid.uuid4().hex[:8]}")
-        self.plan = build_plan(cfg, self.out, self.endpoint, resume=resume)
-        # Weight segments are named per run directory: two runs of the same pipeline
-        # ids on one machine never touch each other's (set here too: we clean them up).
-        os.environ.setdefault("RLIX_JOB", hashlib.sha1(str(self.out).encode()).hexdigest()[:8])
+        if node is None:
+            self.endpoint = ipc_endpoint(f"coord-{uuid.uuid4().hex[:8]}")
+            keys = None
+            # Weight segments are named per run directory: two runs of the same pipeline
+            # ids on one machine never touch each other's (set here too: we clean them up).
+            os.environ.setdefault("RLIX_JOB", hashlib.sha1(str(self.out).encode()).hexdigest()[:8])
+        else:
+            self.endpoint, keys = node.coordinator, node.keys
+            os.environ["RLIX_JOB"] = node.job
+        try:
+            self.plan = build_plan(cfg, self.out, self.endpoint, keys=keys, resume=resume)
+            if node is not None:
+                self.plan = node_plan(self.plan, node.node, node.address)
+        except NodePlanError as exc:
+            raise LaunchError(str(exc)) from None
+        self.done_dir = self.out / "nodes" / (node.job if node else "local")
         self.coordinator: Proc | None = None
         self.shards: list[Proc] = []
         self.pipelines: dict[str, Proc] = {}
@@ -189,6 +231,31 @@ class Launcher:
         self._coordinator_crashes: list[float] = []  # monotonic times, recent ones
         self._coordinator_restart_at: float | None = None
 
+    def _finished(self) -> bool:
+        """Whether the run is over: every pipeline here exited (one node), or every
+        pipeline of the config has its done-marker (a node of several). A pipeline that
+        failed on any node ends every node's launch with an error."""
+        if self.node is None:
+            return len(self.exit_codes) == len(self.pipelines)
+        done = 0
+        for p in self.cfg.pipelines:
+            mark = self.done_dir / f"{p.id}.exit"
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                code = int(mark.read_text())
+                if code != 0:
+                    raise RuntimeError(f"pipeline {p.id} failed (exit {code}) on another node")
+                done += 1
+        return done == len(self.cfg.pipelines)
+
+    def _mark_done(self, pid: str, code: int) -> None:
+        """Tell every node of the run that ``pid`` is over (written atomically)."""
+        if self.node is None:
+            return
+        self.done_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.done_dir / f".{pid}.exit.{os.getpid()}"
+        tmp.write_text(f"{code}\n")
+        tmp.replace(self.done_dir / f"{pid}.exit")
+
     def _proc(self, planned: PlannedProcess) -> Proc:
         if planned.config is not None and planned.config_path is not None:
             _write(planned.config_path, planned.config)
@@ -198,8 +265,9 @@ class Launcher:
     def start(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
-        for p in self.cfg.pipelines:
-            self._write_model(p)
+        if self.node is None:  # several nodes share model.path (checked)
+            for p in self.cfg.pipelines:
+                self._write_model(p)
         for planned in self.plan:
             if planned.role == "coordinator":
                 self.coordinator = self._proc(planned)
@@ -239,10 +307,18 @@ class Launcher:
             time.sleep(0.5)
 
     def _pipeline_proc(self, p: PipelineConfig, *, resume: bool) -> Proc:
-        planned = trainer_process(
-            p, self.out, self.endpoint, self.cfg.cluster.gpus_per_node, resume=resume
+        """The pipeline's trainer again, as the plan has it but resuming."""
+        planned = next(x for x in self.plan if x.role == "trainer" and x.pipeline == p.id)
+        assert isinstance(planned.config, PipelineConfig)
+        again = trainer_process(
+            planned.config,
+            self.out,
+            self.endpoint,
+            self.cfg.cluster.gpus_per_node,
+            keys=planned.config.keys,
+            resume=resume,
         )
-        return self._proc(planned)
+        return self._proc(again)
 
     def restart_coordinator(self) -> None:
         assert self.coordinator is not None
@@ -268,9 +344,9 @@ class Launcher:
 
     def step(self) -> bool:
         """One supervision pass; False once every pipeline has finished."""
-        assert self.coordinator is not None
-        code = self.coordinator.poll()
+        code = self.coordinator.poll() if self.coordinator is not None else None
         if code is not None:
+            assert self.coordinator is not None
             now = time.monotonic()
             if self._coordinator_restart_at is None:
                 self._coordinator_crashes = [
@@ -293,7 +369,7 @@ class Launcher:
                 self.restart_coordinator()
         for shard in self.shards:
             code = shard.poll()
-            if code is not None and len(self.exit_codes) < len(self.pipelines):
+            if code is not None and not self._finished():
                 if shard.restarts >= self.max_shard_restarts:
                     raise RuntimeError(f"{shard.name} keeps failing; see {shard.log_path}")
                 log.warning("%s exited (%s); starting a new one", shard.name, code)
@@ -306,6 +382,7 @@ class Launcher:
                 continue
             if code == 0:
                 self.exit_codes[pid] = code
+                self._mark_done(pid, code)
             elif proc.restarts < self.max_pipeline_restarts:
                 log.warning(
                     "pipeline %s died (exit %s); resuming it from its checkpoint", pid, code
@@ -313,8 +390,9 @@ class Launcher:
                 self.restart_pipeline(pid)
             else:
                 self.exit_codes[pid] = code
+                self._mark_done(pid, code)
                 raise RuntimeError(f"pipeline {pid} failed (exit {code}); see {proc.log_path}")
-        return len(self.exit_codes) < len(self.pipelines)
+        return not self._finished()
 
     def run(self, poll_s: float = 0.5, on_poll: Callable[[Launcher], None] | None = None) -> None:
         """Start and supervise until every pipeline finished; always stops everything.
@@ -356,6 +434,31 @@ class Launcher:
             proc.stop(max(0.1, deadline - time.monotonic()))
         for p in self.cfg.pipelines:
             remove_pipeline_segments(p.id)
+
+
+def _check_node(cfg: LaunchConfig, node: NodeRole) -> None:
+    """What a node of a multi-node launch needs, checked before anything starts."""
+    from rlix_async.security import SecurityError, ServerKeys
+
+    if not 0 <= node.node < cfg.cluster.nodes:
+        raise LaunchError(f"--node {node.node}: cluster.nodes is {cfg.cluster.nodes}")
+    if not node.coordinator.startswith("tcp://"):
+        raise LaunchError(f"--coordinator {node.coordinator}: nodes meet on tcp://HEAD:PORT")
+    if not node.job or not node.job.replace("-", "").replace("_", "").isalnum():
+        raise LaunchError(f"--job {node.job!r}: letters, digits, - and _ (the same on every node)")
+    missing = [p.id for p in cfg.pipelines if not p.model.path]
+    if missing:
+        raise LaunchError(
+            f"pipelines {missing}: set model.path (a directory every node reads): the "
+            "random test model is written by a one-node launch only"
+        )
+    try:  # the coordinator's node needs its pair; every node a private key directory
+        if node.node == 0:
+            ServerKeys.load(node.keys)
+        elif not Path(node.keys, "server.key").is_file():
+            raise SecurityError(f"{node.keys}/server.key: missing (copy it from the keygen)")
+    except SecurityError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def _child_env() -> dict[str, str]:

@@ -76,6 +76,10 @@ def model_dir(p: PipelineConfig, out: Path) -> Path:
     return Path(p.model.path) if p.model.path else out / p.id / "model"
 
 
+class NodePlanError(ValueError):
+    """A plan that cannot run on these nodes (exit 2, like a config error)."""
+
+
 def build_plan(
     cfg: LaunchConfig,
     out: Path,
@@ -151,6 +155,12 @@ def trainer_process(
 ) -> PlannedProcess:
     """A pipeline's torchrun job: one rank per ``actor_train`` device, on their node."""
     train = p.clusters[TRAIN].devices
+    nodes = sorted({d // gpus_per_node for d in train})
+    if len(nodes) > 1:
+        raise NodePlanError(
+            f"pipeline {p.id}: actor_train devices {list(train)} span nodes {nodes}; its "
+            "trainer is one torchrun job on one node (--standalone)"
+        )
     run = msgspec.structs.replace(p, out=str(out), coordinator=coordinator, keys=keys)
     path = out / p.id / "pipeline.yaml"
     argv = [
@@ -178,6 +188,39 @@ def trainer_process(
         config_path=path,
         log_path=out / "logs" / f"pipeline-{p.id}.log",
     )
+
+
+def node_plan(plan: list[PlannedProcess], node: int, address: str) -> list[PlannedProcess]:
+    """The processes of ``node`` in a multi-node launch (``launch --node``), wired to
+    reach each other across nodes: node 0 also runs the coordinator; a shard on another
+    node than its pipeline's trainer serves its data plane on ``tcp://ADDRESS:0`` (the
+    router runs in the trainer); a trainer with shards on other nodes serves its weight
+    cache on ``tcp://ADDRESS:0`` (shards on its own node keep reading shared memory).
+    ``address`` is this node's address as the other nodes reach it."""
+    trainer_node: dict[str, int] = {}
+    shard_nodes: dict[str, set[int]] = {}
+    for proc in plan:
+        if proc.role == "trainer" and proc.pipeline is not None:
+            trainer_node[proc.pipeline] = proc.node
+        elif proc.role == "shard" and proc.pipeline is not None:
+            shard_nodes.setdefault(proc.pipeline, set()).add(proc.node)
+    mine: list[PlannedProcess] = []
+    for proc in plan:
+        if proc.role == "coordinator":
+            if node == 0:
+                mine.append(proc)
+            continue
+        if proc.node != node:
+            continue
+        assert proc.pipeline is not None and proc.config is not None
+        if proc.role == "shard" and proc.node != trainer_node[proc.pipeline]:
+            proc.config = msgspec.structs.replace(proc.config, data_endpoint=f"tcp://{address}:0")
+        if proc.role == "trainer" and shard_nodes.get(proc.pipeline, set()) - {proc.node}:
+            proc.config = msgspec.structs.replace(
+                proc.config, weights_endpoint=f"tcp://{address}:0"
+            )
+        mine.append(proc)
+    return mine
 
 
 def format_plan(plan: list[PlannedProcess]) -> str:

@@ -12,7 +12,7 @@ from helpers.cluster import Peer, start_peer
 
 from rlix_async.security import ipc_endpoint
 
-TIERS = ("slow", "vllm", "gpu")
+TIERS = ("slow", "vllm", "gpu", "multinode")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -77,10 +78,13 @@ def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
     """Print the process plan without starting (or writing) anything."""
     import json
 
-    from rlix_async.process_plan import build_plan, format_plan
+    from rlix_async.process_plan import NodePlanError, build_plan, format_plan
 
     endpoint = "ipc://<coordinator.sock>" if cfg.cluster.nodes == 1 else "tcp://<head-node>:7600"
-    plan = build_plan(cfg, Path(cfg.out).resolve(), endpoint, resume=args.resume)
+    try:
+        plan = build_plan(cfg, Path(cfg.out).resolve(), endpoint, resume=args.resume)
+    except NodePlanError as exc:
+        raise UsageError(str(exc)) from None
     if args.json:
         print(json.dumps({"processes": [p.to_builtins() for p in plan]}, indent=2))
     else:
@@ -97,10 +101,22 @@ def _launch(args: argparse.Namespace) -> int:
     if args.json:
         raise UsageError("--json goes with --dry-run")
     check_output(cfg.out, directory=True)
-    from rlix_async.launch import Launcher, LaunchError  # torch: after the checks
+    from rlix_async.launch import Launcher, LaunchError, NodeRole  # torch: after the checks
 
+    node = None
+    if args.node is not None:
+        job = args.job or os.environ.get("RLIX_JOB") or os.environ.get("SLURM_JOB_ID")
+        given = {"--coordinator": args.coordinator, "--address": args.address, "--keys": args.keys}
+        missing = [flag for flag, value in {**given, "--job": job}.items() if not value]
+        if missing:
+            raise UsageError(
+                f"--node needs {', '.join(missing)} (the same on every node but --address)"
+            )
+        node = NodeRole(args.node, args.coordinator, args.address, args.keys, job)
+    elif args.coordinator or args.address or args.job:
+        raise UsageError("--coordinator, --address and --job go with --node K")
     try:
-        launcher = Launcher(cfg, resume=args.resume)
+        launcher = Launcher(cfg, resume=args.resume, node=node)
     except LaunchError as exc:
         raise UsageError(str(exc)) from None
     code = _supervised(launcher.run)
@@ -154,6 +170,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "and start nothing",
     )
     p.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
+    p.add_argument(
+        "--node",
+        type=int,
+        metavar="K",
+        help="run node K's share of a multi-node config (node 0 also runs the coordinator); "
+        "run it on every node with the same config, coordinator, keys and job",
+    )
+    p.add_argument("--coordinator", metavar="tcp://HEAD:PORT", help="with --node: node 0's")
+    p.add_argument("--address", metavar="IP", help="with --node: this node's, as others reach it")
+    p.add_argument("--keys", metavar="DIR", help="with --node: the CURVE key directory")
+    p.add_argument(
+        "--job", help="with --node: this run's id, the same on every node (RLIX_JOB, SLURM_JOB_ID)"
+    )
     add_overrides(p, "pipelines[0].steps=20")
     p.set_defaults(func=_launch)
 

@@ -145,7 +145,7 @@ def test_launch_runs_one_node_and_says_how_to_run_more(tmp_path: Path) -> None:
     cfg.write_text(TWO_NODES.format(out=tmp_path / "out"))
     out = rlix("launch", str(cfg))
     assert out.returncode == 2
-    assert "cluster.nodes is 2" in out.stderr and "--dry-run" in out.stderr
+    assert "cluster.nodes is 2" in out.stderr and "--node K" in out.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -215,3 +215,69 @@ def test_the_real_launch_starts_exactly_the_dry_run_plan(tmp_path: Path) -> None
     while subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout:
         assert time.monotonic() < deadline, "launch left processes behind"
         time.sleep(0.2)
+
+
+CROSSING = """
+out: {out}
+cluster: {{nodes: 3, gpus_per_node: 2}}
+pipelines:
+  - id: near
+    model: {{path: /models/m}}
+    clusters:
+      actor_train: {{tp: 1, devices: [2]}}
+      actor_infer: {{tp: 1, devices: [3, 4]}}
+  - id: far
+    model: {{path: /models/m}}
+    clusters:
+      actor_train: {{tp: 1, devices: [5]}}
+      actor_infer: {{tp: 1, devices: [3]}}
+"""
+
+
+def test_each_node_runs_its_share_wired_across_nodes(tmp_path: Path) -> None:
+    """`launch --node K`: node 0 runs the coordinator; a shard away from its trainer
+    serves its data plane on tcp at its node's address, a trainer with shards on other
+    nodes serves its weights on tcp; everything on one node stays on ipc/shared memory."""
+    from rlix_async.config import LaunchConfig, load_config
+    from rlix_async.process_plan import build_plan, node_plan
+
+    path = tmp_path / "c.yaml"
+    path.write_text(CROSSING.format(out=tmp_path / "out"))
+    cfg = load_config(path, LaunchConfig)
+
+    def share(node: int, address: str) -> dict[tuple[str, str | None, int | None], object]:
+        plan = build_plan(cfg, tmp_path / "out", "tcp://10.0.0.1:7600", keys="/k")
+        return {(p.role, p.pipeline, p.rank): p.config for p in node_plan(plan, node, address)}
+
+    assert list(share(0, "10.0.0.1")) == [("coordinator", None, None)]
+    one = share(1, "10.0.0.2")
+    assert sorted(one, key=str) == sorted(
+        [("shard", "near", 0), ("shard", "far", 0), ("trainer", "near", None)], key=str
+    )
+    assert one[("shard", "near", 0)].data_endpoint is None  # its router is on this node
+    assert one[("shard", "far", 0)].data_endpoint == "tcp://10.0.0.2:0"
+    assert one[("trainer", "near", None)].weights_endpoint == "tcp://10.0.0.2:0"
+    two = share(2, "10.0.0.3")
+    assert two[("shard", "near", 1)].data_endpoint == "tcp://10.0.0.3:0"
+    assert two[("trainer", "far", None)].weights_endpoint == "tcp://10.0.0.3:0"
+    assert {c.keys for c in [*one.values(), *two.values()]} == {"/k"}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("train", "infer", "said"),
+    # (a shard's bundle across nodes is refused by the topology check already)
+    [([1, 2], [0], "span nodes"), ([0], [1, 2], "crosses a node boundary")],
+)
+def test_a_trainer_or_shard_split_over_nodes_is_refused_before_anything_starts(
+    tmp_path: Path, train: list[int], infer: list[int], said: str
+) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"out: {tmp_path / 'out'}\ncluster: {{nodes: 2, gpus_per_node: 2}}\npipelines:\n"
+        f"  - id: x\n    model: {{path: /m}}\n    clusters:\n"
+        f"      actor_train: {{tp: 1, devices: {train}}}\n"
+        f"      actor_infer: {{tp: {len(infer)}, devices: {infer}}}\n"
+    )
+    run = rlix("launch", str(cfg), "--dry-run")
+    assert run.returncode == 2
+    assert said in run.stderr and "Traceback" not in run.stderr
