@@ -4,7 +4,8 @@ One pure function, :func:`build_plan`, turns a :class:`~rlix_async.config.Launch
 into the list of processes: the coordinator, one shard worker per rollout rank
 of every pipeline, one torchrun job per pipeline. ``rlix-async launch`` starts
 exactly this list, ``rlix-async launch --dry-run`` prints it, and the SLURM
-template (``launchers/slurm/write_configs.py``) writes it out for ``srun``.
+template (``launchers/slurm/rlix.sbatch``) runs ``launch --node`` on each node, and
+:func:`node_plan` picks and wires one node's share.
 
 Binding: device ``d`` lives on node ``d // gpus_per_node`` as local index
 ``d % gpus_per_node``. A shard worker sees exactly its rank's bundle
@@ -193,9 +194,9 @@ def trainer_process(
 def node_plan(plan: list[PlannedProcess], node: int, address: str) -> list[PlannedProcess]:
     """The processes of ``node`` in a multi-node launch (``launch --node``), wired to
     reach each other across nodes: node 0 also runs the coordinator; a shard on another
-    node than its pipeline's trainer serves its data plane on ``tcp://ADDRESS:0`` (the
+    node than its pipeline's trainer serves its data plane on ``tcp://ADDRESS:*`` (the
     router runs in the trainer); a trainer with shards on other nodes serves its weight
-    cache on ``tcp://ADDRESS:0`` (shards on its own node keep reading shared memory).
+    cache on ``tcp://ADDRESS:*`` (shards on its own node keep reading shared memory).
     ``address`` is this node's address as the other nodes reach it."""
     trainer_node: dict[str, int] = {}
     shard_nodes: dict[str, set[int]] = {}
@@ -214,10 +215,10 @@ def node_plan(plan: list[PlannedProcess], node: int, address: str) -> list[Plann
             continue
         assert proc.pipeline is not None and proc.config is not None
         if proc.role == "shard" and proc.node != trainer_node[proc.pipeline]:
-            proc.config = msgspec.structs.replace(proc.config, data_endpoint=f"tcp://{address}:0")
+            proc.config = msgspec.structs.replace(proc.config, data_endpoint=f"tcp://{address}:*")
         if proc.role == "trainer" and shard_nodes.get(proc.pipeline, set()) - {proc.node}:
             proc.config = msgspec.structs.replace(
-                proc.config, weights_endpoint=f"tcp://{address}:0"
+                proc.config, weights_endpoint=f"tcp://{address}:*"
             )
         mine.append(proc)
     return mine

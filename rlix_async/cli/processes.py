@@ -108,7 +108,7 @@ def _launch(args: argparse.Namespace) -> int:
         job = args.job or os.environ.get("RLIX_JOB") or os.environ.get("SLURM_JOB_ID")
         given = {"--coordinator": args.coordinator, "--address": args.address, "--keys": args.keys}
         missing = [flag for flag, value in {**given, "--job": job}.items() if not value]
-        if missing:
+        if missing or job is None:
             raise UsageError(
                 f"--node needs {', '.join(missing)} (the same on every node but --address)"
             )

@@ -429,7 +429,7 @@ class PipelineConfig(Config, frozen=True):
     weights_endpoint: Annotated[
         Endpoint | None,
         doc(
-            "tcp://ADDRESS:PORT (PORT 0: any free one) where rank 0 serves its cached "
+            "tcp://ADDRESS:PORT (PORT *: any free one) where rank 0 serves its cached "
             "weights to shards on other nodes, with its driver key (needs keys). Unset: "
             "shards sync from shared memory, so they must share the trainer's node. Set "
             "by `rlix-async launch --node` when the pipeline's shards span nodes."

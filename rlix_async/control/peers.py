@@ -114,7 +114,8 @@ class PeerWatcher(PlanRealiser):
             f = self.registry.fences.get((pid, rank))
             if f is not None and not f.reason.startswith("worker lost"):
                 f.reason = f"worker lost ({f.reason})"
-            self.shard_versions.pop((pid, rank), None)
+            for table in (self.shard_versions, self.shard_endpoints, self.shard_data_keys):
+                table.pop((pid, rank), None)  # a replacement says hello with its own
             return
         driver_of = m.driver_pipeline(info.identity)
         if driver_of is not None and (d := self.registry.pipelines.get(driver_of)) is not None:
@@ -143,10 +144,16 @@ class PeerWatcher(PlanRealiser):
         # Everything else keyed by the pipeline goes with it (a long-lived coordinator
         # sees thousands of pipelines come and go).
         self.weights.pop(pid, None)
-        tables = (self.shard_versions, self.shard_endpoints, self.shard_data_keys)
-        for table in (*tables, self.shard_memory):
+        for table in (self.shard_versions, self.shard_memory):
             for key in [k for k in table if k[0] == pid]:
                 del table[key]
+        # A worker still connected keeps its data plane's address and key: when the
+        # pipeline returns (a trainer resumed on another node) its router needs them,
+        # and the worker says hello only once. They go when the worker does.
+        for where in (self.shard_endpoints, self.shard_data_keys):
+            for key in [k for k in where if k[0] == pid]:
+                if m.worker_identity(*key) not in self.server.peers:
+                    del where[key]
         log.warning(
             "pipeline %s dropped (%s): releasing %s and %d rollout ranks",
             pid,

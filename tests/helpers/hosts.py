@@ -113,6 +113,32 @@ class Hosts:
                 os.kill(int(pid), signal.SIGKILL)
         return [int(p) for p in pids]
 
+    def stacks(self) -> list[str]:
+        """Python stacks of every launcher and trainer on the hosts, for a test that
+        timed out (needs py-spy on PATH or next to this Python; else nothing)."""
+        import shutil
+        import sys
+
+        spy = shutil.which("py-spy") or shutil.which(
+            "py-spy", path=str(Path(sys.executable).parent)
+        )
+        if spy is None:
+            return []
+        dumps = []
+        for host in self.hosts:
+            pids = subprocess.run(
+                ["ip", "netns", "pids", host.netns], capture_output=True, text=True, timeout=30
+            ).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    cmd = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+                    if "rlix_async" in cmd and ("launch" in cmd or "pipeline" in cmd):
+                        dump = subprocess.run(
+                            [spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=60
+                        )
+                        dumps.append(f"--- {host.name} {pid}: {cmd[:160]}\n{dump.stdout}")
+        return dumps
+
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM what we started, then SIGKILL whatever is left in any namespace."""
         for _, proc, _ in self.procs:

@@ -232,47 +232,27 @@ def test_the_pipeline_process_refuses_a_bad_config_before_starting(tmp_path: Pat
     assert out.returncode == 2 and out.stderr.strip() == f"error: {cfg}: steps: expected int >= 1"
 
 
-def test_slurm_config_writer_writes_the_launch_plan(tmp_path: Path) -> None:
-    """launchers/slurm/write_configs.py: the sbatch starts the launcher's process plan."""
-    from rlix_async.config import CoordinatorConfig, PipelineConfig, ShardConfig, load_config
+def test_the_slurm_template_runs_launch_node_with_flags_that_exist() -> None:
+    """launchers/slurm/rlix.sbatch is `rlix-async launch --node` once per node: it parses
+    as bash and every flag it passes is one the launcher takes (the multinode tier runs
+    the same command in network namespaces)."""
+    import re
 
-    launch = tmp_path / "launch.yaml"
-    launch.write_text(
-        (ROOT / "examples" / "pipelines.yaml")
-        .read_text()
-        .replace("    seed: ", "    model: {path: /shared/model}\n    seed: ")
-    )
-    writer = [sys.executable, str(ROOT / "launchers" / "slurm" / "write_configs.py")]
-    args = [str(launch), "tcp://10.1.0.1:7600", "/keys", str(tmp_path / "out"), "2", "2"]
-    out = subprocess.run([*writer, *args], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    rows = [line.split() for line in out.stdout.splitlines()]
-    # ROLE PIPELINE RANK NODE CUDA_VISIBLE_DEVICES NPROC: device d lives on node d // 2,
-    # local GPU d % 2; each trainer runs on the node of its devices
-    assert [r[:6] for r in rows] == [
-        ["shard", "band-low", "0", "0", "0", "1"],
-        ["shard", "band-low", "1", "0", "1", "1"],
-        ["shard", "band-low", "2", "1", "0", "1"],
-        ["shard", "band-high", "0", "0", "1", "1"],
-        ["shard", "band-high", "1", "1", "0", "1"],
-        ["shard", "band-high", "2", "1", "1", "1"],
-        ["trainer", "band-low", "-", "0", "0,1", "2"],
-        ["trainer", "band-high", "-", "1", "1", "1"],
-    ]
-    shard = load_config(rows[2][6], ShardConfig)
-    assert (shard.rank, shard.keys, shard.devices, shard.tensor_parallel_size) == (
-        2,
-        "/keys",
-        (2,),
-        1,
-    )
-    coordinator = load_config(tmp_path / "out" / "coordinator.yaml", CoordinatorConfig)
-    assert coordinator.endpoint == "tcp://10.1.0.1:7600" and coordinator.cluster.nodes == 2
-    pipeline = load_config(tmp_path / "out" / "band-low" / "pipeline.yaml", PipelineConfig)
-    assert pipeline.coordinator == "tcp://10.1.0.1:7600" and pipeline.out == str(tmp_path / "out")
-    no_model = [*writer, str(ROOT / "examples" / "pipelines.yaml"), *args[1:]]
-    out = subprocess.run(no_model, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "set model.path" in out.stderr
+    sbatch = ROOT / "launchers" / "slurm" / "rlix.sbatch"
+    assert subprocess.run(["bash", "-n", str(sbatch)], timeout=30).returncode == 0
+    text = sbatch.read_text()
+    assert re.search(r'launch "\$PIPELINES" --node "\$SLURM_NODEID"', text)
+    helptext = subprocess.run(
+        [sys.executable, "-m", "rlix_async.cli", "launch", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    start = text.index('rlix-async" launch')
+    command = text[start : text.index("\n'", start)]
+    used = set(re.findall(r"(--[a-z][a-z-]+)", command))
+    assert used == {"--node", "--coordinator", "--address", "--keys", "--job", "--resume"}
+    assert all(flag in helptext for flag in used)
 
 
 def test_a_coordinator_process_serves_metrics(tmp_path: Path, ipc_ep: str) -> None:

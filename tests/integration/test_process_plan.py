@@ -255,11 +255,11 @@ def test_each_node_runs_its_share_wired_across_nodes(tmp_path: Path) -> None:
         [("shard", "near", 0), ("shard", "far", 0), ("trainer", "near", None)], key=str
     )
     assert one[("shard", "near", 0)].data_endpoint is None  # its router is on this node
-    assert one[("shard", "far", 0)].data_endpoint == "tcp://10.0.0.2:0"
-    assert one[("trainer", "near", None)].weights_endpoint == "tcp://10.0.0.2:0"
+    assert one[("shard", "far", 0)].data_endpoint == "tcp://10.0.0.2:*"
+    assert one[("trainer", "near", None)].weights_endpoint == "tcp://10.0.0.2:*"
     two = share(2, "10.0.0.3")
-    assert two[("shard", "near", 1)].data_endpoint == "tcp://10.0.0.3:0"
-    assert two[("trainer", "far", None)].weights_endpoint == "tcp://10.0.0.3:0"
+    assert two[("shard", "near", 1)].data_endpoint == "tcp://10.0.0.3:*"
+    assert two[("trainer", "far", None)].weights_endpoint == "tcp://10.0.0.3:*"
     assert {c.keys for c in [*one.values(), *two.values()]} == {"/k"}  # type: ignore[attr-defined]
 
 
@@ -281,3 +281,27 @@ def test_a_trainer_or_shard_split_over_nodes_is_refused_before_anything_starts(
     run = rlix("launch", str(cfg), "--dry-run")
     assert run.returncode == 2
     assert said in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--node", "1"], "--node needs --coordinator, --address, --keys"),
+        (["--node", "3", "--coordinator", "tcp://10.0.0.1:7600", "--address", "10.0.0.2",
+          "--keys", "KEYS", "--job", "j"], "--node 3: cluster.nodes is 3"),
+        (["--node", "1", "--coordinator", "ipc:///tmp/x", "--address", "10.0.0.2",
+          "--keys", "KEYS", "--job", "j"], "nodes meet on tcp://HEAD:PORT"),
+        (["--node", "1", "--coordinator", "tcp://10.0.0.1:7600", "--address", "10.0.0.2",
+          "--keys", "KEYS", "--job", "j"], "server.key: missing"),
+        (["--address", "10.0.0.2"], "go with --node K"),
+    ],
+)  # fmt: skip
+def test_a_node_launch_with_bad_flags_is_one_line_and_exit_2(
+    tmp_path: Path, args: list[str], said: str
+) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(CROSSING.format(out=tmp_path / "out"))
+    run = rlix("launch", str(cfg), *[a.replace("KEYS", str(tmp_path / "k")) for a in args])
+    assert run.returncode == 2, run.stderr
+    assert said in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert not (tmp_path / "out").exists()
