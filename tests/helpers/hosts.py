@@ -38,6 +38,15 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
 
+def _on(host: Host, argv: Sequence[str]) -> list[str]:
+    """``argv`` inside ``host``: its network, then its own hostname and /dev/shm."""
+    return [
+        "ip", "netns", "exec", host.netns,
+        "unshare", "--uts", "--mount", "--propagation", "private",
+        "sh", "-c", _ENTER, "sh", *argv,
+    ]  # fmt: skip
+
+
 @dataclass
 class Host:
     index: int
@@ -80,11 +89,7 @@ class Hosts:
     def start(self, host: Host, argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
         """Start ``argv`` on ``host`` (its network, hostname and /dev/shm)."""
         out = open(log, "ab")  # noqa: SIM115 (closed in stop)
-        cmd = [
-            "ip", "netns", "exec", host.netns,
-            "unshare", "--uts", "--mount", "--propagation", "private",
-            "sh", "-c", _ENTER, "sh", *argv,
-        ]  # fmt: skip
+        cmd = _on(host, argv)
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env(host), start_new_session=True
         )
@@ -93,11 +98,7 @@ class Hosts:
 
     def run(self, host: Host, argv: Sequence[str], timeout: float = 60) -> str:
         """Run ``argv`` on ``host`` to the end; its output."""
-        cmd = [
-            "ip", "netns", "exec", host.netns,
-            "unshare", "--uts", "--mount", "--propagation", "private",
-            "sh", "-c", _ENTER, "sh", *argv,
-        ]  # fmt: skip
+        cmd = _on(host, argv)
         done = subprocess.run(
             cmd, capture_output=True, text=True, env=self.env(host), timeout=timeout
         )
