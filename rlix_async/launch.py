@@ -218,6 +218,12 @@ class Launcher:
         except NodePlanError as exc:
             raise LaunchError(str(exc)) from None
         self.done_dir = self.out / "nodes" / (node.job if node else "local")
+        if node is not None and not resume and any(self.done_dir.glob("*.exit")):
+            # an earlier run's markers would end this one at once (or fail it)
+            raise LaunchError(
+                f"{self.done_dir} holds the done-markers of an earlier run with --job "
+                f"{node.job}: give this run a new --job, or --resume to continue that one"
+            )
         self.coordinator: Proc | None = None
         self.shards: list[Proc] = []
         self.pipelines: dict[str, Proc] = {}

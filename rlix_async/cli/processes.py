@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -105,16 +104,20 @@ def _launch(args: argparse.Namespace) -> int:
 
     node = None
     if args.node is not None:
-        job = args.job or os.environ.get("RLIX_JOB") or os.environ.get("SLURM_JOB_ID")
-        given = {"--coordinator": args.coordinator, "--address": args.address, "--keys": args.keys}
-        missing = [flag for flag, value in {**given, "--job": job}.items() if not value]
-        if missing or job is None:
+        given = {
+            "--coordinator": args.coordinator,
+            "--address": args.address,
+            "--keys": args.keys,
+            "--job": args.job,
+        }
+        missing = [flag for flag, value in given.items() if not value]
+        if missing:
             raise UsageError(
                 f"--node needs {', '.join(missing)} (the same on every node but --address)"
             )
-        node = NodeRole(args.node, args.coordinator, args.address, args.keys, job)
-    elif args.coordinator or args.address or args.job:
-        raise UsageError("--coordinator, --address and --job go with --node K")
+        node = NodeRole(args.node, args.coordinator, args.address, args.keys, args.job)
+    elif args.coordinator or args.address or args.job or args.keys:
+        raise UsageError("--coordinator, --address, --keys and --job go with --node K")
     try:
         launcher = Launcher(cfg, resume=args.resume, node=node)
     except LaunchError as exc:
@@ -181,7 +184,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--address", metavar="IP", help="with --node: this node's, as others reach it")
     p.add_argument("--keys", metavar="DIR", help="with --node: the CURVE key directory")
     p.add_argument(
-        "--job", help="with --node: this run's id, the same on every node (RLIX_JOB, SLURM_JOB_ID)"
+        "--job", help="with --node: this run's id, the same on every node, new for each run"
     )
     add_overrides(p, "pipelines[0].steps=20")
     p.set_defaults(func=_launch)

@@ -463,6 +463,12 @@ class PipelineConfig(Config, frozen=True):
                 f"{self.nproc} ranks for {len(train.devices)} actor_train devices "
                 f"{list(train.devices)}: each rank gets exactly one device",
             )
+        if self.weights_endpoint is not None and not self.weights_endpoint.startswith("tcp://"):
+            raise invalid(
+                "weights_endpoint",
+                f"{self.weights_endpoint}: shards on other nodes reach it on tcp://ADDRESS:PORT "
+                "(on one node they read shared memory: leave it unset)",
+            )
         self._check_recipe()
 
     @property

@@ -321,6 +321,12 @@ class Coordinator(PeerWatcher):
         sleeping ones catch up when they wake. Each sync runs on its own task, so
         no pipeline or scheduling decision waits for another's transfer."""
         self._authorize(ctx, msg.pipeline_id)
+        if msg.ref.pipeline != msg.pipeline_id:
+            # its shards would pull (and authenticate the server) as another pipeline's
+            raise RegistryError(
+                ErrorCode.FORBIDDEN,
+                f"{msg.pipeline_id} may not publish weights of pipeline {msg.ref.pipeline!r}",
+            )
         p = self.registry.get(msg.pipeline_id)
         self.weights[p.id] = msg.ref
         self.journal.record(ev.WeightsPublished(pipeline=p.id, version=msg.ref.version))

@@ -343,6 +343,8 @@ class ShardWorker:
         self.phase_ms["sync"] = (time.monotonic() - t0) * 1000
 
     async def _load(self, ref: CacheRef) -> None:
+        if ref.pipeline != self.pipeline:  # never another pipeline's weights, whoever asks
+            raise SyncError(f"shard of {self.pipeline} refuses weights of {ref.pipeline}")
         previous = self.synced_version
         try:
             await self.engine.load_version(ref)

@@ -19,6 +19,7 @@ launcher is started again.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -119,8 +120,11 @@ def _journal(out: Path) -> list[dict[str, object]]:
 @pytest.mark.timeout(900)
 def test_two_pipelines_train_across_hosts_and_one_survives_losing_a_host(tmp_path: Path) -> None:
     cfg, out, keys = _setup(tmp_path, steps=STEPS)
+    # a client key the coordinator never authorized, with the right server key: the
+    # coordinator itself must refuse it (not the client refuse an unknown server)
     wrong = tmp_path / "wrong-keys"
     subprocess.run([*CLI, "keygen", str(wrong)], check=True, capture_output=True, timeout=60)
+    shutil.copyfile(keys / "server.key", wrong / "server.key")
     coordinator = None
     with make_hosts(3, tmp_path / "hosts") as hosts:
         coordinator = f"tcp://{hosts[0].address}:7611"

@@ -305,3 +305,22 @@ def test_a_node_launch_with_bad_flags_is_one_line_and_exit_2(
     assert run.returncode == 2, run.stderr
     assert said in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_node_refuses_an_earlier_runs_done_markers_unless_resuming(tmp_path: Path) -> None:
+    """A rerun under an old --job would end at once on the old markers (or fail on a
+    failed one): refused in one line; --resume continues that run instead."""
+    from rlix_async.security import keygen
+
+    keygen(tmp_path / "k")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(CROSSING.format(out=tmp_path / "out"))
+    marks = tmp_path / "out" / "nodes" / "j1"
+    marks.mkdir(parents=True)
+    (marks / "near.exit").write_text("0\n")
+    flags = ["--node", "1", "--coordinator", "tcp://10.0.0.1:7600", "--address", "10.0.0.2",
+             "--keys", str(tmp_path / "k"), "--job", "j1"]  # fmt: skip
+    run = rlix("launch", str(cfg), *flags)
+    assert run.returncode == 2
+    assert "done-markers of an earlier run with --job j1" in run.stderr, run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1

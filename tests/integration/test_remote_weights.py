@@ -90,8 +90,9 @@ async def test_a_shard_on_another_node_pulls_with_its_own_key(
 async def test_four_receivers_at_once_never_share_an_identity(
     cache: WeightCache, keys: Path, elsewhere: Path
 ) -> None:
-    """Identities are unique by construction: without handover a second receiver under
-    a live identity would be refused, and every one of these must land."""
+    """Identities are unique by construction (host, pid and a random part), not by
+    luck: four receivers at once in one process each get their own, and all land
+    (without handover a second receiver under a live identity would be refused)."""
     sinks = [fresh() for _ in range(4)]
     shard = ClientKeys.load(keys, "shard")
     admitted: list[str] = []
@@ -140,7 +141,7 @@ async def test_a_server_with_another_key_than_the_published_one_is_never_trusted
     async with serving(cache, keys):
         impostor = ServerKeys.load(keys, "shard").public.decode()
         ref = msgspec.structs.replace(cache.ref(1), server_key=impostor)
-        with pytest.raises(SyncError):
+        with pytest.raises(SyncError, match="failed"):
             await sync_remote(
                 ref, ref.server, sink, keys=ClientKeys.load(keys, "shard").for_server(
                     impostor.encode()), timeout=3,

@@ -119,6 +119,11 @@ def test_every_field_of_every_config_has_a_description() -> None:
         ),
         ({"shard": {}, "pipelines": [_pipeline()]}, [], "shard: unknown key (it is engine now)"),
         ({"pipelines": []}, [], "pipelines: expected array of length >= 1"),
+        (
+            {"pipelines": [{**_pipeline(), "weights_endpoint": "ipc:///tmp/w.sock"}]},
+            [],
+            "pipelines[0].weights_endpoint: ipc:///tmp/w.sock: shards on other nodes reach it",
+        ),
         ({}, [], "pipelines: required, missing"),
     ],
 )
