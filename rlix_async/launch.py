@@ -65,11 +65,12 @@ class Proc:
     env: dict[str, str] = field(default_factory=dict)  # the plan's, over the launcher's
     popen: subprocess.Popen[bytes] | None = None
     restarts: int = 0
+    append: bool = False  # a resumed run keeps what the earlier one logged
     _log: IO[bytes] | None = field(default=None, repr=False)
 
     def start(self, env: dict[str, str]) -> None:
-        # a fresh start truncates the log; a restart appends to it
-        self._log = open(self.log_path, "ab" if self.restarts else "wb")  # noqa: SIM115
+        # a fresh start truncates the log; a restart or a resumed run appends to it
+        self._log = open(self.log_path, "ab" if self.restarts or self.append else "wb")  # noqa: SIM115
         self.popen = subprocess.Popen(
             self.argv,
             stdout=self._log,
@@ -266,7 +267,9 @@ class Launcher:
         if planned.config is not None and planned.config_path is not None:
             _write(planned.config_path, planned.config)
         assert planned.log_path is not None
-        return Proc(planned.name, planned.argv, planned.log_path, env=planned.env)
+        return Proc(
+            planned.name, planned.argv, planned.log_path, env=planned.env, append=self.resume
+        )
 
     def start(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)

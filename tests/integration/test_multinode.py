@@ -131,9 +131,9 @@ def test_two_pipelines_train_across_hosts_and_one_survives_losing_a_host(tmp_pat
         for k in range(3):
             _launch(hosts, k, cfg, keys, "mn")
         first = [proc for _, proc, _ in hosts.procs]
-        # far's first step: its rollouts came from a shard on the other host over tcp,
-        # its weights went there from its trainer's weight server
-        _wait("far's first step", lambda: len(_metrics(out, "far")) >= 1, tmp_path, first)
+        # far's first steps (a checkpoint at 5): its rollouts came from a shard on the
+        # other host over tcp, its weights went there from its trainer's weight server
+        _wait("far's checkpoint", lambda: len(_metrics(out, "far")) >= 6, tmp_path, first)
 
         # Host 2 loses power at once (far is mid-run): far's trainer and near's second
         # shard die with it.
