@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import msgspec
 import pytest
 import torch
 from helpers.cluster import joined_pipeline
@@ -23,6 +24,7 @@ from rlix_async.shards.messages import Generate, GenerateResult, ShardRefusal
 from rlix_async.shards.worker import ShardWorker
 from rlix_async.transport import RpcClient
 from rlix_async.weights.cache import WeightCache
+from rlix_async.weights.sinks import SyncError
 
 TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0,))}
 
@@ -47,7 +49,7 @@ async def test_a_shard_woken_without_weights_refuses_until_a_sync_brings_them(
 ) -> None:
     """Level-2 sleep discards the weights; woken with nothing published (as after a
     coordinator restart, before the driver re-publishes), the shard must not serve."""
-    cache = WeightCache(f"st{uuid.uuid4().hex[:6]}", bucket_bytes=16 << 10)
+    cache = WeightCache("P", f"st{uuid.uuid4().hex[:6]}", bucket_bytes=16 << 10)
     async with Coordinator(ipc_ep, ClusterShape(1, 1)) as co:
         driver = await joined_pipeline(co.endpoint, "P", TOPO)
         worker = await ShardWorker(ScriptedEngine(), co.endpoint, "P", 0, sleep_level=2).start()
@@ -154,7 +156,7 @@ async def test_a_shard_whose_requests_cannot_be_stopped_does_not_sleep(ipc_ep: s
 async def test_a_sync_that_fails_midway_takes_the_shard_out_of_service(ipc_ep: str) -> None:
     """Refused before any weight changed: the old version serves on. Failed after the
     load began: the weights are unknown, so the shard serves nothing."""
-    cache = WeightCache(f"st{uuid.uuid4().hex[:6]}", bucket_bytes=16 << 10)
+    cache = WeightCache("P", f"st{uuid.uuid4().hex[:6]}", bucket_bytes=16 << 10)
     engine = ScriptedEngine()
     async with Coordinator(ipc_ep, ClusterShape(1, 1)) as co:
         driver = await joined_pipeline(co.endpoint, "P", TOPO)
@@ -205,3 +207,25 @@ async def test_a_hung_sleep_makes_the_worker_exit_to_be_replaced(ipc_ep: str) ->
         finally:
             await worker.close()
             await driver.close()
+
+
+async def test_a_shard_loads_only_its_own_pipelines_weights(ipc_ep: str) -> None:
+    """Whoever sends the command, a shard of P refuses a version of Q before its
+    engine is touched, and keeps serving the version it had."""
+    cache = WeightCache("P", f"st{uuid.uuid4().hex[:6]}", bucket_bytes=16 << 10)
+    engine = ScriptedEngine()
+    async with Coordinator(ipc_ep, ClusterShape(1, 1)) as co:
+        worker = await ShardWorker(engine, co.endpoint, "P", 0, sleep_level=2).start()
+        try:
+            cache.build(0, {"w": torch.ones(64, 64)})
+            ref = cache.promote(0)
+            await worker.sync(ref)
+            assert worker.synced_version == 0
+            cache.build(1, {"w": torch.zeros(64, 64)})
+            theirs = msgspec.structs.replace(cache.promote(1), pipeline="Q")
+            with pytest.raises(SyncError, match="shard of P refuses weights of Q"):
+                await worker._load(theirs)
+            assert worker.synced_version == 0 and engine.weight_version == 0
+        finally:
+            await worker.close()
+            cache.close()

@@ -38,7 +38,7 @@ async def until(pred, timeout: float = 10.0) -> None:
 
 async def test_wake_syncs_active_stale_shards_sync_sleeping_ones_wait(ipc_ep: str) -> None:
     pid = "A"
-    cache = WeightCache(f"ss{uuid.uuid4().hex[:6]}", bucket_bytes=16 << 10)
+    cache = WeightCache(pid, f"ss{uuid.uuid4().hex[:6]}", bucket_bytes=16 << 10)
     async with Coordinator(ipc_ep, ClusterShape(1, 4)) as co:
         driver = await joined_pipeline(co.endpoint, pid, TOPO)
         workers = [
