@@ -93,23 +93,29 @@ def llama_shape(path: str) -> dict[str, Any]:
     }
 
 
+# Megatron names -> HF Llama names of the weights that map one to one (the fused
+# qkv and gate/up are split and joined in the functions below); hf_to_megatron
+# uses the inverse.
+_TOP_TO_HF = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+_LAYER_TO_HF = {  # within decoder.layers.N. / model.layers.N.
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
 def megatron_to_hf(
     sd: Mapping[str, torch.Tensor | None], heads: int, groups: int, head_dim: int
 ) -> dict[str, torch.Tensor]:
     """Megatron GPT (local spec, RMSNorm, SwiGLU, RoPE) -> HF Llama state dict."""
     out: dict[str, torch.Tensor] = {}
     per = heads // groups
-    top = {
-        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-        "decoder.final_layernorm.weight": "model.norm.weight",
-        "output_layer.weight": "lm_head.weight",
-    }
-    simple = {
-        "input_layernorm.weight": "input_layernorm.weight",
-        "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-        "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-        "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-    }
+    top, simple = _TOP_TO_HF, _LAYER_TO_HF
     for key, value in sd.items():
         if value is None or "_extra_state" in key:
             continue
@@ -149,17 +155,8 @@ def hf_to_megatron(
     With ``tied`` embeddings the output layer is the embedding: ``lm_head`` is dropped."""
     out: dict[str, torch.Tensor] = {}
     per = heads // groups
-    top = {
-        "model.embed_tokens.weight": "embedding.word_embeddings.weight",
-        "model.norm.weight": "decoder.final_layernorm.weight",
-        "lm_head.weight": "output_layer.weight",
-    }
-    simple = {
-        "input_layernorm.weight": "input_layernorm.weight",
-        "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
-        "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
-        "mlp.down_proj.weight": "mlp.linear_fc2.weight",
-    }
+    top = {hf: meg for meg, hf in _TOP_TO_HF.items()}
+    simple = {hf: meg for meg, hf in _LAYER_TO_HF.items()}
     layers: dict[str, dict[str, torch.Tensor]] = {}
     for key, v in sd.items():
         if key in top:
