@@ -40,6 +40,7 @@ import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import zmq
 import zmq.auth
@@ -262,6 +263,16 @@ class ClientKeys:
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public
         sock.curve_serverkey = self.server_public
+
+
+_Keys = TypeVar("_Keys", ServerKeys, ClientKeys)
+
+
+def tcp_only(endpoint: str, keys: _Keys | None) -> _Keys | None:
+    """The keys a socket on ``endpoint`` uses: CURVE on tcp only. On ipc the private
+    directory is the authentication, and a peer holding keys (a router, a trainer on
+    a node whose coordinator is on tcp) must not speak CURVE to a keyless ipc peer."""
+    return keys if endpoint.startswith("tcp://") else None
 
 
 def _load_pair(secret_file: Path) -> tuple[bytes, bytes]:

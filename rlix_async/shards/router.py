@@ -102,9 +102,7 @@ class Router:
                     await c.close()
                 ident = f"{self.pipeline.pipeline_id}/router/{self._ids}-{self._n_clients}"
                 self._n_clients += 1
-                # CURVE on tcp only, with the shard's own public key: a shard on this
-                # node serves ipc without keys (file permissions are the authentication)
-                keys = self.keys if endpoint.startswith("tcp://") else None
+                keys = self.keys  # the transport drops them for a same-node ipc shard
                 if keys is not None and (server_key := self.pipeline.data_keys.get(rank)):
                     keys = keys.for_server(server_key.encode())
                 c = RpcClient(endpoint, ident, keys=keys, config=self.transport)

@@ -35,7 +35,7 @@ from rlix_async.protocol import (
     encode,
     hello,
 )
-from rlix_async.security import ClientKeys, check_endpoint
+from rlix_async.security import ClientKeys, check_endpoint, tcp_only
 from rlix_async.transport.endpoint import _call_hook, _Endpoint
 from rlix_async.transport.types import Buffer, CallTimeout, TransportConfig
 
@@ -64,6 +64,7 @@ class RpcClient(_Endpoint):
     ) -> None:
         super().__init__(config, f"rpc-client:{identity}")
         check_endpoint(endpoint, keys)
+        keys = tcp_only(endpoint, keys)
         self.endpoint = endpoint
         self.identity = identity
         self.keys = keys

@@ -24,7 +24,7 @@ from rlix_async.protocol import (
     decode_body,
     decode_envelope,
 )
-from rlix_async.security import Principal, ServerKeys, check_endpoint, remove_ipc_file
+from rlix_async.security import Principal, ServerKeys, check_endpoint, remove_ipc_file, tcp_only
 from rlix_async.transport.endpoint import _NOBLOCK, _SNDMORE, _call_hook, _Endpoint
 from rlix_async.transport.types import Buffer, PeerInfo, TransportConfig
 
@@ -50,6 +50,7 @@ class RpcServer(_Endpoint):
     ) -> None:
         super().__init__(config, name)
         check_endpoint(endpoint, keys)
+        keys = tcp_only(endpoint, keys)
         self.endpoint = endpoint
         self.keys = keys
         self.peers: dict[str, PeerInfo] = {}

@@ -105,3 +105,16 @@ async def test_unauthenticated_tcp_peer_refused(spawn, tmp_path: Path) -> None:
     # The legitimate client is still served.
     async with RpcClient(server.endpoint, "n1/driver/0", keys=ClientKeys.load(keys)) as client:
         assert await client.call(Ping(seq=1)) == Pong(seq=1)
+
+
+async def test_keys_are_for_tcp_only_an_ipc_peer_speaks_plain(
+    spawn, tmp_path: Path, ipc_ep: str
+) -> None:
+    """A client holding keys (a router of a pipeline whose coordinator is on tcp) reaches
+    a keyless ipc server on its own node: the transport uses CURVE on tcp only, where a
+    CURVE handshake against a plain ipc peer would fail."""
+    keys = tmp_path / "keys"
+    keygen(keys)
+    server = spawn("server", ipc_ep)
+    async with RpcClient(server.endpoint, "n1/router/0", keys=ClientKeys.load(keys)) as client:
+        assert await client.call(Ping(seq=7), timeout=10) == Pong(seq=7)
