@@ -5,6 +5,8 @@
 - ``tcp://`` endpoints always use ZMQ CURVE: the server proves its identity with
   its key pair and accepts only clients whose public key is in ``authorized/``.
   An unauthenticated peer fails the handshake and never reaches the application.
+  (Bulk weight bytes leave through a plain socket, sealed with a key granted over
+  CURVE: see ``weights/stream.py``.)
 
 Key directory layout (``rlix-async keygen DIR``)::
 

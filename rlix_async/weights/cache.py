@@ -99,10 +99,11 @@ class WeightCache:
         current = self.current
         keep = self.slot_version.index(current) if current in self.versions else 1
         slot = 1 - keep
+        # No longer offered (new remote reads of it are refused) while its sends drain.
+        self.slot_version[slot] = None
         self._wait_sends(slot)
         seg, fp = self.slots[slot], self.layout.fingerprint()
         gen = self.generation[slot] + 1  # odd: readers of the old content now fail
-        self.slot_version[slot] = None
         write_header(seg.buf, gen, self.layout.total_bytes, None, fp)
         pack_into(tensors, self.layout, seg.buf[HEADER:])
         self.generation[slot] = gen + 1
@@ -145,17 +146,20 @@ class WeightCache:
     def track(self, version: int, tracker: SendTracker) -> None:
         """Remember a zero-copy send of this version's memory (see build)."""
         slot = self._slot_of(version)
-        self._trackers[slot] = [t for t in self._trackers[slot] if not t.done] + [tracker]
+        self._trackers[slot] = [*(t for t in self._trackers[slot] if not t.done), tracker]
 
     def _wait_sends(self, slot: int) -> None:
         deadline = time.monotonic() + self.send_wait_s
-        for tracker in self._trackers[slot]:
-            left = deadline - time.monotonic()
-            if not tracker.done and left > 0:
-                with contextlib.suppress(Exception):
-                    tracker.wait(left)
-            if not tracker.done:
-                raise TimeoutError(f"slot {slot} still being sent after {self.send_wait_s}s")
+        # Until none is left: a send that began just before the slot stopped being
+        # offered may be tracked while we wait (track() runs on another thread).
+        while pending := [t for t in list(self._trackers[slot]) if not t.done]:
+            for tracker in pending:
+                left = deadline - time.monotonic()
+                if not tracker.done and left > 0:
+                    with contextlib.suppress(Exception):
+                        tracker.wait(left)
+                if not tracker.done:
+                    raise TimeoutError(f"slot {slot} still being sent after {self.send_wait_s}s")
         self._trackers[slot] = []
 
     def slot_name(self, slot: int) -> str:

@@ -1,10 +1,19 @@
 """Weights for shards on other nodes: the owner's :class:`WeightServer` and ``sync_remote``.
 
-The server streams buckets as zero-copy ZMQ frames straight out of the owner's
-shared-memory slot; the receiver keeps at most ``credits`` buckets in flight,
-so its extra memory stays within ``credits x bucket``. Optional CRC32 checks
-catch a corrupted transfer; a generation check after the last bucket (a
-seqlock over the wire) proves the slot was not rewritten meanwhile.
+The server is the only door: on tcp it is CURVE, and it admits only receivers
+of its own pipeline. The bytes then move one of two ways (``transport``):
+
+- ``sealed`` (the default on tcp): the server grants a key and a ticket, and the
+  buckets stream as AES-256-GCM chunks over a plain tcp socket next to it, about
+  3.3x faster than through CURVE here (see :mod:`rlix_async.weights.stream`);
+- ``zmq``: the buckets come as zero-copy ZMQ frames on the server's own socket
+  (CURVE on tcp, the default on ipc), with optional CRC32 checks.
+
+Either way the receiver keeps at most ``credits`` buckets in flight, so its
+extra memory stays within ``credits x bucket``; every bucket is checked against
+the request and the layout before it reaches the sink; and a generation check
+after the last bucket (a seqlock over the wire) proves the slot was not
+rewritten meanwhile.
 """
 
 from __future__ import annotations
@@ -23,6 +32,15 @@ from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.packing import BucketView, Layout
 from rlix_async.weights.ref import CacheRef
 from rlix_async.weights.sinks import SyncError, WeightSink
+from rlix_async.weights.stream import (
+    OpenStream,
+    SealedStreamer,
+    StreamGrant,
+    host_of,
+    receive_sealed,
+)
+
+TRANSPORTS = ("sealed", "zmq")
 
 _MALLOC_TUNED = False
 
@@ -97,14 +115,20 @@ class WeightServer:
         self.server.on(GetLayout, self._layout)
         self.server.on(FetchBucket, self._fetch)
         self.server.on(GetGeneration, self._generation)
+        self.server.on(OpenStream, self._open_stream)
         self.server.admit_peer = self._admit
+        self.streamer: SealedStreamer | None = None
 
     async def start(self) -> WeightServer:
         await self.server.start()
+        if self.server.endpoint.startswith("tcp://"):
+            self.streamer = await SealedStreamer(self.cache, host_of(self.endpoint)).start()
         return self
 
     async def close(self) -> None:
         await self.server.close()
+        if self.streamer is not None:
+            await self.streamer.close()
 
     @property
     def endpoint(self) -> str:
@@ -143,6 +167,17 @@ class WeightServer:
         )
         # Zero-copy out of the slot; build() waits for these sends before reusing it.
         return Reply(meta, [data], on_sent=lambda tracker: cache.track(msg.version, tracker))
+
+    def _open_stream(self, msg: OpenStream, ctx: CallContext) -> StreamGrant:
+        if msg.transport != "sealed" or self.streamer is None:
+            raise RpcError(
+                "unknown_transport",
+                f"transport {msg.transport!r} is not served at {self.endpoint} "
+                + ("(sealed streams are for tcp endpoints)" if self.streamer is None else ""),
+            )
+        if msg.version not in self.cache.versions:
+            raise RpcError("unknown_version", f"version {msg.version} is not cached")
+        return self.streamer.grant(msg.version, ctx.peer)
 
     def _generation(self, msg: GetGeneration, ctx: CallContext) -> Generation:
         if msg.version not in self.cache.versions:
@@ -193,10 +228,15 @@ async def sync_remote(
     identity: str | None = None,
     timeout: float = 60.0,
     config: TransportConfig | None = None,
+    transport: str | None = None,
 ) -> Layout:
-    """Stream ``ref`` from the owner's WeightServer with ``credits`` buckets in flight."""
+    """Stream ``ref`` from the owner's WeightServer with ``credits`` buckets in flight,
+    ``sealed`` on tcp and ``zmq`` frames otherwise unless ``transport`` says."""
     if credits < 1:
         raise ValueError("credits must be >= 1")
+    transport = transport or ("sealed" if endpoint.startswith("tcp://") else "zmq")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
     return_freed_buffers_to_os()
     # Unique by construction: two receivers never share an identity (and so never
     # each other's replies), whatever their host, process or sink.
@@ -212,32 +252,12 @@ async def sync_remote(
                 raise SyncError(f"{endpoint} sent a layout other than {ref.fingerprint}")
             layout = reply.layout
         sink.start(ref.version, layout)
-        window = asyncio.Semaphore(credits)
-
-        async def fetch(index: int) -> None:
-            async with window:
-                meta, frames = await client.call_with_frames(
-                    FetchBucket(version=ref.version, index=index), timeout=timeout
-                )
-                if not isinstance(meta, BucketMeta) or len(frames) != 1:
-                    raise SyncError(f"bucket {index} of version {ref.version}: malformed reply")
-                data = frames[0]
-                check_bucket(meta, memoryview(data).nbytes, ref, layout, index)
-                if meta.crc32 is not None and zlib.crc32(data) != meta.crc32:
-                    raise SyncError(f"bucket {index} of version {ref.version}: checksum mismatch")
-                sink.load(BucketView(index, data).tensors(layout))
-                del data, frames
-
-        tasks = [asyncio.ensure_future(fetch(i)) for i in range(len(layout.bucket_sizes))]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        # Seqlock over the wire: frames leave the owner's memory zero-copy, so make
-        # sure the slot was not rewritten while they were in flight.
+        if transport == "sealed":
+            await _receive_sealed(client, ref, endpoint, sink, layout, credits, timeout)
+        else:
+            await _receive_frames(client, ref, sink, layout, credits, timeout)
+        # Seqlock over the wire: the bytes leave the owner's memory without a copy,
+        # so make sure the slot was not rewritten while they were in flight.
         after = await client.call(GetGeneration(version=ref.version), timeout=timeout)
         if not isinstance(after, Generation) or after.generation != ref.generation:
             raise SyncError(f"version {ref.version} was overwritten during the sync")
@@ -253,3 +273,59 @@ async def sync_remote(
         raise SyncError(f"sync of version {ref.version} from {endpoint} failed: {exc}") from exc
     finally:
         await client.close()
+
+
+async def _receive_sealed(
+    client: RpcClient,
+    ref: CacheRef,
+    endpoint: str,
+    sink: WeightSink,
+    layout: Layout,
+    credits: int,
+    timeout: float,
+) -> None:
+    grant = await client.call(OpenStream(version=ref.version), timeout=timeout)
+    if not isinstance(grant, StreamGrant):
+        raise SyncError(f"{endpoint} answered a stream request with {type(grant).__name__}")
+
+    def land(index: int, header: tuple[int, int, int, int], data: memoryview) -> None:
+        version, got_index, nbytes, generation = header
+        meta = BucketMeta(version=version, index=got_index, nbytes=nbytes, generation=generation)
+        check_bucket(meta, nbytes, ref, layout, index)
+        sink.load(BucketView(index, data).tensors(layout))
+
+    await receive_sealed(endpoint, grant, layout, credits, timeout, land)
+
+
+async def _receive_frames(
+    client: RpcClient,
+    ref: CacheRef,
+    sink: WeightSink,
+    layout: Layout,
+    credits: int,
+    timeout: float,
+) -> None:
+    window = asyncio.Semaphore(credits)
+
+    async def fetch(index: int) -> None:
+        async with window:
+            meta, frames = await client.call_with_frames(
+                FetchBucket(version=ref.version, index=index), timeout=timeout
+            )
+            if not isinstance(meta, BucketMeta) or len(frames) != 1:
+                raise SyncError(f"bucket {index} of version {ref.version}: malformed reply")
+            data = frames[0]
+            check_bucket(meta, memoryview(data).nbytes, ref, layout, index)
+            if meta.crc32 is not None and zlib.crc32(data) != meta.crc32:
+                raise SyncError(f"bucket {index} of version {ref.version}: checksum mismatch")
+            sink.load(BucketView(index, data).tensors(layout))
+            del data, frames
+
+    tasks = [asyncio.ensure_future(fetch(i)) for i in range(len(layout.bucket_sizes))]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -172,8 +172,10 @@ def test_two_pipelines_train_across_hosts_and_one_survives_losing_a_host(tmp_pat
     logs = out / "logs"
     # the versions of near's second shard and far's only shard came over tcp from the
     # trainer's weight server, never through shared memory
-    assert "serving weights at tcp://" in (logs / "pipeline-near.log").read_text()
-    assert "serving weights at tcp://" in (logs / "pipeline-far.log").read_text()
+    for pipeline in ("near", "far"):
+        log = (logs / f"pipeline-{pipeline}.log").read_text()
+        assert "serving weights at tcp://" in log
+        assert "weights: sealed stream of version" in log  # the bytes crossed hosts sealed
     journal = _journal(out)
     joined = {(e["pipeline"], e["rank"]): str(e["incarnation"]).split(":")[0] for e in journal
               if e["ev"] == "shard_joined"}  # fmt: skip

@@ -9,45 +9,33 @@ segment (``shm_dir``): that is what sends :func:`pull` over tcp, as on a cluster
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
 import torch
+from helpers.remote_weights import fresh, make_cache, make_keys, serving
 from helpers.weights_owner import state
 
 from rlix_async.protocol import RpcError
-from rlix_async.security import ClientKeys, ServerKeys, keygen
+from rlix_async.security import ClientKeys, ServerKeys
 from rlix_async.transport import CallContext, Reply
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.pull import pull
-from rlix_async.weights.sinks import SyncError, TensorSink
+from rlix_async.weights.sinks import SyncError
+from rlix_async.weights.stream import SealedStreamer
 from rlix_async.weights.tcp import BucketMeta, FetchBucket, WeightServer, sync_remote
-
-
-def fresh() -> TensorSink:
-    return TensorSink({k: torch.zeros_like(v) for k, v in state(1).items()})
 
 
 @pytest.fixture
 def keys(tmp_path: Path) -> Path:
-    d = tmp_path / "keys"
-    keygen(d, ["driver-p"], role="driver", pipelines=["p"])
-    keygen(d, ["shard"], role="shard", pipelines=["p"])
-    keygen(d, ["shard-other"], role="shard", pipelines=["other"])
-    keygen(d, ["shard-any"], role="shard", pipelines=["*"])
-    return d
+    return make_keys(tmp_path)
 
 
 @pytest.fixture
 def cache() -> Iterator[WeightCache]:
-    """Pipeline ``p``'s cache with version 1 (segments named uniquely per test)."""
-    cache = WeightCache("p", f"o{uuid.uuid4().hex[:6]}", bucket_bytes=4096)
-    cache.build(1, state(1))
-    cache.promote(1)
+    cache = make_cache()
     yield cache
     cache.close()
 
@@ -58,21 +46,6 @@ def elsewhere(tmp_path: Path) -> Path:
     d = tmp_path / "other-node-shm"
     d.mkdir()
     return d
-
-
-@contextlib.asynccontextmanager
-async def serving(
-    cache: WeightCache, keys: Path, cls: type[WeightServer] = WeightServer
-) -> AsyncIterator[WeightServer]:
-    """Serve ``cache`` as a trainer does (pipeline.Driver._serve_weights): tcp, with its
-    driver's key pair, whose public key every ref then carries."""
-    server_keys = ServerKeys.load(keys, "driver-p")
-    server = await cls(cache, "tcp://127.0.0.1:0", keys=server_keys).start()
-    cache.serve(server.endpoint, server_keys.public.decode())
-    try:
-        yield server
-    finally:
-        await server.close()
 
 
 async def test_a_shard_on_another_node_pulls_with_its_own_key(
@@ -149,11 +122,35 @@ async def test_a_server_with_another_key_than_the_published_one_is_never_trusted
     assert sink.version is None
 
 
-class LyingServer(WeightServer):
-    """A test double of a confused or hostile owner: the real server with its bucket
-    replies altered, which no correct owner can be made to send."""
+class LyingStreamer(SealedStreamer):
+    """The sealed stream's half of :class:`LyingServer`: real sealing, altered headers."""
 
     lie = "index"
+
+    def bucket_header(
+        self, version: int, index: int, nbytes: int, generation: int
+    ) -> tuple[int, int, int, int]:
+        if self.lie == "index":
+            return version, (index + 1) % 3, nbytes, generation
+        if self.lie == "version":
+            return version + 1, index, nbytes, generation
+        return version, index, nbytes - 512, generation
+
+
+class LyingServer(WeightServer):
+    """A test double of a confused or hostile owner: the real server with its bucket
+    replies (ZMQ frames or sealed stream headers) altered, which no correct owner can
+    be made to send."""
+
+    lie = "index"
+
+    async def start(self) -> WeightServer:
+        await super().start()
+        assert self.streamer is not None
+        await self.streamer.close()
+        self.streamer = await LyingStreamer(self.cache, "127.0.0.1").start()
+        self.streamer.lie = self.lie
+        return self
 
     def _fetch(self, msg: FetchBucket, ctx: CallContext) -> Reply:
         reply = super()._fetch(msg, ctx)
@@ -172,15 +169,18 @@ class LyingServer(WeightServer):
         return Reply(meta, frames)
 
 
+@pytest.mark.parametrize("transport", ["sealed", "zmq"])
 @pytest.mark.parametrize(("lie", "said"), [("index", "index"), ("version", "version"),
                                            ("short", "bytes")])  # fmt: skip
 async def test_a_bucket_other_than_the_one_asked_for_never_lands(
-    cache: WeightCache, keys: Path, elsewhere: Path, lie: str, said: str
+    cache: WeightCache, keys: Path, lie: str, said: str, transport: str
 ) -> None:
     sink = fresh()
     LyingServer.lie = lie
     async with serving(cache, keys, LyingServer):
+        ref = cache.ref(1)
+        client = ClientKeys.load(keys, "shard").for_server(ref.server_key.encode())
         with pytest.raises(SyncError, match=f"refused: got .*{said}"):
-            await pull(cache.ref(1), sink, keys=ClientKeys.load(keys, "shard"), shm_dir=elsewhere)
+            await sync_remote(ref, ref.server, sink, keys=client, transport=transport)
     assert sink.version is None
     assert all(not t.any() for t in sink.tensors.values())  # not one byte loaded

@@ -1,0 +1,53 @@
+"""What the remote-weights tests share: a fresh sink, pipeline ``p``'s keys and cache,
+and a WeightServer serving it the way a trainer does."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+
+from helpers.weights_owner import state
+from rlix_async.security import ServerKeys, keygen
+from rlix_async.weights.cache import WeightCache
+from rlix_async.weights.sinks import TensorSink
+from rlix_async.weights.tcp import WeightServer
+
+
+def fresh() -> TensorSink:
+    return TensorSink({k: torch.zeros_like(v) for k, v in state(1).items()})
+
+
+def make_keys(tmp_path: Path) -> Path:
+    d = tmp_path / "keys"
+    keygen(d, ["driver-p"], role="driver", pipelines=["p"])
+    keygen(d, ["shard"], role="shard", pipelines=["p"])
+    keygen(d, ["shard-other"], role="shard", pipelines=["other"])
+    keygen(d, ["shard-any"], role="shard", pipelines=["*"])
+    return d
+
+
+def make_cache(send_wait_s: float = 5.0) -> WeightCache:
+    """Pipeline ``p``'s cache with version 1 (segments named uniquely per test)."""
+    cache = WeightCache("p", f"o{uuid.uuid4().hex[:6]}", bucket_bytes=4096, send_wait_s=send_wait_s)
+    cache.build(1, state(1))
+    cache.promote(1)
+    return cache
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    cache: WeightCache, keys: Path, cls: type[WeightServer] = WeightServer
+) -> AsyncIterator[WeightServer]:
+    """Serve ``cache`` as a trainer does (pipeline.Driver._serve_weights): tcp, with its
+    driver's key pair, whose public key every ref then carries."""
+    server_keys = ServerKeys.load(keys, "driver-p")
+    server = await cls(cache, "tcp://127.0.0.1:0", keys=server_keys).start()
+    cache.serve(server.endpoint, server_keys.public.decode())
+    try:
+        yield server
+    finally:
+        await server.close()
