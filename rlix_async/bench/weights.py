@@ -5,9 +5,11 @@ Two receivers (``--receiver``):
 - ``tensors``: an owner process builds the cache (layer-like fp32 tensors
   totalling ``--size-mb``) and serves it; this process receives into its own
   plain tensors. Measured in one run: plain host copy (memcpy), same-node sync
-  through shared memory (local), sync over tcp loopback from the owner's
-  WeightServer (remote, CURVE like every tcp endpoint), and the same bytes as
-  plain ZMQ frames with the same security and no cache logic (zmq_raw).
+  through shared memory (local), sync from the owner's WeightServer over tcp
+  loopback by the default remote path (remote: CURVE control, sealed AES-GCM
+  stream) and by bucket frames on the CURVE socket itself (curve_sync), and the
+  same bytes as bare ZMQ frames with no cache logic, once with CURVE
+  (curve) and once with no security at all (plain_tcp).
 - ``vllm``: the path a shard really uses. A vLLM engine serves a random Llama
   of about ``--size-mb``; this process owns the cache and each round builds a
   new version and loads it with ``VllmEngine.load_version`` (vLLM's weight
@@ -125,18 +127,24 @@ def _owner(size: int, bucket: int, keys_dir: str, q_out: Any, q_in: Any) -> None
             cache, "tcp://127.0.0.1:0", keys=ServerKeys.load(keys_dir)
         ).start()
         ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
-        ServerKeys.load(keys_dir).apply(push)
-        port = push.bind_to_random_port("tcp://127.0.0.1")
-        q_out.put((ref, server.endpoint, f"tcp://127.0.0.1:{port}"))
+        curve_push = ctx.socket(zmq.PUSH)
+        ServerKeys.load(keys_dir).apply(curve_push)
+        plain_push = ctx.socket(zmq.PUSH)  # no security: the bytes' upper bound over ZMQ
+        pushes = {
+            "curve": curve_push,
+            "plain_tcp": plain_push,
+        }
+        ports = {name: sock.bind_to_random_port("tcp://127.0.0.1") for name, sock in pushes.items()}
+        q_out.put((ref, server.endpoint, {k: f"tcp://127.0.0.1:{p}" for k, p in ports.items()}))
         loop = asyncio.get_running_loop()
         while True:
             cmd = await loop.run_in_executor(None, q_in.get)
-            if cmd == "raw":  # the same bytes, bucket-sized frames, no cache logic
-                await loop.run_in_executor(None, _push_all, push, cache)
+            if cmd in pushes:  # the same bytes, bucket-sized frames, no cache logic
+                await loop.run_in_executor(None, _push_all, pushes[cmd], cache)
             else:
                 break
-        push.close(linger=0)
+        for sock in pushes.values():
+            sock.close(linger=0)
         ctx.term()
         await server.close()
         cache.close()
@@ -151,12 +159,13 @@ def _push_all(push: Any, cache: WeightCache) -> None:
         push.send(buf[start : start + n], copy=False)
 
 
-def _raw_receive(endpoint: str, keys: ClientKeys, frames: int, total: int) -> float:
+def _raw_receive(endpoint: str, keys: ClientKeys | None, frames: int) -> float:
     import zmq
 
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
-    keys.apply(pull)
+    if keys is not None:
+        keys.apply(pull)
     pull.connect(endpoint)
     try:
         got = 0
@@ -183,13 +192,13 @@ def run_weights_bench(size_mb: int = 1024, bucket_mb: int = 64, credits: int = 2
         )
         owner.start()
         try:
-            ref, server_ep, raw_ep = q_out.get(timeout=600)
+            ref, server_ep, raw_eps = q_out.get(timeout=600)
             assert isinstance(ref, CacheRef)
             keys = ClientKeys.load(f"{tmp}/keys")
             dest = model_like(size)
             for t in dest.values():
                 t.zero_()  # touch every page now, not during the timed copies
-            result = _measure(ref, server_ep, raw_ep, keys, dest, size, bucket, credits, q_in)
+            result = _measure(ref, server_ep, raw_eps, keys, dest, size, bucket, credits, q_in)
         finally:
             q_in.put("stop")
             owner.join(timeout=60)
@@ -202,7 +211,7 @@ def run_weights_bench(size_mb: int = 1024, bucket_mb: int = 64, credits: int = 2
 def _measure(
     ref: CacheRef,
     server_ep: str,
-    raw_ep: str,
+    raw_eps: dict[str, str],
     keys: ClientKeys,
     dest: dict[str, torch.Tensor],
     size: int,
@@ -218,22 +227,35 @@ def _measure(
         sync_local(ref, sink, layout)
         local = size / (time.perf_counter() - t0) / GIB
 
-    async def remote() -> float:
-        await sync_remote(ref, server_ep, sink, layout, credits=credits, keys=keys)  # warm-up
+    async def remote(transport: str) -> float:
+        async def once() -> None:
+            await sync_remote(
+                ref, server_ep, sink, layout, credits=credits, keys=keys, transport=transport
+            )
+
+        await once()  # warm-up
         t = time.perf_counter()
-        await sync_remote(ref, server_ep, sink, layout, credits=credits, keys=keys)
+        await once()
         return size / (time.perf_counter() - t) / GIB
 
     with PeakSampler() as remote_mem:
-        remote_gibps = aio_run(remote())
-
-    q_in.put("raw")
-    raw = _raw_receive(raw_ep, keys, len(layout.bucket_sizes), layout.total_bytes)
+        remote_gibps = aio_run(remote("sealed"))
+    curve_sync = aio_run(remote("zmq"))
+    raw: dict[str, float] = {}
+    for name, endpoint in raw_eps.items():
+        q_in.put(name)
+        raw[name] = _raw_receive(
+            endpoint, keys if name == "curve" else None, len(layout.bucket_sizes)
+        )
     return {
         "memcpy_gibps": memcpy,
         "local_gibps": local,
         "remote_gibps": remote_gibps,
-        "zmq_raw_gibps": raw,
+        "curve_sync_gibps": curve_sync,
+        "curve_gibps": raw["curve"],
+        "plain_tcp_gibps": raw["plain_tcp"],
+        "remote_vs_curve": remote_gibps / raw["curve"],
+        "remote_vs_plain_tcp": remote_gibps / raw["plain_tcp"],
         "peak_extra_mb": max(local_mem.extra_mb, remote_mem.extra_mb),
         "local_extra_mb": local_mem.extra_mb,
         "remote_extra_mb": remote_mem.extra_mb,

@@ -56,8 +56,18 @@ def _weights(args: argparse.Namespace) -> int:
         f"{r['size_mb']} MiB in {r['buckets']} buckets of {r['bucket_mb']} MiB "
         f"({r['credits']} in flight)"
     )
-    for key in ("memcpy_gibps", "local_gibps", "remote_gibps", "zmq_raw_gibps"):
-        print(f"  {key:14s} {r[key]:6.2f} GiB/s")
+    for key in (
+        "memcpy_gibps",
+        "local_gibps",
+        "remote_gibps",
+        "curve_sync_gibps",
+        "curve_gibps",
+        "plain_tcp_gibps",
+    ):
+        print(f"  {key:16s} {r[key]:6.2f} GiB/s")
+    print(
+        f"  remote = {r['remote_vs_curve']:.2f} x curve, {r['remote_vs_plain_tcp']:.2f} x plain_tcp"
+    )
     print(
         f"  peak_extra_mb  {r['peak_extra_mb']:6.1f} MiB (local {r['local_extra_mb']:.1f}, "
         f"remote {r['remote_extra_mb']:.1f})"
