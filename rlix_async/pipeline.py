@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from rlix_async.config import ConfigError, PipelineConfig, load_config
 from rlix_async.hooks import ClusterHooks
-from rlix_async.observe.loggers import Loggers
+from rlix_async.observe.loggers import Loggers, flush_at_exit
 from rlix_async.rollout.collector import Collector
 from rlix_async.rollout.evaluate import Evaluator, eval_due
 from rlix_async.rollout.ledger import LEDGER, Ledger
@@ -516,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning(
             "%s: %d reward call(s) still running; exiting without them", cfg.id, recipe.stuck
         )
+        flush_at_exit()  # os._exit skips wandb's atexit hook: its offline run would be empty
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

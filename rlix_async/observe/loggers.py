@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -92,6 +93,19 @@ class WandbLogger:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def flush_at_exit() -> None:
+    """Before a hard exit (``os._exit``): wait until wandb's service has written every
+    finished run to disk. ``run.finish()`` returns before the service flushes its
+    ``.wandb`` file; an ordinary exit waits in wandb's atexit hook, ``os._exit`` skips
+    it and left the offline run holding only its header."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None:
+        try:
+            wandb.teardown()
+        except Exception as exc:
+            log.warning("wandb did not flush at exit: %s", exc)
 
 
 class Loggers:

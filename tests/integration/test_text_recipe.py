@@ -180,6 +180,16 @@ def test_bad_recipe_input_is_refused_before_any_process_starts(
 # one minibatch: with two, the first's update would make the second's KL non-zero
 MEGATRON = "train: {lr: 0.001, minibatches: 1, backend: megatron, loss: {kl_coef: 0.05}}"
 
+# Distinct responses score apart, so every group has a gradient at step 1 and the
+# policy must move. (The digit reward scores a random model's whole batch 0 often:
+# no gradient, no move, and step 2's KL is 0 — a test that passes by luck.)
+HASH_REWARD = """
+import zlib
+
+def score(prompt, response, row):
+    return zlib.crc32(response.encode()) / 2**32
+"""
+
 
 @pytest.mark.slow
 @pytest.mark.vllm
@@ -190,16 +200,17 @@ def test_a_text_recipe_trains_with_the_megatron_backend(
     """The Llama directory loaded into Megatron-core (grouped-query attention, tied
     embeddings), its weights back to vLLM through the cache, and the KL reference."""
     pytest.importorskip("megatron.core")
-    cfg, out, pid = write_config(tmp_path, recipe)
+    reward = tmp_path / "hash_reward.py"
+    reward.write_text(HASH_REWARD)
+    cfg, out, pid = write_config(tmp_path, recipe, reward=f"{reward}:score")
     cfg.write_text(cfg.read_text().replace("train: {lr: 0.001}", MEGATRON))
     done = launch(cfg, timeout=560)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
     rows = [json.loads(line) for line in (out / pid / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["skipped_updates"] == 0 and r["grad_norm"] > 0 for r in steps)
     assert steps[0]["kl"] == 0.0 and steps[1]["kl"] > 0.0  # the policy moved off its start
-    # a batch whose groups all scored alike has no gradient (a random model's first, often)
-    assert all(r["skipped_updates"] == 0 for r in steps) and max(r["grad_norm"] for r in steps) > 0
     evals = [r for r in rows if "eval/reward" in r]
     assert max(r["eval/weight_version_min"] for r in evals) >= 2  # the trained weights served
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlix_async.observe.loggers import LoggerError, Loggers, scalars
+from rlix_async.observe.loggers import LoggerError, Loggers, flush_at_exit, scalars
 
 ROWS = [
     {"step": 1, "reward": 0.25, "trained_on_versions": [0], "time": 1.0, "loss": 0.1},
@@ -52,6 +52,9 @@ def test_wandb_runs_offline_with_no_network(
     for row in ROWS:
         loggers.log(row)
     loggers.close()
+    # what a pipeline does before its hard exit: finish() alone returns before wandb's
+    # service has written the run (seen in CI: a file holding only its header)
+    flush_at_exit()
     (run,) = (tmp_path / "wandb" / "wandb").glob("offline-run-*/run-*.wandb")
     records = run.read_bytes()  # the offline run's protobuf records: keys and JSON values
     for needle in (b"eval/reward", b"0.25", b"0.75", b"0.5", b"lr"):
