@@ -41,6 +41,7 @@ _EXPORTS = {
     "Group": "rlix_async.train.buffer",
     "ReplayBuffer": "rlix_async.train.buffer",
     "TorchTrainer": "rlix_async.train.trainer",
+    "StepResult": "rlix_async.rollout.episodes",
     "copy_first": "rlix_async.rollout.tasks",
     "target_tokens": "rlix_async.rollout.tasks",
     # the RPC layer underneath
@@ -91,6 +92,7 @@ __all__ = [
     "ServerKeys",
     "ShardEngine",
     "ShardWorker",
+    "StepResult",
     "TorchTrainer",
     "TrainConfig",
     "Trajectory",
@@ -132,6 +134,7 @@ if TYPE_CHECKING:
     from rlix_async.control.topology import ClusterShape, ClusterSpec
     from rlix_async.hooks import ClusterHooks, NoHooks, PipelineHooks
     from rlix_async.protocol import PROTOCOL_VERSION, Message, RpcError
+    from rlix_async.rollout.episodes import StepResult
     from rlix_async.rollout.tasks import copy_first, target_tokens
     from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
     from rlix_async.shards.engine import ShardEngine

@@ -46,6 +46,7 @@ from rlix_async.config import ConfigError, PipelineConfig, load_config
 from rlix_async.hooks import ClusterHooks
 from rlix_async.observe.loggers import Loggers, flush_at_exit
 from rlix_async.rollout.collector import Collector
+from rlix_async.rollout.episodes import episode_stats, turns_of
 from rlix_async.rollout.evaluate import Evaluator, eval_due
 from rlix_async.rollout.ledger import LEDGER, Ledger
 from rlix_async.rollout.recipe import Recipe, RecipeError, finite_mean, load_recipe, truncated
@@ -123,8 +124,9 @@ class Driver:
                 self.cfg.coordinator, self.cfg.id, self.cfg.clusters, keys=keys
             )
             prompts = self.recipe.train_prompts(self.cfg) if self.recipe is not None else None
+            episodes = self.recipe.episodes if self.recipe is not None else None
             collector = Collector(
-                self.cfg, self.buffer, hooks, lambda: self.trainer.step, ledger, prompts
+                self.cfg, self.buffer, hooks, lambda: self.trainer.step, ledger, prompts, episodes
             )
             self.collector = collector
             evaluator = self._evaluator(hooks)
@@ -270,7 +272,12 @@ class Driver:
         prompts = self.recipe.eval_prompts(self.cfg)
         if prompts is None:
             return None
-        return Evaluator(prompts, hooks, max_tokens=self.cfg.rollout.max_tokens)
+        return Evaluator(
+            prompts,
+            hooks,
+            max_tokens=self.cfg.rollout.max_tokens,
+            episodes=self.recipe.eval_episodes,
+        )
 
     def _maybe_eval(self, evaluator: Evaluator | None, version: int) -> None:
         """Evaluate weights ``version`` beside the collector (its row goes to
@@ -314,14 +321,19 @@ class Driver:
         cut = [
             truncated(r, self.cfg.rollout.max_tokens, stop_ids) for g in batch for r in g.responses
         ]
-        stats: dict[str, float | int] = {
-            "response_tokens": sum(lengths) / len(lengths),
-            "truncated": sum(cut) / len(cut),
-        }
+        stats: dict[str, float | int] = {"response_tokens": sum(lengths) / len(lengths)}
         extras: dict[str, list[float]] = {}
+        figures: dict[str, list[float]] = {}  # env episodes' turns, env seconds, ...
         for g in batch:
             for name, values in g.reward_extras.items():
                 extras.setdefault(name, []).extend(values)
+            for name, values in g.episodes.items():
+                figures.setdefault(name, []).extend(values)
+        if figures:  # an episode's length is every turn's: cut at max_tokens means nothing
+            stats.update(episode_stats(figures))
+            stats["env_failed"] = self.collector.env_failed
+        else:
+            stats["truncated"] = sum(cut) / len(cut)
         means = {f"reward/{k}": finite_mean(v) for k, v in extras.items()}
         stats.update({k: v for k, v in means.items() if v == v})  # an extra never reported: none
         stats["reward_failed"] = self.collector.reward_failed  # left out of their groups
@@ -345,6 +357,8 @@ class Driver:
                         "extras": {k: v[i] for k, v in g.reward_extras.items()},
                     }
                 )
+                if g.masks and self.recipe is not None:  # an episode: its turns, in order
+                    rows[-1]["turns"] = turns_of(g.responses[i], g.masks[i], self.recipe.decode)
         for row in rows:
             _append_jsonl(self.out / "samples.jsonl", row)
 

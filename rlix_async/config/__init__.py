@@ -18,12 +18,12 @@ New keys (data, reward, env, lora) land in the schema.
 """
 
 from rlix_async.config.loading import ConfigError, convert, dump, load_config
+from rlix_async.config.recipe import CopyFirstTask, TargetTokensTask, TaskConfig
 from rlix_async.config.scenario import RolloutTimes, Scenario, ScenarioPipeline, SwitchCosts
 from rlix_async.config.schema import (
     ClusterShape,
     ClusterSpec,
     CoordinatorConfig,
-    CopyFirstTask,
     EngineConfig,
     LaunchConfig,
     ModelConfig,
@@ -31,8 +31,6 @@ from rlix_async.config.schema import (
     RolloutConfig,
     SchedulerConfig,
     ShardConfig,
-    TargetTokensTask,
-    TaskConfig,
     resolve_dtype,
 )
 from rlix_async.config.training import LossConfig, TrainConfig

@@ -1,4 +1,5 @@
-"""What a text recipe names: its dataset files (the model and reward live on the pipeline).
+"""What a pipeline trains on: a token-id task, or a text recipe's dataset files (the model
+and reward live on the pipeline).
 
 A pipeline trains either on a token-id ``task`` (the fast test fixtures) or on
 ``data`` with a ``reward``: prompts from a file, rendered with the model's chat
@@ -62,3 +63,28 @@ class DataConfig(Config, frozen=True):
         if self.messages_key is not None:
             return {"prompt_key": None, "messages_key": self.messages_key}
         return {"prompt_key": self.prompt_key or "prompt", "messages_key": None}
+
+
+class TokenTask(Config, frozen=True, tag_field="name"):
+    """A reward task on token ids (prompts drawn at random from the vocabulary)."""
+
+    vocab: Annotated[int, doc("Prompt tokens are drawn from [1, vocab).", ge=2)] = 512
+    prompt_len: Annotated[int, doc("Prompt length in tokens.", ge=1)] = 4
+
+
+class TargetTokensTask(TokenTask, frozen=True, tag="target_tokens"):
+    """Reward: share of response tokens in [lo, hi) of the vocabulary."""
+
+    lo: Annotated[int, doc("First rewarded token id.", ge=0)] = 0
+    hi: Annotated[int, doc("One past the last rewarded token id.", ge=1)] = 32
+
+    def __post_init__(self) -> None:
+        if not self.lo < self.hi <= self.vocab:
+            raise invalid("hi", f"need lo < hi <= vocab, got {self.lo}, {self.hi}, {self.vocab}")
+
+
+class CopyFirstTask(TokenTask, frozen=True, tag="copy_first"):
+    """Reward: share of response tokens equal to the prompt's first token."""
+
+
+TaskConfig = TargetTokensTask | CopyFirstTask

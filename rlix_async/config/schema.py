@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from rlix_async.config.recipe import DataConfig
+from rlix_async.config.recipe import DataConfig, TargetTokensTask, TaskConfig
 from rlix_async.config.schema_base import Config, Endpoint, doc, invalid
 from rlix_async.config.training import TrainConfig
 from rlix_async.control.snapshot import Policy
@@ -257,31 +257,6 @@ class ShardConfig(Config, frozen=True):
 # --- pipelines ---------------------------------------------------------------------------
 
 
-class TokenTask(Config, frozen=True, tag_field="name"):
-    """A reward task on token ids (prompts drawn at random from the vocabulary)."""
-
-    vocab: Annotated[int, doc("Prompt tokens are drawn from [1, vocab).", ge=2)] = 512
-    prompt_len: Annotated[int, doc("Prompt length in tokens.", ge=1)] = 4
-
-
-class TargetTokensTask(TokenTask, frozen=True, tag="target_tokens"):
-    """Reward: share of response tokens in [lo, hi) of the vocabulary."""
-
-    lo: Annotated[int, doc("First rewarded token id.", ge=0)] = 0
-    hi: Annotated[int, doc("One past the last rewarded token id.", ge=1)] = 32
-
-    def __post_init__(self) -> None:
-        if not self.lo < self.hi <= self.vocab:
-            raise invalid("hi", f"need lo < hi <= vocab, got {self.lo}, {self.hi}, {self.vocab}")
-
-
-class CopyFirstTask(TokenTask, frozen=True, tag="copy_first"):
-    """Reward: share of response tokens equal to the prompt's first token."""
-
-
-TaskConfig = TargetTokensTask | CopyFirstTask
-
-
 class RolloutConfig(Config, frozen=True):
     groups_per_step: Annotated[int, doc("Prompts (groups) per training step.", ge=1)] = 8
     group_size: Annotated[
@@ -395,6 +370,33 @@ class PipelineConfig(Config, frozen=True):
             gt=0,
         ),
     ] = 30.0
+    env: Annotated[
+        str | None,
+        doc(
+            "With data: a multi-turn environment, 'package.module:Class' or "
+            "'path/to/file.py:Class', one instance per episode, built as Class(row, "
+            "**env_args) with reset() and step(action) -> StepResult; its step rewards "
+            "score the episode (no reward needed)."
+        ),
+    ] = None
+    env_args: Annotated[dict[str, Any], doc("Keyword arguments for the env's constructor.")] = {}
+    max_turns: Annotated[int, doc("Env episodes: model turns per episode, at most.", ge=1)] = 8
+    max_episode_tokens: Annotated[
+        int,
+        doc(
+            "Env episodes: tokens after the first prompt (the model's and the env's), at "
+            "most; each turn also stops at rollout.max_tokens.",
+            ge=1,
+        ),
+    ] = 1024
+    env_step_timeout_s: Annotated[
+        float,
+        doc("Env episodes: a reset or step taking longer fails its episode (counted).", gt=0),
+    ] = 30.0
+    episode_reward: Annotated[
+        Literal["sum", "last"],
+        doc("Env episodes: the episode's reward is the sum of its step rewards, or the last."),
+    ] = "sum"
     eval_every: Annotated[
         int,
         doc(
@@ -482,6 +484,7 @@ class PipelineConfig(Config, frozen=True):
         if self.data is None:
             text_only = {
                 "reward": self.reward,
+                "env": self.env,
                 "eval_every": self.eval_every,
                 "rollout.stop": self.rollout.stop,
             }
@@ -502,10 +505,15 @@ class PipelineConfig(Config, frozen=True):
             raise invalid("task", "a pipeline trains on a token-id task or on data, not both")
         if self.model.path is None:
             raise invalid("model.path", "data needs a model directory with a tokenizer")
-        if not self.reward:
+        if self.env is not None and self.reward:
+            raise invalid("reward", "an env scores its own episodes (step rewards): drop reward")
+        if self.env_args and self.env is None:
+            raise invalid("env_args", "needs env (the environment class they are for)")
+        if not self.reward and self.env is None:
             raise invalid(
                 "reward",
-                "data needs a reward ('module:function', 'file.py:function' or a built-in)",
+                "data needs a reward ('module:function', 'file.py:function' or a built-in), "
+                "or an env",
             )
         if self.eval_every and self.data.eval is None:
             raise invalid("eval_every", "needs data.eval (the evaluation prompts)")

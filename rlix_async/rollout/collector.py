@@ -14,13 +14,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rlix_async.config import PipelineConfig
 from rlix_async.hooks import ClusterHooks
+from rlix_async.rollout.episodes import FIGURES, EnvFailure, Episode, EpisodeRunner, pack
 from rlix_async.rollout.ledger import Ledger
-from rlix_async.rollout.recipe import PromptSource, Sample, make_token_prompts
+from rlix_async.rollout.recipe import (
+    PromptSource,
+    Sample,
+    Scored,
+    TextPrompts,
+    make_token_prompts,
+)
 from rlix_async.shards.router import Trajectory
 from rlix_async.train.buffer import Group, ReplayBuffer
 
@@ -38,6 +45,7 @@ class Collector:
         step: Callable[[], int],
         ledger: Ledger | None = None,
         prompts: PromptSource | None = None,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         self.cfg = cfg
         self.buffer = buffer
@@ -58,6 +66,8 @@ class Collector:
         self.filtered = 0  # trajectories of groups dropped for equal rewards (drop_uniform_groups)
         self.uniform_in_a_row = 0  # groups filtered since the last one buffered
         self.reward_failed = 0  # trajectories left out because their reward failed
+        self.env_failed = 0  # episodes whose environment raised, timed out or misbehaved
+        self.episodes = episodes  # an env pipeline's runner (None: one generate per sample)
         self.training = False  # a batch is taken and its step not yet published
         self._groups: list[list[asyncio.Future[Trajectory]]] = []  # requests in flight
         self._room = asyncio.Event()
@@ -94,6 +104,7 @@ class Collector:
             "cancelled_stale": self.cancelled_stale,
             "filtered": self.filtered,
             "reward_failed": self.reward_failed,
+            "env_failed": self.env_failed,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -104,6 +115,7 @@ class Collector:
         self.cancelled_stale = state.get("cancelled_stale", 0)
         self.filtered = state.get("filtered", 0)
         self.reward_failed = state.get("reward_failed", 0)
+        self.env_failed = state.get("env_failed", 0)
 
     async def run(self) -> None:
         """Keep groups in flight while the buffer needs them and they cannot go stale."""
@@ -147,18 +159,15 @@ class Collector:
         gid = self.ledger.new_id() if self.ledger is not None else ""
         if self.ledger is not None:  # before any request leaves: a kill now still counts it
             self.ledger.requested(gid, rollout.group_size, step, sample.index)
+        sampling: dict[str, Any] = {
+            "temperature": rollout.temperature,
+            "top_p": rollout.top_p,
+            "min_version": oldest,  # newer weights are always fine
+            "stop_token_ids": self.prompts.stop_token_ids,
+            "stop": self.prompts.stop,
+        }
         requests: list[asyncio.Future[Trajectory]] = [
-            asyncio.ensure_future(
-                self.hooks.router.generate(
-                    sample.ids,
-                    rollout.max_tokens,
-                    temperature=rollout.temperature,
-                    top_p=rollout.top_p,
-                    min_version=oldest,  # newer weights are always fine
-                    stop_token_ids=self.prompts.stop_token_ids,
-                    stop=self.prompts.stop,
-                )
-            )
+            asyncio.ensure_future(self._request(sample, sampling))
             for _ in range(rollout.group_size)
         ]
         self._groups.append(requests)
@@ -184,7 +193,9 @@ class Collector:
         trajs = [r for r in results if not isinstance(r, BaseException)]
         cancelled = sum(isinstance(r, asyncio.CancelledError) for r in results)
         for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+            if isinstance(r, EnvFailure):
+                self.env_failed += 1  # the episode runner logged the first, with its row
+            elif isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
                 log.error("%s: a trajectory failed: %s", self.cfg.id, r)
         failed = len(results) - len(trajs) - cancelled
         self.failed += failed
@@ -200,7 +211,12 @@ class Collector:
                 self.cancelled_stale += cancelled
                 self.buffer.add_stale(len(trajs))
             return False
-        scored = await self.prompts.score(sample, [t.token_ids for t in trajs])
+        episodes = [t for t in trajs if isinstance(t, Episode)]
+        if episodes and len(episodes) == len(trajs):  # an env's episodes scored themselves
+            texts = [self._text(e.token_ids) for e in episodes]
+            scored = Scored([e.reward for e in episodes], texts, {}, [False] * len(episodes))
+        else:
+            scored = await self.prompts.score(sample, [t.token_ids for t in trajs])
         # a response whose reward failed (raised, timed out, not finite) is counted and
         # left out: a 0 there would be a verdict the reward never gave
         kept = [i for i, error in enumerate(scored.errors) if not error]
@@ -237,21 +253,47 @@ class Collector:
             self._room.set()
         if outcome != "buffered":
             return False
+        episodes = [t for t in trajs if isinstance(t, Episode)]
+        if episodes:  # the episodes' own prompt (the env's first turn), not the row's
+            packed = pack(episodes)
+            prompt = packed.prompt
+            tokenizer = getattr(self.prompts, "tokenizer", None)  # as rendered: special tokens too
+            prompt_text = str(tokenizer.decode(prompt)) if tokenizer is not None else ""
+            responses, logprobs, versions = packed.responses, packed.logprobs, packed.versions
+        else:
+            prompt, prompt_text = sample.ids, sample.text
+            responses, logprobs = [t.token_ids for t in trajs], [t.logprobs for t in trajs]
+            versions = [[0 if v is None else v for v in t.versions] for t in trajs]
         self.buffer.add(
             Group(
-                prompt=sample.ids,
-                responses=[t.token_ids for t in trajs],
-                logprobs=[t.logprobs for t in trajs],
-                versions=[[0 if v is None else v for v in t.versions] for t in trajs],
+                prompt=prompt,
+                responses=responses,
+                logprobs=logprobs,
+                versions=versions,
                 rewards=rewards,
                 resumes=sum(t.resumes for t in trajs),
                 id=gid,
-                prompt_text=sample.text,
+                prompt_text=prompt_text,
                 response_texts=texts,
                 reward_extras=extras,
+                masks=packed.masks if episodes else [],
+                episodes={k: [e.figures()[k] for e in episodes] for k in FIGURES}
+                if episodes
+                else {},
             )
         )
         return True
+
+    def _request(self, sample: Sample, sampling: dict[str, Any]) -> Awaitable[Trajectory]:
+        """One response: a generate call, or an episode of the env's (several turns)."""
+        if self.episodes is not None and isinstance(self.prompts, TextPrompts):
+            row = self.prompts.env_row(sample)
+            return self.episodes.run(row, self.hooks.router.generate, **sampling)
+        return self.hooks.router.generate(sample.ids, self.cfg.rollout.max_tokens, **sampling)
+
+    def _text(self, tokens: list[int]) -> str:
+        decode = getattr(self.prompts, "decode", None)
+        return decode(tokens) if decode is not None else ""
 
     def _stop_if_doomed(self, requests: list[asyncio.Future[Trajectory]]) -> None:
         """Cancel a group's unfinished requests once a finished one is too old to train

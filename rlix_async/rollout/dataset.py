@@ -45,6 +45,7 @@ class Prompt:
     ids: list[int]  # token ids of the rendered prompt
     text: str  # the rendered prompt (what the model sees)
     row: dict[str, Any]  # the row without its prompt/messages key: goes to the reward
+    value: Any = None  # what the row held under that key (an environment gets the whole row)
 
 
 def read_rows(
@@ -102,6 +103,7 @@ class PromptDataset:
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens={max_prompt_tokens}: expected at least 1")
         self.path = str(path)
+        self.key = key
         if is_messages and not _has_chat_template(tokenizer):
             # Said once for the file rather than for its first row.
             raise DataError(f"{path}: {NO_CHAT_TEMPLATE}")
@@ -120,7 +122,7 @@ class PromptDataset:
                 self.skipped += 1
                 continue
             rest = {field: value for field, value in row.items() if field != key}
-            self.prompts.append(Prompt(index=index, ids=ids, text=text, row=rest))
+            self.prompts.append(Prompt(index=index, ids=ids, text=text, row=rest, value=row[key]))
         if not self.prompts:
             raise DataError(
                 f"{path}: all {len(rows)} rows exceed max_prompt_tokens={max_prompt_tokens}"

@@ -1,6 +1,7 @@
 """Greedy evaluation of a text recipe on its pipeline's own shards, time-shared like rollout.
 
-An evaluation decodes every prompt of the eval set greedily (temperature 0) on
+An evaluation decodes every prompt of the eval set greedily (temperature 0; an env
+pipeline runs an episode per prompt, ``eval/truncated`` the share cut by a limit) on
 weights of at least the version it evaluates, through the pipeline's router, and
 scores each response with the recipe's reward. Its demand goes to the planner as
 a progress stream of its own (``eval``: target = prompts, completed = answered),
@@ -18,6 +19,7 @@ import time
 from typing import Any
 
 from rlix_async.hooks import ClusterHooks
+from rlix_async.rollout.episodes import Episode, EpisodeRunner
 from rlix_async.rollout.recipe import Sample, TextPrompts, finite_mean, truncated
 from rlix_async.shards.router import Trajectory
 
@@ -63,8 +65,10 @@ class Evaluator:
         max_tokens: int,
         concurrency: int = 32,
         timeout_s: float = 3600.0,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         self.prompts = prompts
+        self.episodes = episodes  # an env pipeline's: each prompt is an episode
         self.hooks = hooks
         self.max_tokens = max_tokens
         self.concurrency = concurrency
@@ -94,7 +98,12 @@ class Evaluator:
                     if failed == 1:
                         log.error("eval at version %d: a request failed: %s", version, exc)
                     traj = None
-                if traj is not None:
+                if isinstance(traj, Episode):  # an env's episode scored itself
+                    rewards.append(traj.reward)
+                    lengths.append(len(traj.token_ids))
+                    cut.append(bool(traj.cut))
+                    versions.extend(v for v in traj.versions if v is not None)
+                elif traj is not None:
                     scored = await self.prompts.score(sample, [traj.token_ids])
                     rewards.append(scored.rewards[0])  # a failed reward scores 0 here
                     reward_failed += sum(scored.errors)
@@ -124,11 +133,13 @@ class Evaluator:
         return row
 
     async def _generate(self, sample: Sample, version: int) -> Trajectory:
-        return await self.hooks.router.generate(
-            sample.ids,
-            self.max_tokens,
-            temperature=0.0,  # greedy
-            min_version=version,
-            stop_token_ids=self.prompts.stop_token_ids,
-            stop=self.prompts.stop,
-        )
+        sampling: dict[str, Any] = {
+            "temperature": 0.0,  # greedy
+            "min_version": version,
+            "stop_token_ids": self.prompts.stop_token_ids,
+            "stop": self.prompts.stop,
+        }
+        if self.episodes is not None:
+            row = self.prompts.env_row(sample)
+            return await self.episodes.run(row, self.hooks.router.generate, **sampling)
+        return await self.hooks.router.generate(sample.ids, self.max_tokens, **sampling)

@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from rlix_async.config import PipelineConfig
+from rlix_async.rollout.chat import ChatError, ChatTurns
 from rlix_async.rollout.dataset import DataError, PromptDataset, PromptOrder
+from rlix_async.rollout.episodes import EnvError, EpisodeRunner, load_env
 from rlix_async.rollout.rewards import RewardError, RewardRunner, load_reward
 from rlix_async.rollout.tasks import Task, make_task
 
@@ -99,7 +101,7 @@ class TextPrompts:
         self,
         dataset: PromptDataset,
         tokenizer: Any,
-        runner: RewardRunner,
+        runner: RewardRunner | None,
         *,
         order: PromptOrder | None = None,
         stop_token_ids: list[int] | None = None,
@@ -135,14 +137,19 @@ class TextPrompts:
         if sample.index in self.in_flight:
             self.in_flight.remove(sample.index)
 
+    def env_row(self, sample: Sample) -> dict[str, Any]:
+        """The sample's row as the file holds it, its prompt included (an environment's)."""
+        return {self.dataset.key: self.dataset.prompts[sample.index].value, **sample.row}
+
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     async def score(self, sample: Sample, responses: list[list[int]]) -> Scored:
+        if self.runner is None:
+            raise RuntimeError("an env pipeline's episodes score themselves")
+        runner = self.runner
         texts = [self.decode(r) for r in responses]
-        scores = await asyncio.gather(
-            *(self.runner.score(sample.text, t, sample.row) for t in texts)
-        )
+        scores = await asyncio.gather(*(runner.score(sample.text, t, sample.row) for t in texts))
         names = sorted({k for s in scores for k in s.extras})
         extras = {k: [s.extras.get(k, math.nan) for s in scores] for k in names}
         errors = [s.error is not None for s in scores]
@@ -179,11 +186,13 @@ class Recipe:
     tokenizer: Any
     train: PromptDataset
     eval: PromptDataset | None
-    runner: RewardRunner
+    runner: RewardRunner | None  # None: an env pipeline (its episodes score themselves)
     stop_token_ids: list[int]
     # evaluation's own threads and failure count: an evaluation never delays (or times
     # out) the rollout's rewards, and its failures are its own
     eval_runner: RewardRunner | None = None
+    episodes: EpisodeRunner | None = None  # an env pipeline's (rollout/episodes.py)
+    eval_episodes: EpisodeRunner | None = None
 
     def train_prompts(self, cfg: PipelineConfig) -> TextPrompts:
         assert cfg.data is not None
@@ -211,15 +220,18 @@ class Recipe:
             stop=list(cfg.rollout.stop),
         )
 
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
     def close(self) -> None:
-        self.runner.close()
-        if self.eval_runner is not None:
-            self.eval_runner.close()
+        for runner in (self.runner, self.eval_runner):
+            if runner is not None:
+                runner.close()
 
     @property
     def stuck(self) -> int:
         """Reward calls that timed out and still hold a thread."""
-        return self.runner.stuck + (self.eval_runner.stuck if self.eval_runner else 0)
+        return sum(r.stuck for r in (self.runner, self.eval_runner) if r is not None)
 
 
 def stop_token_ids(model_path: str, tokenizer: Any) -> list[int]:
@@ -239,7 +251,7 @@ def stop_token_ids(model_path: str, tokenizer: Any) -> list[int]:
 def load_recipe(cfg: PipelineConfig) -> Recipe:
     """Tokenizer, datasets and reward of a text recipe; RecipeError names what is wrong."""
     data = cfg.data
-    if data is None or cfg.model.path is None or cfg.reward is None:
+    if data is None or cfg.model.path is None or not (cfg.reward or cfg.env):
         raise RecipeError(f"pipeline {cfg.id}: not a text recipe (data, model.path, reward)")
     model = Path(cfg.model.path)
     if not (model / "config.json").is_file():
@@ -253,8 +265,10 @@ def load_recipe(cfg: PipelineConfig) -> Recipe:
         raise RecipeError(f"model.path: {model}: no usable tokenizer ({_one_line(exc)})") from None
     if len(stops) > 64:
         raise RecipeError(f"model.path: {model}: {len(stops)} end-of-sequence ids (at most 64)")
+    reward = None
     try:
-        reward = load_reward(cfg.reward, cfg.reward_args)
+        if cfg.reward:
+            reward = load_reward(cfg.reward, cfg.reward_args)
     except RewardError as exc:
         raise RecipeError(f"reward: {exc}") from None
     try:
@@ -271,11 +285,36 @@ def load_recipe(cfg: PipelineConfig) -> Recipe:
                 del evaluation.prompts[data.eval_rows :]
     except DataError as exc:
         raise RecipeError(str(exc)) from None
+    if reward is None:  # an env pipeline: one runner of episodes each for rollout and eval
+        runs = [_episodes(cfg, tokenizer, train) for _ in range(2 if evaluation else 1)]
+        return Recipe(tokenizer, train, evaluation, None, stops, None, runs[0], runs[-1])
     runner = RewardRunner(reward, timeout_s=cfg.reward_timeout_s)
     eval_runner = (
         RewardRunner(reward, timeout_s=cfg.reward_timeout_s) if evaluation is not None else None
     )
     return Recipe(tokenizer, train, evaluation, runner, stops, eval_runner)
+
+
+def _episodes(cfg: PipelineConfig, tokenizer: Any, train: PromptDataset) -> EpisodeRunner:
+    assert cfg.env is not None and cfg.data is not None
+    try:
+        env = load_env(cfg.env, cfg.env_args)
+        chat = ChatTurns(tokenizer)
+    except (EnvError, ChatError) as exc:
+        raise RecipeError(f"env: {exc}") from None
+    limit = cfg.data.max_prompt_tokens
+    return EpisodeRunner(
+        env,
+        chat,
+        lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+        max_turns=cfg.max_turns,
+        max_tokens=cfg.rollout.max_tokens,
+        max_episode_tokens=cfg.max_episode_tokens,
+        step_timeout_s=cfg.env_step_timeout_s,
+        reward=cfg.episode_reward,
+        # the launcher sets max_prompt_tokens to max_model_len - max_tokens
+        context_tokens=limit + cfg.rollout.max_tokens if limit is not None else None,
+    )
 
 
 def _one_line(exc: BaseException) -> str:

@@ -90,7 +90,7 @@ def math_answer(prompt: str, response: str, row: dict[str, Any]) -> float:
         return 0.0
     math_verify = _math_verify()
     if math_verify is None:
-        return 1.0 if _answers_equal(answer, gold) else 0.0
+        return 1.0 if answers_equal(answer, gold) else 0.0
     # math-verify's default timeouts use signal.alarm, which raises off the main thread; the
     # runner runs rewards in threads and bounds them itself, so both timeouts are disabled.
     gold_parsed = math_verify.parse(str(gold), parsing_timeout=None)
@@ -181,7 +181,7 @@ def _as_number(value: Any) -> float | None:
         return None
 
 
-def _answers_equal(answer: str, gold: Any) -> bool:
+def answers_equal(answer: str, gold: Any) -> bool:
     """Numeric comparison when both are numbers, else whitespace-insensitive text equality."""
     answer_number, gold_number = _as_number(answer), _as_number(gold)
     if answer_number is not None and gold_number is not None:

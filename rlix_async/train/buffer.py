@@ -35,6 +35,11 @@ class Group(msgspec.Struct):
     prompt_text: str = ""
     response_texts: list[str] = []
     reward_extras: dict[str, list[float]] = {}
+    # multi-turn episodes (rollout/episodes.py): per response, 1 where the model wrote the
+    # token and 0 where the environment did (never trained on); empty: every token is the
+    # model's. ``episodes``: per-response figures (turns, env seconds, tokens by source)
+    masks: list[list[int]] = []
+    episodes: dict[str, list[float]] = {}
 
     def __post_init__(self) -> None:
         n = len(self.responses)
@@ -42,8 +47,15 @@ class Group(msgspec.Struct):
             raise ValueError("group: responses, logprobs, versions and rewards must align")
         if self.response_texts and len(self.response_texts) != n:
             raise ValueError("group: one response text per response")
-        if any(len(v) != n for v in self.reward_extras.values()):
-            raise ValueError("group: one value of each reward extra per response")
+        if any(len(v) != n for v in (*self.reward_extras.values(), *self.episodes.values())):
+            raise ValueError(
+                "group: one value of each reward extra and episode figure per response"
+            )
+        if self.masks and (
+            len(self.masks) != n
+            or any(len(m) != len(r) for m, r in zip(self.masks, self.responses, strict=True))
+        ):
+            raise ValueError("group: one mask per response, a value per token")
         for r, lp, v in zip(self.responses, self.logprobs, self.versions, strict=True):
             if not (len(r) == len(lp) == len(v)):
                 raise ValueError("group: every token needs a log-prob and a version")

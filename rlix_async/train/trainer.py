@@ -353,11 +353,12 @@ class TorchTrainer:
         Built in host memory (one small copy per row would be a transfer each), then
         moved to the device in one go; every float is float32 whatever the model's dtype.
         """
-        rows: list[tuple[list[int], int, list[float], float]] = []
+        rows: list[tuple[list[int], int, list[float], float, list[int] | None]] = []
         for g in groups:
             adv = group_advantages(torch.tensor(g.rewards, dtype=torch.float32))
-            for resp, lps, a in zip(g.responses, g.logprobs, adv.tolist(), strict=True):
-                rows.append((g.prompt + resp, len(g.prompt), lps, a))
+            masks: list[list[int] | None] = list(g.masks) or [None] * len(g.responses)
+            for resp, lps, a, m in zip(g.responses, g.logprobs, adv.tolist(), masks, strict=True):
+                rows.append((g.prompt + resp, len(g.prompt), lps, a, m))
         rows = rows[self.rank :: self.world]
         longest = max(len(r[0]) for r in rows)
         n = len(rows)
@@ -365,10 +366,13 @@ class TorchTrainer:
         mask = torch.zeros(n, longest - 1, dtype=torch.float32)
         behavior = torch.zeros(n, longest - 1, dtype=torch.float32)
         adv = torch.tensor([r[3] for r in rows], dtype=torch.float32)
-        for i, (seq, plen, lps, _) in enumerate(rows):
+        for i, (seq, plen, lps, _, token_mask) in enumerate(rows):
             ids[i, : len(seq)] = torch.tensor(seq)
-            # position t predicts token t+1: responses start at plen
-            mask[i, plen - 1 : len(seq) - 1] = 1.0
+            # position t predicts token t+1: responses start at plen; an episode's
+            # environment tokens (mask 0) are context, never trained on
+            mask[i, plen - 1 : len(seq) - 1] = (
+                1.0 if token_mask is None else torch.tensor(token_mask, dtype=torch.float32)
+            )
             behavior[i, plen - 1 : len(seq) - 1] = torch.tensor(lps, dtype=torch.float32)
         return {
             k: v.to(self.device)

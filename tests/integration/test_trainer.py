@@ -364,3 +364,45 @@ def test_two_ranks_weigh_every_token_as_one_rank_does(tmp_path: Path) -> None:
     alone = one.train_step(_uneven_batch())
     assert two[0]["grad_norm"] == pytest.approx(two[1]["grad_norm"], rel=1e-6)
     assert two[0]["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-4)
+
+
+def _logit_grads(batch: list[Group]) -> torch.Tensor:
+    """d loss / d logits of one train step on ``batch`` (one row), from a hook on the
+    trainer's own forward: the gradient every position's prediction received."""
+    t = TorchTrainer(TrainConfig(minibatches=1), SMALL, seed=0)
+    grads: list[torch.Tensor] = []
+    forward = t.forward_logits
+
+    def hooked(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        logits = forward(model, ids)
+        if logits.requires_grad:
+            logits.register_hook(lambda g: grads.append(g.detach().clone()))
+        return logits
+
+    t.forward_logits = hooked  # type: ignore[method-assign]
+    t.train_step(batch)
+    (grad,) = grads
+    return grad[0]
+
+
+def test_an_episodes_environment_tokens_get_no_gradient() -> None:
+    """Positions predicting environment tokens (mask 0) get exactly zero gradient; the
+    model's own tokens before and after them get some. Unmasked, the same positions do."""
+    prompt, episode = [1, 2], [3, 4, 5, 6, 7, 8, 9]
+    mask = [1, 1, 0, 0, 0, 1, 1]  # model turn, environment reply, model turn
+    lps = [[-4.0] * 7, [-4.0] * 7]
+
+    def batch(masks: list[list[int]]) -> list[Group]:
+        return [
+            Group(prompt, [episode, episode[::-1]], lps, [[0] * 7] * 2, [1.0, 0.0], masks=masks)
+        ]
+
+    grad = _logit_grads(batch([mask, [1] * 7]))
+    # position p predicts token p + 1: the episode's token j is predicted at len(prompt)-1+j
+    per_position = grad.abs().sum(-1)[len(prompt) - 1 : len(prompt) - 1 + len(episode)]
+    env = [j for j, m in enumerate(mask) if m == 0]
+    model = [j for j, m in enumerate(mask) if m == 1]
+    assert all(per_position[j] == 0 for j in env)
+    assert all(per_position[j] > 0 for j in model)
+    unmasked = _logit_grads(batch([[1] * 7, [1] * 7])).abs().sum(-1)
+    assert all(unmasked[len(prompt) - 1 + j] > 0 for j in env)

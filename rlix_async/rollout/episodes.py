@@ -1,0 +1,359 @@
+"""Multi-turn episodes: an environment's turns, generated through the router.
+
+A pipeline names its environment as ``env: "package.module:Class"`` or
+``"path/to/file.py:Class"`` with ``env_args: {...}``; one instance per episode::
+
+    class MyEnv:
+        def __init__(self, row: dict, **env_args): ...
+        async def reset(self) -> str | list[dict]           # the first user turn
+        async def step(self, action: str) -> StepResult    # action: the model's turn as text
+        async def close(self) -> None                      # optional
+
+Plain (non-async) methods run in threads, off the event loop. An episode: the
+first turn rendered with the chat template, then per turn one router ``generate``
+over the episode's ids so far (a shrink mid-turn resumes that turn elsewhere from
+its partial output, as a single-turn request does); the model's tokens carry their
+log-probs, weight versions and mask 1; the environment's reply is rendered as a
+continuation (``rollout/chat.py``) and appended with mask 0, never trained on. It
+ends on ``done``, ``max_turns`` or ``max_episode_tokens``. Its reward is the sum of
+the step rewards, or the last (``episode_reward``).
+
+An environment that raises, times out (``env_step_timeout_s``) or returns the wrong
+type fails its episode only: :class:`EnvFailure`, counted; the first is logged
+with its row and traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import numbers
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlix_async.loading import LoadError, load_object
+from rlix_async.rollout.chat import ChatError, ChatTurns, Messages
+from rlix_async.shards.router import Trajectory
+
+log = logging.getLogger("rlix_async.episodes")
+ROW_REPR_LIMIT = 300
+# per-response figures a Group carries for an episode (metrics and samples.jsonl)
+FIGURES = ("turns", "env_s", "model_tokens", "env_tokens", "cut_turns", "cut_tokens")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What an environment's ``step`` returns."""
+
+    observation: str | Messages | None  # the environment's reply (None: no message)
+    reward: float
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class EnvError(ValueError):
+    """An environment that cannot be used (does not load, wrong shape): one line."""
+
+
+class EnvFailure(RuntimeError):
+    """One episode's environment raised, timed out or returned the wrong type."""
+
+
+@dataclass(frozen=True)
+class Env:
+    """A loaded environment class and its arguments."""
+
+    cls: type
+    args: dict[str, Any]
+    name: str
+
+    def make(self, row: dict[str, Any]) -> Any:
+        return self.cls(row, **self.args)
+
+
+def load_env(spec: str, env_args: dict[str, Any] | None = None) -> Env:
+    """The class ``spec`` names, checked to have ``reset`` and ``step`` and to be
+    constructible as ``Class(row, **env_args)``; EnvError (one line) otherwise."""
+    args = dict(env_args or {})
+    try:
+        cls = load_object(spec)
+    except LoadError as exc:
+        raise EnvError(f"cannot load env: {' '.join(str(exc).split())}") from None
+    except Exception as exc:  # a module that fails while importing: still a config error
+        raise EnvError(f"cannot load env {spec!r}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(cls, type):
+        raise EnvError(f"env {spec!r} is a {type(cls).__name__}, not a class")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise EnvError(f"env {spec!r}: {cls.__name__} has no {' or '.join(missing)}() method")
+    try:
+        inspect.signature(cls).bind({}, **args)
+    except TypeError as exc:
+        named = f", {', '.join(args)}" if args else ""
+        raise EnvError(
+            f"env {spec!r}: cannot be built as {cls.__name__}(row{named}): {exc}"
+        ) from None
+    except ValueError:
+        pass  # no signature to check (a C type): it fails at run time instead
+    return Env(cls, args, spec)
+
+
+@dataclass
+class Episode(Trajectory):
+    """A trajectory of several turns: ``token_ids`` holds every token after the first
+    prompt, the model's (mask 1) and the environment's (mask 0)."""
+
+    mask: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    env_s: float = 0.0
+    cut: str = ""  # "" (done), "max_turns" or "max_episode_tokens"
+    texts: list[str] = field(default_factory=list)  # the model's turns, decoded
+
+    def add(
+        self,
+        ids: list[int],
+        *,
+        model: bool,
+        logprobs: list[float] | None = None,
+        versions: list[int | None] | None = None,
+    ) -> None:
+        self.token_ids += ids
+        self.mask += [int(model)] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        # an environment token is as old as the turn it answers: staleness counts from
+        # the episode's oldest model token either way
+        last = next((v for v in reversed(self.versions) if v is not None), None)
+        self.versions += versions if versions is not None else [last] * len(ids)
+
+    def figures(self) -> dict[str, float]:
+        model = sum(self.mask)
+        return {
+            "turns": float(self.turns),
+            "env_s": self.env_s,
+            "model_tokens": float(model),
+            "env_tokens": float(len(self.mask) - model),
+            "cut_turns": float(self.cut == "max_turns"),
+            "cut_tokens": float(self.cut == "max_episode_tokens"),
+        }
+
+
+Generate = Callable[..., Awaitable[Trajectory]]
+
+
+class EpisodeRunner:
+    """Runs episodes of one environment for a pipeline's collector or evaluator."""
+
+    def __init__(
+        self,
+        env: Env,
+        chat: ChatTurns,
+        decode: Callable[[list[int]], str],
+        *,
+        max_turns: int,
+        max_tokens: int,
+        max_episode_tokens: int,
+        step_timeout_s: float,
+        reward: str = "sum",
+        context_tokens: int | None = None,
+    ) -> None:
+        self.env = env
+        self.chat = chat
+        self.decode = decode
+        self.max_turns = max_turns
+        self.max_tokens = max_tokens  # per model turn
+        self.max_episode_tokens = max_episode_tokens
+        self.step_timeout_s = step_timeout_s
+        self.reward = reward
+        self.context_tokens = context_tokens  # the engine's max_model_len, when known
+        self.failures = 0
+
+    async def run(self, row: dict[str, Any], generate: Generate, **sampling: Any) -> Episode:
+        """One episode on ``row``; ``generate`` is the router's (with ``sampling``)."""
+        env = None
+        clock = [0.0]  # seconds spent in the environment's methods
+        try:
+            env = await self._call("__init__", clock, self.env.make, row)
+            first = await self._call("reset", clock, env.reset)
+            episode = Episode(self.chat.first(first))
+            rewards: list[float] = []
+            episode.cut = "max_turns"
+            while episode.turns < self.max_turns:
+                budget = self._budget(episode)
+                if budget <= 0:
+                    episode.cut = "max_episode_tokens"
+                    break
+                turn = await generate(episode.prompt_ids + episode.token_ids, budget, **sampling)
+                episode.add(
+                    turn.token_ids, model=True, logprobs=turn.logprobs, versions=turn.versions
+                )
+                episode.resumes += turn.resumes
+                episode.ranks += turn.ranks
+                episode.turns += 1
+                action = self.decode(turn.token_ids)
+                episode.texts.append(action)
+                result = self._check(await self._call("step", clock, env.step, action))
+                rewards.append(float(result.reward))
+                if result.done:
+                    episode.cut = ""
+                    break
+                if episode.turns == self.max_turns:
+                    break
+                reply = self.chat.reply(result.observation, turn.token_ids)
+                if len(episode.token_ids) + len(reply) >= self.max_episode_tokens:
+                    episode.cut = "max_episode_tokens"  # no room for the reply and a turn
+                    break
+                episode.add(reply, model=False)
+            if rewards:
+                episode.reward = sum(rewards) if self.reward == "sum" else rewards[-1]
+            episode.env_s = clock[0]
+            return episode
+        except EnvFailure as exc:
+            self._failed(exc, row)
+            raise
+        except ChatError as exc:
+            failure = EnvFailure(f"env {self.env.name}: {exc}")
+            self._failed(failure, row)
+            raise failure from None
+        finally:
+            if env is not None and callable(getattr(env, "close", None)):
+                try:
+                    await self._call("close", clock, env.close)
+                except EnvFailure as exc:
+                    log.warning("%s", exc)
+
+    def _budget(self, episode: Episode) -> int:
+        budget = min(self.max_tokens, self.max_episode_tokens - len(episode.token_ids))
+        if self.context_tokens is not None:
+            budget = min(
+                budget, self.context_tokens - len(episode.prompt_ids) - len(episode.token_ids)
+            )
+        return budget
+
+    async def _call(self, what: str, clock: list[float], fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` under the step timeout: awaited if async, else in a thread; its
+        seconds are added to ``clock[0]``."""
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(self.step_timeout_s) as deadline:
+                if inspect.iscoroutinefunction(fn):
+                    return await fn(*args)
+                return await asyncio.to_thread(fn, *args)
+        except TimeoutError:
+            if deadline.expired():
+                raise EnvFailure(
+                    f"env {self.env.name}: {what}() took longer than {self.step_timeout_s:g} s"
+                ) from None
+            raise EnvFailure(f"env {self.env.name}: {what}() raised TimeoutError") from None
+        except EnvFailure:
+            raise
+        except Exception as exc:
+            raise EnvFailure(
+                f"env {self.env.name}: {what}() raised {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            clock[0] += time.monotonic() - t0
+
+    def _check(self, result: Any) -> StepResult:
+        """A StepResult, or the gym-style tuple (observation, reward, done[, info])."""
+        if isinstance(result, tuple) and len(result) in (3, 4):
+            result = StepResult(*result)
+        ok = (
+            isinstance(result, StepResult)
+            and isinstance(result.reward, numbers.Real)
+            and not isinstance(result.reward, bool)
+            and math.isfinite(float(result.reward))
+            and isinstance(result.done, bool)
+        )
+        if not ok:
+            raise EnvFailure(
+                f"env {self.env.name}: {self.env.cls.__name__}.step() returned "
+                f"{type(result).__name__} {str(result)[:200]!r}; expected "
+                "StepResult(observation, reward: a finite number, done: bool, info)"
+            )
+        return result
+
+    def _failed(self, exc: EnvFailure, row: dict[str, Any]) -> None:
+        self.failures += 1
+        if self.failures == 1:
+            text = repr(row)
+            text = text if len(text) <= ROW_REPR_LIMIT else text[:ROW_REPR_LIMIT] + "..."
+            cause = exc.__cause__ or exc
+            log.error(
+                "%s; row: %s (later failures are counted, not logged)",
+                exc,
+                text,
+                exc_info=(type(cause), cause, cause.__traceback__),
+            )
+
+
+def episode_stats(figures: dict[str, list[float]]) -> dict[str, float]:
+    """A step's episode metrics from its groups' figures (``Group.episodes``, joined)."""
+    turns = sorted(figures.get("turns", []))
+    if not turns:
+        return {}
+    n = len(turns)
+
+    def mean(key: str) -> float:
+        return sum(figures[key]) / n
+
+    return {
+        "turns_mean": sum(turns) / n,
+        "turns_p90": turns[max(math.ceil(0.9 * n) - 1, 0)],
+        "turns_max": turns[-1],
+        "env_s": mean("env_s"),
+        "episode_model_tokens": mean("model_tokens"),
+        "episode_env_tokens": mean("env_tokens"),
+        "cut_max_turns": sum(figures["cut_turns"]),
+        "cut_max_episode_tokens": sum(figures["cut_tokens"]),
+    }
+
+
+def turns_of(
+    tokens: list[int], mask: list[int], decode: Callable[[list[int]], str]
+) -> list[dict[str, str]]:
+    """An episode's turns as text, in order: ``{"model": ...}`` or ``{"env": ...}``."""
+    turns: list[dict[str, str]] = []
+    start = 0
+    for i in range(1, len(tokens) + 1):
+        if i == len(tokens) or mask[i] != mask[start]:
+            turns.append({"model" if mask[start] else "env": decode(tokens[start:i])})
+            start = i
+    return turns
+
+
+@dataclass
+class Packed:
+    """A group's episodes as one prompt and per-episode responses (``Group``'s fields)."""
+
+    prompt: list[int]
+    responses: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[list[int]]
+    masks: list[list[int]]
+
+
+def pack(episodes: list[Episode]) -> Packed:
+    """A group shares one prompt: the longest one every episode starts with. An env whose
+    reset differs between episodes (a random start) keeps the rest of its first turn in
+    the response, masked, so every episode is trained on what its model saw."""
+    prompt = list(episodes[0].prompt_ids)
+    for e in episodes[1:]:
+        same = next(
+            (i for i, (a, b) in enumerate(zip(prompt, e.prompt_ids, strict=False)) if a != b),
+            min(len(prompt), len(e.prompt_ids)),
+        )
+        del prompt[same:]
+    packed = Packed(prompt, [], [], [], [])
+    for e in episodes:
+        rest = e.prompt_ids[len(prompt) :]
+        first = next((v for v in e.versions if v is not None), 0)
+        packed.responses.append(rest + e.token_ids)
+        packed.logprobs.append([0.0] * len(rest) + e.logprobs)
+        packed.versions.append([first if v is None else v for v in [None] * len(rest) + e.versions])
+        packed.masks.append([0] * len(rest) + e.mask)
+    return packed

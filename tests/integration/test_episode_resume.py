@@ -1,0 +1,105 @@
+"""Multi-turn episodes through the real router: a shrink mid-turn resumes that turn on
+another shard, and no token is lost or decoded twice.
+
+Shard workers run the scripted engine (a test double: a shrink landing mid-turn under
+eight concurrent episodes on two engines does not fit this machine with vLLM; the
+launch test in test_env_recipe.py runs episodes on vLLM). Coordinator, workers,
+sockets, router, chat template and episode runner are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from helpers.cluster import joined_pipeline
+from helpers.scripted_engine import ScriptedEngine
+from helpers.tiny_text import tiny_tokenizer
+
+from rlix_async.control.coordinator import Coordinator
+from rlix_async.control.messages import ShardState
+from rlix_async.control.topology import ClusterShape, ClusterSpec
+from rlix_async.rollout.chat import ChatTurns
+from rlix_async.rollout.episodes import EpisodeRunner, StepResult, load_env
+from rlix_async.shards.router import Router
+from rlix_async.shards.worker import ShardWorker
+
+TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0, 1))}
+TOKENIZER = tiny_tokenizer()
+TURN_TOKENS = 60  # 0.6 s a turn: the shrink lands mid-turn even on a loaded machine
+
+
+class ThreeTurns:
+    """Replies 'ok' twice, then ends the episode."""
+
+    def __init__(self, row: dict[str, Any]) -> None:
+        self.turns = 0
+
+    async def reset(self) -> str:
+        return "Go"
+
+    async def step(self, action: str) -> StepResult:
+        self.turns += 1
+        return StepResult("ok", 1.0, self.turns == 3)
+
+
+async def test_a_shrink_mid_turn_resumes_the_turn_with_no_token_lost_or_doubled(
+    ipc_ep: str,
+) -> None:
+    async with Coordinator(ipc_ep, ClusterShape(1, 2)) as co:
+        driver = await joined_pipeline(co.endpoint, "P", TOPO)
+        # the engine's token ids stay inside the tokenizer's vocabulary (decoded as actions)
+        workers = [
+            await ShardWorker(
+                ScriptedEngine(token_delay_s=0.01, vocab=250), co.endpoint, "P", r, sleep_level=1
+            ).start()
+            for r in range(2)
+        ]
+        router = Router(driver)
+        runner = EpisodeRunner(
+            load_env(f"{__name__}:ThreeTurns"),
+            ChatTurns(TOKENIZER),
+            lambda ids: str(TOKENIZER.decode(ids)),
+            max_turns=5,
+            max_tokens=TURN_TOKENS,
+            max_episode_tokens=1000,
+            step_timeout_s=5.0,
+        )
+        try:
+            await driver.report_progress(8, 0, force=True)
+            await driver.request("actor_infer", "GENERATION", timeout=10)
+            episodes = [asyncio.ensure_future(runner.run({}, router.generate)) for _ in range(8)]
+            async with asyncio.timeout(10):
+                while workers[0].engine.num_running() < 4 or not workers[0].decoded_tokens:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+            # training needs device 0: shard 0 is shrunk under its running turns
+            await driver.report_progress(8, 8)
+            await driver.request("actor_train", "ACTOR_TRAINING", timeout=10)
+            done = await asyncio.wait_for(asyncio.gather(*episodes), 90)
+            assert workers[0].state == ShardState.ASLEEP
+        finally:
+            await router.close()
+            for w in workers:
+                await w.close()
+            await driver.close()
+    assert all(e.turns == 3 and e.cut == "" and e.reward == 3.0 for e in done)
+    cut = [e for e in done if e.resumes]
+    assert cut and all(e.ranks[-1] == 1 for e in cut)  # finished on the shard left awake
+    for e in done:
+        # every turn whole: the cut turn's partial output and its continuation, once each
+        runs = _runs(e.mask)
+        assert [n for m, n in runs if m] == [TURN_TOKENS] * 3
+        assert len(e.logprobs) == len(e.versions) == len(e.token_ids) == len(e.mask)
+    model_tokens = sum(sum(e.mask) for e in done)
+    assert sum(w.decoded_tokens for w in workers) == model_tokens  # decoded once, all kept
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int]]:
+    """(value, length) of each run of equal values."""
+    runs: list[tuple[int, int]] = []
+    for m in mask:
+        if runs and runs[-1][0] == m:
+            runs[-1] = (m, runs[-1][1] + 1)
+        else:
+            runs.append((m, 1))
+    return runs

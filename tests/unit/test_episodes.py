@@ -1,0 +1,299 @@
+"""Multi-turn episodes (rollout/episodes.py, rollout/chat.py) and the calculator tool.
+
+The runner is driven by ``scripted_generate``, a stand-in for the router's
+``generate`` (the router needs a coordinator and shards: tests/integration/
+test_episode_resume.py runs episodes through the real one). The tokenizer and its chat
+template are real (helpers/tiny_text.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.tiny_text import tiny_tokenizer
+
+from rlix_async.config import ConfigError, PipelineConfig, convert
+from rlix_async.recipes.calculator import CalcError, Calculator, evaluate
+from rlix_async.rollout.chat import ChatError, ChatTurns
+from rlix_async.rollout.episodes import (
+    EnvError,
+    EnvFailure,
+    Episode,
+    EpisodeRunner,
+    StepResult,
+    episode_stats,
+    load_env,
+    pack,
+    turns_of,
+)
+from rlix_async.shards.router import Trajectory
+
+TOKENIZER = tiny_tokenizer()
+CHAT = ChatTurns(TOKENIZER)
+
+
+def ids(text: str) -> list[int]:
+    return list(TOKENIZER(text, add_special_tokens=False)["input_ids"])
+
+
+def decode(tokens: list[int]) -> str:
+    return str(TOKENIZER.decode(tokens, skip_special_tokens=True))
+
+
+def scripted_generate(turns: list[str], seen: list[list[int]]) -> Any:
+    """Answers the n-th call with the n-th text's ids (version 3, log-prob -1 each) and
+    records the prompt ids it was given."""
+    calls = iter(turns)
+
+    async def generate(prompt_ids: list[int], max_tokens: int, **_: Any) -> Trajectory:
+        seen.append(list(prompt_ids))
+        out = ids(next(calls))[:max_tokens]
+        return Trajectory(list(prompt_ids), out, [-1.0] * len(out), [3] * len(out))
+
+    return generate
+
+
+class Echo:
+    """Replies 'got: ACTION'; done once the model says 'stop'; reward 1 per turn."""
+
+    def __init__(self, row: dict[str, Any], *, log: list[str] | None = None) -> None:
+        self.row, self.log = row, log if log is not None else []
+
+    async def reset(self) -> str:
+        return f"Question {self.row['q']}"
+
+    async def step(self, action: str) -> StepResult:
+        self.log.append(action)
+        return StepResult(f"got: {action}", 1.0, "stop" in action)
+
+
+def runner(cls: type, **limits: Any) -> EpisodeRunner:
+    env = load_env(f"{__name__}:{cls.__name__}", limits.pop("env_args", {}))
+    settings: dict[str, Any] = dict(
+        max_turns=4, max_tokens=16, max_episode_tokens=400, step_timeout_s=5.0
+    )
+    settings.update(limits)
+    return EpisodeRunner(env, CHAT, decode, **settings)
+
+
+async def test_an_episode_keeps_the_models_tokens_and_masks_the_envs() -> None:
+    log: list[str] = []
+    seen: list[list[int]] = []
+    r = runner(Echo, env_args={"log": log})
+    ep = await r.run({"q": 7}, scripted_generate(["a b", "c", "stop"], seen))
+    assert ep.turns == 3 and ep.cut == "" and ep.reward == 3.0
+    assert log == ["a b", "c", "stop"]  # the env got the model's text
+    assert ep.prompt_ids == CHAT.first("Question 7")
+    # each turn is generated over the episode so far, never a re-rendered history
+    assert seen[1] == ep.prompt_ids + ep.token_ids[: len(seen[1]) - len(ep.prompt_ids)]
+    assert seen[2][: len(seen[1])] == seen[1]
+    model = [t for t, m in zip(ep.token_ids, ep.mask, strict=True) if m]
+    assert model == ids("a b") + ids("c") + ids("stop")
+    assert [v for v, m in zip(ep.versions, ep.mask, strict=True) if not m] == [3] * (
+        len(ep.mask) - sum(ep.mask)
+    )  # an env token is as old as the turn it answers
+    assert all(lp == 0.0 for lp, m in zip(ep.logprobs, ep.mask, strict=True) if not m)
+    # the whole episode renders as the chat template renders the conversation
+    chat = [{"role": "user", "content": "Question 7"}]
+    for action in ("a b", "c"):
+        chat += [
+            {"role": "assistant", "content": action},
+            {"role": "user", "content": f"got: {action}"},
+        ]
+    whole = TOKENIZER.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert TOKENIZER.decode(ep.prompt_ids + ep.token_ids).startswith(whole)
+    turns = turns_of(ep.token_ids, ep.mask, decode)
+    assert [next(iter(t)) for t in turns] == ["model", "env", "model", "env", "model"]
+    assert turns[0]["model"] == "a b" and "got: a b" in turns[1]["env"]
+
+
+async def test_limits_cut_an_episode_and_say_which() -> None:
+    r = runner(Echo, max_turns=2)
+    ep = await r.run({"q": 1}, scripted_generate(["x", "y", "z"], []))
+    assert ep.turns == 2 and ep.cut == "max_turns" and ep.reward == 2.0
+    assert ep.mask[-1] == 1  # no env reply after the last turn: nothing to answer
+    r = runner(Echo, max_episode_tokens=12, max_tokens=8)
+    ep = await r.run({"q": 1}, scripted_generate(["one two three"] * 4, []))
+    assert ep.cut == "max_episode_tokens" and len(ep.token_ids) <= 12
+    ep = await runner(Echo, reward="last").run({"q": 1}, scripted_generate(["a", "stop"], []))
+    assert ep.reward == 1.0
+
+
+class Raises(Echo):
+    async def step(self, action: str) -> StepResult:
+        raise KeyError("no such tool")
+
+
+class Slow(Echo):
+    def step(self, action: str) -> StepResult:  # plain: runs in a thread
+        time.sleep(1.0)
+        return StepResult(None, 0.0, True)
+
+
+class WrongType(Echo):
+    async def step(self, action: str) -> StepResult:
+        return {"reward": 1}  # type: ignore[return-value]
+
+
+class Tuple(Echo):
+    def step(self, action: str) -> Any:
+        return None, 0.5, True
+
+
+async def test_a_failing_env_fails_its_episode_only_and_is_logged_once_with_its_row(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    r = runner(Raises)
+    with caplog.at_level(logging.ERROR, "rlix_async.episodes"):
+        for _ in range(3):
+            with pytest.raises(EnvFailure, match=r"step\(\) raised KeyError"):
+                await r.run({"q": 5}, scripted_generate(["a"], []))
+    assert r.failures == 3
+    (record,) = caplog.records
+    assert "'q': 5" in record.getMessage() and record.exc_info is not None
+    with pytest.raises(EnvFailure, match=r"step\(\) took longer than 0.2 s"):
+        await runner(Slow, step_timeout_s=0.2).run({"q": 1}, scripted_generate(["a"], []))
+    with pytest.raises(EnvFailure, match=r"WrongType.step\(\) returned dict"):
+        await runner(WrongType).run({"q": 1}, scripted_generate(["a"], []))
+    ep = await runner(Tuple).run({"q": 1}, scripted_generate(["a"], []))
+    assert ep.reward == 0.5 and ep.turns == 1  # the gym-style tuple is accepted
+
+
+def test_a_bad_env_is_one_line_at_load() -> None:
+    with pytest.raises(EnvError, match="no such file"):
+        load_env("/nonexistent/env.py:Env")
+    with pytest.raises(EnvError, match="not a class"):
+        load_env(f"{__name__}:decode")
+    with pytest.raises(EnvError, match="cannot be built as Echo"):
+        load_env(f"{__name__}:Echo", {"nope": 1})
+    with pytest.raises(EnvError, match="has no reset"):
+        load_env(f"{__name__}:ChatError")
+
+
+def test_an_env_pipeline_config_is_checked() -> None:
+    base: dict[str, Any] = {
+        "id": "p",
+        "clusters": {"actor_train": {"devices": [0]}, "actor_infer": {"devices": [0]}},
+        "model": {"path": "m"},
+        "data": {"train": "t.jsonl"},
+    }
+    cfg = convert({**base, "env": "e.py:E", "max_turns": 3}, PipelineConfig, "cfg")
+    assert cfg.env == "e.py:E" and cfg.max_turns == 3
+    with pytest.raises(ConfigError, match="an env scores its own episodes"):
+        convert({**base, "env": "e.py:E", "reward": "exact_match"}, PipelineConfig, "cfg")
+    with pytest.raises(ConfigError, match="env_args: needs env"):
+        convert({**base, "reward": "exact_match", "env_args": {"a": 1}}, PipelineConfig, "cfg")
+    with pytest.raises(ConfigError, match="max_turns"):
+        convert({**base, "env": "e.py:E", "max_turns": 0}, PipelineConfig, "cfg")
+
+
+def test_episode_stats_are_means_a_p90_and_cut_counts() -> None:
+    figures = {
+        "turns": [1.0] * 9 + [10.0],
+        "env_s": [0.5] * 10,
+        "model_tokens": [4.0] * 10,
+        "env_tokens": [2.0] * 10,
+        "cut_turns": [0.0] * 9 + [1.0],
+        "cut_tokens": [0.0] * 10,
+    }
+    s = episode_stats(figures)
+    assert s["turns_mean"] == pytest.approx(1.9) and s["turns_p90"] == 1.0
+    assert s["turns_max"] == 10.0 and s["cut_max_turns"] == 1.0
+    assert episode_stats({}) == {}
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [("37 * 24", 888), ("(1 + 2) * -3", -9), ("7 / 2", 3.5), ("8 / 4", 2), ("1.5+1.5", 3)],
+)
+def test_the_calculator_computes_arithmetic(expression: str, value: float) -> None:
+    assert evaluate(expression) == value
+
+
+@pytest.mark.parametrize(
+    ("expression", "why"),
+    [
+        ("__import__('os').system('true')", "only numbers"),
+        ("2 ** 10", "only numbers"),
+        ("x + 1", "only numbers"),
+        ("True + 1", "only numbers"),
+        ("1 / 0", "division by zero"),
+        ("1" * 201, "longer than 200"),
+        ("+".join(["1"] * 40), "more than 64 parts"),
+        ("99999999 * 99999999 * 99999999", "too large"),
+        ("1 +", "not an arithmetic expression"),
+    ],
+)
+def test_the_calculator_refuses_anything_else(expression: str, why: str) -> None:
+    with pytest.raises(CalcError, match=why):
+        evaluate(expression)
+
+
+def test_the_calculator_env_answers_tool_calls_and_scores_the_final_answer() -> None:
+    env = Calculator({"question": "What is 37 * 24?", "answer": 888})
+    assert "What is 37 * 24?" in env.reset() and "<calc>" in env.reset()
+    result = env.step("Let me compute. <calc>37*24</calc>")
+    assert (result.observation, result.reward, result.done) == ("<result>888</result>", 0.0, False)
+    assert env.step("<calc>37 ** 24</calc>").observation == (
+        "<error>only numbers, + - * / and parentheses</error>"
+    )
+    assert env.step("hmm").done is False  # neither a call nor a number: a reminder
+    assert env.step("The answer is 888").reward == 1.0
+    assert Calculator({"question": "q", "answer": 888}).step("887").reward == 0.0
+
+
+async def test_the_calculator_runs_as_a_pipeline_env_from_its_module_path() -> None:
+    env = load_env("rlix_async.recipes.calculator:Calculator")
+    r = EpisodeRunner(
+        env, CHAT, decode, max_turns=4, max_tokens=32, max_episode_tokens=400, step_timeout_s=5.0
+    )
+    row = {"question": "What is 12 + 30?", "answer": 42}
+    ep = await r.run(row, scripted_generate(["<calc>12+30</calc>", "42"], []))
+    assert ep.turns == 2 and ep.reward == 1.0
+    assert "<result>42</result>" in turns_of(ep.token_ids, ep.mask, decode)[1]["env"]
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path: Path) -> None:
+    class Plain:
+        chat_template = None
+
+    with pytest.raises(ChatError, match="needs a tokenizer with a chat template"):
+        ChatTurns(Plain())
+
+
+def test_steps_run_off_the_event_loop() -> None:
+    """A plain env's slow step runs in a thread: the loop keeps ticking meanwhile."""
+
+    async def main() -> int:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        ticker = asyncio.ensure_future(tick())
+        await runner(Slow, step_timeout_s=5.0).run({"q": 1}, scripted_generate(["a"], []))
+        ticker.cancel()
+        return ticks
+
+    assert asyncio.run(main()) >= 10
+
+
+def test_a_group_of_episodes_shares_their_common_prompt_and_masks_the_rest() -> None:
+    a = Episode([1, 2, 3, 4], [10, 11, 12], [-1.0, 0.0, -2.0], [5, 5, 6], mask=[1, 0, 1])
+    b = Episode([1, 2, 7], [20], [-3.0], [4], mask=[1])
+    packed = pack([a, b])
+    assert packed.prompt == [1, 2]
+    assert packed.responses == [[3, 4, 10, 11, 12], [7, 20]]
+    assert packed.masks == [[0, 0, 1, 0, 1], [0, 1]]  # the rest of a first turn: context only
+    assert packed.logprobs == [[0.0, 0.0, -1.0, 0.0, -2.0], [0.0, -3.0]]
+    assert packed.versions == [[5, 5, 5, 5, 6], [4, 4]]
+    same = pack([a, Episode([1, 2, 3, 4], [9], [-1.0], [5], mask=[1])])
+    assert same.prompt == [1, 2, 3, 4] and same.masks == [[1, 0, 1], [1]]
