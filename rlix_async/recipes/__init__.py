@@ -15,9 +15,23 @@ def _arithmetic_data(out: Path) -> None:
     write_data(out)
 
 
+def _calculator_data(out: Path) -> None:
+    from rlix_async.recipes.calculator import write_data
+
+    write_data(out)
+
+
+def _guess_data(out: Path) -> None:
+    from rlix_async.recipes.guess import write_data
+
+    write_data(out)
+
+
 # name: (its YAML in this package, the converted model it trains, what writes its data)
 RECIPES: dict[str, tuple[str, str, Callable[[Path], None]]] = {
     "arithmetic": ("arithmetic.yaml", "smollm2-135m-instruct", _arithmetic_data),
+    "calculator": ("calculator.yaml", "smollm2-135m-instruct", _calculator_data),
+    "guess": ("guess.yaml", "smollm2-135m-instruct", _guess_data),
 }
 
 

@@ -1,0 +1,96 @@
+"""The guessing-game recipe: "higher" or "lower" until the model finds the number.
+
+    python -m rlix_async.recipes.guess [--out DIR] [--train N] [--eval N] [--high H]
+
+Multi-turn by nature: an episode lasts as many turns as the model needs, so its
+lengths are heavy-tailed (a bisecting player needs about log2(H) turns, a careless
+one many more, up to ``max_turns``): the long-tail workload, where a few long
+episodes hold a pipeline's rollout shards while the rest of the batch is done.
+Reward 1 for finding the number, less 0.05 a turn after the first; 0 if
+``max_turns`` ends the episode first. A turn with no number gets a reminder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from rlix_async.rollout.episodes import StepResult
+from rlix_async.rollout.rewards import final_answer
+
+RULES = (
+    "I am thinking of a whole number from {low} to {high}. Guess it: answer with just a "
+    "number. After each guess I say higher or lower."
+)
+TURN_COST = 0.05
+TRAIN_ROWS = 2000
+EVAL_ROWS = 32
+HIGH = 100
+
+
+class GuessNumber:
+    """One game on one row (``target``, ``low``, ``high``). Plain methods: the pipeline
+    runs them in threads."""
+
+    def __init__(self, row: dict[str, Any]) -> None:
+        self.target, self.low, self.high = int(row["target"]), int(row["low"]), int(row["high"])
+        self.guesses = 0
+
+    def reset(self) -> str:
+        return RULES.format(low=self.low, high=self.high)
+
+    def step(self, action: str) -> StepResult:
+        answer = final_answer(action)
+        try:
+            guess = int(float(answer)) if answer is not None else None
+        except ValueError:
+            guess = None
+        if guess is None:
+            return StepResult("Answer with just a number.", 0.0, False)
+        self.guesses += 1
+        if guess == self.target:
+            reward = max(1.0 - TURN_COST * (self.guesses - 1), 0.1)
+            return StepResult(None, reward, True, {"guesses": self.guesses})
+        return StepResult("higher" if guess < self.target else "lower", 0.0, False)
+
+
+def write_data(
+    out: Path,
+    train_rows: int = TRAIN_ROWS,
+    eval_rows: int = EVAL_ROWS,
+    high: int = HIGH,
+    seed: int = 0,
+) -> tuple[Path, Path]:
+    """``out/train.jsonl`` and ``out/eval.jsonl``: the same arguments, the same files.
+    The ``question`` field names the game (the dataset's prompt key); the env reads the rest."""
+    rng = random.Random(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = out / "train.jsonl", out / "eval.jsonl"
+    for path, n in zip(paths, (train_rows, eval_rows), strict=True):
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w") as fh:
+            for _ in range(n):
+                target = rng.randint(1, high)
+                row = {"question": f"guess 1..{high}", "target": target, "low": 1, "high": high}
+                fh.write(json.dumps(row) + "\n")
+        tmp.replace(path)  # a reader never sees half a file
+    return paths
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("data"))
+    ap.add_argument("--train", type=int, default=TRAIN_ROWS)
+    ap.add_argument("--eval", type=int, default=EVAL_ROWS)
+    ap.add_argument("--high", type=int, default=HIGH)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    train, held_out = write_data(args.out, args.train, args.eval, args.high, args.seed)
+    print(f"wrote {train} and {held_out}")
+
+
+if __name__ == "__main__":
+    main()
