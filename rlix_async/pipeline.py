@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         # a reward call that timed out still runs in a thread, and Python waits for its
         # thread pools at exit: the run is over, so leave without it
         log.warning(
-            "%s: %d reward call(s) still running; exiting without them", cfg.id, recipe.stuck
+            "%s: %d reward or env call(s) still running; exiting without them", cfg.id, recipe.stuck
         )
         flush_at_exit()  # os._exit skips wandb's atexit hook: its offline run would be empty
         logging.shutdown()

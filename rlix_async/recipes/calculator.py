@@ -58,7 +58,7 @@ def evaluate(expression: str) -> int | float:
         raise CalcError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # a lone surrogate, ...
         raise CalcError("not an arithmetic expression") from None
     if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
         raise CalcError(f"more than {MAX_NODES} parts")

@@ -28,7 +28,7 @@ RULES = (
 TURN_COST = 0.05
 TRAIN_ROWS = 2000
 EVAL_ROWS = 32
-HIGH = 100
+HIGH = 30
 
 
 class GuessNumber:
@@ -46,7 +46,7 @@ class GuessNumber:
         answer = final_answer(action)
         try:
             guess = int(float(answer)) if answer is not None else None
-        except ValueError:
+        except (ValueError, OverflowError):  # \\boxed{inf}, 1e999: not a guess
             guess = None
         if guess is None:
             return StepResult("Answer with just a number.", 0.0, False)

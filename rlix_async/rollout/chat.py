@@ -6,13 +6,15 @@ appended. The history is never re-rendered (a re-tokenized history differs from 
 the model sampled at turn boundaries, and training on that is training on text the
 model never produced; verl and SkyRL document runs that do not converge when it is).
 
-How a reply is rendered, for any chat template: a fixed probe conversation (a user
-message, then an assistant message holding a sentinel) is rendered alone and again
-with the reply's messages and the generation prompt after it. What the second adds
-to the first is the reply (``<|im_start|>user ...<|im_start|>assistant\\n`` for
-ChatML). What the template writes after the sentinel closes an assistant turn
-(``<|im_end|>\\n``); the model's turn gets it too, less the end-of-turn token when
-the model wrote that itself.
+How a reply is rendered, for any chat template: a fixed base conversation is
+rendered alone and again with the reply's messages and the generation prompt after
+it; what the second adds to the first is the reply (``<|im_start|>user ...
+<|im_start|>assistant\\n`` for ChatML). The base is a user message and an assistant
+message holding a sentinel, or, for templates that render the last assistant turn
+differently (Qwen3's empty ``<think>`` block), the user message alone: the first that
+renders a reply as a continuation, checked once at load. What the template writes
+after the sentinel closes an assistant turn (``<|im_end|>\\n``); the model's turn gets
+it too, less the end-of-turn token when the model wrote that itself.
 """
 
 from __future__ import annotations
@@ -46,11 +48,20 @@ class ChatTurns:
         if not getattr(tokenizer, "chat_template", None):
             raise ChatError("an environment needs a tokenizer with a chat template")
         self.tokenizer = tokenizer
-        self.probe = self._render(PROBE, generation_prompt=False)
-        at = self.probe.rfind(SENTINEL)
+        probe = self._render(PROBE, generation_prompt=False)
+        at = probe.rfind(SENTINEL)
         if at < 0:
             raise ChatError("the chat template drops assistant messages; cannot render turns")
-        self.close_ids = self._ids(self.probe[at + len(SENTINEL) :])
+        self.close_ids = self._ids(probe[at + len(SENTINEL) :])
+        for base in (PROBE, PROBE[:1]):
+            self.base, self.base_text = base, self._render(base, generation_prompt=False)
+            try:
+                self.reply("x", [])
+                break
+            except ChatError:
+                continue
+        else:
+            raise ChatError("the chat template does not render a reply as a continuation")
 
     def _render(self, messages: Messages, *, generation_prompt: bool) -> str:
         try:
@@ -76,10 +87,10 @@ class ChatTurns:
         """What follows the model's turn ``model_ids``: the end of that turn, the
         environment's messages (none: ``turn`` is None) and the next generation prompt."""
         messages = [] if turn is None else as_messages(turn, "step().observation")
-        text = self._render(PROBE + messages, generation_prompt=True)
-        if not text.startswith(self.probe):
+        text = self._render(self.base + messages, generation_prompt=True)
+        if not text.startswith(self.base_text):
             raise ChatError("the chat template renders earlier turns differently after a reply")
         close = self.close_ids
         if close and model_ids and model_ids[-1] == close[0]:
             close = close[1:]  # the model ended its turn itself
-        return close + self._ids(text[len(self.probe) :])
+        return close + self._ids(text[len(self.base_text) :])

@@ -19,7 +19,7 @@ from typing import Any
 
 from rlix_async.config import PipelineConfig
 from rlix_async.hooks import ClusterHooks
-from rlix_async.rollout.episodes import FIGURES, EnvFailure, Episode, EpisodeRunner, pack
+from rlix_async.rollout.episodes import EnvFailure, Episode, EpisodeRunner, figures_of, pack
 from rlix_async.rollout.ledger import Ledger
 from rlix_async.rollout.recipe import (
     PromptSource,
@@ -277,9 +277,7 @@ class Collector:
                 response_texts=texts,
                 reward_extras=extras,
                 masks=packed.masks if episodes else [],
-                episodes={k: [e.figures()[k] for e in episodes] for k in FIGURES}
-                if episodes
-                else {},
+                episodes=figures_of(episodes) if episodes else {},
             )
         )
         return True

@@ -26,6 +26,7 @@ with its row and traceback.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
 import math
@@ -41,8 +42,6 @@ from rlix_async.shards.router import Trajectory
 
 log = logging.getLogger("rlix_async.episodes")
 ROW_REPR_LIMIT = 300
-# per-response figures a Group carries for an episode (metrics and samples.jsonl)
-FIGURES = ("turns", "env_s", "model_tokens", "env_tokens", "cut_turns", "cut_tokens")
 
 
 @dataclass(frozen=True)
@@ -113,6 +112,7 @@ class Episode(Trajectory):
     env_s: float = 0.0
     cut: str = ""  # "" (done), "max_turns" or "max_episode_tokens"
     texts: list[str] = field(default_factory=list)  # the model's turns, decoded
+    info: dict[str, float] = field(default_factory=dict)  # the last step's numeric info
 
     def add(
         self,
@@ -133,6 +133,7 @@ class Episode(Trajectory):
     def figures(self) -> dict[str, float]:
         model = sum(self.mask)
         return {
+            **{f"info/{k}": v for k, v in self.info.items()},
             "turns": float(self.turns),
             "env_s": self.env_s,
             "model_tokens": float(model),
@@ -150,7 +151,7 @@ class EpisodeRunner:
 
     def __init__(
         self,
-        env: Env,
+        env: Env | None,
         chat: ChatTurns,
         decode: Callable[[list[int]], str],
         *,
@@ -160,8 +161,10 @@ class EpisodeRunner:
         step_timeout_s: float,
         reward: str = "sum",
         context_tokens: int | None = None,
+        max_threads: int = 8,
     ) -> None:
-        self.env = env
+        self.env = env  # None: an agent function runs the loop (rollout/agents.py)
+        self.name = f"env {env.name}" if env is not None else ""
         self.chat = chat
         self.decode = decode
         self.max_turns = max_turns
@@ -171,19 +174,36 @@ class EpisodeRunner:
         self.reward = reward
         self.context_tokens = context_tokens  # the engine's max_model_len, when known
         self.failures = 0
+        # plain env methods run in threads of their own: never in the loop's default pool,
+        # which the trainer's steps and checkpoints use (a stuck env would stall training)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_threads, "env")
+        self._slots = asyncio.Semaphore(max_threads)  # a call's clock starts with its thread
+        self.max_threads = max_threads
+        self.stuck = 0  # calls that timed out and still hold their thread
+
+    def close(self) -> None:
+        """Shut the env threads down without waiting for calls still running."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def run(self, row: dict[str, Any], generate: Generate, **sampling: Any) -> Episode:
         """One episode on ``row``; ``generate`` is the router's (with ``sampling``)."""
         env = None
         clock = [0.0]  # seconds spent in the environment's methods
+        busy: list[concurrent.futures.Future[Any]] = []  # the env's call still in a thread
         try:
-            env = await self._call("__init__", clock, self.env.make, row)
-            first = await self._call("reset", clock, env.reset)
+            assert self.env is not None
+            env = await self._call("__init__", clock, busy, self.env.make, row)
+            first = await self._call("reset", clock, busy, env.reset)
             episode = Episode(self.chat.first(first))
             rewards: list[float] = []
             episode.cut = "max_turns"
             while episode.turns < self.max_turns:
                 budget = self._budget(episode)
+                if budget <= 0 and not episode.turns:  # a 0 would be a verdict never given
+                    raise EnvFailure(
+                        f"{self.name}: the first turn ({len(episode.prompt_ids)} "
+                        f"tokens) leaves no room to answer in {self.context_tokens} tokens"
+                    )
                 if budget <= 0:
                     episode.cut = "max_episode_tokens"
                     break
@@ -196,18 +216,21 @@ class EpisodeRunner:
                 episode.turns += 1
                 action = self.decode(turn.token_ids)
                 episode.texts.append(action)
-                result = self._check(await self._call("step", clock, env.step, action))
+                result = self._check(await self._call("step", clock, busy, env.step, action))
                 rewards.append(float(result.reward))
+                episode.info = _numbers(result.info)
                 if result.done:
                     episode.cut = ""
                     break
                 if episode.turns == self.max_turns:
                     break
                 reply = self.chat.reply(result.observation, turn.token_ids)
-                if len(episode.token_ids) + len(reply) >= self.max_episode_tokens:
-                    episode.cut = "max_episode_tokens"  # no room for the reply and a turn
-                    break
                 episode.add(reply, model=False)
+                if self._budget(episode) <= 0:  # no room for the reply and a turn after it
+                    del episode.token_ids[-len(reply) :], episode.mask[-len(reply) :]
+                    del episode.logprobs[-len(reply) :], episode.versions[-len(reply) :]
+                    episode.cut = "max_episode_tokens"
+                    break
             if rewards:
                 episode.reward = sum(rewards) if self.reward == "sum" else rewards[-1]
             episode.env_s = clock[0]
@@ -216,13 +239,16 @@ class EpisodeRunner:
             self._failed(exc, row)
             raise
         except ChatError as exc:
-            failure = EnvFailure(f"env {self.env.name}: {exc}")
+            failure = EnvFailure(f"{self.name}: {exc}")
             self._failed(failure, row)
             raise failure from None
         finally:
-            if env is not None and callable(getattr(env, "close", None)):
+            # never beside a call of the env's still running in its thread (a timed-out
+            # step): that env is left to it
+            idle = not busy or busy[-1].done()
+            if env is not None and idle and callable(getattr(env, "close", None)):
                 try:
-                    await self._call("close", clock, env.close)
+                    await self._call("close", clock, busy, env.close)
                 except EnvFailure as exc:
                     log.warning("%s", exc)
 
@@ -234,34 +260,76 @@ class EpisodeRunner:
             )
         return budget
 
-    async def _call(self, what: str, clock: list[float], fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` under the step timeout: awaited if async, else in a thread; its
-        seconds are added to ``clock[0]``."""
+    async def _call(
+        self,
+        what: str,
+        clock: list[float],
+        busy: list[concurrent.futures.Future[Any]],
+        fn: Callable[..., Any],
+        *args: Any,
+    ) -> Any:
+        """``fn(*args)`` under the step timeout: awaited if async, else in one of the
+        runner's threads (the clock starts once a thread is free); its seconds are added
+        to ``clock[0]``, and a thread's call to ``busy``."""
         t0 = time.monotonic()
         try:
-            async with asyncio.timeout(self.step_timeout_s) as deadline:
-                if inspect.iscoroutinefunction(fn):
+            if inspect.iscoroutinefunction(fn):
+                async with asyncio.timeout(self.step_timeout_s) as deadline:
                     return await fn(*args)
-                return await asyncio.to_thread(fn, *args)
+            await self._free_thread()
+            t0 = time.monotonic()
+            loop = asyncio.get_running_loop()
+            future = self._pool.submit(fn, *args)
+            busy.append(future)
+            future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._slots.release))
+            try:
+                async with asyncio.timeout(self.step_timeout_s) as deadline:
+                    result = await asyncio.shield(asyncio.wrap_future(future))
+                    if inspect.isawaitable(result):  # an async method behind a decorator
+                        result = await result
+                    return result
+            finally:
+                if not future.done():  # timed out (or cancelled): its thread is held
+                    self.stuck += 1
+                    future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._unstuck))
         except TimeoutError:
             if deadline.expired():
                 raise EnvFailure(
-                    f"env {self.env.name}: {what}() took longer than {self.step_timeout_s:g} s"
+                    f"{self.name}: {what}() took longer than {self.step_timeout_s:g} s"
                 ) from None
-            raise EnvFailure(f"env {self.env.name}: {what}() raised TimeoutError") from None
+            raise EnvFailure(f"{self.name}: {what}() raised TimeoutError") from None
         except EnvFailure:
             raise
         except Exception as exc:
-            raise EnvFailure(
-                f"env {self.env.name}: {what}() raised {type(exc).__name__}: {exc}"
-            ) from exc
+            raise EnvFailure(f"{self.name}: {what}() raised {type(exc).__name__}: {exc}") from exc
         finally:
             clock[0] += time.monotonic() - t0
 
+    async def _free_thread(self) -> None:
+        """Wait for a free env thread: bounded, since timed-out calls may hold them all."""
+        try:
+            async with asyncio.timeout(self.step_timeout_s * 10):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise EnvFailure(
+                f"{self.name}: no env thread free for {self.step_timeout_s * 10:g} s "
+                f"({self.stuck} of {self.max_threads} held by calls that timed out)"
+            ) from None
+
+    def _unstuck(self) -> None:
+        self.stuck -= 1
+
     def _check(self, result: Any) -> StepResult:
-        """A StepResult, or the gym-style tuple (observation, reward, done[, info])."""
-        if isinstance(result, tuple) and len(result) in (3, 4):
+        """A StepResult, or a gym-style tuple: (observation, reward, done[, info]) or
+        gymnasium's (observation, reward, terminated, truncated, info)."""
+        if isinstance(result, tuple) and len(result) == 5:
+            obs, reward, terminated, truncated, info = result
+            result = StepResult(obs, reward, _flag(terminated) or _flag(truncated), info)
+        elif isinstance(result, tuple) and len(result) in (3, 4):
             result = StepResult(*result)
+        if isinstance(result, StepResult) and not isinstance(result.done, bool):
+            done = _flag(result.done)
+            result = StepResult(result.observation, result.reward, done, result.info)
         ok = (
             isinstance(result, StepResult)
             and isinstance(result.reward, numbers.Real)
@@ -271,7 +339,8 @@ class EpisodeRunner:
         )
         if not ok:
             raise EnvFailure(
-                f"env {self.env.name}: {self.env.cls.__name__}.step() returned "
+                f"{self.name}: {type(self).__name__ if self.env is None else self.env.cls.__name__}"
+                f".step() returned "
                 f"{type(result).__name__} {str(result)[:200]!r}; expected "
                 "StepResult(observation, reward: a finite number, done: bool, info)"
             )
@@ -291,6 +360,32 @@ class EpisodeRunner:
             )
 
 
+def _numbers(info: Any) -> dict[str, float]:
+    """The finite numbers of a step's ``info`` (logged per step as ``env/<key>`` means)."""
+    if not isinstance(info, dict):
+        return {}
+    return {
+        str(k): float(v)
+        for k, v in info.items()
+        if isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(float(v))
+    }
+
+
+def figures_of(episodes: list[Episode]) -> dict[str, list[float]]:
+    """``Group.episodes`` for a group: every figure per episode (nan: an info key an
+    episode's last step did not report)."""
+    each = [e.figures() for e in episodes]
+    names = sorted({k for f in each for k in f})
+    return {k: [f.get(k, math.nan) for f in each] for k in names}
+
+
+def _flag(value: Any) -> bool | Any:
+    """numpy's bool as a bool; anything else as it is (the check refuses non-bools)."""
+    kind = type(value)
+    numpy_bool = kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
+    return bool(value) if numpy_bool else value
+
+
 def episode_stats(figures: dict[str, list[float]]) -> dict[str, float]:
     """A step's episode metrics from its groups' figures (``Group.episodes``, joined)."""
     turns = sorted(figures.get("turns", []))
@@ -301,7 +396,13 @@ def episode_stats(figures: dict[str, list[float]]) -> dict[str, float]:
     def mean(key: str) -> float:
         return sum(figures[key]) / n
 
+    infos = {
+        f"env/{k[len('info/') :]}": finite
+        for k, values in figures.items()
+        if k.startswith("info/") and (finite := [v for v in values if not math.isnan(v)])
+    }
     return {
+        **{k: sum(v) / len(v) for k, v in infos.items()},
         "turns_mean": sum(turns) / n,
         "turns_p90": turns[max(math.ceil(0.9 * n) - 1, 0)],
         "turns_max": turns[-1],

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.tiny_text import tiny_tokenizer
+from helpers.episodes import CHAT, TOKENIZER, decode, ids, scripted_generate
 
 from rlix_async.config import ConfigError, PipelineConfig, convert
 from rlix_async.recipes.calculator import CalcError, Calculator, evaluate
@@ -31,35 +32,10 @@ from rlix_async.rollout.episodes import (
     pack,
     turns_of,
 )
-from rlix_async.shards.router import Trajectory
-
-TOKENIZER = tiny_tokenizer()
-CHAT = ChatTurns(TOKENIZER)
-
-
-def ids(text: str) -> list[int]:
-    return list(TOKENIZER(text, add_special_tokens=False)["input_ids"])
-
-
-def decode(tokens: list[int]) -> str:
-    return str(TOKENIZER.decode(tokens, skip_special_tokens=True))
-
-
-def scripted_generate(turns: list[str], seen: list[list[int]]) -> Any:
-    """Answers the n-th call with the n-th text's ids (version 3, log-prob -1 each) and
-    records the prompt ids it was given."""
-    calls = iter(turns)
-
-    async def generate(prompt_ids: list[int], max_tokens: int, **_: Any) -> Trajectory:
-        seen.append(list(prompt_ids))
-        out = ids(next(calls))[:max_tokens]
-        return Trajectory(list(prompt_ids), out, [-1.0] * len(out), [3] * len(out))
-
-    return generate
 
 
 class Echo:
-    """Replies 'got: ACTION'; done once the model says 'stop'; reward 1 per turn."""
+    """Replies 'got: ACTION'; done once the model says 'stop'; turn n is rewarded n."""
 
     def __init__(self, row: dict[str, Any], *, log: list[str] | None = None) -> None:
         self.row, self.log = row, log if log is not None else []
@@ -69,7 +45,7 @@ class Echo:
 
     async def step(self, action: str) -> StepResult:
         self.log.append(action)
-        return StepResult(f"got: {action}", 1.0, "stop" in action)
+        return StepResult(f"got: {action}", float(len(self.log)), "stop" in action)
 
 
 def runner(cls: type, **limits: Any) -> EpisodeRunner:
@@ -86,7 +62,7 @@ async def test_an_episode_keeps_the_models_tokens_and_masks_the_envs() -> None:
     seen: list[list[int]] = []
     r = runner(Echo, env_args={"log": log})
     ep = await r.run({"q": 7}, scripted_generate(["a b", "c", "stop"], seen))
-    assert ep.turns == 3 and ep.cut == "" and ep.reward == 3.0
+    assert ep.turns == 3 and ep.cut == "" and ep.reward == 1.0 + 2.0 + 3.0
     assert log == ["a b", "c", "stop"]  # the env got the model's text
     assert ep.prompt_ids == CHAT.first("Question 7")
     # each turn is generated over the episode so far, never a re-rendered history
@@ -115,13 +91,24 @@ async def test_an_episode_keeps_the_models_tokens_and_masks_the_envs() -> None:
 async def test_limits_cut_an_episode_and_say_which() -> None:
     r = runner(Echo, max_turns=2)
     ep = await r.run({"q": 1}, scripted_generate(["x", "y", "z"], []))
-    assert ep.turns == 2 and ep.cut == "max_turns" and ep.reward == 2.0
+    assert ep.turns == 2 and ep.cut == "max_turns" and ep.reward == 1.0 + 2.0
     assert ep.mask[-1] == 1  # no env reply after the last turn: nothing to answer
     r = runner(Echo, max_episode_tokens=12, max_tokens=8)
     ep = await r.run({"q": 1}, scripted_generate(["one two three"] * 4, []))
     assert ep.cut == "max_episode_tokens" and len(ep.token_ids) <= 12
-    ep = await runner(Echo, reward="last").run({"q": 1}, scripted_generate(["a", "stop"], []))
-    assert ep.reward == 1.0
+    ep = await runner(Echo, reward="last").run({"q": 1}, scripted_generate(["a", "b", "stop"], []))
+    assert ep.reward == 3.0  # the last step's, not the sum (6) nor the first (1)
+    # the context bounds a turn too: the engine would refuse a longer request
+    r = runner(Echo, context_tokens=len(CHAT.first("Question 1")) + 5, max_tokens=8)
+    seen: list[list[int]] = []
+    ep = await r.run({"q": 1}, scripted_generate(["one two three four five six"] * 3, seen))
+    assert (
+        ep.cut == "max_episode_tokens"
+        and len(ep.prompt_ids) + len(ep.token_ids) <= r.context_tokens
+    )
+    assert ep.mask[-1] == 1  # no env reply left dangling without room for a turn after it
+    with pytest.raises(EnvFailure, match="leaves no room to answer"):  # never a 0 reward
+        await runner(Echo, context_tokens=3).run({"q": 1}, scripted_generate(["a"], []))
 
 
 class Raises(Echo):
@@ -145,6 +132,13 @@ class Tuple(Echo):
         return None, 0.5, True
 
 
+class Gymnasium(Echo):
+    def step(self, action: str) -> Any:
+        import numpy as np
+
+        return "obs", 0.25, np.bool_(False), np.bool_(True), {}  # truncated: the end too
+
+
 async def test_a_failing_env_fails_its_episode_only_and_is_logged_once_with_its_row(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -162,6 +156,8 @@ async def test_a_failing_env_fails_its_episode_only_and_is_logged_once_with_its_
         await runner(WrongType).run({"q": 1}, scripted_generate(["a"], []))
     ep = await runner(Tuple).run({"q": 1}, scripted_generate(["a"], []))
     assert ep.reward == 0.5 and ep.turns == 1  # the gym-style tuple is accepted
+    ep = await runner(Gymnasium).run({"q": 1}, scripted_generate(["a"], []))
+    assert ep.reward == 0.25 and ep.turns == 1 and ep.cut == ""  # and gymnasium's, numpy bools
 
 
 def test_a_bad_env_is_one_line_at_load() -> None:
@@ -184,7 +180,7 @@ def test_an_env_pipeline_config_is_checked() -> None:
     }
     cfg = convert({**base, "env": "e.py:E", "max_turns": 3}, PipelineConfig, "cfg")
     assert cfg.env == "e.py:E" and cfg.max_turns == 3
-    with pytest.raises(ConfigError, match="an env scores its own episodes"):
+    with pytest.raises(ConfigError, match="reward and env: name one"):
         convert({**base, "env": "e.py:E", "reward": "exact_match"}, PipelineConfig, "cfg")
     with pytest.raises(ConfigError, match="env_args: needs env"):
         convert({**base, "reward": "exact_match", "env_args": {"a": 1}}, PipelineConfig, "cfg")
@@ -201,7 +197,9 @@ def test_episode_stats_are_means_a_p90_and_cut_counts() -> None:
         "cut_turns": [0.0] * 9 + [1.0],
         "cut_tokens": [0.0] * 10,
     }
+    figures["info/calls"] = [math.nan] * 9 + [4.0]  # reported by one episode's last step
     s = episode_stats(figures)
+    assert s["env/calls"] == 4.0  # the mean of those that reported it
     assert s["turns_mean"] == pytest.approx(1.9) and s["turns_p90"] == 1.0
     assert s["turns_max"] == 10.0 and s["cut_max_turns"] == 1.0
     assert episode_stats({}) == {}
@@ -227,6 +225,7 @@ def test_the_calculator_computes_arithmetic(expression: str, value: float) -> No
         ("+".join(["1"] * 40), "more than 64 parts"),
         ("99999999 * 99999999 * 99999999", "too large"),
         ("1 +", "not an arithmetic expression"),
+        ("\ud800", "not an arithmetic expression"),
     ],
 )
 def test_the_calculator_refuses_anything_else(expression: str, why: str) -> None:
@@ -254,7 +253,7 @@ async def test_the_calculator_runs_as_a_pipeline_env_from_its_module_path() -> N
     )
     row = {"question": "What is 12 + 30?", "answer": 42}
     ep = await r.run(row, scripted_generate(["<calc>12+30</calc>", "42"], []))
-    assert ep.turns == 2 and ep.reward == 1.0
+    assert ep.turns == 2 and ep.reward == 1.0 and ep.figures()["info/calls"] == 1.0
     assert "<result>42</result>" in turns_of(ep.token_ids, ep.mask, decode)[1]["env"]
 
 
@@ -264,6 +263,48 @@ def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(ChatError, match="needs a tokenizer with a chat template"):
         ChatTurns(Plain())
+
+
+async def test_a_timed_out_step_holds_an_env_thread_never_one_of_the_loops() -> None:
+    """Env threads are the runner's own (the loop's default pool runs the trainer's
+    steps): a stuck step is counted there, and frees its thread when it returns."""
+    r = runner(Slow, step_timeout_s=0.2, max_threads=2)
+    loop_pool = asyncio.get_running_loop()._default_executor  # type: ignore[attr-defined]
+    with pytest.raises(EnvFailure, match="took longer"):
+        await r.run({"q": 1}, scripted_generate(["a"], []))
+    assert r.stuck == 1 and asyncio.get_running_loop()._default_executor is loop_pool  # type: ignore[attr-defined]
+    await asyncio.sleep(1.2)
+    assert r.stuck == 0
+    r.close()
+
+
+def test_a_qwen3_style_template_renders_replies_from_a_user_only_base() -> None:
+    """Qwen3 renders the last assistant turn with an empty think block and earlier ones
+    without: the user-only base still renders replies exactly as the whole chat."""
+    import copy
+
+    tok = copy.deepcopy(TOKENIZER)
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and "
+        "loop.last %}<think>\n\n</think>\n\n{% endif %}{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    chat = ChatTurns(tok)
+    assert chat.base == [{"role": "user", "content": "?"}]
+    first, model = chat.first("Q"), tok("A<|im_end|>", add_special_tokens=False)["input_ids"]
+    whole = tok.apply_chat_template(
+        [
+            {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": "A"},
+            {"role": "user", "content": "R"},
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert tok.decode(first + model + chat.reply("R", model)) == whole
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ChatError, match="chat template failed"):
+        ChatTurns(tok)
 
 
 def test_steps_run_off_the_event_loop() -> None:
