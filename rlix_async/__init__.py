@@ -42,6 +42,8 @@ _EXPORTS = {
     "ReplayBuffer": "rlix_async.train.buffer",
     "TorchTrainer": "rlix_async.train.trainer",
     "StepResult": "rlix_async.rollout.episodes",
+    "AgentClient": "rlix_async.rollout.agents",
+    "EpisodeOver": "rlix_async.rollout.agents",
     "copy_first": "rlix_async.rollout.tasks",
     "target_tokens": "rlix_async.rollout.tasks",
     # the RPC layer underneath
@@ -63,6 +65,7 @@ _EXPORTS = {
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "AgentClient",
     "CacheRef",
     "CallContext",
     "CallTimeout",
@@ -74,6 +77,7 @@ __all__ = [
     "ConnectionLost",
     "Coordinator",
     "EngineConfig",
+    "EpisodeOver",
     "Group",
     "LaunchConfig",
     "Message",
@@ -134,6 +138,7 @@ if TYPE_CHECKING:
     from rlix_async.control.topology import ClusterShape, ClusterSpec
     from rlix_async.hooks import ClusterHooks, NoHooks, PipelineHooks
     from rlix_async.protocol import PROTOCOL_VERSION, Message, RpcError
+    from rlix_async.rollout.agents import AgentClient, EpisodeOver
     from rlix_async.rollout.episodes import StepResult
     from rlix_async.rollout.tasks import copy_first, target_tokens
     from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint

@@ -116,7 +116,7 @@ def _write(path: Path, cfg: msgspec.Struct) -> Path:
 
 def resolve_recipes(cfg: LaunchConfig) -> LaunchConfig:
     """Pipelines as every process reads them: the model directory, data files and a
-    reward file as absolute paths (``rlix-async export`` reads the model directory from
+    reward or env file as absolute paths, the engine's ``max_model_len`` (``rlix-async export`` reads the model directory from
     the pipeline's config, from wherever it runs), and ``max_prompt_tokens`` unset
     filled in with what the engine's context leaves after the response (longer prompts
     would fail in the engine)."""
@@ -133,13 +133,25 @@ def resolve_recipes(cfg: LaunchConfig) -> LaunchConfig:
                 max_prompt_tokens=p.data.max_prompt_tokens
                 or cfg.engine.max_model_len - p.rollout.max_tokens,
             )
-            reward = p.reward
-            where, sep, name = (reward or "").rpartition(":")
-            if sep and where.endswith(".py"):
-                reward = f"{Path(where).resolve()}:{name}"
-            p = msgspec.structs.replace(p, data=data, reward=reward)
+            reward, env, agent = (_absolute_file(spec) for spec in (p.reward, p.env, p.agent))
+            p = msgspec.structs.replace(
+                p,
+                data=data,
+                reward=reward,
+                env=env,
+                agent=agent,
+                max_model_len=cfg.engine.max_model_len,
+            )
         pipelines.append(p)
     return msgspec.structs.replace(cfg, pipelines=pipelines)
+
+
+def _absolute_file(spec: str | None) -> str | None:
+    """``path/file.py:name`` with an absolute path (processes run from other directories)."""
+    where, sep, name = (spec or "").rpartition(":")
+    if sep and where.endswith(".py"):
+        return f"{Path(where).resolve()}:{name}"
+    return spec
 
 
 def check_recipes(cfg: LaunchConfig) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from rlix_async.config.recipe import DataConfig, TargetTokensTask, TaskConfig
+from rlix_async.config.recipe import DataConfig, TargetTokensTask, TaskConfig, check_recipe
 from rlix_async.config.schema_base import Config, Endpoint, doc, invalid
 from rlix_async.config.training import TrainConfig
 from rlix_async.control.snapshot import Policy
@@ -380,6 +380,17 @@ class PipelineConfig(Config, frozen=True):
         ),
     ] = None
     env_args: Annotated[dict[str, Any], doc("Keyword arguments for the env's constructor.")] = {}
+    agent: Annotated[
+        str | None,
+        doc(
+            "With data, instead of env or reward: your own agent loop, 'file.py:function' "
+            "or 'package.module:function', called as await function(row, llm, "
+            "**agent_args) per episode; llm.start(first turn) gives a conversation whose "
+            "generate() samples the model's turn and add() appends a reply; it returns "
+            "the episode's reward."
+        ),
+    ] = None
+    agent_args: Annotated[dict[str, Any], doc("Keyword arguments for the agent function.")] = {}
     max_turns: Annotated[int, doc("Env episodes: model turns per episode, at most.", ge=1)] = 8
     max_episode_tokens: Annotated[
         int,
@@ -393,6 +404,10 @@ class PipelineConfig(Config, frozen=True):
         float,
         doc("Env episodes: a reset or step taking longer fails its episode (counted).", gt=0),
     ] = 30.0
+    max_model_len: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        doc("The engine's context: an episode never outgrows it. Set by the launcher."),
+    ] = None
     episode_reward: Annotated[
         Literal["sum", "last"],
         doc("Env episodes: the episode's reward is the sum of its step rewards, or the last."),
@@ -471,7 +486,7 @@ class PipelineConfig(Config, frozen=True):
                 f"{self.weights_endpoint}: shards on other nodes reach it on tcp://ADDRESS:PORT "
                 "(on one node they read shared memory: leave it unset)",
             )
-        self._check_recipe()
+        check_recipe(self)
 
     @property
     def token_task(self) -> TaskConfig | None:
@@ -479,44 +494,6 @@ class PipelineConfig(Config, frozen=True):
         if self.data is not None:
             return None
         return self.task or TargetTokensTask()
-
-    def _check_recipe(self) -> None:
-        if self.data is None:
-            text_only = {
-                "reward": self.reward,
-                "env": self.env,
-                "eval_every": self.eval_every,
-                "rollout.stop": self.rollout.stop,
-            }
-            for key, value in text_only.items():
-                if value:
-                    raise invalid(
-                        key, "needs data (a text recipe); token-id tasks score themselves"
-                    )
-            task = self.token_task
-            assert task is not None
-            if self.model.path is None and task.vocab > self.model.vocab_size:
-                raise invalid(
-                    "task.vocab",
-                    f"{task.vocab} exceeds the model's vocab_size {self.model.vocab_size}",
-                )
-            return
-        if self.task is not None:
-            raise invalid("task", "a pipeline trains on a token-id task or on data, not both")
-        if self.model.path is None:
-            raise invalid("model.path", "data needs a model directory with a tokenizer")
-        if self.env is not None and self.reward:
-            raise invalid("reward", "an env scores its own episodes (step rewards): drop reward")
-        if self.env_args and self.env is None:
-            raise invalid("env_args", "needs env (the environment class they are for)")
-        if not self.reward and self.env is None:
-            raise invalid(
-                "reward",
-                "data needs a reward ('module:function', 'file.py:function' or a built-in), "
-                "or an env",
-            )
-        if self.eval_every and self.data.eval is None:
-            raise invalid("eval_every", "needs data.eval (the evaluation prompts)")
 
 
 class LaunchConfig(Config, frozen=True):

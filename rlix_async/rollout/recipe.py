@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rlix_async.config import PipelineConfig
+from rlix_async.rollout.agents import AgentRunner, load_agent
 from rlix_async.rollout.chat import ChatError, ChatTurns
 from rlix_async.rollout.dataset import DataError, PromptDataset, PromptOrder
 from rlix_async.rollout.episodes import EnvError, EpisodeRunner, load_env
@@ -223,15 +224,18 @@ class Recipe:
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
+    def _runners(self) -> list[RewardRunner | EpisodeRunner]:
+        both = (self.runner, self.eval_runner, self.episodes, self.eval_episodes)
+        return list({id(r): r for r in both if r is not None}.values())
+
     def close(self) -> None:
-        for runner in (self.runner, self.eval_runner):
-            if runner is not None:
-                runner.close()
+        for runner in self._runners():
+            runner.close()
 
     @property
     def stuck(self) -> int:
-        """Reward calls that timed out and still hold a thread."""
-        return sum(r.stuck for r in (self.runner, self.eval_runner) if r is not None)
+        """Reward or env calls that timed out and still hold a thread."""
+        return sum(r.stuck for r in self._runners())
 
 
 def stop_token_ids(model_path: str, tokenizer: Any) -> list[int]:
@@ -251,7 +255,7 @@ def stop_token_ids(model_path: str, tokenizer: Any) -> list[int]:
 def load_recipe(cfg: PipelineConfig) -> Recipe:
     """Tokenizer, datasets and reward of a text recipe; RecipeError names what is wrong."""
     data = cfg.data
-    if data is None or cfg.model.path is None or not (cfg.reward or cfg.env):
+    if data is None or cfg.model.path is None or not (cfg.reward or cfg.env or cfg.agent):
         raise RecipeError(f"pipeline {cfg.id}: not a text recipe (data, model.path, reward)")
     model = Path(cfg.model.path)
     if not (model / "config.json").is_file():
@@ -296,25 +300,25 @@ def load_recipe(cfg: PipelineConfig) -> Recipe:
 
 
 def _episodes(cfg: PipelineConfig, tokenizer: Any, train: PromptDataset) -> EpisodeRunner:
-    assert cfg.env is not None and cfg.data is not None
+    """An env pipeline's runner of episodes, or an agent pipeline's."""
+    key = "env" if cfg.env else "agent"
+    limits: dict[str, Any] = {
+        "max_turns": cfg.max_turns,
+        "max_tokens": cfg.rollout.max_tokens,
+        "max_episode_tokens": cfg.max_episode_tokens,
+        "step_timeout_s": cfg.env_step_timeout_s,
+        "reward": cfg.episode_reward,
+        "context_tokens": cfg.max_model_len,
+    }
     try:
-        env = load_env(cfg.env, cfg.env_args)
         chat = ChatTurns(tokenizer)
+        if cfg.env is not None:
+            decode = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
+            return EpisodeRunner(load_env(cfg.env, cfg.env_args), chat, decode, **limits)
+        assert cfg.agent is not None
+        return AgentRunner(load_agent(cfg.agent, cfg.agent_args), chat, tokenizer, **limits)
     except (EnvError, ChatError) as exc:
-        raise RecipeError(f"env: {exc}") from None
-    limit = cfg.data.max_prompt_tokens
-    return EpisodeRunner(
-        env,
-        chat,
-        lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
-        max_turns=cfg.max_turns,
-        max_tokens=cfg.rollout.max_tokens,
-        max_episode_tokens=cfg.max_episode_tokens,
-        step_timeout_s=cfg.env_step_timeout_s,
-        reward=cfg.episode_reward,
-        # the launcher sets max_prompt_tokens to max_model_len - max_tokens
-        context_tokens=limit + cfg.rollout.max_tokens if limit is not None else None,
-    )
+        raise RecipeError(f"{key}: {exc}") from None
 
 
 def _one_line(exc: BaseException) -> str:

@@ -306,4 +306,9 @@ def test_the_launcher_resolves_recipe_paths_and_fills_max_prompt_tokens(
     assert a.data is not None and a.data.train == str(tmp_path / "d/train.jsonl")
     assert a.data.eval == str(tmp_path / "d/eval.jsonl") and a.data.max_prompt_tokens == 216
     assert a.reward == f"{tmp_path / 'rewards.py'}:score"
+    assert a.max_model_len == 256  # an env's episodes never outgrow the engine's context
     assert b.data is None and b.model.path is None  # a token-task pipeline as it was
+    env = {**text, "reward": None, "env": "envs/game.py:Game"}
+    cfg = convert({"pipelines": [_pipeline(**env)]}, LaunchConfig, "f")
+    (c,) = resolve_recipes(cfg).pipelines
+    assert c.env == f"{tmp_path / 'envs/game.py'}:Game"  # SLURM steps run from elsewhere
