@@ -156,6 +156,27 @@ def _preempt(args: argparse.Namespace) -> int:
     return 0 if r["lost_requests"] == 0 else 1
 
 
+def _episodes(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays JSON
+    from rlix_async.aio import run
+    from rlix_async.bench.episodes import format_episodes_result, run_episodes_bench
+    from rlix_async.models.pretrained import convert
+
+    model = args.model or str(convert("smollm2-135m-instruct"))
+    r = run(
+        run_episodes_bench(
+            model,
+            episodes=args.episodes,
+            turns=args.turns,
+            max_tokens=args.max_tokens,
+            kv_cache_mb=args.kv_cache_mb,
+        )
+    )
+    print(json.dumps(r, indent=2) if args.json else format_episodes_result(r))
+    return 0 if r["failed"] == 0 and r["heartbeat_gap_s_max"] < r["heartbeat_timeout_s"] else 1
+
+
 def _transparency(args: argparse.Namespace) -> int:
     import sys
 
@@ -314,6 +335,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--kv-cache-mb", type=positive_int, default=64, help="KV cache per engine (CPU)")
     _json_flag(p)
     p.set_defaults(func=_preempt)
+    p = bsub.add_parser(
+        "episodes",
+        help="many concurrent env episodes on one driver loop: loop lag, heartbeat gaps "
+        "(exit 1: an episode failed or a heartbeat gap reached the timeout)",
+    )
+    p.add_argument("--model", help="HF model directory with a chat template (default: SmolLM2)")
+    p.add_argument("--episodes", type=positive_int, default=1000, help="run at once")
+    p.add_argument("--turns", type=positive_int, default=3, help="model turns per episode")
+    p.add_argument("--max-tokens", type=positive_int, default=4, help="per turn")
+    p.add_argument("--kv-cache-mb", type=positive_int, default=1024, help="the engine's (CPU)")
+    _json_flag(p)
+    p.set_defaults(func=_episodes)
     p = bsub.add_parser(
         "transparency",
         help="the arithmetic recipe alone vs time-shared, per seed: data order, batch sizes, "

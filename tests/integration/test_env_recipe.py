@@ -24,21 +24,23 @@ ENV = '''
 import zlib
 from rlix_async import StepResult
 
-failed = []
+episodes = []
 
 
 class Guess:
-    """Three turns; the model's text is logged; scored by a hash of it (a gradient)."""
+    """Three turns; the model's text is logged; scored by a hash of it (a gradient).
+    Each episode's first turn names its own number: a group's prompts differ at the end."""
 
     def __init__(self, row, log):
         self.row, self.log, self.turn = row, log, 0
+        episodes.append(self)
+        self.n = len(episodes)
 
     def reset(self):
-        return "Guess a number for " + self.row["question"]
+        return "Guess a number for " + self.row["question"] + f" (game {'ABCDEFGH'[self.n % 8]})"
 
     async def step(self, action):
-        if self.row.get("explode") and not failed:  # one episode's env breaks, once
-            failed.append(1)
+        if self.n == 1:  # the very first episode's env breaks
             raise RuntimeError("the env broke on this row")
         self.turn += 1
         with open(self.log, "a") as fh:
@@ -82,7 +84,7 @@ def test_an_env_pipeline_trains_on_multi_turn_episodes(tmp_path: Path) -> None:
     env = tmp_path / "guess.py"
     env.write_text(ENV)
     log = tmp_path / "actions.log"
-    rows = [{"question": f"row {i}", "explode": i == 0} for i in range(4)]
+    rows = [{"question": f"row {i}"} for i in range(4)]
     out = tmp_path / "out"
     cfg = tmp_path / "env.yaml"
     cfg.write_text(
@@ -116,13 +118,32 @@ def test_an_env_pipeline_trains_on_multi_turn_episodes(tmp_path: Path) -> None:
     samples = [json.loads(line) for line in (out / pid / "samples.jsonl").read_text().splitlines()]
     assert samples
     for s in samples:
-        assert "Guess a number for row" in s["prompt"]  # the env's first turn, not the row's
+        # the env's first turn, not the row's; the group's common part, the rest masked
+        assert "Guess a number for row" in s["prompt"]
         kinds = [next(iter(t)) for t in s["turns"]]
-        assert kinds == ["model", "env", "model", "env", "model"]
-        assert "higher" in s["turns"][1]["env"] and "lower" in s["turns"][3]["env"]
+        assert kinds == ["env", "model", "env", "model", "env", "model"]
+        assert ")" in s["turns"][0]["env"]  # this episode's own game letter, masked
+        assert "higher" in s["turns"][2]["env"] and "lower" in s["turns"][4]["env"]
     evals = [r for r in metrics if "eval/reward" in r]
     assert sorted(r["step"] for r in evals) == [0, 2]
     assert all(r["eval/n"] == 2 and r["eval/failed"] == 0 for r in evals)
     pipeline_log = (out / "logs" / f"pipeline-{pid}.log").read_text()
-    assert "the env broke on this row" in pipeline_log and "'explode': True" in pipeline_log
+    assert "the env broke on this row" in pipeline_log and "'question': 'row" in pipeline_log
     assert "Traceback" in pipeline_log  # the first failure's, with its row
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_the_episodes_bench_runs_episodes_through_a_real_shard(tmp_path: Path) -> None:
+    """`rlix-async bench episodes` on a small scale: every episode through the router and
+    a vLLM shard, its turns counted, the loop's lag and the driver's heartbeat gap read."""
+    from rlix_async.aio import run
+    from rlix_async.bench.episodes import run_episodes_bench
+
+    model = save_tiny_model(tmp_path / "model", "llama", seed=5)
+    r = run(run_episodes_bench(str(model), episodes=40, turns=3, max_tokens=4, kv_cache_mb=16))
+    assert r["failed"] == 0 and r["episodes"] == 40
+    assert r["turns_per_s"] == pytest.approx(3 * r["episodes_per_s"], rel=0.05)
+    assert 0 < r["heartbeat_gap_s_max"] < r["heartbeat_timeout_s"]
+    assert 0 <= r["loop_lag_ms_p50"] <= r["loop_lag_ms_p99"] <= r["loop_lag_ms_max"]
