@@ -116,9 +116,9 @@ def check_recipe(p: PipelineConfig) -> None:
     if len(scorers) > 1:
         names = " and ".join(scorers)
         raise invalid(list(scorers)[-1], f"{names}: name one (an env or agent scores its own)")
-    for key, owner in (("env_args", p.env), ("agent_args", p.agent)):
+    for key, owner in (("env_args", p.env), ("env_workers", p.env), ("agent_args", p.agent)):
         if getattr(p, key) and owner is None:
-            raise invalid(key, f"needs {key.removesuffix('_args')} (what they are for)")
+            raise invalid(key, f"needs {key.split('_')[0]} (what they are for)")
     if not scorers:
         raise invalid(
             "reward",

@@ -380,6 +380,14 @@ class PipelineConfig(Config, frozen=True):
         ),
     ] = None
     env_args: Annotated[dict[str, Any], doc("Keyword arguments for the env's constructor.")] = {}
+    env_workers: Annotated[
+        int,
+        doc(
+            "Run each episode's env in one of N worker processes (CPU-heavy envs: their "
+            "steps would hold the driver's GIL). 0: in threads of the driver.",
+            ge=0,
+        ),
+    ] = 0
     agent: Annotated[
         str | None,
         doc(

@@ -38,6 +38,7 @@ from typing import Any
 
 from rlix_async.loading import LoadError, load_object
 from rlix_async.rollout.chat import ChatError, ChatTurns, Messages
+from rlix_async.rollout.env_workers import EnvProcesses, RemoteEnv
 from rlix_async.shards.router import Trajectory
 
 log = logging.getLogger("rlix_async.episodes")
@@ -162,6 +163,7 @@ class EpisodeRunner:
         reward: str = "sum",
         context_tokens: int | None = None,
         max_threads: int = 8,
+        processes: EnvProcesses | None = None,
     ) -> None:
         self.env = env  # None: an agent function runs the loop (rollout/agents.py)
         self.name = f"env {env.name}" if env is not None else ""
@@ -179,11 +181,19 @@ class EpisodeRunner:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_threads, "env")
         self._slots = asyncio.Semaphore(max_threads)  # a call's clock starts with its thread
         self.max_threads = max_threads
-        self.stuck = 0  # calls that timed out and still hold their thread
+        self._stuck = 0  # calls that timed out and still hold their thread
+        self.processes = processes  # env_workers: each episode's env in a worker process
+
+    @property
+    def stuck(self) -> int:
+        """Env calls that timed out and still run (in a thread, or a worker process)."""
+        return self._stuck + (sum(self.processes.stuck) if self.processes is not None else 0)
 
     def close(self) -> None:
-        """Shut the env threads down without waiting for calls still running."""
+        """Shut the env threads (and workers) down without waiting for calls still running."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.processes is not None:
+            self.processes.close()
 
     async def run(self, row: dict[str, Any], generate: Generate, **sampling: Any) -> Episode:
         """One episode on ``row``; ``generate`` is the router's (with ``sampling``)."""
@@ -192,7 +202,8 @@ class EpisodeRunner:
         busy: list[concurrent.futures.Future[Any]] = []  # the env's call still in a thread
         try:
             assert self.env is not None
-            env = await self._call("__init__", clock, busy, self.env.make, row)
+            build = self.env.make if self.processes is None else self.processes.build
+            env = await self._call("__init__", clock, busy, build, row)
             first = await self._call("reset", clock, busy, env.reset)
             episode = Episode(self.chat.first(first))
             rewards: list[float] = []
@@ -246,7 +257,9 @@ class EpisodeRunner:
             # never beside a call of the env's still running in its thread (a timed-out
             # step): that env is left to it
             idle = not busy or busy[-1].done()
-            if env is not None and idle and callable(getattr(env, "close", None)):
+            if isinstance(env, RemoteEnv):
+                env.release()  # closed in its worker, after any call still running there
+            elif env is not None and idle and callable(getattr(env, "close", None)):
                 try:
                     await self._call("close", clock, busy, env.close)
                 except EnvFailure as exc:
@@ -290,7 +303,7 @@ class EpisodeRunner:
                     return result
             finally:
                 if not future.done():  # timed out (or cancelled): its thread is held
-                    self.stuck += 1
+                    self._stuck += 1
                     future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._unstuck))
         except TimeoutError:
             if deadline.expired():
@@ -317,7 +330,7 @@ class EpisodeRunner:
             ) from None
 
     def _unstuck(self) -> None:
-        self.stuck -= 1
+        self._stuck -= 1
 
     def _check(self, result: Any) -> StepResult:
         """A StepResult, or a gym-style tuple: (observation, reward, done[, info]) or

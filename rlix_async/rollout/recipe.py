@@ -28,6 +28,7 @@ from rlix_async.config import PipelineConfig
 from rlix_async.rollout.agents import AgentRunner, load_agent
 from rlix_async.rollout.chat import ChatError, ChatTurns
 from rlix_async.rollout.dataset import DataError, PromptDataset, PromptOrder
+from rlix_async.rollout.env_workers import EnvProcesses
 from rlix_async.rollout.episodes import EnvError, EpisodeRunner, load_env
 from rlix_async.rollout.rewards import RewardError, RewardRunner, load_reward
 from rlix_async.rollout.tasks import Task, make_task
@@ -290,7 +291,10 @@ def load_recipe(cfg: PipelineConfig) -> Recipe:
     except DataError as exc:
         raise RecipeError(str(exc)) from None
     if reward is None:  # an env pipeline: one runner of episodes each for rollout and eval
-        runs = [_episodes(cfg, tokenizer, train) for _ in range(2 if evaluation else 1)]
+        processes = None
+        if cfg.env is not None and cfg.env_workers:  # shared: N workers in all
+            processes = EnvProcesses(cfg.env_workers, cfg.env, cfg.env_args)
+        runs = [_episodes(cfg, tokenizer, processes) for _ in range(2 if evaluation else 1)]
         return Recipe(tokenizer, train, evaluation, None, stops, None, runs[0], runs[-1])
     runner = RewardRunner(reward, timeout_s=cfg.reward_timeout_s)
     eval_runner = (
@@ -299,7 +303,7 @@ def load_recipe(cfg: PipelineConfig) -> Recipe:
     return Recipe(tokenizer, train, evaluation, runner, stops, eval_runner)
 
 
-def _episodes(cfg: PipelineConfig, tokenizer: Any, train: PromptDataset) -> EpisodeRunner:
+def _episodes(cfg: PipelineConfig, tokenizer: Any, processes: EnvProcesses | None) -> EpisodeRunner:
     """An env pipeline's runner of episodes, or an agent pipeline's."""
     key = "env" if cfg.env else "agent"
     limits: dict[str, Any] = {
@@ -314,7 +318,8 @@ def _episodes(cfg: PipelineConfig, tokenizer: Any, train: PromptDataset) -> Epis
         chat = ChatTurns(tokenizer)
         if cfg.env is not None:
             decode = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
-            return EpisodeRunner(load_env(cfg.env, cfg.env_args), chat, decode, **limits)
+            env = load_env(cfg.env, cfg.env_args)
+            return EpisodeRunner(env, chat, decode, processes=processes, **limits)
         assert cfg.agent is not None
         return AgentRunner(load_agent(cfg.agent, cfg.agent_args), chat, tokenizer, **limits)
     except (EnvError, ChatError) as exc:

@@ -1,0 +1,80 @@
+"""``env_workers: N``: each episode's env in a worker process (rollout/env_workers.py),
+its state kept there across the episode's calls; a worker that dies or hangs fails
+only its own episodes. Driven by ``scripted_generate`` (tests/helpers/episodes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.episodes import CHAT, decode, scripted_generate
+
+from rlix_async.rollout.env_workers import EnvProcesses
+from rlix_async.rollout.episodes import EnvFailure, EpisodeRunner, load_env
+
+ENV = """
+import os, time
+from rlix_async import StepResult
+
+
+class Counter:
+    def __init__(self, row):
+        self.row, self.turns = row, 0
+
+    def reset(self):
+        return "count"
+
+    async def step(self, action):
+        self.turns += 1  # state kept in the worker across the episode's calls
+        if self.row.get("die"):
+            os._exit(3)
+        if self.row.get("hang"):
+            time.sleep(2.0)
+        return StepResult("more", 1.0, self.turns == 3, {"pid": os.getpid()})
+"""
+
+
+def runner(tmp_path: Path, workers: int, **limits: Any) -> EpisodeRunner:
+    (tmp_path / "counter.py").write_text(ENV)
+    spec = f"{tmp_path / 'counter.py'}:Counter"
+    settings: dict[str, Any] = dict(
+        max_turns=5, max_tokens=8, max_episode_tokens=400, step_timeout_s=30.0
+    )
+    settings.update(limits)
+    processes = EnvProcesses(workers, spec, {})
+    return EpisodeRunner(load_env(spec), CHAT, decode, processes=processes, **settings)
+
+
+@pytest.mark.timeout(120)
+async def test_an_episodes_env_lives_in_one_worker_process(tmp_path: Path) -> None:
+    r = runner(tmp_path, 2)
+    try:
+        runs = [r.run({}, scripted_generate(["a", "b", "c"], [])) for _ in range(4)]
+        eps = await asyncio.gather(*runs)  # at once: spread over the workers by load
+    finally:
+        r.close()
+    assert all(e.turns == 3 and e.reward == 3.0 and e.cut == "" for e in eps)
+    pids = {e.info["pid"] for e in eps}
+    assert os.getpid() not in pids and len(pids) == 2  # spread over both workers
+
+
+@pytest.mark.timeout(120)
+async def test_a_worker_that_dies_or_hangs_fails_only_its_episodes(tmp_path: Path) -> None:
+    r = runner(tmp_path, 2, step_timeout_s=1.0)
+    try:
+        with pytest.raises(EnvFailure, match=r"step\(\) raised RuntimeError: env worker \d died"):
+            await r.run({"die": True}, scripted_generate(["a"], []))
+        ok = await r.run({}, scripted_generate(["a", "b", "c"], []))  # a new worker serves
+        assert ok.turns == 3
+        with pytest.raises(EnvFailure, match=r"step\(\) took longer than 1 s"):
+            await r.run({"hang": True}, scripted_generate(["a"], []))
+        assert r.stuck == 1
+        assert r.processes is not None
+        hung = r.processes.stuck.index(1)
+        ok = await r.run({}, scripted_generate(["a", "b", "c"], []))  # the other worker
+        assert ok.turns == 3 and r.processes.load[hung] == 0
+    finally:
+        r.close()
