@@ -17,6 +17,7 @@ episodes of a trivial env (async ``step``; ``turns`` turns each) through the rea
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 import uuid
@@ -25,6 +26,7 @@ from typing import Any
 
 from rlix_async.control.client import PipelineClient
 from rlix_async.control.coordinator import Coordinator
+from rlix_async.control.messages import driver_identity
 from rlix_async.control.topology import ClusterName, ClusterShape, ClusterSpec
 from rlix_async.rollout.chat import ChatTurns
 from rlix_async.rollout.episodes import Env, EpisodeRunner, StepResult
@@ -78,6 +80,7 @@ async def run_episodes_bench(
     driver = await PipelineClient.connect(co.endpoint, pipeline_id=pid, transport=transport)
     router = Router(driver)
     worker: ShardWorker | None = None
+    runner: EpisodeRunner | None = None
     lags: list[float] = []
     gaps: list[float] = []
     stop = asyncio.Event()
@@ -90,9 +93,11 @@ async def run_episodes_bench(
 
     async def watch_driver() -> None:
         while not stop.is_set():  # what the coordinator last heard from the driver
-            seen = [p.last_seen for i, p in co.server.peers.items() if pid in i]
-            if seen:
-                gaps.append(time.monotonic() - max(seen))
+            peer = co.server.peers.get(driver_identity(pid))
+            if peer is None:  # declared dead (or never there): the worst gap
+                gaps.append(math.inf)
+                return
+            gaps.append(time.monotonic() - peer.last_seen)
             await asyncio.sleep(0.05)
 
     try:
@@ -122,8 +127,9 @@ async def run_episodes_bench(
         wall = time.monotonic() - t0
         stop.set()
         await asyncio.gather(*probes)
-        runner.close()
     finally:
+        if runner is not None:
+            runner.close()
         stop.set()
         await router.close()
         if worker is not None:

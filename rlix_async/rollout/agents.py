@@ -16,8 +16,11 @@ pipeline's: ``max_turns``, ``max_episode_tokens``, the engine's context and
 ``rollout.max_tokens`` per turn. A ``generate`` past a limit raises
 :class:`EpisodeOver`; uncaught, it ends the episode with ``chat.reward`` (0 unless
 the agent set it). The agent's own time between model turns is bounded by
-``env_step_timeout_s``; an agent that raises, overruns or returns a non-number fails
-its episode only (counted; the first logged with its row and traceback).
+``env_step_timeout_s`` (checked as it runs: a blocking stretch of its own cannot be
+interrupted, only failed once it yields); an agent that raises, overruns or returns a
+non-number fails its episode only (counted; the first logged with its row and
+traceback). A request that fails in the router fails the episode as any request
+does. One ``generate`` at a time.
 """
 
 from __future__ import annotations
@@ -38,6 +41,15 @@ from rlix_async.rollout.episodes import EnvError, EnvFailure, Episode, EpisodeRu
 
 class EpisodeOver(Exception):
     """A limit ended the episode: no more model turns."""
+
+
+class _GenerateFailed(Exception):
+    """The router's error inside an agent's ``generate``: raised again as itself, so it
+    counts as a failed request (as in any pipeline), not as the agent's failure."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,10 @@ class Conversation:
         """The model's next turn, as text; EpisodeOver once a limit leaves no room."""
         llm, episode = self.llm, self.episode
         runner = llm.runner
+        if llm.closed:
+            raise RuntimeError("the episode is over: generate() after it ended")
+        if llm.generating:  # two turns sampled from one prefix would both be trained on
+            raise RuntimeError("one model turn at a time: generate() while one runs")
         if episode.turns >= runner.max_turns:
             episode.cut = "max_turns"
             raise EpisodeOver("max_turns")
@@ -93,6 +109,8 @@ class Conversation:
             turn = await llm.generate(
                 episode.prompt_ids + episode.token_ids, budget, **llm.sampling
             )
+        except Exception as exc:
+            raise _GenerateFailed(exc) from exc
         finally:
             llm.generating = False
             llm.idle_since = time.monotonic()
@@ -125,6 +143,7 @@ class AgentClient:
         self.sampling = sampling
         self.conversation: Conversation | None = None
         self.generating = False
+        self.closed = False  # the episode ended: generate() refuses
         self.idle_since = time.monotonic()
 
     def start(self, first: str | Messages | list[int]) -> Conversation:
@@ -160,6 +179,8 @@ class AgentRunner(EpisodeRunner):
     async def run(self, row: dict[str, Any], generate: Generate, **sampling: Any) -> Episode:
         llm = AgentClient(self, generate, sampling)
         task = asyncio.ensure_future(self.agent.fn(row, llm, **self.agent.args))
+        # whatever it ends with is read here or below: never "exception never retrieved"
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
             result = await self._watch(task, llm)
         except (EnvFailure, ChatError) as exc:
@@ -167,6 +188,7 @@ class AgentRunner(EpisodeRunner):
             self._failed(failure, row)
             raise failure from None
         finally:
+            llm.closed = True  # an agent that swallows the cancel cannot go on sampling
             task.cancel()
         conversation = llm.conversation
         if conversation is None or not conversation.episode.turns:
@@ -185,7 +207,8 @@ class AgentRunner(EpisodeRunner):
             done, _ = await asyncio.wait({task}, timeout=wait)
             if done:
                 break
-            if not llm.generating and time.monotonic() - llm.idle_since >= self.step_timeout_s:
+            idle = time.monotonic() - llm.idle_since
+            if not llm.generating and idle >= self.step_timeout_s and not task.done():
                 raise EnvFailure(
                     f"{self.name}: more than {self.step_timeout_s:g} s of its own "
                     "between model turns"
@@ -194,6 +217,8 @@ class AgentRunner(EpisodeRunner):
             result = task.result()
         except EpisodeOver:
             return None  # a limit ended it: the conversation's reward stands
+        except _GenerateFailed as exc:
+            raise exc.error from None  # the request failed, as any pipeline's can
         except Exception as exc:
             raise EnvFailure(f"{self.name}: raised {type(exc).__name__}: {exc}") from exc
         ok = result is None or (

@@ -4,13 +4,16 @@ A plain env method runs in a thread of the driver process, and a CPU-bound one
 holds the GIL while it runs: the driver's event loop (its heartbeats, every other
 episode's turns) waits behind it. With ``env_workers: N`` each episode's env lives
 in one of N worker processes (spawned, each a one-process pool) for its whole
-episode, and every call (build, reset, step, close) runs there: ``async def``
-methods in an event loop of that call's own. Arguments and results cross as
-pickles over the pools' pipes, between this process and its own children only.
+episode, and every call (build, reset, step, close) runs there; ``async def``
+methods run on that worker's own event loop, the same one for every call.
+Arguments and results cross as pickles over the pools' pipes, between this process
+and its own children only.
 
-An episode goes to the least-loaded worker that is not stuck (a call that timed
-out and still runs there). A worker that dies fails the calls it had; its pool is
-replaced for the episodes after.
+An episode goes to the least-loaded worker. A call past ``env_step_timeout_s`` (its
+time queued behind the worker's other calls included) is cancelled if it has not
+started; one that runs is stopped by killing its worker, which fails that worker's
+other episodes too, and a new worker takes its place. A worker that dies the same
+way fails only the episodes it held.
 """
 
 from __future__ import annotations
@@ -21,14 +24,19 @@ import contextlib
 import inspect
 import itertools
 import multiprocessing
+import os
+import signal
+import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 _ENVS: dict[int, Any] = {}  # in a worker: its episodes' envs, by episode number
+_LOOP: asyncio.AbstractEventLoop | None = None  # in a worker: its envs' event loop
 
 
 def _in_worker(spec: str, env_args: dict[str, Any], episode: int, method: str, arg: Any) -> Any:
     """One env call, in a worker process."""
+    global _LOOP
     if method == "__init__":
         from rlix_async.loading import load_object
 
@@ -42,12 +50,32 @@ def _in_worker(spec: str, env_args: dict[str, Any], episode: int, method: str, a
         fn = getattr(_ENVS[episode], method)
         result = fn() if method == "reset" else fn(arg)
     if inspect.isawaitable(result):
-        result = asyncio.run(_awaited(result))
+        if _LOOP is None:  # one loop for every call: an env's sessions and locks live on
+            _LOOP = asyncio.new_event_loop()
+        result = _LOOP.run_until_complete(_awaited(result))
     return result
 
 
 async def _awaited(result: Any) -> Any:
     return await result
+
+
+class WorkerDied(RuntimeError):
+    """The worker process holding an episode's env is gone (or was stopped)."""
+
+
+class _Worker:
+    """One worker process: a one-process pool, and that process's pid once known."""
+
+    def __init__(self, context: Any) -> None:
+        self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context)
+        self.pid = self.pool.submit(os.getpid)  # to stop a call that will not return
+
+    def kill(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.pid.done() and self.pid.exception() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid.result(), signal.SIGKILL)
 
 
 class EnvProcesses:
@@ -56,21 +84,19 @@ class EnvProcesses:
     def __init__(self, workers: int, spec: str, env_args: dict[str, Any]) -> None:
         self.spec, self.env_args = spec, dict(env_args)
         self._context = multiprocessing.get_context("spawn")  # no fork of a threaded driver
-        self.pools = [self._pool() for _ in range(workers)]
+        self.workers = [_Worker(self._context) for _ in range(workers)]
         self.load = [0] * workers  # episodes on each
-        self.stuck = [0] * workers  # calls that timed out and still run there
-        self._where: dict[int, int] = {}
+        self.replaced = 0  # workers killed or dead, and replaced
+        self._where: dict[int, tuple[int, _Worker]] = {}
         self._numbers = itertools.count()
-
-    def _pool(self) -> concurrent.futures.ProcessPoolExecutor:
-        return concurrent.futures.ProcessPoolExecutor(1, mp_context=self._context)
+        self._closed = False
 
     async def build(self, row: dict[str, Any]) -> RemoteEnv:
-        """A new episode's env, built in the least-loaded worker that is not stuck."""
+        """A new episode's env, built in the least-loaded worker."""
         episode = next(self._numbers)
-        worker = min(range(len(self.pools)), key=lambda w: (self.stuck[w] > 0, self.load[w], w))
-        self._where[episode] = worker
-        self.load[worker] += 1
+        index = min(range(len(self.workers)), key=lambda w: (self.load[w], w))
+        self._where[episode] = (index, self.workers[index])
+        self.load[index] += 1
         env = RemoteEnv(self, episode)
         try:
             await self.call(episode, "__init__", row)
@@ -80,40 +106,57 @@ class EnvProcesses:
         return env
 
     async def call(self, episode: int, method: str, arg: Any = None) -> Any:
-        worker = self._where[episode]
-        pool = self.pools[worker]
+        index, worker = self._where[episode]
+        if self.workers[index] is not worker:
+            raise WorkerDied(f"env worker {index} was replaced, with this episode's env")
         try:
-            future = pool.submit(_in_worker, self.spec, self.env_args, episode, method, arg)
-        except BrokenProcessPool:
-            self.pools[worker] = self._pool()  # a dead worker: a new one for later episodes
-            raise RuntimeError(f"env worker {worker} died") from None
+            future = worker.pool.submit(_in_worker, self.spec, self.env_args, episode, method, arg)
+        except (BrokenProcessPool, RuntimeError):
+            self._replace(index, worker)
+            raise WorkerDied(f"env worker {index} died") from None
         try:
             return await asyncio.shield(asyncio.wrap_future(future))
         except BrokenProcessPool:
-            if self.pools[worker] is pool:
-                self.pools[worker] = self._pool()
-            raise RuntimeError(f"env worker {worker} died during {method}()") from None
+            self._replace(index, worker)
+            raise WorkerDied(f"env worker {index} died during {method}()") from None
         finally:
-            if not future.done():  # timed out (or cancelled) while it runs there
-                self.stuck[worker] += 1
-                loop = asyncio.get_running_loop()
-                future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._unstuck, worker))
+            # timed out (or cancelled): a queued call is dropped; one that runs can only
+            # be stopped with its process
+            if not future.done() and not future.cancel():
+                self._replace(index, worker)
 
-    def _unstuck(self, worker: int) -> None:
-        self.stuck[worker] -= 1
+    def _replace(self, index: int, worker: _Worker) -> None:
+        if self.workers[index] is not worker or self._closed:
+            return
+        worker.kill()
+        self.workers[index] = _Worker(self._context)
+        self.replaced += 1
 
     def release(self, episode: int) -> None:
-        """The episode is over: its env is closed there when its worker gets to it."""
-        worker = self._where.pop(episode, None)
-        if worker is None:
+        """The episode is over: its env is closed in its worker, after the calls there."""
+        index, worker = self._where.pop(episode, (None, None))
+        if index is None or worker is None:
             return
-        self.load[worker] -= 1
-        with contextlib.suppress(BrokenProcessPool):  # a dead worker took its envs along
-            self.pools[worker].submit(_in_worker, self.spec, self.env_args, episode, "close", None)
+        self.load[index] -= 1
+        if self.workers[index] is worker and not self._closed:
+            with contextlib.suppress(BrokenProcessPool, RuntimeError):  # gone, its envs too
+                worker.pool.submit(_in_worker, self.spec, self.env_args, episode, "close", None)
 
-    def close(self) -> None:
-        for pool in self.pools:
-            pool.shutdown(wait=False, cancel_futures=True)
+    def close(self, grace_s: float = 5.0) -> None:
+        """Let the workers run the closes they have queued, for ``grace_s`` at most, then
+        stop them: a call that never returns must not hold the pipeline's exit."""
+        self._closed = True
+        markers = []
+        for worker in self.workers:
+            with contextlib.suppress(BrokenProcessPool, RuntimeError):
+                markers.append(worker.pool.submit(os.getpid))  # done once the queue is
+            worker.pool.shutdown(wait=False)
+        deadline = time.monotonic() + grace_s
+        for marker in markers:
+            with contextlib.suppress(Exception):
+                marker.result(timeout=max(deadline - time.monotonic(), 0.0))
+        for worker in self.workers:
+            worker.kill()
 
 
 class RemoteEnv:

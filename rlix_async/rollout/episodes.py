@@ -186,8 +186,9 @@ class EpisodeRunner:
 
     @property
     def stuck(self) -> int:
-        """Env calls that timed out and still run (in a thread, or a worker process)."""
-        return self._stuck + (sum(self.processes.stuck) if self.processes is not None else 0)
+        """Env calls that timed out and still hold a thread (a worker process's are
+        stopped with it: rollout/env_workers.py)."""
+        return self._stuck
 
     def close(self) -> None:
         """Shut the env threads (and workers) down without waiting for calls still running."""

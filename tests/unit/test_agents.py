@@ -171,3 +171,27 @@ def test_an_agent_pipeline_loads_its_agent_before_any_process_starts(tmp_path: P
         load_recipe(
             convert({**raw, "agent": f"{tmp_path / 'plain.py'}:solve"}, PipelineConfig, "c")
         )
+
+
+async def two_at_once(row: dict[str, Any], llm: AgentClient) -> float:
+    chat = llm.start("q")
+    await asyncio.gather(chat.generate(), chat.generate())
+    return 1.0
+
+
+async def test_one_turn_at_a_time_and_router_errors_stay_router_errors() -> None:
+    async def slow(prompt_ids: list[int], max_tokens: int, **_: Any) -> Any:
+        await asyncio.sleep(0.1)
+        return await scripted_generate(["a"], [])(prompt_ids, max_tokens)
+
+    # two turns from one prefix would both be trained on: refused
+    with pytest.raises(EnvFailure, match="one model turn at a time"):
+        await runner(two_at_once).run({}, slow)
+
+    async def broken(prompt_ids: list[int], max_tokens: int, **_: Any) -> Any:
+        raise ConnectionError("shard gone")
+
+    r = runner(tool_agent)
+    with pytest.raises(ConnectionError, match="shard gone"):  # a failed request, as anywhere
+        await r.run({"question": "q"}, broken)
+    assert r.failures == 0

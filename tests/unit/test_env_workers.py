@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,17 +65,54 @@ async def test_an_episodes_env_lives_in_one_worker_process(tmp_path: Path) -> No
 @pytest.mark.timeout(120)
 async def test_a_worker_that_dies_or_hangs_fails_only_its_episodes(tmp_path: Path) -> None:
     r = runner(tmp_path, 2, step_timeout_s=1.0)
+    assert r.processes is not None
     try:
-        with pytest.raises(EnvFailure, match=r"step\(\) raised RuntimeError: env worker \d died"):
+        with pytest.raises(EnvFailure, match=r"step\(\) raised WorkerDied: env worker \d died"):
             await r.run({"die": True}, scripted_generate(["a"], []))
         ok = await r.run({}, scripted_generate(["a", "b", "c"], []))  # a new worker serves
-        assert ok.turns == 3
+        assert ok.turns == 3 and r.processes.replaced == 1
+        pids = [w.pid.result() for w in r.processes.workers]
+        hung = asyncio.ensure_future(r.run({"hang": True}, scripted_generate(["a"], [])))
+        await asyncio.sleep(0.3)  # the hanging episode holds worker 0; another runs beside
+        other = await r.run({}, scripted_generate(["a", "b", "c"], []))
         with pytest.raises(EnvFailure, match=r"step\(\) took longer than 1 s"):
-            await r.run({"hang": True}, scripted_generate(["a"], []))
-        assert r.stuck == 1
-        assert r.processes is not None
-        hung = r.processes.stuck.index(1)
-        ok = await r.run({}, scripted_generate(["a", "b", "c"], []))  # the other worker
-        assert ok.turns == 3 and r.processes.load[hung] == 0
+            await hung
+        assert r.processes.replaced == 2  # its worker was stopped, and replaced
+        assert other.turns == 3 and other.info["pid"] == pids[1]  # not the hung worker's
+        after = await r.run({}, scripted_generate(["a", "b", "c"], []))
+        assert after.turns == 3 and r.stuck == 0 and r.processes.load == [0, 0]
     finally:
         r.close()
+
+
+@pytest.mark.timeout(120)
+def test_closing_stops_a_worker_whose_call_never_returns(tmp_path: Path) -> None:
+    """A hung env call must not hold the pipeline's exit (the pool's exit handler joins
+    its workers): close() stops what is still running after its grace."""
+    r = runner(tmp_path, 1, step_timeout_s=60.0)
+    assert r.processes is not None
+    processes = r.processes
+
+    async def start() -> None:
+        episode = asyncio.ensure_future(r.run({"hang": True}, scripted_generate(["a"], [])))
+        await asyncio.sleep(1.0)  # in its step, in the worker
+        episode.cancel()
+
+    asyncio.run(start())
+    t0 = time.monotonic()
+    processes.close(grace_s=0.5)
+    assert time.monotonic() - t0 < 3.0
+    pid = processes.workers[0].pid.result()
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as fh:  # a zombie (exited, not yet reaped) is gone
+        return fh.read().split()[2] != "Z"
