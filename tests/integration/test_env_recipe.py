@@ -25,22 +25,27 @@ import zlib
 from rlix_async import StepResult
 
 episodes = []
+broke = set()
 
 
 class Guess:
     """Three turns; the model's text is logged; scored by a hash of it (a gradient).
-    Each episode's first turn names its own number: a group's prompts differ at the end."""
+    Each episode's first turn names its own number: a group's prompts differ at the end.
+    The first episode of each training-only row ("row 0", "row 3") breaks."""
 
     def __init__(self, row, log):
         self.row, self.log, self.turn = row, log, 0
         episodes.append(self)
         self.n = len(episodes)
+        self.breaks = row["question"] in ("row 0", "row 3") and row["question"] not in broke
+        if self.breaks:
+            broke.add(row["question"])
 
     def reset(self):
         return "Guess a number for " + self.row["question"] + f" (game {'ABCDEFGH'[self.n % 8]})"
 
     async def step(self, action):
-        if self.n == 1:  # the very first episode's env breaks
+        if self.breaks:
             raise RuntimeError("the env broke on this row")
         self.turn += 1
         with open(self.log, "a") as fh:
@@ -112,7 +117,9 @@ def test_an_env_pipeline_trains_on_multi_turn_episodes(tmp_path: Path) -> None:
         assert r["turns_mean"] == 3.0 and r["turns_max"] == 3.0 and r["cut_max_turns"] == 0
         assert r["episode_model_tokens"] > 3 and r["episode_env_tokens"] > 0
         assert r["skipped_updates"] == 0 and r["grad_norm"] > 0
-    assert steps[-1]["env_failed"] == 1  # counted; its group trained on the other two
+    # counted (not every row's group need be back by the last step); groups train on
+    # the two episodes left
+    assert 1 <= steps[-1]["env_failed"] <= 2
     actions = log.read_text().splitlines()
     assert len(actions) >= 2 * 2 * 3 * 3  # the env got every model turn's text
     samples = [json.loads(line) for line in (out / pid / "samples.jsonl").read_text().splitlines()]
