@@ -335,6 +335,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--kv-cache-mb", type=positive_int, default=64, help="KV cache per engine (CPU)")
     _json_flag(p)
     p.set_defaults(func=_preempt)
+    _register_episodes(bsub)
+    p = bsub.add_parser(
+        "transparency",
+        help="the arithmetic recipe alone vs time-shared, per seed: data order, batch sizes, "
+        "staleness, eval curves (exit 1: time-sharing changed the recipe)",
+    )
+    p.add_argument("--out", default="rlix-transparency", help="one directory per run in here")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="two at least")
+    p.add_argument("--steps", type=positive_int, default=8, help="recipe steps per run")
+    p.add_argument("--eval-every", type=positive_int, default=2)
+    _json_flag(p)
+    p.set_defaults(func=_transparency)
+
+
+def _register_episodes(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = bsub.add_parser(
         "episodes",
         help="many concurrent env episodes on one driver loop: loop lag, heartbeat gaps "
@@ -347,14 +362,3 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--kv-cache-mb", type=positive_int, default=1024, help="the engine's (CPU)")
     _json_flag(p)
     p.set_defaults(func=_episodes)
-    p = bsub.add_parser(
-        "transparency",
-        help="the arithmetic recipe alone vs time-shared, per seed: data order, batch sizes, "
-        "staleness, eval curves (exit 1: time-sharing changed the recipe)",
-    )
-    p.add_argument("--out", default="rlix-transparency", help="one directory per run in here")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="two at least")
-    p.add_argument("--steps", type=positive_int, default=8, help="recipe steps per run")
-    p.add_argument("--eval-every", type=positive_int, default=2)
-    _json_flag(p)
-    p.set_defaults(func=_transparency)
