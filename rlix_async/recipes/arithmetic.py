@@ -13,9 +13,10 @@ too little signal for a 135M model to learn from in minutes on two CPU cores.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
+
+from rlix_async.recipes import write_splits
 
 QUESTION = "What is {a} + {b}? Answer with just the number."
 DIGITS = (1, 1)
@@ -44,15 +45,11 @@ def write_data(
         raise ValueError(f"only {len(pairs)} distinct sums: fewer eval rows or more digits")
     train = [rest[i % len(rest)] for i in range(train_rows)]  # repeats when too few
     rng.shuffle(train)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = out / "train.jsonl", out / "eval.jsonl"
-    for path, rows in zip(paths, (train, held_out), strict=True):
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "w") as fh:
-            for a, b in rows:
-                fh.write(json.dumps({"prompt": QUESTION.format(a=a, b=b), "answer": a + b}) + "\n")
-        tmp.replace(path)  # a reader never sees half a file
-    return paths
+
+    def rows(pairs: list[tuple[int, int]]) -> list[dict[str, object]]:
+        return [{"prompt": QUESTION.format(a=a, b=b), "answer": a + b} for a, b in pairs]
+
+    return write_splits(out, rows(train), rows(held_out))
 
 
 def main() -> None:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import operator
 import random
 import re
 from pathlib import Path
 from typing import Any
 
+from rlix_async.recipes import write_splits
 from rlix_async.rollout.episodes import StepResult
 from rlix_async.rollout.rewards import answers_equal, final_answer
 
@@ -134,15 +134,11 @@ def write_data(
     rng = random.Random(seed)
     rng.shuffle(questions)
     held_out, rest = questions[:eval_rows], questions[eval_rows : eval_rows + train_rows]
-    out.mkdir(parents=True, exist_ok=True)
-    paths = out / "train.jsonl", out / "eval.jsonl"
-    for path, rows in zip(paths, (rest, held_out), strict=True):
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "w") as fh:
-            for question, answer in rows:
-                fh.write(json.dumps({"question": question, "answer": answer}) + "\n")
-        tmp.replace(path)  # a reader never sees half a file
-    return paths
+
+    def rows(items: list[tuple[str, int]]) -> list[dict[str, object]]:
+        return [{"question": question, "answer": answer} for question, answer in items]
+
+    return write_splits(out, rows(rest), rows(held_out))
 
 
 def main() -> None:

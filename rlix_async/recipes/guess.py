@@ -13,11 +13,11 @@ Reward 1 for finding the number, less 0.05 a turn after the first; 0 if
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
 from typing import Any
 
+from rlix_async.recipes import write_splits
 from rlix_async.rollout.episodes import StepResult
 from rlix_async.rollout.rewards import final_answer
 
@@ -67,17 +67,15 @@ def write_data(
     """``out/train.jsonl`` and ``out/eval.jsonl``: the same arguments, the same files.
     The ``question`` field names the game (the dataset's prompt key); the env reads the rest."""
     rng = random.Random(seed)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = out / "train.jsonl", out / "eval.jsonl"
-    for path, n in zip(paths, (train_rows, eval_rows), strict=True):
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "w") as fh:
-            for _ in range(n):
-                target = rng.randint(1, high)
-                row = {"question": f"guess 1..{high}", "target": target, "low": 1, "high": high}
-                fh.write(json.dumps(row) + "\n")
-        tmp.replace(path)  # a reader never sees half a file
-    return paths
+
+    def rows(n: int) -> list[dict[str, object]]:
+        return [
+            {"question": f"guess 1..{high}", "target": rng.randint(1, high), "low": 1, "high": high}
+            for _ in range(n)
+        ]
+
+    train = rows(train_rows)  # drawn first: the same seed, the same files
+    return write_splits(out, train, rows(eval_rows))
 
 
 def main() -> None:
