@@ -34,9 +34,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlix_async.loading import LoadError, load_object
 from rlix_async.rollout.chat import ChatError, ChatTurns, Messages
-from rlix_async.rollout.episodes import EnvError, EnvFailure, Episode, EpisodeRunner, Generate
+from rlix_async.rollout.episodes import (
+    EnvError,
+    EnvFailure,
+    Episode,
+    EpisodeRunner,
+    Generate,
+    load_user_object,
+)
 
 
 class EpisodeOver(Exception):
@@ -62,12 +68,7 @@ class Agent:
 def load_agent(spec: str, agent_args: dict[str, Any] | None = None) -> Agent:
     """The ``async def`` function ``spec`` names, callable as ``fn(row, llm, **agent_args)``."""
     args = dict(agent_args or {})
-    try:
-        fn = load_object(spec)
-    except LoadError as exc:
-        raise EnvError(f"cannot load agent: {' '.join(str(exc).split())}") from None
-    except Exception as exc:  # a module that fails while importing: still a config error
-        raise EnvError(f"cannot load agent {spec!r}: {type(exc).__name__}: {exc}") from None
+    fn = load_user_object(spec, "agent")
     if not inspect.iscoroutinefunction(fn):
         raise EnvError(f"agent {spec!r} must be an async def function")
     try:

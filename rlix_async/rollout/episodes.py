@@ -75,16 +75,22 @@ class Env:
         return self.cls(row, **self.args)
 
 
+def load_user_object(spec: str, what: str) -> Any:
+    """The object ``spec`` names (``rlix_async.loading``); EnvError (one line) if it does
+    not load, a module failing while it imports included."""
+    try:
+        return load_object(spec)
+    except LoadError as exc:
+        raise EnvError(f"cannot load {what}: {' '.join(str(exc).split())}") from None
+    except Exception as exc:
+        raise EnvError(f"cannot load {what} {spec!r}: {type(exc).__name__}: {exc}") from None
+
+
 def load_env(spec: str, env_args: dict[str, Any] | None = None) -> Env:
     """The class ``spec`` names, checked to have ``reset`` and ``step`` and to be
     constructible as ``Class(row, **env_args)``; EnvError (one line) otherwise."""
     args = dict(env_args or {})
-    try:
-        cls = load_object(spec)
-    except LoadError as exc:
-        raise EnvError(f"cannot load env: {' '.join(str(exc).split())}") from None
-    except Exception as exc:  # a module that fails while importing: still a config error
-        raise EnvError(f"cannot load env {spec!r}: {type(exc).__name__}: {exc}") from None
+    cls = load_user_object(spec, "env")
     if not isinstance(cls, type):
         raise EnvError(f"env {spec!r} is a {type(cls).__name__}, not a class")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
