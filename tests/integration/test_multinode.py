@@ -142,11 +142,12 @@ def test_two_pipelines_train_across_hosts_and_one_survives_losing_a_host(tmp_pat
 
         # Another host's view of the cluster: with the run's keys it is served...
         status = [*CLI, "status", "--endpoint", coordinator]
+        # (the table, whoever is in it: near may have finished its steps already)
         seen = hosts.run(hosts[1], [*status, "--keys", str(keys)])
-        assert "near" in seen, seen
+        assert "plans applied" in seen, seen
         # ... with keys the coordinator never authorized, it gets nothing.
         refused = hosts.run(hosts[1], [*status, "--keys", str(wrong)], timeout=120)
-        assert "near" not in refused and "error" in refused.lower(), refused
+        assert "plans applied" not in refused and "error" in refused.lower(), refused
 
         _wait("far's leases to expire", lambda: any(
             e["ev"] == "unregister" and e["pipeline"] == "far"
