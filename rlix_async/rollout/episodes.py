@@ -39,6 +39,7 @@ from typing import Any
 from rlix_async.loading import LoadError, load_object
 from rlix_async.rollout.chat import ChatError, ChatTurns, Messages
 from rlix_async.rollout.env_workers import EnvProcesses, RemoteEnv
+from rlix_async.rollout.threads import BoundedThreads, NoFreeThread
 from rlix_async.shards.router import Trajectory
 
 log = logging.getLogger("rlix_async.episodes")
@@ -184,21 +185,18 @@ class EpisodeRunner:
         self.failures = 0
         # plain env methods run in threads of their own: never in the loop's default pool,
         # which the trainer's steps and checkpoints use (a stuck env would stall training)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_threads, "env")
-        self._slots = asyncio.Semaphore(max_threads)  # a call's clock starts with its thread
-        self.max_threads = max_threads
-        self._stuck = 0  # calls that timed out and still hold their thread
+        self._threads = BoundedThreads(max_threads, "env")  # a call's clock starts with its thread
         self.processes = processes  # env_workers: each episode's env in a worker process
 
     @property
     def stuck(self) -> int:
         """Env calls that timed out and still hold a thread (a worker process's are
         stopped with it: rollout/env_workers.py)."""
-        return self._stuck
+        return self._threads.stuck
 
     def close(self) -> None:
         """Shut the env threads (and workers) down without waiting for calls still running."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._threads.close()
         if self.processes is not None:
             self.processes.close()
 
@@ -296,12 +294,12 @@ class EpisodeRunner:
             if inspect.iscoroutinefunction(fn):
                 async with asyncio.timeout(self.step_timeout_s) as deadline:
                     return await fn(*args)
-            await self._free_thread()
+            try:  # bounded: timed-out calls may hold every thread
+                future = await self._threads.start(fn, *args, wait_s=self.step_timeout_s * 10)
+            except NoFreeThread as exc:
+                raise EnvFailure(f"{self.name}: {exc}") from None
             t0 = time.monotonic()
-            loop = asyncio.get_running_loop()
-            future = self._pool.submit(fn, *args)
             busy.append(future)
-            future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._slots.release))
             try:
                 async with asyncio.timeout(self.step_timeout_s) as deadline:
                     result = await asyncio.shield(asyncio.wrap_future(future))
@@ -309,9 +307,7 @@ class EpisodeRunner:
                         result = await result
                     return result
             finally:
-                if not future.done():  # timed out (or cancelled): its thread is held
-                    self._stuck += 1
-                    future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._unstuck))
+                self._threads.let_go(future)  # timed out (or cancelled): its thread is held
         except TimeoutError:
             if deadline.expired():
                 raise EnvFailure(
@@ -324,20 +320,6 @@ class EpisodeRunner:
             raise EnvFailure(f"{self.name}: {what}() raised {type(exc).__name__}: {exc}") from exc
         finally:
             clock[0] += time.monotonic() - t0
-
-    async def _free_thread(self) -> None:
-        """Wait for a free env thread: bounded, since timed-out calls may hold them all."""
-        try:
-            async with asyncio.timeout(self.step_timeout_s * 10):
-                await self._slots.acquire()
-        except TimeoutError:
-            raise EnvFailure(
-                f"{self.name}: no env thread free for {self.step_timeout_s * 10:g} s "
-                f"({self.stuck} of {self.max_threads} held by calls that timed out)"
-            ) from None
-
-    def _unstuck(self) -> None:
-        self._stuck -= 1
 
     def _check(self, result: Any) -> StepResult:
         """A StepResult, or a gym-style tuple: (observation, reward, done[, info]) or

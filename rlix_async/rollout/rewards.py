@@ -17,7 +17,6 @@ threads, never on the event loop, so a slow verifier cannot stall the loop's hea
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import logging
 import math
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlix_async.loading import LoadError, load_object
+from rlix_async.rollout.threads import BoundedThreads
 
 logger = logging.getLogger("rlix_async.rewards")
 
@@ -293,44 +293,28 @@ class RewardRunner:
         self.timeout_s = timeout_s
         self.failures = 0
         self.first_error: str | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max_threads, thread_name_prefix="reward"
-        )
-        # one slot per thread, held until the thread is free again (not until the call
-        # times out): a call's timeout starts once a thread runs it, never in a queue
-        self._slots = asyncio.Semaphore(max_threads)
+        self._threads = BoundedThreads(max_threads, "reward")
         self.max_threads = max_threads
-        self.stuck = 0  # calls that timed out and still hold their thread
+
+    @property
+    def stuck(self) -> int:
+        """Calls that timed out and still hold their thread."""
+        return self._threads.stuck
 
     async def _in_thread(self, prompt: str, response: str, row: dict[str, Any]) -> Any:
-        loop = asyncio.get_running_loop()
-        try:  # a free thread: bounded, since timed-out calls may hold every one forever
-            async with asyncio.timeout(self.timeout_s * 10):
-                await self._slots.acquire()
-        except TimeoutError:
-            raise RuntimeError(
-                f"no reward thread free for {self.timeout_s * 10:g} s "
-                f"({self.stuck} of {self.max_threads} held by calls that timed out)"
-            ) from None
-        future = self._pool.submit(self.reward, prompt, response, row)
-
-        def freed(_: concurrent.futures.Future[Any]) -> None:
-            loop.call_soon_threadsafe(self._slots.release)
-
-        future.add_done_callback(freed)
+        # a free thread: bounded, since timed-out calls may hold every one forever
+        future = await self._threads.start(
+            self.reward, prompt, response, row, wait_s=self.timeout_s * 10
+        )
         try:
             async with asyncio.timeout(self.timeout_s) as deadline:
                 return await asyncio.wrap_future(future)
         except TimeoutError:
             if not deadline.expired():
                 raise  # the reward's own TimeoutError
-            if not future.done():
-                self.stuck += 1
-                future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._unstuck))
             raise _TimedOut from None
-
-    def _unstuck(self) -> None:
-        self.stuck -= 1
+        finally:
+            self._threads.let_go(future)
 
     async def score(self, prompt: str, response: str, row: dict[str, Any]) -> Score:
         """The response's Score; a failed one (counted) when the reward misbehaves."""
@@ -356,7 +340,7 @@ class RewardRunner:
 
     def close(self) -> None:
         """Shut the thread pool down without waiting for calls still running."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._threads.close()
 
     def _fail(self, error: str, row: dict[str, Any]) -> Score:
         self.failures += 1
