@@ -120,9 +120,7 @@ class Conversation:
         episode.ranks += turn.ranks
         episode.turns += 1
         self._last = turn.token_ids
-        text = runner.decode(turn.token_ids)
-        episode.texts.append(text)
-        return text
+        return runner.decode(turn.token_ids)
 
     def add(self, turn: str | Messages | None) -> None:
         """A reply after the model's turn (a user message, or your messages), rendered

@@ -119,7 +119,6 @@ class Episode(Trajectory):
     turns: int = 0
     env_s: float = 0.0
     cut: str = ""  # "" (done), "max_turns" or "max_episode_tokens"
-    texts: list[str] = field(default_factory=list)  # the model's turns, decoded
     info: dict[str, float] = field(default_factory=dict)  # the last step's numeric info
 
     def add(
@@ -231,7 +230,6 @@ class EpisodeRunner:
                 episode.ranks += turn.ranks
                 episode.turns += 1
                 action = self.decode(turn.token_ids)
-                episode.texts.append(action)
                 result = self._check(await self._call("step", clock, busy, env.step, action))
                 rewards.append(float(result.reward))
                 episode.info = _numbers(result.info)
