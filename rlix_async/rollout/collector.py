@@ -253,8 +253,7 @@ class Collector:
             self._room.set()
         if outcome != "buffered":
             return False
-        episodes = [t for t in trajs if isinstance(t, Episode)]
-        if episodes:  # the episodes' own prompt (the env's first turn), not the row's
+        if episodes:  # (all kept: an episode's score never fails)  # the episodes' own prompt (the env's first turn), not the row's
             packed = pack(episodes)
             prompt = packed.prompt
             tokenizer = getattr(self.prompts, "tokenizer", None)  # as rendered: special tokens too
