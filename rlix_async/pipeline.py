@@ -255,6 +255,7 @@ class Driver:
             "cancelled_stale": collector.cancelled_stale,
             "filtered": collector.filtered,
             "resumed": collector.resumed,
+            "reprefill_tokens": hooks.router.reprefill_tokens,  # preemption's recompute, so far
             **self._response_stats(batch),
             "active_shards": len(hooks.client.active_ranks),
             "time": time.time(),

@@ -13,6 +13,12 @@ shard 0 expands back for the next round.
 - ``drain_ms``: abort sent until the engine reports zero running.
 - ``wasted_tokens``: tokens the engines streamed to the shard workers minus
   the tokens kept in trajectories.
+- ``reprefill_tokens``: tokens prefilled again because of the shrink: for every
+  resumed attempt a shard answered (the router's ``resumed``, reported as
+  ``resumed_attempts``), its prompt plus the partial output it carries over
+  (the router's ``reprefill_tokens``). Nominal: a prefix-cache hit on the new
+  shard would make the real compute smaller.
+- ``preemption_cost_tokens``: ``wasted_tokens + reprefill_tokens``.
 - ``lost_requests``: requests that did not complete with all their tokens.
 """
 
@@ -107,7 +113,10 @@ async def run_preempt_bench(
         "sleep_ms_p50": p50("sleep_ms"),
         "cut_at_tokens_p50": p50("cut_at_tokens"),
         "resumed_requests": sum(r["resumed_requests"] for r in rows),
+        "resumed_attempts": sum(r["resumed_attempts"] for r in rows),
         "wasted_tokens": sum(r["wasted_tokens"] for r in rows),
+        "reprefill_tokens": sum(r["reprefill_tokens"] for r in rows),
+        "preemption_cost_tokens": sum(r["preemption_cost_tokens"] for r in rows),
         "lost_requests": sum(r["lost_requests"] for r in rows),
         "rounds_detail": rows,
     }
@@ -134,6 +143,7 @@ async def _round(
         "both shards awake",
     )
     decoded_before = sum(w.decoded_tokens for w in workers)
+    resumed_before, reprefill_before = router.resumed, router.reprefill_tokens
     shard0_before = workers[0].decoded_tokens
     jobs = [
         asyncio.ensure_future(
@@ -158,6 +168,7 @@ async def _round(
     complete = [t for t in trajs if len(t.token_ids) == max_tokens]
     kept = sum(len(t.token_ids) for t in trajs)
     decoded = sum(w.decoded_tokens for w in workers) - decoded_before
+    reprefill = router.reprefill_tokens - reprefill_before
     phases = workers[0].phase_ms
     await driver.release("actor_train")
     return {
@@ -167,7 +178,10 @@ async def _round(
         "sleep_ms": phases["sleep"],
         "cut_at_tokens": cut_at,
         "resumed_requests": sum(1 for t in trajs if t.resumes),
+        "resumed_attempts": router.resumed - resumed_before,
         "wasted_tokens": decoded - kept,
+        "reprefill_tokens": reprefill,
+        "preemption_cost_tokens": decoded - kept + reprefill,
         "lost_requests": requests - len(complete),
     }
 
@@ -182,7 +196,15 @@ def format_preempt_result(r: dict[str, Any]) -> str:
             f"  drain_ms_p50      {r['drain_ms_p50']:8.1f}  (abort -> zero running)",
             f"  sleep_ms_p50      {r['sleep_ms_p50']:8.1f}",
             f"  resumed_requests  {r['resumed_requests']:8d}",
-            f"  wasted_tokens     {r['wasted_tokens']:8d}",
+            f"  resumed_attempts  {r['resumed_attempts']:8d}",
+            f"  wasted_tokens     {r['wasted_tokens']:8d}  (streamed, not kept)",
+            f"  reprefill_tokens  {r['reprefill_tokens']:8d}  (prompt + partial, prefilled again)",
+            f"  preemption_cost   {r['preemption_cost_tokens']:8d}  (wasted + reprefill tokens)",
+            "  per round (resumed, wasted, reprefill): "
+            + ", ".join(
+                f"({d['resumed_requests']}, {d['wasted_tokens']}, {d['reprefill_tokens']})"
+                for d in r["rounds_detail"]
+            ),
             f"  lost_requests     {r['lost_requests']:8d}",
         ]
     )

@@ -7,7 +7,9 @@
   ``max_tokens``; tokens, logprobs and the weight version of every token are
   kept, so preemption wastes no decoded token. A shard that dies mid-request
   loses only that attempt's tokens (they never reached us); the request is
-  resumed from what we have.
+  resumed from what we have. A resumed attempt costs a prefill of
+  ``prompt + partial`` on its new shard: ``resumed`` counts the resumed
+  attempts a shard answered and ``reprefill_tokens`` the prompt tokens they sent.
 - A caller that cancels ``generate`` (a timeout, a pipeline dropping a group)
   also stops the request on its shard: the router tells the shard, which
   aborts it in the engine, so the slot is not held until ``max_tokens``.
@@ -70,6 +72,10 @@ class Router:
         self._n = 0
         self._tasks = Supervisor("router")
         self.cancelled = 0  # requests whose caller gave up while a shard served them
+        # resumed attempts (after a cut or a lost shard) that a shard answered, and the
+        # prompt tokens (original prompt + partial output) those shards prefilled again
+        self.resumed = 0
+        self.reprefill_tokens = 0
 
     async def close(self) -> None:
         await self._tasks.close()
@@ -189,6 +195,9 @@ class Router:
             finally:
                 self.load[rank] -= 1
             assert isinstance(reply, GenerateResult)
+            if traj.resumes:  # served from prompt + partial: all of it prefilled again
+                self.resumed += 1
+                self.reprefill_tokens += len(traj.prompt_ids) + len(traj.token_ids)
             traj.token_ids += reply.token_ids
             traj.logprobs += reply.logprobs
             traj.versions += [reply.weight_version] * len(reply.token_ids)

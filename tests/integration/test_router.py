@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from helpers.cluster import SCRIPTED_ENGINE, joined_pipeline
@@ -52,8 +53,20 @@ async def two_shards(
             await driver.close()
 
 
-async def test_shrink_with_32_requests_in_flight_resumes_every_one(ipc_ep: str) -> None:
+async def test_shrink_with_32_requests_in_flight_resumes_every_one(
+    ipc_ep: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async with two_shards(ipc_ep, token_delay_s=0.01) as (driver, workers, router):
+        prefills: list[tuple[str, int]] = []  # (attempt id, prompt tokens) the engines got
+        for w in workers:
+
+            def recording(
+                prompt_ids: list[int], *, _generate: Any = w.engine.generate, **kw: Any
+            ) -> Any:
+                prefills.append((kw["request_id"], len(prompt_ids)))
+                return _generate(prompt_ids, **kw)
+
+            monkeypatch.setattr(w.engine, "generate", recording)
         await driver.report_progress(32, 0, force=True)
         await driver.request("actor_infer", "GENERATION", timeout=10)
         max_tokens = 100  # 1 s a request: the shrink lands mid-decode even on a loaded machine
@@ -79,6 +92,13 @@ async def test_shrink_with_32_requests_in_flight_resumes_every_one(ipc_ep: str) 
         kept = sum(len(t.token_ids) for t in trajs)
         assert decoded == kept  # wasted_tokens == 0
         assert {"abort", "drain", "sleep"} <= set(workers[0].phase_ms)
+        # re-prefill cost: every resumed attempt (id "<request>.<resumes>", resumes > 0)
+        # is prefilled again on its shard from the prompt plus the partial output it carries
+        resumed = [n for attempt, n in prefills if not attempt.endswith(".0")]
+        assert len(prefills) - len(resumed) == 32  # one first attempt per request
+        assert router.resumed == len(resumed) == sum(t.resumes for t in cut)
+        assert router.reprefill_tokens == sum(resumed)
+        assert router.reprefill_tokens > 2 * len(cut)  # the partial outputs, not the prompts only
 
 
 async def test_callers_wait_while_every_shard_sleeps(ipc_ep: str) -> None:
