@@ -13,9 +13,10 @@
 2. Generation gets what is left. Each pipeline's demand is its remaining
    trajectories (``target - min(completed, target)`` summed over streams), or the
    ``step_target_estimate`` of its pending GENERATION request when it reported no
-   progress yet. Devices are divided in proportion to ``demand x tp``
-   (water-filling, capped by the devices each pipeline can reach); every
-   pipeline with demand gets at least one bundle when one is free.
+   progress yet. Devices are divided in proportion to ``weight x demand x tp``
+   (water-filling, capped by the devices each pipeline can reach; ``weight`` is
+   the pipeline's fair-share weight, 1 by default); every pipeline with demand
+   gets at least one bundle when one is free.
 3. Hysteresis: moving a shard costs a sleep, a wake and a weight sync, so a
    pipeline whose current share is within one bundle of its ideal keeps it, and
    shards of a pipeline without demand are only shrunk when another pipeline
@@ -23,17 +24,28 @@
 
 :func:`check_plan` re-derives the resulting ownership and lists every broken
 invariant; the coordinator never applies a plan with violations.
+
+Sets of devices are int bitmasks here (:mod:`rlix_async.control.planner_bits`),
+so a plan over thousands of devices takes milliseconds; the water-filling is
+:mod:`rlix_async.control.planner_fill`.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from functools import reduce
+from itertools import chain
+from operator import or_
 
+from rlix_async.control.planner_bits import Counts, Devices, Frame
+from rlix_async.control.planner_fill import water_fill
 from rlix_async.control.snapshot import (
     Grant,
     PipelineIn,
     Plan,
+    ProgressIn,
     RankChange,
     RequestIn,
     Snapshot,
@@ -44,18 +56,52 @@ from rlix_async.control.topology import INFER, ClusterShape, ClusterSpec, Priori
 # --- planning ----------------------------------------------------------------------------
 
 FENCED = ("", "fenced")  # the owner of a fenced device (no pipeline)
+_RANK = {p.name: p.value for p in Priority}  # Priority[name], as a plain lookup
 
 
 @dataclass
 class _State:
     shape: ClusterShape
     pipes: dict[str, PipelineIn]
+    demand: dict[str, int] = field(default_factory=dict)  # per pipeline with generation
     owner: dict[int, tuple[str, str]] = field(default_factory=dict)  # non-generation holders
     active: dict[str, set[int]] = field(default_factory=dict)  # generation ranks awake
-    reserved: dict[int, str] = field(default_factory=dict)  # device -> blocked request
+    reserved: list[tuple[int, str]] = field(default_factory=list)  # (devices, request), blocked
     shrunk: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
+    # The same as device masks (planner_bits): ``owned`` and ``blocked`` are the keys
+    # of ``owner`` and of all ``reserved``; ``shards[pid]`` is pid's awake bundles in its
+    # frame, kept in step with ``active`` by shrink(). Awake ranks out of range or
+    # sharing a device (a snapshot that fails validation) make the state
+    # ``irregular``: ``shards`` is then unused and gen_holder() answers instead.
+    devices: Devices = field(init=False)
+    owned: int = 0
+    blocked: int = 0
+    shards: dict[str, int] = field(default_factory=dict)
+    indexed: dict[str, int] = field(default_factory=dict)  # shards' devices, before shrinks
+    irregular: bool = False
+    frames: dict[str, Frame] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.devices = Devices(self.shape.num_devices)
+
+    def index_shards(self) -> None:
+        seen = 0
+        for pid, ranks in self.active.items():
+            spec = self.pipes[pid].clusters[INFER]  # every pipeline has one (KeyError otherwise)
+            if not ranks:
+                continue
+            frame = self.frames[pid] = Frame(spec, self.devices)
+            if min(ranks) < 0 or max(ranks) >= frame.dp:
+                self.irregular = True
+                continue
+            self.shards[pid] = frame.starts_of(ranks) * frame.block
+            mask = self.indexed[pid] = frame.spread(self.shards[pid])
+            if mask & seen or mask.bit_count() != len(ranks) * frame.tp:
+                self.irregular = True
+            seen |= mask
 
     def gen_holder(self) -> dict[int, tuple[str, int]]:
+        """device -> the awake shard on it (the last one, where several are)."""
         out: dict[int, tuple[str, int]] = {}
         for pid, ranks in self.active.items():
             spec = self.pipes[pid].clusters[INFER]
@@ -64,9 +110,20 @@ class _State:
                     out[d] = (pid, r)
         return out
 
-    def shrink(self, pid: str, rank: int) -> None:
-        self.active[pid].discard(rank)
-        self.shrunk[pid].add(rank)
+    def busy(self) -> int:
+        """Devices held by a stage, fenced, or under an awake shard."""
+        if self.irregular:
+            return self.owned | self.devices.mask(self.gen_holder())
+        return reduce(
+            or_, [self.frames[pid].spread(x) for pid, x in self.shards.items()], self.owned
+        )
+
+    def shrink(self, pid: str, ranks: Collection[int]) -> None:
+        self.active[pid].difference_update(ranks)
+        self.shrunk[pid].update(ranks)
+        if not self.irregular:
+            frame = self.frames[pid]
+            self.shards[pid] &= ~(frame.starts_of(ranks) * frame.block)
 
 
 def plan(snap: Snapshot) -> Plan:
@@ -74,57 +131,92 @@ def plan(snap: Snapshot) -> Plan:
     st = _State(snap.cluster, {p.id: p for p in snap.pipelines})
     for d in snap.fenced:  # a shard may still hold it: as good as held by a stage
         st.owner[d] = FENCED
+    st.owned = st.devices.mask(snap.fenced)
     for p in snap.pipelines:
+        if INFER in p.clusters:
+            st.demand[p.id] = _demand(p)
         for cname in p.held:
-            for d in p.clusters[cname].devices:
-                st.owner[d] = (p.id, cname)
+            st.owner.update(dict.fromkeys(p.clusters[cname].devices, (p.id, cname)))
+            st.owned |= st.devices.mask(p.clusters[cname].devices)
         st.active[p.id] = set(p.active_ranks.get(INFER, ()))
+    st.index_shards()
     out = Plan()
     _serve_gang_requests(snap, st, out)
-    _allocate_generation(snap, st, out)
+    busy = _allocate_generation(snap, st, out)
     out.shrink = [
         RankChange(pid, INFER, sorted(ranks)) for pid, ranks in sorted(st.shrunk.items()) if ranks
     ]
-    busy = set(st.owner) | set(st.gen_holder())
-    out.idle_devices = [d for d in range(snap.cluster.num_devices) if d not in busy]
+    out.idle_devices = st.devices.listed(~busy)
     return out
 
 
 def _gang_order(snap: Snapshot) -> list[tuple[PipelineIn, RequestIn]]:
     reqs = [(p, r) for p in snap.pipelines for r in p.requests if r.priority != "GENERATION"]
     aging = snap.policy.aging_s
-    return sorted(reqs, key=lambda pr: (pr[1].age_s < aging, Priority[pr[1].priority], pr[1].seq))
+    return sorted(reqs, key=lambda pr: (pr[1].age_s < aging, _RANK[pr[1].priority], pr[1].seq))
 
 
 def _serve_gang_requests(snap: Snapshot, st: _State, out: Plan) -> None:
-    gen = st.gen_holder()
+    granted: list[tuple[int, ...]] = []
+    granted_mask = 0
     for p, r in _gang_order(snap):
         devices = p.clusters[r.cluster].devices
-        holders = sorted({st.owner[d] for d in devices if d in st.owner})
-        reservers = sorted({st.reserved[d] for d in devices if d in st.reserved})
-        if holders or reservers:
-            if holders:
+        mask = st.devices.mask(devices)
+        if mask & (st.owned | st.blocked):
+            if mask & st.owned:
                 held = [d for d in devices if d in st.owner]
                 names = ", ".join(
-                    f"{a}/{b}" if a else "a fence (sleep unconfirmed)" for a, b in holders
+                    f"{a}/{b}" if a else "a fence (sleep unconfirmed)"
+                    for a, b in sorted({st.owner[d] for d in held})
                 )
                 reason = f"devices {','.join(map(str, held))} held by {names}"
             else:
-                reason = f"devices reserved for earlier request {', '.join(reservers)}"
+                reason = f"devices reserved for earlier request {', '.join(_reservers(st, mask))}"
             out.waiting.append(Waiting(p.id, r.cluster, reason))
-            for d in devices:
-                st.reserved.setdefault(d, f"{p.id}/{r.cluster}")
+            st.reserved.append((mask, f"{p.id}/{r.cluster}"))
+            st.blocked |= mask
             continue
-        for d in devices:
-            if d in gen:
-                pid, rank = gen.pop(d)
-                if rank in st.active[pid]:
-                    st.shrink(pid, rank)
-            st.owner[d] = (p.id, r.cluster)
+        st.owner.update(dict.fromkeys(devices, (p.id, r.cluster)))
+        st.owned |= mask
         out.grants.append(Grant(p.id, r.cluster, r.priority, list(devices)))
+        granted.append(devices)
+        granted_mask |= mask
+    # Shards on granted devices are shrunk (after the loop: no decision above reads them).
+    if st.irregular:
+        gen = st.gen_holder()
+        for d in chain.from_iterable(granted):
+            shard = gen.pop(d, None)
+            if shard is not None and shard[1] in st.active[shard[0]]:
+                st.shrink(shard[0], [shard[1]])
+        return
+    for pid, shards in list(st.shards.items()):
+        if st.indexed[pid] & granted_mask:
+            frame = st.frames[pid]
+            st.shrink(pid, frame.ranks(frame.touched(frame.local(granted_mask)) & shards))
+
+
+def _reservers(st: _State, mask: int) -> list[str]:
+    """The requests that reserved these devices first, sorted."""
+    names = set()
+    for reserved, name in st.reserved:
+        if reserved & mask:
+            names.add(name)
+            mask &= ~reserved
+    return sorted(names)
+
+
+def _awake(st: _State, pid: str) -> int:
+    """The starts of pid's awake ranks in ``range(dp)``."""
+    frame = st.frames[pid]
+    if st.irregular:
+        return frame.ranks_in(st.active[pid])
+    return st.shards.get(pid, 0) & frame.starts
 
 
 def _demand(p: PipelineIn) -> int:
+    progress = p.progress
+    if type(progress) is ProgressIn:  # one stream: what remaining() returns, sooner
+        return progress.target - min(progress.completed, progress.target)
     remaining = p.remaining()
     if remaining is not None:
         return remaining
@@ -132,43 +224,6 @@ def _demand(p: PipelineIn) -> int:
         if r.priority == "GENERATION" and r.step_target_estimate:
             return r.step_target_estimate
     return 0
-
-
-def water_fill(
-    capacity: float,
-    weights: dict[str, float],
-    caps: dict[str, float],
-    floors: dict[str, float] | None = None,
-) -> dict[str, float]:
-    """Split ``capacity`` in proportion to ``weights``, each share clamped to
-    ``[floor, cap]``: share = clamp(lam * weight), with lam found by bisection."""
-    floors = floors or {}
-    keys = [k for k, w in weights.items() if w > 0 and caps[k] > 0]
-    lo_of = {k: min(floors.get(k, 0.0), caps[k]) for k in keys}
-
-    def total(lam: float) -> float:
-        return sum(min(caps[k], max(lo_of[k], lam * weights[k])) for k in keys)
-
-    share = dict.fromkeys(weights, 0.0)
-    if not keys:
-        return share
-    if total(0.0) >= capacity:  # the floors alone use everything
-        for k in keys:
-            share[k] = lo_of[k]
-        return share
-    hi = 1.0
-    while total(hi) < capacity and hi < 1e18:
-        hi *= 2
-    lo = 0.0
-    for _ in range(80):
-        mid = (lo + hi) / 2
-        if total(mid) < capacity:
-            lo = mid
-        else:
-            hi = mid
-    for k in keys:
-        share[k] = min(caps[k], max(lo_of[k], hi * weights[k]))
-    return share
 
 
 def guaranteed_floors(
@@ -188,78 +243,92 @@ def guaranteed_floors(
     return floors
 
 
-def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> None:
+def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> int:
+    """Shrinks and expands for generation; returns the devices busy afterwards
+    (held by a stage, fenced, or under an awake shard) as a device mask."""
     pipes = [p for p in snap.pipelines if INFER in p.clusters]
     spec = {p.id: p.clusters[INFER] for p in pipes}
-    offline = {p.id: set(p.offline_ranks.get(INFER, ())) for p in pipes}
-
-    def reachable(pid: str, rank: int) -> bool:
-        """A bundle this pipeline may run on: not held by a stage, not reserved
-        (unless the shard already runs there)."""
-        bundle = spec[pid].bundle(rank)
-        if any(d in st.owner for d in bundle) or rank in offline[pid]:
-            return False
-        return rank in st.active[pid] or not any(d in st.reserved for d in bundle)
-
-    demand = {p.id: _demand(p) for p in pipes}
+    offline = {p.id: p.offline_ranks.get(INFER, ()) for p in pipes}
+    demand = st.demand
     wanting = [p.id for p in pipes if demand[p.id] > 0]
-    caps: dict[str, float] = {
-        pid: sum(spec[pid].tp for r in range(spec[pid].dp) if reachable(pid, r)) for pid in wanting
-    }
-    usable: set[int] = set()
     for pid in wanting:
-        for r in range(spec[pid].dp):
-            if reachable(pid, r):
-                usable.update(spec[pid].bundle(r))
-    weights = {pid: float(demand[pid] * spec[pid].tp) for pid in wanting}
+        if pid not in st.frames:
+            st.frames[pid] = Frame(spec[pid], st.devices)
+    # The bundles each pipeline may run on (as frame starts): no device held by a
+    # stage, not offline, and no device reserved unless the shard already runs
+    # there. Stages, fences and reservations are settled now; awake ranks still
+    # change below, but only for pipelines with no demand or above their target,
+    # never for one that grows.
+    reach: dict[str, int] = {}
+    usable = 0
+    for pid in wanting:
+        frame = st.frames[pid]
+        ok = frame.starts & ~frame.touched(frame.local(st.owned))
+        reserved = frame.local(st.blocked)
+        if reserved:
+            ok &= ~frame.touched(reserved) | _awake(st, pid)
+        if offline[pid]:
+            ok &= ~frame.ranks_in(offline[pid])
+        reach[pid] = ok
+        usable |= frame.spread(ok * frame.block)
     tps = {pid: spec[pid].tp for pid in wanting}
-    floors = guaranteed_floors(len(usable), wanting, weights, tps, caps)
-    ideal = water_fill(len(usable), weights, caps, floors)
+    caps: dict[str, float] = {pid: tps[pid] * reach[pid].bit_count() for pid in wanting}
+    weight = {p.id: p.weight for p in pipes}
+    weights = {pid: weight[pid] * demand[pid] * tps[pid] for pid in wanting}
+    capacity = usable.bit_count()
+    floors = guaranteed_floors(capacity, wanting, weights, tps, caps)
+    ideal = water_fill(capacity, weights, caps, floors)
     # Free for the taking: unowned devices and shards of pipelines with nothing to generate.
-    busy_gen = {d for d, (pid, _) in st.gen_holder().items() if demand.get(pid, 0) > 0}
-    idle = len(usable - set(st.owner) - busy_gen)
-    target = _bundle_targets(wanting, ideal, spec, st, caps, len(usable), idle)
+    if st.irregular:
+        gen = st.gen_holder()
+        busy_gen = st.devices.mask([d for d, (pid, _) in gen.items() if demand.get(pid, 0) > 0])
+    else:
+        busy_gen = reduce(or_, [st.frames[q].spread(st.shards.get(q, 0)) for q in wanting], 0)
+    idle = (usable & ~st.owned & ~busy_gen).bit_count()
+    target = _bundle_targets(wanting, ideal, spec, st, caps, capacity, idle)
 
     # Devices each under-target pipeline could use: shrink others there first.
     hungry = [pid for pid in wanting if len(st.active[pid]) < target[pid]]
-    hungry_devices: dict[int, int] = defaultdict(int)
+    asleep = {pid: reach[pid] & ~_awake(st, pid) for pid in hungry}
+    hungry_devices = Counts()
     for pid in hungry:
-        for r in range(spec[pid].dp):
-            if reachable(pid, r) and r not in st.active[pid]:
-                for d in spec[pid].bundle(r):
-                    hungry_devices[d] += 1
-
-    def contention(pid: str, rank: int) -> tuple[int, int]:
-        return (-sum(hungry_devices.get(d, 0) for d in spec[pid].bundle(rank)), -rank)
+        st.frames[pid].count(hungry_devices, asleep[pid])
+    contended = hungry_devices.support()
 
     for p in pipes:
         pid = p.id
         ranks = st.active[pid]
+        if not ranks:
+            continue
+        frame = st.frames[pid]
         if demand[pid] == 0:
-            for r in sorted(ranks):
-                if any(hungry_devices.get(d) for d in spec[pid].bundle(r)):
-                    st.shrink(pid, r)
+            if not contended:
+                continue
+            if st.irregular:
+                hit = [r for r in sorted(ranks) if frame.bundle(r) & contended]
+            else:
+                hit = frame.ranks(frame.touched(frame.local(contended)) & st.shards[pid])
+            st.shrink(pid, hit)
             continue
         excess = len(ranks) - target[pid]
-        for r in sorted(ranks, key=lambda r: contention(pid, r))[: max(excess, 0)]:
-            st.shrink(pid, r)
+        if excess > 0:  # the most contended first, then high ranks
+            load = frame.loads(hungry_devices, ranks)
+            by_load = sorted(sorted(ranks, reverse=True), key=load.__getitem__, reverse=True)
+            st.shrink(pid, by_load[:excess])
 
-    taken = set(st.owner) | set(st.gen_holder())
+    taken = st.busy()
     expands: dict[str, list[int]] = defaultdict(list)
     # Neediest first: the largest gap between target and current share.
     for pid in sorted(hungry, key=lambda q: (len(st.active[q]) / max(target[q], 1), q)):
-        free = [
-            r
-            for r in range(spec[pid].dp)
-            if r not in st.active[pid]
-            and reachable(pid, r)
-            and not any(d in taken or d in st.reserved for d in spec[pid].bundle(r))
-        ]
-        # Prefer bundles other hungry pipelines cannot use, then low ranks.
-        free.sort(key=lambda r: (sum(hungry_devices.get(d, 0) for d in spec[pid].bundle(r)), r))
-        for r in free[: max(target[pid] - len(st.active[pid]), 0)]:
-            expands[pid].append(r)
-            taken.update(spec[pid].bundle(r))
+        frame = st.frames[pid]
+        # Reachable and asleep (so not reserved), and not taken since.
+        free = frame.ranks(asleep[pid] & ~frame.touched(frame.local(taken)))
+        wanted = max(target[pid] - len(st.active[pid]), 0)
+        if len(free) > wanted:  # prefer bundles other hungry pipelines cannot use, then low ranks
+            free.sort(key=frame.loads(hungry_devices, free).__getitem__)
+        chosen = free[:wanted]
+        expands[pid] += chosen
+        taken |= frame.spread(frame.starts_of(chosen) * frame.block)
         st.active[pid].update(expands[pid])
     # A rank shrunk and expanded in the same plan is simply kept.
     for pid, expanded in expands.items():
@@ -272,6 +341,7 @@ def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> None:
         if not st.active[pid]:
             blocked = "every reachable bundle is held by a stage or reserved"
             out.waiting.append(Waiting(pid, INFER, f"generation: {blocked}"))
+    return taken
 
 
 def _bundle_targets(
@@ -289,32 +359,35 @@ def _bundle_targets(
     ideal still grows by that bundle when ``idle`` devices (unowned, or held by a
     shard of a pipeline with nothing left to generate) can hold it.
     """
-    exact = {pid: ideal[pid] / spec[pid].tp for pid in wanting}
+    tps = {pid: spec[pid].tp for pid in wanting}
+    exact = {pid: ideal[pid] / tps[pid] for pid in wanting}
     target = {pid: int(exact[pid]) for pid in wanting}
-    room = capacity - sum(target[pid] * spec[pid].tp for pid in wanting)
+    room = capacity - sum(target[pid] * tps[pid] for pid in wanting)
     for pid in sorted(wanting, key=lambda q: (-(exact[q] - target[q]), q)):
-        tp = spec[pid].tp
+        tp = tps[pid]
         if exact[pid] > target[pid] and room >= tp and (target[pid] + 1) * tp <= caps[pid]:
             target[pid] += 1
             room -= tp
     for pid in wanting:  # every pipeline with demand gets a bundle when it can reach one
-        if target[pid] == 0 and caps[pid] >= spec[pid].tp:
+        if target[pid] == 0 and caps[pid] >= tps[pid]:
             target[pid] = 1
     for pid in wanting:  # hysteresis: a current share within one bundle of ideal stays
         current = len(st.active[pid])
-        if current and abs(current - exact[pid]) <= 1 and current * spec[pid].tp <= caps[pid]:
-            if target[pid] > current and idle >= spec[pid].tp:
+        if current and abs(current - exact[pid]) <= 1 and current * tps[pid] <= caps[pid]:
+            if target[pid] > current and idle >= tps[pid]:
                 target[pid] = current + 1
-                idle -= spec[pid].tp
+                idle -= tps[pid]
             else:
                 target[pid] = current
     # Keep the total feasible: trim those furthest above their ideal (never below one).
-    while sum(target[pid] * spec[pid].tp for pid in wanting) > capacity:
+    total = sum(target[pid] * tps[pid] for pid in wanting)
+    while total > capacity:
         over = [pid for pid in wanting if target[pid] > 1]
         if not over:
             break
         worst = max(over, key=lambda q: (target[q] - exact[q], q))
         target[worst] -= 1
+        total -= tps[worst] * wanting.count(worst)  # once, unless pipeline ids repeat
     return target
 
 
@@ -323,6 +396,70 @@ def _bundle_targets(
 
 def check_plan(snap: Snapshot, result: Plan) -> list[str]:
     """Every broken invariant of applying ``result`` to ``snap`` (empty when sound)."""
+    try:
+        if _sound(snap, result):
+            return []
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError):
+        pass  # something odd: the itemised check decides (and raises as it does)
+    return _violations(snap, result)
+
+
+def _sound(snap: Snapshot, result: Plan) -> bool:
+    """Whether :func:`_violations` finds nothing, decided with device masks: every
+    claim (fence, held or granted stage, awake bundle) is counted, and the claims
+    are disjoint and on existing devices exactly when their union has as many
+    devices as there were claims, all below ``n``."""
+    n = snap.cluster.num_devices
+    devices = Devices(n)
+    pipes = {p.id: p for p in snap.pipelines}
+    claimed, claims = devices.mask(snap.fenced), len(snap.fenced)
+    for p in snap.pipelines:
+        for cname in p.held:
+            claimed |= devices.mask(p.clusters[cname].devices)
+            claims += len(p.clusters[cname].devices)
+    active = {p.id: set(p.active_ranks.get(INFER, ())) for p in snap.pipelines}
+    for ch in result.shrink:
+        ranks = set(ch.ranks)
+        if ch.pipeline not in pipes or ch.cluster != INFER or len(ranks) != len(ch.ranks):
+            return False
+        if not ranks <= active[ch.pipeline]:
+            return False
+        active[ch.pipeline] -= ranks
+    pending = {(p.id, r.cluster): r for p in snap.pipelines for r in p.requests}
+    for g in result.grants:
+        req = pending.get((g.pipeline, g.cluster))
+        if req is None or req.priority == "GENERATION" or g.priority != req.priority:
+            return False
+        if g.devices != list(pipes[g.pipeline].clusters[g.cluster].devices):
+            return False
+        claimed |= devices.mask(pipes[g.pipeline].clusters[g.cluster].devices)
+        claims += len(g.devices)
+    for ch in result.expand:
+        ranks = set(ch.ranks)
+        if ch.pipeline not in pipes or ch.cluster != INFER or len(ranks) != len(ch.ranks):
+            return False
+        grown = pipes[ch.pipeline]
+        if ranks and not (min(ranks) >= 0 and max(ranks) < grown.clusters[INFER].dp):
+            return False
+        if not ranks.isdisjoint(active[grown.id]) or not ranks.isdisjoint(
+            grown.offline_ranks.get(INFER, ())
+        ):
+            return False
+        active[grown.id] |= ranks
+    for pid, ranks in active.items():
+        if not ranks:
+            continue
+        spec = pipes[pid].clusters.get(INFER)
+        if spec is None or min(ranks) < 0 or max(ranks) >= spec.dp:
+            return False
+        claimed |= devices.bundles(spec, ranks)
+        claims += len(ranks) * spec.tp
+    if claimed >> n or claimed.bit_count() != claims:
+        return False
+    return sorted(result.idle_devices) == devices.listed(~claimed)
+
+
+def _violations(snap: Snapshot, result: Plan) -> list[str]:
     errors: list[str] = []
     pipes = {p.id: p for p in snap.pipelines}
     n = snap.cluster.num_devices

@@ -52,6 +52,9 @@ class PipelineIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     offline_ranks: dict[ClusterName, list[NonNeg]] = {}
     progress: ProgressIn | list[ProgressIn] | None = None
     requests: list[RequestIn] = []
+    # Fair-share weight among pipelines of the same priority: rollout shares go by
+    # weight x remaining trajectories.
+    weight: Annotated[float, msgspec.Meta(gt=0, le=1000)] = 1.0
 
     def remaining(self) -> int | None:
         """Trajectories still to generate this step; None when never reported."""
