@@ -72,8 +72,9 @@ class ClusterHooks:
         keys: ClientKeys | None = None,
         transport: TransportConfig | None = None,
         connect_timeout_s: float = 120.0,
+        weight: float = 1.0,
     ) -> ClusterHooks:
-        """Connect, register the topology and get admitted."""
+        """Connect, register the topology (and fair-share weight) and get admitted."""
         client = await PipelineClient.connect(
             endpoint,
             pipeline_id=pipeline_id,
@@ -81,7 +82,7 @@ class ClusterHooks:
             transport=transport,
             timeout=connect_timeout_s,
         )
-        await client.register(topology)
+        await client.register(topology, weight)
         await client.admit()
         return cls(client, Router(client, keys=keys, transport=transport))
 

@@ -121,7 +121,11 @@ class Driver:
         try:
             weight_server = await self._serve_weights(cache, key_name)
             hooks = await ClusterHooks.join(
-                self.cfg.coordinator, self.cfg.id, self.cfg.clusters, keys=keys
+                self.cfg.coordinator,
+                self.cfg.id,
+                self.cfg.clusters,
+                keys=keys,
+                weight=self.cfg.weight,
             )
             prompts = self.recipe.train_prompts(self.cfg) if self.recipe is not None else None
             episodes = self.recipe.episodes if self.recipe is not None else None

@@ -10,6 +10,7 @@ import msgspec
 from rlix_async.config.recipe import DataConfig, TargetTokensTask, TaskConfig, check_recipe
 from rlix_async.config.schema_base import Config, Endpoint, doc, invalid
 from rlix_async.config.training import TrainConfig
+from rlix_async.control.cadence import PLAN_INTERVAL_S, PROGRESS_INTERVAL_S
 from rlix_async.control.snapshot import Policy
 from rlix_async.control.topology import (
     ClusterName,
@@ -35,6 +36,16 @@ class SchedulerConfig(Config, frozen=True):
     rebalance_s: Annotated[
         float, doc("Seconds between plans when no event asks for one (a slow timer).", gt=0)
     ] = 2.0
+    progress_interval_s: Annotated[
+        float,
+        doc(
+            "Rollout progress alone replans at most this often (moving a shard costs a "
+            "sleep, a wake and a sync); requests, releases and arrivals replan at once. "
+            "The simulator plans by the same rules (control/cadence.py).",
+            ge=0,
+            le=60,
+        ),
+    ] = PROGRESS_INTERVAL_S
     command_timeout_s: Annotated[
         float,
         doc(
@@ -60,7 +71,7 @@ class SchedulerConfig(Config, frozen=True):
             ge=0,
             le=10,
         ),
-    ] = 0.0
+    ] = PLAN_INTERVAL_S
     planner_process: Annotated[
         bool,
         doc(
@@ -327,6 +338,16 @@ class PipelineConfig(Config, frozen=True):
         ),
     ] = None
     steps: Annotated[int, doc("Training steps to run.", ge=1)] = 10
+    weight: Annotated[
+        float,
+        doc(
+            "Fair-share weight: this pipeline's share of rollout devices against pipelines "
+            "of the same priority is proportional to weight x its remaining trajectories "
+            "(2: twice a default pipeline's at equal demand).",
+            gt=0,
+            le=1000,
+        ),
+    ] = 1.0
     seed: Annotated[int, doc("Seed of the model init, prompts and sampling.")] = 0
     max_trajectory_age_steps: Annotated[
         int,

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlix_async.control import messages as m
+from rlix_async.control.cadence import progress_bucket
 from rlix_async.control.topology import (
     INFER,
     ClusterName,
@@ -37,16 +38,11 @@ from rlix_async.transport import CallContext, ConnectionLost, RpcClient, Transpo
 from rlix_async.weights.ref import CacheRef
 
 log = logging.getLogger(__name__)
-BUCKETS = 50  # progress is reported in 2% steps
 GRANT_TIMEOUT_S = 6 * 3600.0  # a stage may wait behind others' training, never forever
 
 
 class ResumeRefused(RuntimeError):
     """The coordinator refused this pipeline's Resume: its leases conflict."""
-
-
-def _bucket(target: int, completed: int) -> int:
-    return BUCKETS if target == 0 else min(completed, target) * BUCKETS // target
 
 
 class PipelineClient:
@@ -62,6 +58,7 @@ class PipelineClient:
         self.pipeline_id = pipeline_id
         self.clusters: dict[ClusterName, ClusterSpec] = {}
         self.admitted = False
+        self.weight = 1.0
         self.held: dict[ClusterName, PriorityName] = {}
         self.active_ranks: list[int] = []
         self.endpoints: dict[int, str] = {}  # rank -> shard data plane (for the router)
@@ -117,9 +114,14 @@ class PipelineClient:
 
     # --- lifecycle -------------------------------------------------------------------------
 
-    async def register(self, clusters: dict[ClusterName, ClusterSpec]) -> None:
-        await self._call(m.RegisterPipeline(pipeline_id=self.pipeline_id, clusters=clusters))
+    async def register(self, clusters: dict[ClusterName, ClusterSpec], weight: float = 1.0) -> None:
+        """``weight``: this pipeline's share of rollout devices against others of the
+        same priority (2.0: twice a default pipeline's at equal demand)."""
+        await self._call(
+            m.RegisterPipeline(pipeline_id=self.pipeline_id, clusters=clusters, weight=weight)
+        )
         self.clusters = dict(clusters)
+        self.weight = weight
 
     async def admit(self) -> None:
         await self._call(m.AdmitPipeline(pipeline_id=self.pipeline_id))
@@ -200,7 +202,7 @@ class PipelineClient:
         if (
             not force
             and last is not None
-            and (last[0], _bucket(*last)) == (target, _bucket(target, completed))
+            and (last[0], progress_bucket(*last)) == (target, progress_bucket(target, completed))
         ):
             return False
         self._progress[stream] = (target, completed)
@@ -324,6 +326,7 @@ class PipelineClient:
                     pipeline_id=self.pipeline_id,
                     clusters=self.clusters,
                     admitted=self.admitted,
+                    weight=self.weight,
                     held=self.held,
                     requests=list(self._requests.values()),
                 )

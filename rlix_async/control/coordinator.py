@@ -28,6 +28,7 @@ from rlix_async.aio import Supervisor, until_signalled
 from rlix_async.config import CoordinatorConfig, SchedulerConfig
 from rlix_async.control import journal as ev
 from rlix_async.control import messages as m
+from rlix_async.control.cadence import PlanCadence
 from rlix_async.control.journal import Journal, JournalWriteError, open_journal
 from rlix_async.control.peers import PeerWatcher
 from rlix_async.control.planner import check_plan, idle_after, plan
@@ -85,6 +86,7 @@ class Coordinator(PeerWatcher):
         # that answers calls but never schedules or expires a lease again.
         self.fatal: asyncio.Future[str] | None = None
         self._wake = asyncio.Event()
+        self.cadence = PlanCadence(self.cfg.plan_interval_s, self.cfg.progress_interval_s)
         self._fence_lifted: dict[tuple[str, int], asyncio.Event] = {}
         self._journal_sync_due = False
         self._journaled_fences: set[tuple[str, int]] = set()
@@ -172,7 +174,7 @@ class Coordinator(PeerWatcher):
             if self.fatal is not None and not self.fatal.done():
                 self.fatal.set_result(f"{name} died: {type(exc).__name__}: {exc}")
         elif self.fatal is not None and not self._closed:
-            self._wake.set()  # a failed realisation may have left work for the next plan
+            self.kick()  # a failed realisation may have left work for the next plan
 
     async def close(self) -> None:
         self._closed = True
@@ -189,7 +191,9 @@ class Coordinator(PeerWatcher):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def kick(self) -> None:
+    def kick(self, progress: bool = False) -> None:
+        """Plan soon; for progress only, within ``progress_interval_s`` (cadence.py)."""
+        self.cadence.progress() if progress else self.cadence.urgent()
         self._wake.set()
 
     # --- authorization ----------------------------------------------------------------------
@@ -229,9 +233,9 @@ class Coordinator(PeerWatcher):
                 f"{msg.pipeline_id} is registered and its driver is connected: "
                 "unregister it first (rlix-async kill)",
             )
-        p = self.registry.register(msg.pipeline_id, dict(msg.clusters))
+        p = self.registry.register(msg.pipeline_id, dict(msg.clusters), msg.weight)
         p.connected, p.lost_at = True, None
-        self.journal.record(ev.Registered(pipeline=p.id, clusters=p.clusters))
+        self.journal.record(ev.Registered(pipeline=p.id, clusters=p.clusters, weight=p.weight))
         self._check_bound_workers(p.id)
         if restarted:
             # A new driver process for a known pipeline (it was restarted, e.g. with
@@ -308,7 +312,7 @@ class Coordinator(PeerWatcher):
                 completed=msg.completed,
             )
         )
-        self.kick()
+        self.kick(progress=True)
 
     def _clear_progress(self, msg: m.ClearProgress, ctx: CallContext) -> None:
         self._authorize(ctx, msg.pipeline_id)
@@ -368,9 +372,9 @@ class Coordinator(PeerWatcher):
                     f"{pid} claims {cluster} but its devices are held by {sorted(clash)}; "
                     "nothing of this resume was applied",
                 )
-        p = self.registry.register(pid, dict(msg.clusters))
+        p = self.registry.register(pid, dict(msg.clusters), msg.weight)
         if not known:
-            self.journal.record(ev.Registered(pipeline=pid, clusters=p.clusters))
+            self.journal.record(ev.Registered(pipeline=pid, clusters=p.clusters, weight=p.weight))
         self._check_bound_workers(pid)
         p.connected, p.lost_at = True, None
         if msg.admitted and not p.admitted:
@@ -458,16 +462,21 @@ class Coordinator(PeerWatcher):
     # --- scheduling -------------------------------------------------------------------------------
 
     async def _scheduler_loop(self) -> None:
-        """Plan on every kick, coalesced: after a plan that took ``d`` seconds the
-        next one waits until ``3 d`` (at least ``plan_interval_s``) have passed, so
-        planning takes at most a quarter of a core however fast events arrive (at
-        4096 devices x 256 pipelines progress reports arrive hundreds of times a
-        second). Kicks meanwhile are remembered, not lost."""
+        """Plan when ``self.cadence`` says (control/cadence.py, shared with the
+        simulator), and every ``rebalance_s`` without events."""
         while not self._closed:
-            with contextlib.suppress(TimeoutError):  # asyncio.timeout never swallows a cancel
-                async with asyncio.timeout(self.cfg.rebalance_s):
-                    await self._wake.wait()
             self._wake.clear()
+            now = time.monotonic()
+            due = self.cadence.due()
+            if due is None:  # the slow timer
+                due = max(self.cadence.last_start, now - self.cfg.rebalance_s)
+                due += self.cfg.rebalance_s
+            if due > now:
+                with contextlib.suppress(TimeoutError):  # asyncio.timeout never swallows a cancel
+                    async with asyncio.timeout(due - now):
+                        await self._wake.wait()
+                continue  # a kick may have moved the next plan earlier
+            self.cadence.started(now)
             t0 = time.perf_counter()
             try:
                 await self._schedule_step()
@@ -475,9 +484,7 @@ class Coordinator(PeerWatcher):
                 log.exception("scheduling step failed; will retry on the next event")
             took = time.perf_counter() - t0
             self.plan_seconds += took
-            pause = max(self.cfg.plan_interval_s, 3 * took) - took
-            if pause > 0:
-                await asyncio.sleep(pause)
+            self.cadence.finished(time.monotonic(), took)
 
     async def _schedule_step(self) -> Plan | None:
         """One scheduling step with the plan computed off the loop (the planner

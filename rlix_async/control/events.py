@@ -47,9 +47,10 @@ class JournalEvent(msgspec.Struct, tag_field="ev", kw_only=True):
 
 class Registered(JournalEvent, tag="register"):
     clusters: dict[ClusterName, ClusterSpec]
+    weight: float = 1.0
 
     def apply(self, registry: Registry) -> None:
-        registry.register(self.pipeline, dict(self.clusters))
+        registry.register(self.pipeline, dict(self.clusters), self.weight)
 
 
 class Admitted(JournalEvent, tag="admit"):

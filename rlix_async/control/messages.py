@@ -36,6 +36,8 @@ def driver_pipeline(identity: str) -> str | None:
 
 Kind = Annotated[str, msgspec.Meta(min_length=1, max_length=32, pattern=r"^[\w\-]+$")]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+# A pipeline's fair-share weight among pipelines of the same priority (planner.py).
+Weight = Annotated[float, msgspec.Meta(gt=0, le=1000)]
 
 
 class AllocatePipelineId(Message):
@@ -49,6 +51,7 @@ class PipelineIdReply(Message):
 class RegisterPipeline(Message):
     pipeline_id: PipelineId
     clusters: dict[ClusterName, ClusterSpec]
+    weight: Weight = 1.0
 
 
 class AdmitPipeline(Message):
@@ -105,6 +108,7 @@ class Resume(Message):
     pipeline_id: PipelineId
     clusters: dict[ClusterName, ClusterSpec]
     admitted: bool
+    weight: Weight = 1.0
     held: dict[ClusterName, PriorityName] = {}
     requests: list[RequestStage] = []
 

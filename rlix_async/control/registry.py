@@ -68,6 +68,7 @@ class PipelineState:
     connected: bool = True
     lost_at: float | None = None  # when its driver went silent (lease timer start)
     offline: set[int] = field(default_factory=set)  # infer ranks whose shard worker died
+    weight: float = 1.0  # fair-share weight among pipelines of the same priority
 
     @property
     def registered(self) -> bool:
@@ -125,7 +126,9 @@ class Registry:
             raise RegistryError("unknown_pipeline", f"pipeline {pid!r} is not known here")
         return p
 
-    def register(self, pid: str, clusters: dict[ClusterName, ClusterSpec]) -> PipelineState:
+    def register(
+        self, pid: str, clusters: dict[ClusterName, ClusterSpec], weight: float = 1.0
+    ) -> PipelineState:
         try:
             validate_topology(clusters, self.shape)
         except TopologyError as exc:
@@ -136,6 +139,7 @@ class Registry:
                 "already_registered", f"pipeline {pid} is registered with another topology"
             )
         p.clusters = dict(clusters)
+        p.weight = weight  # a restarted driver may bring a new one
         return p
 
     def admit(self, pid: str) -> None:
@@ -283,6 +287,7 @@ class Registry:
                     held={c: priority_name(pr) for c, pr in p.held.items()},
                     active_ranks={INFER: sorted(p.active)} if p.active else {},
                     offline_ranks={INFER: sorted(p.offline)} if p.offline else {},
+                    weight=p.weight,
                     progress=list(p.progress.values()) or None,
                     requests=[
                         RequestIn(

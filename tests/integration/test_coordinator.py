@@ -153,6 +153,26 @@ async def test_restart_from_journal_keeps_leases(ipc_ep: str, tmp_path: Path) ->
     assert '"ev":"unregister"' in journal.read_text()
 
 
+async def test_a_pipelines_weight_reaches_the_planner_and_survives_a_restart(
+    ipc_ep: str, tmp_path: Path
+) -> None:
+    """PipelineConfig.weight -> RegisterPipeline -> registry -> snapshot, journaled, so
+    a coordinator restarted on its journal divides rollout by the same weights."""
+    from rlix_async.control.client import PipelineClient
+
+    journal = tmp_path / "j.jsonl"
+    cfg = SchedulerConfig(lease_timeout_s=30)
+    co = await Coordinator(ipc_ep, SHAPE, journal=journal, config=cfg).start()
+    pc = await PipelineClient.connect(co.endpoint, pipeline_id="A")
+    await pc.register({"actor_infer": ClusterSpec(1, (0, 1, 2, 3))}, weight=2.5)
+    (snap_pipe,) = co.registry.snapshot().pipelines
+    assert snap_pipe.weight == 2.5
+    await pc.close()
+    await co.close()
+    async with Coordinator(ipc_ep, SHAPE, journal=journal, config=cfg) as co2:
+        assert co2.registry.pipelines["A"].weight == 2.5
+
+
 async def test_planning_runs_off_the_event_loop(ipc_ep: str, monkeypatch) -> None:
     """While a plan is computed (here one that takes 0.8 s) the coordinator answers
     calls at once: the planner runs in its thread, not on the event loop."""

@@ -222,3 +222,32 @@ async def test_kicks_coalesce_into_few_plans(ipc_ep: str) -> None:
         await asyncio.sleep(0.3)
         # at most one plan per interval (+1 for the first and the trailing one)
         assert 1 <= calls <= elapsed / 0.2 + 2, (calls, elapsed)
+
+
+async def test_progress_alone_replans_at_most_every_progress_interval(ipc_ep: str) -> None:
+    """Progress reports (hundreds a second at scale) wait for ``progress_interval_s``;
+    an urgent kick behind them is planned at once. The same PlanCadence paces the
+    simulator, so what it measures is what the coordinator does."""
+    cfg = SchedulerConfig(plan_interval_s=0.0, progress_interval_s=0.5, rebalance_s=60)
+    async with Coordinator(ipc_ep, SHAPE, config=cfg) as co:
+        starts: list[float] = []
+        real = co._schedule_step
+
+        async def counted():  # type: ignore[no-untyped-def]
+            starts.append(time.monotonic())
+            return await real()
+
+        co._schedule_step = counted  # type: ignore[method-assign]
+        await asyncio.sleep(0.1)  # the first (timer) plan
+        starts.clear()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.6:
+            co.kick(progress=True)
+            await asyncio.sleep(0.01)
+        assert 2 <= len(starts) <= 4, starts  # ~every 0.5 s, not 160 plans
+        gaps = [b - a for a, b in itertools.pairwise(starts)]
+        assert all(g >= 0.45 for g in gaps), gaps
+        before = len(starts)
+        co.kick()
+        await asyncio.sleep(0.1)
+        assert len(starts) == before + 1  # urgent: not held back by the progress interval

@@ -19,7 +19,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rlix_async"
 # carries weights/ref.py's CacheRef (torch-free) on the wire, and the rollout collector
 # fills train's replay buffer.
 # config -> the only rlix_async modules it may import
-CONFIG_MAY_IMPORT = {"control.topology", "control.snapshot", "config"}
+# pure vocabularies the config package shares with the coordinator (no I/O, no torch)
+CONFIG_MAY_IMPORT = {"control.topology", "control.snapshot", "control.cadence", "config"}
 # room -> rooms it must never import (module prefixes under rlix_async)
 FORBIDDEN = {
     "control": ["shards", "weights.cache", "weights.shm", "weights.tcp", "weights.pull",

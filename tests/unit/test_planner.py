@@ -506,3 +506,34 @@ def test_an_expand_of_an_offline_rank_is_refused() -> None:
     stale = Plan(expand=[RankChange("a", "actor_infer", [0, 1])], idle_devices=[])
     assert any("rank 1, which is offline" in e for e in check_plan(snap, stale))
     assert check_plan(snap, plan(snap)) == []
+
+
+def test_weights_divide_rollout_devices_among_equal_demands() -> None:
+    """weight 3 against weight 1 at equal demand: 6 of 8 free devices against 2; the
+    default (both 1) splits them evenly. A pipeline at weight 0.01 still gets a bundle."""
+    shape = ClusterShape(nodes=1, gpus_per_node=8)
+    progress = ProgressIn(target=64, completed=0)
+
+    def shares(wa: float, wb: float) -> dict[str, int]:
+        snap = Snapshot(
+            shape,
+            [
+                pipe("a", None, list(range(8)), progress=progress, weight=wa),
+                pipe("b", None, list(range(8)), progress=progress, weight=wb),
+            ],
+        )
+        out = run(snap)
+        return {ch.pipeline: len(ch.ranks) for ch in out.expand}
+
+    assert shares(3.0, 1.0) == {"a": 6, "b": 2}
+    assert shares(1.0, 1.0) == {"a": 4, "b": 4}
+    assert shares(1.0, 0.01) == {"a": 7, "b": 1}
+    with pytest.raises(SnapshotError, match="weight"):
+        decode_snapshot(
+            json.dumps(
+                {
+                    "cluster": {"nodes": 1, "gpus_per_node": 1},
+                    "pipelines": [{"id": "a", "weight": 0, "clusters": {INFER: {"devices": [0]}}}],
+                }
+            )
+        )
