@@ -47,41 +47,52 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from rlix_async.config import Scenario, load_config
-    from rlix_async.sim.engine import simulate
+    from rlix_async.config import ConfigError, Scenario, load_config
+    from rlix_async.sim.policies import POLICIES, compare, simulate
 
     sc = load_config(args.scenario, Scenario, args.overrides)
     if args.journal is not None:  # refused now, not after a long simulation
         check_output(args.journal)
     if args.seeds is not None:
         return _simulate_seeds(sc, args)
-    policies = ["exclusive", "timeshare"] if args.policy == "all" else [args.policy]
-    out = {
-        pol: simulate(sc, pol, seed=args.seed, journal=args.journal if pol == "timeshare" else None)
-        for pol in policies
-    }
+    policies = list(POLICIES) if args.policy == "all" else [args.policy]
+    try:
+        out = {
+            pol: simulate(
+                sc, pol, seed=args.seed, journal=args.journal if pol == "timeshare" else None
+            )
+            for pol in policies
+        }
+    except ConfigError as exc:  # e.g. a static split too small for a pipeline's bundle
+        raise UsageError(str(exc)) from None
+    summary = compare(out) if "timeshare" in out else {}
     if args.json:
-        print(json.dumps({"policies": out}, indent=2))
+        print(json.dumps({"policies": out, **summary}, indent=2))
         return 0
     for pol, r in out.items():
         print(
             f"{pol:10s} {r['steps_per_hour_per_gpu']:.3f} steps/h/GPU on {r['devices']} devices, "
             f"makespan {r['makespan_s']:.0f} s, utilization {r['gpu_utilization']:.2f}, "
-            f"preemptions {r['preemptions']}, switching {r['wasted_gpu_s']:.0f} GPU-s"
+            f"preemptions {r['preemptions']}, switching {r['wasted_gpu_s']:.0f} GPU-s "
+            f"(re-prefill {r['reprefill_gpu_s']:.0f})"
         )
-    if len(out) == 2 and out["exclusive"]["steps_per_hour_per_gpu"]:
-        gain = (
-            out["timeshare"]["steps_per_hour_per_gpu"] / out["exclusive"]["steps_per_hour_per_gpu"]
+    for base in ("exclusive", "static"):
+        if f"gain_vs_{base}" in summary:
+            print(f"timeshare / {base}: {summary[f'gain_vs_{base}']:.2f}x")
+    if "fair_share_index" in summary:
+        worst = max(summary["slowdown"].values())
+        print(
+            f"slowest pipeline's step {worst:.2f}x its exclusive one; "
+            f"fair-share index {summary['fair_share_index']:.2f} (1.00: slowed alike)"
         )
-        print(f"timeshare / exclusive: {gain:.2f}x")
     return 0
 
 
 def _simulate_seeds(sc: Scenario, args: argparse.Namespace) -> int:
-    from rlix_async.sim.engine import seed_sweep
+    from rlix_async.sim.policies import seed_sweep
 
     if args.seeds < 1 or args.policy != "all" or args.journal:
-        raise UsageError("--seeds N compares both policies and writes no journal")
+        raise UsageError("--seeds N compares all policies and writes no journal")
     out = seed_sweep(sc, range(args.seed, args.seed + args.seeds))
     if args.json:
         print(json.dumps(out, indent=2))
@@ -89,14 +100,35 @@ def _simulate_seeds(sc: Scenario, args: argparse.Namespace) -> int:
     for r in out["runs"]:
         worst = max(r["slowdown"].values(), default=0.0)
         print(
-            f"seed {r['seed']:3d}: timeshare / exclusive {r['gain']:.2f}x, "
-            f"slowest pipeline's step {worst:.2f}x its exclusive one"
+            f"seed {r['seed']:3d}: timeshare / exclusive {r['gain_vs_exclusive']:.2f}x, "
+            f"/ static {r['gain_vs_static']:.2f}x, slowest step {worst:.2f}x, "
+            f"fair-share index {r['fair_share_index']:.2f}"
         )
-    g, s = out["gain"], out["slowdown"]
+    g, gs, f, s = out["gain"], out["gain_vs_static"], out["fair_share_index"], out["slowdown"]
     print(
-        f"gain min {g['min']:.2f}x, mean {g['mean']:.2f}x, max {g['max']:.2f}x; "
-        f"step slowdown mean {s['mean']:.2f}x, max {s['max']:.2f}x"
+        f"vs exclusive min {g['min']:.2f}x mean {g['mean']:.2f}x; vs static min "
+        f"{gs['min']:.2f}x mean {gs['mean']:.2f}x; step slowdown mean {s['mean']:.2f}x max "
+        f"{s['max']:.2f}x; fair-share index max {f['max']:.2f}"
     )
+    return 0
+
+
+def _scenario(args: argparse.Namespace) -> int:
+    from rlix_async.config import dump
+    from rlix_async.sim import generate
+
+    if args.staleness < 0 or args.pipelines < 1 or args.steps < 1:
+        raise UsageError("--staleness must be >= 0, --pipelines and --steps >= 1")
+    sc = generate.agentic(
+        args.seed, staleness=args.staleness, pipelines=args.pipelines, steps=args.steps
+    )
+    text = f"# rlix-async scenario {args.family} --seed {args.seed} --staleness {args.staleness}\n"
+    text += dump(sc)
+    if args.output is None:
+        print(text, end="")
+    else:
+        check_output(args.output)
+        Path(args.output).write_text(text)
     return 0
 
 
@@ -108,12 +140,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser("simulate", help="discrete-event simulation of a scenario (real planner)")
     p.add_argument("scenario", help="Scenario file (see scenarios/ and docs/CONFIG.md)")
-    p.add_argument("--policy", choices=["exclusive", "timeshare", "all"], default="all")
+    p.add_argument("--policy", choices=["exclusive", "static", "timeshare", "all"], default="all")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--journal", help="write the timeshare run's journal (rlix-async timeline)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--seeds", type=int, metavar="N", help="both policies on seeds SEED..SEED+N-1: the spread"
+        "--seeds", type=int, metavar="N", help="all policies on seeds SEED..SEED+N-1: the spread"
     )
-    add_overrides(p, "plan_interval_s=0")
+    add_overrides(p, "progress_interval_s=10")
     p.set_defaults(func=_simulate)
+
+    p = sub.add_parser("scenario", help="write a generated scenario (one the scheduler never saw)")
+    p.add_argument("family", choices=["agentic"], help="see rlix_async/sim/generate.py")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--staleness", type=int, default=0, help="max_trajectory_age_steps")
+    p.add_argument("--pipelines", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("-o", "--output", help="write here instead of standard output")
+    p.set_defaults(func=_scenario)

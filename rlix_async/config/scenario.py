@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from rlix_async.config.schema import Config, _check_topology, doc, invalid
+from rlix_async.control.cadence import PLAN_INTERVAL_S, PROGRESS_INTERVAL_S
 from rlix_async.control.topology import (
     ClusterName,
     ClusterShape,
@@ -60,13 +61,36 @@ class ScenarioPipeline(Config, frozen=True):
     rollout: Annotated[RolloutTimes, doc("How long trajectories take.")] = RolloutTimes()
     stages: Annotated[
         dict[PriorityName, Annotated[float, msgspec.Meta(ge=0)]],
-        doc("Seconds per training stage, run in order on actor_train."),
+        doc(
+            "Seconds per training stage, run in order on actor_train, on the number of "
+            "devices actor_train declares."
+        ),
     ] = msgspec.field(default_factory=lambda: {"ACTOR_TRAINING": 60.0})
+    scaling: Annotated[
+        dict[PriorityName, Literal["linear", "fixed"]],
+        doc(
+            "How a stage's time changes on fewer devices than actor_train declares (the "
+            "static split gives a pipeline its slice): linear (time x declared / given, "
+            "never faster than declared) or fixed. Stages not named scale linearly."
+        ),
+    ] = {}
+    weight: Annotated[
+        float,
+        doc(
+            "Fair-share weight among pipelines of the same priority, as in PipelineConfig "
+            "(the static split divides the cluster by it too).",
+            gt=0,
+            le=1000,
+        ),
+    ] = 1.0
 
     def __post_init__(self) -> None:
         for name in ("actor_train", "actor_infer"):
             if name not in self.clusters:
                 raise invalid("clusters", f"{name} is required")
+        for stage in self.scaling:
+            if stage not in self.stages:
+                raise invalid("scaling", f"stage {stage} has no time in stages")
 
     def topology(self) -> dict[ClusterName, ClusterSpec]:
         return dict(self.clusters)
@@ -74,6 +98,15 @@ class ScenarioPipeline(Config, frozen=True):
     @property
     def train_s(self) -> float:
         return sum(self.stages.values())
+
+    def stages_on(self, devices: int) -> dict[PriorityName, float]:
+        """Stage times on ``devices`` training devices (see ``scaling``)."""
+        declared = len(self.clusters["actor_train"].devices)
+        factor = declared / min(max(devices, 1), declared)
+        return {
+            stage: t if self.scaling.get(stage, "linear") == "fixed" else t * factor
+            for stage, t in self.stages.items()
+        }
 
     def devices(self) -> set[int]:
         return {d for c in self.clusters.values() for d in c.devices}
@@ -84,8 +117,20 @@ class Scenario(Config, frozen=True):
     pipelines: Annotated[list[ScenarioPipeline], doc("The pipelines.", min_length=1)]
     switch: Annotated[SwitchCosts, doc("What moving a shard costs.")] = SwitchCosts()
     plan_interval_s: Annotated[
-        float, doc("Planner debounce, simulated seconds (0: plan on every change).", ge=0)
-    ] = 1.0
+        float,
+        doc(
+            "Least simulated seconds between two plans, as SchedulerConfig.plan_interval_s "
+            "(the same rules: control/cadence.py).",
+            ge=0,
+        ),
+    ] = PLAN_INTERVAL_S
+    progress_interval_s: Annotated[
+        float,
+        doc(
+            "Progress alone replans at most this often, as SchedulerConfig.progress_interval_s.",
+            ge=0,
+        ),
+    ] = PROGRESS_INTERVAL_S
 
     def __post_init__(self) -> None:
         seen: set[str] = set()

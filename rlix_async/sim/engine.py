@@ -15,8 +15,11 @@ as the coordinator, with simulated time and simulated effects:
   training and reports progress as the coordinator's client does (coarse
   buckets), which is what the planner sizes its rollout share by.
 
-The planner runs on changes, debounced to ``plan_interval_s`` of simulated
-time (the coordinator debounces the same way, on its event loop).
+The planner runs when the coordinator's would: :class:`PlanCadence` from
+``control/cadence.py``, the same module and the same settings
+(``plan_interval_s``, ``progress_interval_s``) as the coordinator's scheduler
+loop, on simulated time (a plan takes no simulated time). A pipeline reports
+progress in the client's buckets.
 """
 
 from __future__ import annotations
@@ -34,11 +37,10 @@ from typing import Any
 from rlix_async.config import RolloutTimes, Scenario, ScenarioPipeline
 from rlix_async.control import journal as ev
 from rlix_async.control import planner
+from rlix_async.control.cadence import PlanCadence, progress_bucket
 from rlix_async.control.registry import Registry
 from rlix_async.control.snapshot import RankChange
 from rlix_async.control.topology import INFER, TRAIN, Priority
-
-PROGRESS_BUCKETS = 20  # progress changes smaller than 5% do not wake the planner
 
 
 def sample_duration(rollout: RolloutTimes, rng: random.Random) -> float:
@@ -91,18 +93,17 @@ class Simulation:
         pipelines: list[ScenarioPipeline] | None = None,
         *,
         seed: int = 0,
-        plan_interval_s: float | None = None,
     ) -> None:
         self.sc = scenario
         self.registry = Registry(scenario.shape)
-        self.plan_interval_s = (
-            scenario.plan_interval_s if plan_interval_s is None else plan_interval_s
-        )
+        self.cadence = PlanCadence(scenario.plan_interval_s, scenario.progress_interval_s)
+        self._plan_at: float | None = None  # the plan event that stands
+        self._touched: set[str] = set()  # pipelines whose shards the last plan changed
+        self._aging_at: set[tuple[str, int]] = set()  # requests whose aging is scheduled
         self.now = 0.0
         self._events: list[tuple[float, int, str, tuple[Any, ...]]] = []
         self._seq = itertools.count()
         self._tids = itertools.count()
-        self._plan_pending = False
         index = {p.id: i for i, p in enumerate(scenario.pipelines)}
         self.pipes = {
             p.id: _Pipe(p, rng=random.Random(f"{seed}/{index[p.id]}"))
@@ -111,7 +112,9 @@ class Simulation:
         self.free_at: dict[int, float] = {}  # device -> when its shrinking shard is asleep
         self.journal: list[ev.Event] = []
         self.busy_device_s = 0.0
-        self.switch_device_s = 0.0
+        self.switch_device_s = 0.0  # sleeps, wakes, weight syncs and re-prefills
+        self.reprefill_device_s = 0.0
+        self.resumed = 0
         self.preemptions = 0
         self.plans = 0
         self._last_t = 0.0
@@ -133,6 +136,7 @@ class Simulation:
             "granted": self._granted,
             "trained": self._trained,
             "plan": self._plan,
+            "aged": self._aged,
         }
         for _ in range(max_events):
             if not self._events:
@@ -142,8 +146,9 @@ class Simulation:
             self.now = t
             handlers[kind](*data)
             if kind == "plan":
-                for p in self.pipes.values():
-                    self._recount(p)
+                for pid in self._touched:
+                    self._recount(self.pipes[pid])
+                self._touched.clear()
             elif kind != "start":
                 self._recount(self.pipes[data[0]])
         else:
@@ -166,16 +171,29 @@ class Simulation:
         self._busy_total += busy - self._busy.get(p.decl.id, 0)
         self._busy[p.decl.id] = busy
 
-    def _dirty(self) -> None:
-        if not self._plan_pending:
-            self._plan_pending = True
-            self._push(self.now + self.plan_interval_s, "plan")
+    def _dirty(self, urgent: bool = True) -> None:
+        if urgent:
+            self.cadence.urgent()
+        else:
+            self.cadence.progress()
+        due = self.cadence.due()
+        if due is not None and (self._plan_at is None or due < self._plan_at):
+            self._plan_at = max(due, self.now)
+            self._push(self._plan_at, "plan", self._plan_at)
+
+    def _aged(self, pid: str, seq: int) -> None:
+        """A waiting request crossed ``policy.aging_s``: the coordinator's rebalance
+        timer would replan now, and the order of requests may change (if it is still
+        waiting: most were granted long before)."""
+        state = self.registry.pipelines.get(pid)
+        if state is not None and any(r.seq == seq for r in state.requests.values()):
+            self._dirty()
 
     # --- pipeline behaviour ---------------------------------------------------------------
 
     def _start(self, pid: str) -> None:
         p = self.pipes[pid]
-        self.registry.register(pid, p.decl.topology())
+        self.registry.register(pid, p.decl.topology(), p.decl.weight)
         self.registry.admit(pid)
         self._progress(p, force=True)
         self._dirty()
@@ -189,10 +207,10 @@ class Simulation:
         ):
             completed = p.target  # nothing left to generate until training moves on
         self.registry.report_progress(p.decl.id, "default", p.target, completed)
-        bucket = completed * PROGRESS_BUCKETS // p.target
+        bucket = progress_bucket(p.target, completed)
         if force or bucket != p.bucket:
             p.bucket = bucket
-            self._dirty()
+            self._dirty(urgent=force)
 
     def _fill(self, p: _Pipe) -> None:
         for rank in sorted(p.ready):
@@ -286,14 +304,26 @@ class Simulation:
 
     # --- the coordinator's scheduling path -------------------------------------------------
 
-    def _plan(self) -> None:
-        self._plan_pending = False
+    def _plan(self, at: float) -> None:
+        if at != self._plan_at:
+            return  # superseded by an earlier plan
+        self._plan_at = None
+        self.cadence.started(self.now)
+        self.cadence.finished(self.now, 0.0)
         snap = self.registry.snapshot(self.now)
         result = planner.plan(snap)
         self.plans += 1
         errors = planner.check_plan(snap, result)
         if errors:
             raise RuntimeError(f"planner produced an invalid plan at t={self.now}: {errors}")
+        aging = snap.policy.aging_s
+        for state in self.registry.pipelines.values():
+            for r in state.requests.values():
+                key = (state.id, r.seq)
+                if r.priority != Priority.GENERATION and key not in self._aging_at:
+                    self._aging_at.add(key)
+                    # just past the instant, so the plan then sees it aged
+                    self._push(max(r.since + aging, self.now) + 1e-6, "aged", state.id, r.seq)
         if not (result.shrink or result.grants or result.expand):
             return
         self.registry.apply(result)
@@ -310,6 +340,8 @@ class Simulation:
                         del p.inflight[tid]
                         p.pending.appendleft(max(end - self.now, 0.0) + p.decl.reprefill_s)
                         self.switch_device_s += p.decl.reprefill_s * spec.tp
+                        self.reprefill_device_s += p.decl.reprefill_s * spec.tp
+                        self.resumed += 1
                 p.slots[rank] = 0
                 for d in spec.bundle(rank):
                     self.free_at[d] = self.now + sw.sleep_s
@@ -332,9 +364,11 @@ class Simulation:
                 self.switch_device_s += (sw.wake_s + sw.sync_s) * spec.tp
                 self._push(free + sw.wake_s + sw.sync_s, "ready", ch.pipeline, rank, p.epoch[rank])
             self._record_change(ev.Expanded, ch)
+        self._touched.update(ch.pipeline for ch in result.shrink)
         for p in self.pipes.values():  # shrunk shards' trajectories continue on the others
             if p.pending:
                 self._fill(p)
+                self._touched.add(p.decl.id)
 
     def _record_change(self, kind: type[ev.Shrunk] | type[ev.Expanded], ch: RankChange) -> None:
         spec = self.pipes[ch.pipeline].decl.clusters[INFER]
@@ -373,69 +407,7 @@ class Simulation:
             "mean_step_s": mean_step,
             "preemptions": self.preemptions,
             "wasted_gpu_s": round(self.switch_device_s, 1),
+            "reprefill_gpu_s": round(self.reprefill_device_s, 1),
+            "resumed": self.resumed,
             "plans": self.plans,
         }
-
-
-def simulate(
-    scenario: Scenario,
-    policy: str = "timeshare",
-    *,
-    seed: int = 0,
-    journal: str | Path | None = None,
-    plan_interval_s: float | None = None,
-) -> dict[str, Any]:
-    """One policy's results. ``exclusive``: each pipeline alone on its own devices."""
-    if policy == "timeshare":
-        sim = Simulation(scenario, seed=seed, plan_interval_s=plan_interval_s)
-        out = sim.run()
-        if journal is not None:
-            sim.write_journal(journal)
-        return out
-    if policy != "exclusive":
-        raise ValueError(f"unknown policy {policy!r}: exclusive, timeshare or all")
-    runs = []
-    for p in scenario.pipelines:
-        sim = Simulation(scenario, [p], seed=seed, plan_interval_s=plan_interval_s)
-        runs.append(sim.run())
-    makespan = max(r["makespan_s"] for r in runs)
-    devices = sum(r["devices"] for r in runs)
-    steps = sum(r["steps"] for r in runs)
-    return {
-        "steps": steps,
-        "devices": devices,
-        "makespan_s": makespan,
-        "steps_per_hour_per_gpu": steps / (makespan / 3600) / devices if makespan else 0.0,
-        "gpu_utilization": sum(r["gpu_utilization"] * r["devices"] * r["makespan_s"] for r in runs)
-        / (devices * makespan),
-        "mean_step_s": {k: v for r in runs for k, v in r["mean_step_s"].items()},
-        "preemptions": sum(r["preemptions"] for r in runs),
-        "wasted_gpu_s": round(sum(r["wasted_gpu_s"] for r in runs), 1),
-        "plans": sum(r["plans"] for r in runs),
-    }
-
-
-def seed_sweep(scenario: Scenario, seeds: range) -> dict[str, Any]:
-    """Both policies over several seeds: the gain and each pipeline's step slowdown.
-
-    ``slowdown`` is a pipeline's mean step under ``timeshare`` over its mean step
-    under ``exclusive`` (the same trajectories: each pipeline's stream is seeded alike
-    under both policies).
-    """
-    runs = []
-    for s in seeds:
-        ex, ts = simulate(scenario, "exclusive", seed=s), simulate(scenario, "timeshare", seed=s)
-        gain = ts["steps_per_hour_per_gpu"] / ex["steps_per_hour_per_gpu"]
-        slowdown = {
-            pid: round(ts["mean_step_s"][pid] / step, 3)
-            for pid, step in ex["mean_step_s"].items()
-            if step and ts["mean_step_s"].get(pid)
-        }
-        runs.append({"seed": s, "gain": round(gain, 3), "slowdown": slowdown})
-    gains = [r["gain"] for r in runs]
-    slow = [v for r in runs for v in r["slowdown"].values()]
-    return {
-        "runs": runs,
-        "gain": {"min": min(gains), "mean": round(sum(gains) / len(gains), 3), "max": max(gains)},
-        "slowdown": {"mean": round(sum(slow) / len(slow), 3), "max": max(slow)},
-    }

@@ -161,7 +161,7 @@ def test_simulate_json_shape_and_journal_for_timeline(tmp_path: Path) -> None:
     path.write_text(SCENARIO)
     out = rlix("simulate", str(path), "--json", "--journal", str(tmp_path / "j.jsonl"), check=True)
     data = json.loads(out.stdout)
-    assert set(data["policies"]) == {"exclusive", "timeshare"}
+    assert set(data["policies"]) == {"exclusive", "static", "timeshare"}
     for r in data["policies"].values():
         assert {
             "steps_per_hour_per_gpu",
@@ -170,7 +170,11 @@ def test_simulate_json_shape_and_journal_for_timeline(tmp_path: Path) -> None:
             "mean_step_s",
             "preemptions",
             "wasted_gpu_s",
+            "reprefill_gpu_s",
         } <= set(r)
+    assert {"gain_vs_exclusive", "gain_vs_static", "fair_share_index"} <= set(data)
+    text = rlix("simulate", str(path), check=True).stdout
+    assert "timeshare / exclusive:" in text and "timeshare / static:" in text
     png = tmp_path / "t.png"
     rlix("timeline", str(tmp_path / "j.jsonl"), "-o", str(png), check=True)
     assert png.stat().st_size > 0
@@ -185,6 +189,11 @@ def test_simulate_json_shape_and_journal_for_timeline(tmp_path: Path) -> None:
     data = json.loads(sweep.stdout)
     assert [r["seed"] for r in data["runs"]] == [0, 1, 2]
     assert data["gain"]["min"] <= data["gain"]["mean"] <= data["gain"]["max"]
+    assert data["gain_vs_static"]["min"] <= data["gain_vs_static"]["max"]
+    generated = tmp_path / "g.yaml"
+    rlix("scenario", "agentic", "--seed", "3", "--steps", "2", "-o", str(generated), check=True)
+    out = rlix("simulate", str(generated), "--policy", "static", "--json", check=True)
+    assert json.loads(out.stdout)["policies"]["static"]["devices"] == 8
 
 
 async def test_trace_of_a_coordinators_journal(ipc_ep: str, tmp_path: Path) -> None:

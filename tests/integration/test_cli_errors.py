@@ -42,6 +42,7 @@ CASES = [
         ["simulate", "scenarios/math_rlvr.yaml", "--journal", "{tmp}/nodir/j.jsonl"],
         "does not exist",
     ),
+    ("scenario-bad-steps", ["scenario", "agentic", "--steps", "0"], "--steps >= 1"),
     ("status-bad-scheme", ["status", "--endpoint", "foo://x"], "unsupported endpoint"),
     (
         "status-public-ipc",

@@ -144,7 +144,7 @@ def test_the_simulator_writes_typed_events(tmp_path: Path) -> None:
         Scenario,
         "s",
     )
-    sim = Simulation(sc, plan_interval_s=0.0)
+    sim = Simulation(sc)
     sim.run()
     sim.write_journal(tmp_path / "sim.jsonl")
     kinds = {type(e) for e in ev.read_journal(tmp_path / "sim.jsonl")}

@@ -22,7 +22,7 @@ from rlix_async.observe.trace import (
     trace_problems,
     write_trace,
 )
-from rlix_async.sim.engine import simulate
+from rlix_async.sim.policies import simulate
 
 SCENARIOS = Path(__file__).parents[2] / "scenarios"
 

@@ -1,0 +1,160 @@
+"""What a lab compares time-sharing with, on the same trajectories.
+
+- ``timeshare``: every pipeline on the devices it declares, shared through the
+  coordinator's planner (one :class:`Simulation` of the whole scenario).
+- ``static``: the cluster split once into fixed slices, in proportion to
+  ``weight``, each pipeline alone on its slice: rollout shards on the slice,
+  training on as much of it as ``actor_train`` declares, its stages slowed by
+  their ``scaling`` when the slice is smaller. What a lab with 8 GPUs and 4
+  experiments does without a scheduler.
+- ``exclusive``: each pipeline alone on everything it declares (4 pipelines
+  declaring 8 devices each count 32 devices).
+
+Each pipeline draws its trajectories from its own seeded stream, so every policy
+sees the same trajectories (common random numbers).
+
+Gains are steps per hour per device, timeshare over the baseline. The fair-share
+index is the worst pipeline's step slowdown (timeshare over exclusive) times the
+gain over exclusive, over the number of pipelines: 1.0 when every pipeline is
+slowed alike, above when one gets less than its share of the gain.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rlix_async.config import ConfigError, Scenario, ScenarioPipeline
+from rlix_async.control.topology import ClusterSpec
+from rlix_async.sim.engine import Simulation
+
+POLICIES = ("exclusive", "static", "timeshare")
+
+
+def static_split(scenario: Scenario) -> list[ScenarioPipeline]:
+    """Each pipeline moved onto its own contiguous slice of the cluster.
+
+    A slice is a whole number of the pipeline's largest TP bundle, sized by
+    ``weight`` (largest remainder); larger bundles are laid out first so every
+    slice starts aligned. A split that leaves a pipeline less than one bundle
+    is a config error naming it.
+    """
+    pipes = scenario.pipelines
+    total_w = sum(p.weight for p in pipes)
+    capacity = scenario.cluster.num_devices
+    unit = {p.id: math.lcm(*(c.tp for c in p.clusters.values())) for p in pipes}
+    exact = {p.id: capacity * p.weight / total_w for p in pipes}
+    share = {pid: int(exact[pid] // unit[pid]) * unit[pid] for pid in exact}
+    left = capacity - sum(share.values())
+    for pid in sorted(exact, key=lambda q: (-(exact[q] - share[q]), q)):
+        if exact[pid] - share[pid] > 0 and unit[pid] <= left:
+            share[pid] += unit[pid]
+            left -= unit[pid]
+    out: dict[str, ScenarioPipeline] = {}
+    start = 0
+    for p in sorted(pipes, key=lambda q: (-unit[q.id], pipes.index(q))):
+        if share[p.id] < unit[p.id]:
+            raise ConfigError(
+                f"static split: {len(pipes)} pipelines on {capacity} devices leave "
+                f"{p.id} {share[p.id]}, less than its {unit[p.id]}-device bundle"
+            )
+        devices = list(range(start, start + share[p.id]))
+        start += share[p.id]
+        clusters = {}
+        for name, spec in p.clusters.items():
+            n = min(len(spec.devices), len(devices)) // spec.tp * spec.tp
+            clusters[name] = ClusterSpec(spec.tp, tuple(devices[: max(n, spec.tp)]))
+        clusters["actor_infer"] = ClusterSpec(p.clusters["actor_infer"].tp, tuple(devices))
+        given = len(clusters["actor_train"].devices)
+        out[p.id] = msgspec.structs.replace(p, clusters=clusters, stages=p.stages_on(given))
+    return [out[p.id] for p in pipes]
+
+
+def _alone(scenario: Scenario, pipes: list[ScenarioPipeline], seed: int) -> dict[str, Any]:
+    """Each pipeline simulated by itself; the results summed as one cluster."""
+    runs = [Simulation(scenario, [p], seed=seed).run() for p in pipes]
+    makespan = max(r["makespan_s"] for r in runs)
+    devices = sum(r["devices"] for r in runs)
+    steps = sum(r["steps"] for r in runs)
+    busy = sum(r["gpu_utilization"] * r["devices"] * r["makespan_s"] for r in runs)
+    return {
+        "steps": steps,
+        "devices": devices,
+        "makespan_s": makespan,
+        "steps_per_hour_per_gpu": steps / (makespan / 3600) / devices if makespan else 0.0,
+        "gpu_utilization": busy / (devices * makespan) if makespan else 0.0,
+        "mean_step_s": {k: v for r in runs for k, v in r["mean_step_s"].items()},
+        "preemptions": sum(r["preemptions"] for r in runs),
+        "wasted_gpu_s": round(sum(r["wasted_gpu_s"] for r in runs), 1),
+        "reprefill_gpu_s": round(sum(r["reprefill_gpu_s"] for r in runs), 1),
+        "resumed": sum(r["resumed"] for r in runs),
+        "plans": sum(r["plans"] for r in runs),
+    }
+
+
+def simulate(
+    scenario: Scenario,
+    policy: str = "timeshare",
+    *,
+    seed: int = 0,
+    journal: str | Path | None = None,
+) -> dict[str, Any]:
+    """One policy's results (see the module docstring for the policies)."""
+    if policy == "timeshare":
+        sim = Simulation(scenario, seed=seed)
+        out = sim.run()
+        if journal is not None:
+            sim.write_journal(journal)
+        return out
+    if policy == "static":
+        split = static_split(scenario)
+        return _alone(msgspec.structs.replace(scenario, pipelines=split), split, seed)
+    if policy == "exclusive":
+        return _alone(scenario, scenario.pipelines, seed)
+    raise ValueError(f"unknown policy {policy!r}: {', '.join(POLICIES)} or all")
+
+
+def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Gains of timeshare over each baseline present, step slowdowns and the fair-share
+    index (timeshare against exclusive)."""
+    ts = runs["timeshare"]
+    out: dict[str, Any] = {}
+    for base in ("exclusive", "static"):
+        if base in runs and runs[base]["steps_per_hour_per_gpu"]:
+            rate = ts["steps_per_hour_per_gpu"] / runs[base]["steps_per_hour_per_gpu"]
+            out[f"gain_vs_{base}"] = round(rate, 3)
+    if "exclusive" in runs:
+        slowdown = {
+            pid: round(ts["mean_step_s"][pid] / step, 3)
+            for pid, step in runs["exclusive"]["mean_step_s"].items()
+            if step and ts["mean_step_s"].get(pid)
+        }
+        out["slowdown"] = slowdown
+        if slowdown and "gain_vs_exclusive" in out:
+            worst = max(slowdown.values())
+            out["fair_share_index"] = round(worst * out["gain_vs_exclusive"] / len(slowdown), 3)
+    return out
+
+
+def seed_sweep(scenario: Scenario, seeds: range) -> dict[str, Any]:
+    """All three policies on each seed: gains, step slowdowns, fair-share index."""
+    runs = []
+    for s in seeds:
+        each = {pol: simulate(scenario, pol, seed=s) for pol in POLICIES}
+        runs.append({"seed": s, **compare(each)})
+
+    def spread(key: str) -> dict[str, float]:
+        vals = [r[key] for r in runs if key in r]
+        return {"min": min(vals), "mean": round(sum(vals) / len(vals), 3), "max": max(vals)}
+
+    slow = [v for r in runs for v in r["slowdown"].values()]
+    return {
+        "runs": runs,
+        "gain": spread("gain_vs_exclusive"),
+        "gain_vs_static": spread("gain_vs_static"),
+        "fair_share_index": spread("fair_share_index"),
+        "slowdown": {"mean": round(sum(slow) / len(slow), 3), "max": max(slow)},
+    }

@@ -1,0 +1,100 @@
+"""The simulator's baselines and properties over scenarios nobody tuned it on.
+
+The shipped scenarios' figures are regression numbers in docs/PERF.md, not
+assertions here: a single hard-coded gain is a test the scheduler can be tuned to.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from rlix_async.config import ConfigError, Scenario, ScenarioPipeline
+from rlix_async.control.topology import ClusterShape, ClusterSpec
+from rlix_async.sim import generate
+from rlix_async.sim.policies import POLICIES, compare, simulate, static_split
+
+
+def _pipe(
+    pid: str, train: int, infer_tp: int = 1, weight: float = 1.0, **kw: object
+) -> ScenarioPipeline:
+    return ScenarioPipeline(
+        id=pid,
+        clusters={
+            "actor_train": ClusterSpec(1, tuple(range(train))),
+            "actor_infer": ClusterSpec(infer_tp, tuple(range(8))),
+        },
+        weight=weight,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_static_split_gives_disjoint_aligned_slices_by_weight() -> None:
+    sc = Scenario(
+        cluster=ClusterShape(nodes=1, gpus_per_node=8),
+        pipelines=[_pipe("a", 4, weight=2.0), _pipe("b", 4, infer_tp=2), _pipe("c", 4)],
+    )
+    split = {p.id: p for p in static_split(sc)}
+    slices = {pid: set(p.clusters["actor_infer"].devices) for pid, p in split.items()}
+    assert sum(len(s) for s in slices.values()) == 8
+    assert not (slices["a"] & slices["b"]) and not (slices["a"] & slices["c"])
+    assert len(slices["a"]) == 4 and len(slices["b"]) == 2 and len(slices["c"]) == 2
+    assert min(slices["b"]) % 2 == 0  # its tp-2 bundle stays aligned
+    for p in split.values():  # training on its own slice, never beyond
+        assert set(p.clusters["actor_train"].devices) <= set(p.clusters["actor_infer"].devices)
+
+
+def test_stages_slow_down_linearly_on_a_smaller_slice_unless_fixed() -> None:
+    p = _pipe(
+        "a",
+        4,
+        stages={"ACTOR_TRAINING": 100.0, "OLD_LOG_PROBS": 10.0},
+        scaling={"OLD_LOG_PROBS": "fixed"},
+    )
+    assert p.stages_on(2) == {"ACTOR_TRAINING": 200.0, "OLD_LOG_PROBS": 10.0}
+    assert p.stages_on(8) == p.stages  # never faster than on the devices it declares
+    sc = Scenario(cluster=ClusterShape(nodes=1, gpus_per_node=8), pipelines=[p, _pipe("b", 4)])
+    assert static_split(sc)[0].stages["ACTOR_TRAINING"] == 100.0  # 4 of 8: its declared 4
+    sc4 = Scenario(
+        cluster=ClusterShape(nodes=1, gpus_per_node=8),
+        pipelines=[p, *(_pipe(x, 4) for x in "bcd")],
+    )
+    assert static_split(sc4)[0].stages == {"ACTOR_TRAINING": 200.0, "OLD_LOG_PROBS": 10.0}
+
+
+def test_a_split_too_small_for_a_bundle_is_a_config_error_naming_the_pipeline() -> None:
+    sc = Scenario(
+        cluster=ClusterShape(nodes=1, gpus_per_node=8),
+        pipelines=[_pipe(x, 2, infer_tp=4) for x in "abcd"],
+    )
+    with pytest.raises(ConfigError, match="static split: 4 pipelines on 8 devices leave"):
+        static_split(sc)
+    with pytest.raises(ValueError, match="scaling: stage CRITIC_TRAINING has no time"):
+        _pipe("a", 2, scaling={"CRITIC_TRAINING": "fixed"})
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), st.sampled_from([0, 1]))
+@example(33723, 1)  # the worst index seen over 100 draws (1.62: docs/PERF.md)
+def test_properties_on_generated_agentic_scenarios(seed: int, staleness: int) -> None:
+    """On any draw: every plan passes the validator and every pipeline finishes (the
+    simulation raises otherwise); time-sharing is never below the static split by more
+    than the switching it paid, nor below exclusive per device; nobody is starved (the
+    fair-share index stays within 1.75: a pipeline left without shards for long
+    goes far beyond; why it is not 1.1 on such mixes is in docs/PERF.md)."""
+    sc = generate.agentic(seed, staleness=staleness, steps=4)
+    runs = {pol: simulate(sc, pol, seed=seed) for pol in POLICIES}
+    ts, static = runs["timeshare"], runs["static"]
+    assert all(r["steps"] == 16 for r in runs.values())
+    switching = ts["wasted_gpu_s"] / (ts["devices"] * ts["makespan_s"])
+    assert ts["steps_per_hour_per_gpu"] >= static["steps_per_hour_per_gpu"] * (1 - switching)
+    c = compare(runs)
+    assert c["gain_vs_exclusive"] >= 1.0
+    assert c["fair_share_index"] <= 1.75, c
+
+
+def test_the_same_seed_gives_the_same_figures() -> None:
+    sc = generate.agentic(7, staleness=1, steps=3)
+    assert simulate(sc, "timeshare", seed=7) == simulate(sc, "timeshare", seed=7)
+    assert generate.agentic(7) == generate.agentic(7) != generate.agentic(8)
