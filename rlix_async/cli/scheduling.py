@@ -47,10 +47,20 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    import msgspec
+
     from rlix_async.config import ConfigError, Scenario, load_config
     from rlix_async.sim.policies import POLICIES, compare, simulate
 
     sc = load_config(args.scenario, Scenario, args.overrides)
+    if args.staleness is not None:  # the same scenario, every pipeline that asynchronous
+        if args.staleness < 0:
+            raise UsageError("--staleness must be >= 0")
+        pipes = [
+            msgspec.structs.replace(p, max_trajectory_age_steps=args.staleness)
+            for p in sc.pipelines
+        ]
+        sc = msgspec.structs.replace(sc, pipelines=pipes)
     if args.journal is not None:  # refused now, not after a long simulation
         check_output(args.journal)
     if args.seeds is not None:
@@ -144,6 +154,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--journal", help="write the timeshare run's journal (rlix-async timeline)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--staleness", type=int, help="set every pipeline's max_trajectory_age_steps to this"
+    )
     p.add_argument(
         "--seeds", type=int, metavar="N", help="all policies on seeds SEED..SEED+N-1: the spread"
     )

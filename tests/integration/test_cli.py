@@ -194,6 +194,18 @@ def test_simulate_json_shape_and_journal_for_timeline(tmp_path: Path) -> None:
     rlix("scenario", "agentic", "--seed", "3", "--steps", "2", "-o", str(generated), check=True)
     out = rlix("simulate", str(generated), "--policy", "static", "--json", check=True)
     assert json.loads(out.stdout)["policies"]["static"]["devices"] == 8
+    on_policy = rlix("simulate", str(generated), "--policy", "timeshare", "--json", check=True)
+    asynchronous = rlix(
+        "simulate",
+        str(generated),
+        "--policy",
+        "timeshare",
+        "--staleness",
+        "1",
+        "--json",
+        check=True,
+    )
+    assert json.loads(on_policy.stdout) != json.loads(asynchronous.stdout)
 
 
 async def test_trace_of_a_coordinators_journal(ipc_ep: str, tmp_path: Path) -> None:

@@ -43,6 +43,11 @@ CASES = [
         "does not exist",
     ),
     ("scenario-bad-steps", ["scenario", "agentic", "--steps", "0"], "--steps >= 1"),
+    (
+        "simulate-bad-staleness",
+        ["simulate", "scenarios/math_rlvr.yaml", "--staleness", "-1"],
+        "--staleness must be >= 0",
+    ),
     ("status-bad-scheme", ["status", "--endpoint", "foo://x"], "unsupported endpoint"),
     (
         "status-public-ipc",
