@@ -12,7 +12,10 @@ Events are of two kinds:
   (``PROGRESS_BUCKETS`` per batch; the client sends nothing in between). It only
   refines how rollout shards are divided, and moving a shard costs a sleep, a
   wake and a sync, so progress alone replans at most every
-  ``progress_interval_s``.
+  ``progress_interval_s``. A report that starts or ends demand is urgent
+  (:func:`progress_is_urgent`): a new stream or batch size, a batch that needs
+  trajectories again (the one after a training step), or one that needs none
+  any more (its shards can go to others).
 
 Without events the coordinator still plans every ``rebalance_s`` (a plan that
 changed nothing since the last one decides the same, except that a request may
@@ -37,6 +40,14 @@ def progress_bucket(target: int, completed: int) -> int:
     return PROGRESS_BUCKETS if target == 0 else min(completed, target) * PROGRESS_BUCKETS // target
 
 
+def progress_is_urgent(before: tuple[int, int] | None, target: int, completed: int) -> bool:
+    """Whether a progress report (``target``, ``completed``) after ``before`` (the
+    stream's previous one, or None) starts or ends the pipeline's demand."""
+    if before is None or before[0] != target:
+        return True
+    return (before[1] >= before[0]) != (completed >= target)
+
+
 class PlanCadence:
     """The planning clock: fed events and finished plans, it says when to plan next."""
 
@@ -44,11 +55,15 @@ class PlanCadence:
         self,
         plan_interval_s: float = PLAN_INTERVAL_S,
         progress_interval_s: float = PROGRESS_INTERVAL_S,
+        rebalance_s: float | None = None,
     ) -> None:
-        if plan_interval_s < 0 or progress_interval_s < 0:
-            raise ValueError("plan_interval_s and progress_interval_s must be >= 0")
+        """``rebalance_s``: plan at least this often without events (the coordinator;
+        None in the simulator)."""
+        if plan_interval_s < 0 or progress_interval_s < 0 or (rebalance_s or 1) <= 0:
+            raise ValueError("intervals must be >= 0 (rebalance_s > 0)")
         self.plan_interval_s = plan_interval_s
         self.progress_interval_s = progress_interval_s
+        self.rebalance_s = rebalance_s
         self._urgent = False
         self._progress = False
         self._last_start = -math.inf
@@ -69,15 +84,16 @@ class PlanCadence:
         return self._last_start
 
     def due(self) -> float | None:
-        """When the next plan should start (``None``: nothing asks for one)."""
+        """When the next plan should start (``None``: nothing asks for one). The first
+        plan, with ``rebalance_s``, is due at once."""
+        wanted: list[float] = []
         if self._urgent:
-            return max(self._earliest, self._last_start + self.plan_interval_s)
-        if self._progress:
-            return max(
-                self._earliest,
-                self._last_start + max(self.plan_interval_s, self.progress_interval_s),
-            )
-        return None
+            wanted.append(self._last_start + self.plan_interval_s)
+        elif self._progress:
+            wanted.append(self._last_start + max(self.plan_interval_s, self.progress_interval_s))
+        if self.rebalance_s is not None:
+            wanted.append(self._last_start + self.rebalance_s)
+        return max(self._earliest, min(wanted)) if wanted else None
 
     def started(self, now: float) -> None:
         """A plan starts at ``now``: it sees every event so far."""

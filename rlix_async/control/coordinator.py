@@ -28,7 +28,7 @@ from rlix_async.aio import Supervisor, until_signalled
 from rlix_async.config import CoordinatorConfig, SchedulerConfig
 from rlix_async.control import journal as ev
 from rlix_async.control import messages as m
-from rlix_async.control.cadence import PlanCadence
+from rlix_async.control.cadence import PlanCadence, progress_is_urgent
 from rlix_async.control.journal import Journal, JournalWriteError, open_journal
 from rlix_async.control.peers import PeerWatcher
 from rlix_async.control.planner import check_plan, idle_after, plan
@@ -86,7 +86,9 @@ class Coordinator(PeerWatcher):
         # that answers calls but never schedules or expires a lease again.
         self.fatal: asyncio.Future[str] | None = None
         self._wake = asyncio.Event()
-        self.cadence = PlanCadence(self.cfg.plan_interval_s, self.cfg.progress_interval_s)
+        self.cadence = PlanCadence(
+            self.cfg.plan_interval_s, self.cfg.progress_interval_s, self.cfg.rebalance_s
+        )
         self._fence_lifted: dict[tuple[str, int], asyncio.Event] = {}
         self._journal_sync_due = False
         self._journaled_fences: set[tuple[str, int]] = set()
@@ -303,6 +305,8 @@ class Coordinator(PeerWatcher):
 
     def _progress(self, msg: m.ReportProgress, ctx: CallContext) -> None:
         self._authorize(ctx, msg.pipeline_id)
+        last = self.registry.get(msg.pipeline_id).progress.get(msg.stream)
+        before = None if last is None else (last.target, last.completed)
         self.registry.report_progress(msg.pipeline_id, msg.stream, msg.target, msg.completed)
         self.journal.record(
             ev.ProgressReported(
@@ -312,7 +316,7 @@ class Coordinator(PeerWatcher):
                 completed=msg.completed,
             )
         )
-        self.kick(progress=True)
+        self.kick(progress=not progress_is_urgent(before, msg.target, msg.completed))
 
     def _clear_progress(self, msg: m.ClearProgress, ctx: CallContext) -> None:
         self._authorize(ctx, msg.pipeline_id)
@@ -372,8 +376,9 @@ class Coordinator(PeerWatcher):
                     f"{pid} claims {cluster} but its devices are held by {sorted(clash)}; "
                     "nothing of this resume was applied",
                 )
+        reweighted = known and self.registry.pipelines[pid].weight != msg.weight
         p = self.registry.register(pid, dict(msg.clusters), msg.weight)
-        if not known:
+        if not known or reweighted:
             self.journal.record(ev.Registered(pipeline=pid, clusters=p.clusters, weight=p.weight))
         self._check_bound_workers(pid)
         p.connected, p.lost_at = True, None
@@ -467,10 +472,8 @@ class Coordinator(PeerWatcher):
         while not self._closed:
             self._wake.clear()
             now = time.monotonic()
-            due = self.cadence.due()
-            if due is None:  # the slow timer
-                due = max(self.cadence.last_start, now - self.cfg.rebalance_s)
-                due += self.cfg.rebalance_s
+            due = self.cadence.due()  # never None: rebalance_s is its timer
+            assert due is not None
             if due > now:
                 with contextlib.suppress(TimeoutError):  # asyncio.timeout never swallows a cancel
                     async with asyncio.timeout(due - now):

@@ -182,6 +182,7 @@ class PipelineRecord(msgspec.Struct, kw_only=True):
     held: dict[ClusterName, PriorityName] = {}
     active: list[int] = []
     progress: list[ProgressRecord] = []
+    weight: float = 1.0
 
 
 class FenceRecord(msgspec.Struct, kw_only=True):
@@ -217,6 +218,7 @@ class RegistrySnapshot(JournalEvent, tag="snapshot"):
                     id=p.id,
                     clusters=dict(p.clusters),
                     admitted=p.admitted,
+                    weight=p.weight,
                     held={c: priority_name(pr) for c, pr in p.held.items()},
                     active=sorted(p.active),
                     progress=[
@@ -255,7 +257,7 @@ class RegistrySnapshot(JournalEvent, tag="snapshot"):
             registry.workers[(w.pipeline, w.rank)] = w.incarnation
         for rec in self.pipelines:
             try:
-                p = registry.register(rec.id, dict(rec.clusters))
+                p = registry.register(rec.id, dict(rec.clusters), rec.weight)
             except Exception as exc:
                 left_out.append(f"pipeline {rec.id}: {exc}")
                 continue

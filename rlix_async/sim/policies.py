@@ -15,8 +15,9 @@ sees the same trajectories (common random numbers).
 
 Gains are steps per hour per device, timeshare over the baseline. The fair-share
 index is the worst pipeline's step slowdown (timeshare over exclusive) times the
-gain over exclusive, over the number of pipelines: 1.0 when every pipeline is
-slowed alike, above when one gets less than its share of the gain.
+gain over exclusive, over the number of pipelines: when the pipelines all declare
+the same devices (the scenarios here), 1.0 when every pipeline is slowed alike,
+above when one gets less than its share of the gain.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import msgspec
 
 from rlix_async.config import ConfigError, Scenario, ScenarioPipeline
-from rlix_async.control.topology import ClusterSpec
+from rlix_async.control.topology import ClusterSpec, validate_topology
 from rlix_async.sim.engine import Simulation
 
 POLICIES = ("exclusive", "static", "timeshare")
@@ -55,7 +56,13 @@ def static_split(scenario: Scenario) -> list[ScenarioPipeline]:
             left -= unit[pid]
     out: dict[str, ScenarioPipeline] = {}
     start = 0
+    gpn = scenario.cluster.gpus_per_node
     for p in sorted(pipes, key=lambda q: (-unit[q.id], pipes.index(q))):
+        if start % min(unit[p.id], gpn) or (unit[p.id] > gpn and start % gpn):
+            raise ConfigError(
+                f"static split: {p.id}'s slice would start at device {start}, which is not "
+                f"aligned to its {unit[p.id]}-device bundle on {gpn}-device nodes"
+            )
         if share[p.id] < unit[p.id]:
             raise ConfigError(
                 f"static split: {len(pipes)} pipelines on {capacity} devices leave "
@@ -69,7 +76,11 @@ def static_split(scenario: Scenario) -> list[ScenarioPipeline]:
             clusters[name] = ClusterSpec(spec.tp, tuple(devices[: max(n, spec.tp)]))
         clusters["actor_infer"] = ClusterSpec(p.clusters["actor_infer"].tp, tuple(devices))
         given = len(clusters["actor_train"].devices)
-        out[p.id] = msgspec.structs.replace(p, clusters=clusters, stages=p.stages_on(given))
+        try:
+            out[p.id] = msgspec.structs.replace(p, clusters=clusters, stages=p.stages_on(given))
+            validate_topology(clusters, scenario.cluster)
+        except ValueError as exc:  # TopologyError, or a stage the scaling cannot take
+            raise ConfigError(f"static split: {p.id}: {exc}") from None
     return [out[p.id] for p in pipes]
 
 
@@ -111,7 +122,13 @@ def simulate(
         return out
     if policy == "static":
         split = static_split(scenario)
-        return _alone(msgspec.structs.replace(scenario, pipelines=split), split, seed)
+        out = _alone(msgspec.structs.replace(scenario, pipelines=split), split, seed)
+        # the lab has the whole cluster, used or not by the split
+        n, busy = scenario.cluster.num_devices, out["gpu_utilization"] * out["devices"]
+        out["gpu_utilization"], out["devices"] = busy / n, n
+        if out["makespan_s"]:
+            out["steps_per_hour_per_gpu"] = out["steps"] / (out["makespan_s"] / 3600) / n
+        return out
     if policy == "exclusive":
         return _alone(scenario, scenario.pipelines, seed)
     raise ValueError(f"unknown policy {policy!r}: {', '.join(POLICIES)} or all")

@@ -171,6 +171,18 @@ async def test_a_pipelines_weight_reaches_the_planner_and_survives_a_restart(
     await co.close()
     async with Coordinator(ipc_ep, SHAPE, journal=journal, config=cfg) as co2:
         assert co2.registry.pipelines["A"].weight == 2.5
+        # a driver resuming with another weight: applied, and journaled for the next restart
+        pc = await PipelineClient.connect(co2.endpoint, pipeline_id="A")
+        pc.clusters, pc.admitted, pc.weight = (
+            {"actor_infer": ClusterSpec(1, (0, 1, 2, 3))},
+            True,
+            4.0,
+        )
+        await pc._resume(pc.rpc)
+        assert co2.registry.pipelines["A"].weight == 4.0
+        await pc.close()
+    async with Coordinator(ipc_ep, SHAPE, journal=journal, config=cfg) as co3:
+        assert co3.registry.pipelines["A"].weight == 4.0
 
 
 async def test_planning_runs_off_the_event_loop(ipc_ep: str, monkeypatch) -> None:

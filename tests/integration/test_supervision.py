@@ -228,7 +228,9 @@ async def test_progress_alone_replans_at_most_every_progress_interval(ipc_ep: st
     """Progress reports (hundreds a second at scale) wait for ``progress_interval_s``;
     an urgent kick behind them is planned at once. The same PlanCadence paces the
     simulator, so what it measures is what the coordinator does."""
-    cfg = SchedulerConfig(plan_interval_s=0.0, progress_interval_s=0.5, rebalance_s=60)
+    cfg = SchedulerConfig(
+        plan_interval_s=0.0, progress_interval_s=0.5, rebalance_s=60, planner_process=False
+    )
     async with Coordinator(ipc_ep, SHAPE, config=cfg) as co:
         starts: list[float] = []
         real = co._schedule_step
@@ -247,7 +249,25 @@ async def test_progress_alone_replans_at_most_every_progress_interval(ipc_ep: st
         assert 2 <= len(starts) <= 4, starts  # ~every 0.5 s, not 160 plans
         gaps = [b - a for a, b in itertools.pairwise(starts)]
         assert all(g >= 0.45 for g in gaps), gaps
-        before = len(starts)
-        co.kick()
-        await asyncio.sleep(0.1)
-        assert len(starts) == before + 1  # urgent: not held back by the progress interval
+        before, kicked = len(starts), time.monotonic()
+        co.kick(progress=True)
+        co.kick()  # urgent: not held back by the pending progress (due 0.5 s after)
+        while len(starts) == before and time.monotonic() - kicked < 0.4:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+        assert len(starts) == before + 1
+
+
+async def test_a_report_that_starts_demand_is_planned_at_once(ipc_ep: str) -> None:
+    """A driver asks for shards by reporting a batch to fill, after its registration
+    (or its release after a step) was already planned: that report is urgent, not
+    progress to be batched for ``progress_interval_s`` (here 5 s)."""
+    cfg = SchedulerConfig(progress_interval_s=5.0, rebalance_s=60, planner_process=False)
+    async with Coordinator(ipc_ep, SHAPE, config=cfg) as co:
+        a = await joined_pipeline(co.endpoint, "a", {"actor_infer": ClusterSpec(1, (0, 1))})
+        await asyncio.sleep(0.2)  # its registration planned (nothing to give yet)
+        t0 = time.monotonic()
+        await a.report_progress(32, 0, force=True)
+        while not co.registry.pipelines["a"].active:
+            assert time.monotonic() - t0 < 2.0, "the demand waited for the progress interval"
+            await asyncio.sleep(0.01)
+        await a.close()

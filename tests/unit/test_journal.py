@@ -545,3 +545,19 @@ def test_the_timeline_passes_over_a_snapshot(tmp_path: Path) -> None:
     snapshot = ev.RegistrySnapshot.of(_base_registry())
     snapshot.t = 99.0  # compacted just before the events that follow
     assert spans([snapshot, *later]) == spans(later) != []
+
+
+def test_a_pipelines_weight_survives_replay_and_compaction(tmp_path: Path) -> None:
+    """A weight lost in compaction would silently give a pipeline the default share
+    after the coordinator's next restart (compaction runs on a live coordinator)."""
+    path = tmp_path / "j.jsonl"
+    history = [ev.Registered(pipeline="A", clusters=TWO["A"], weight=2.5), *BASE[1:]]
+    ev.write_journal(path, history)
+    reg = Registry(SHAPE)
+    journal, stats = ev.open_journal(path, reg, compact_over=1)
+    journal.close()
+    assert stats.compacted and reg.pipelines["A"].weight == 2.5
+    [snapshot] = ev.read_journal(path)
+    again = Registry(SHAPE)
+    ev.replay_events([snapshot], again)
+    assert again.pipelines["A"].weight == 2.5 and again.pipelines["B"].weight == 1.0
