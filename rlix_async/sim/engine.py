@@ -37,7 +37,7 @@ from typing import Any
 from rlix_async.config import RolloutTimes, Scenario, ScenarioPipeline
 from rlix_async.control import journal as ev
 from rlix_async.control import planner
-from rlix_async.control.cadence import PlanCadence, progress_bucket
+from rlix_async.control.cadence import PlanCadence, progress_bucket, progress_is_urgent
 from rlix_async.control.registry import Registry
 from rlix_async.control.snapshot import RankChange
 from rlix_async.control.topology import INFER, TRAIN, Priority
@@ -206,11 +206,15 @@ class Simulation:
             and not p.pending
         ):
             completed = p.target  # nothing left to generate until training moves on
-        self.registry.report_progress(p.decl.id, "default", p.target, completed)
         bucket = progress_bucket(p.target, completed)
-        if force or bucket != p.bucket:
-            p.bucket = bucket
-            self._dirty(urgent=force)
+        if not (force or bucket != p.bucket):
+            return  # the client sends nothing within a bucket
+        p.bucket = bucket
+        last = self.registry.pipelines[p.decl.id].progress.get("default")
+        before = None if last is None else (last.target, last.completed)
+        self.registry.report_progress(p.decl.id, "default", p.target, completed)
+        # the coordinator's rule for what a report asks (control/cadence.py)
+        self._dirty(urgent=progress_is_urgent(before, p.target, completed))
 
     def _fill(self, p: _Pipe) -> None:
         for rank in sorted(p.ready):
