@@ -322,12 +322,12 @@ class Simulation:
             raise RuntimeError(f"planner produced an invalid plan at t={self.now}: {errors}")
         aging = snap.policy.aging_s
         for state in self.registry.pipelines.values():
-            for r in state.requests.values():
-                key = (state.id, r.seq)
-                if r.priority != Priority.GENERATION and key not in self._aging_at:
+            for req in state.requests.values():
+                key = (state.id, req.seq)
+                if req.priority != Priority.GENERATION and key not in self._aging_at:
                     self._aging_at.add(key)
                     # just past the instant, so the plan then sees it aged
-                    self._push(max(r.since + aging, self.now) + 1e-6, "aged", state.id, r.seq)
+                    self._push(max(req.since + aging, self.now) + 1e-6, "aged", state.id, req.seq)
         if not (result.shrink or result.grants or result.expand):
             return
         self.registry.apply(result)
