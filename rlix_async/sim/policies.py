@@ -84,11 +84,14 @@ def static_split(scenario: Scenario) -> list[ScenarioPipeline]:
     return [out[p.id] for p in pipes]
 
 
-def _alone(scenario: Scenario, pipes: list[ScenarioPipeline], seed: int) -> dict[str, Any]:
-    """Each pipeline simulated by itself; the results summed as one cluster."""
+def _alone(
+    scenario: Scenario, pipes: list[ScenarioPipeline], seed: int, devices: int | None = None
+) -> dict[str, Any]:
+    """Each pipeline simulated by itself; the results summed as one cluster of
+    ``devices`` (default: the devices the runs used)."""
     runs = [Simulation(scenario, [p], seed=seed).run() for p in pipes]
     makespan = max(r["makespan_s"] for r in runs)
-    devices = sum(r["devices"] for r in runs)
+    devices = devices or sum(r["devices"] for r in runs)
     steps = sum(r["steps"] for r in runs)
     busy = sum(r["gpu_utilization"] * r["devices"] * r["makespan_s"] for r in runs)
     return {
@@ -122,13 +125,9 @@ def simulate(
         return out
     if policy == "static":
         split = static_split(scenario)
-        out = _alone(msgspec.structs.replace(scenario, pipelines=split), split, seed)
-        # the lab has the whole cluster, used or not by the split
-        n, busy = scenario.cluster.num_devices, out["gpu_utilization"] * out["devices"]
-        out["gpu_utilization"], out["devices"] = busy / n, n
-        if out["makespan_s"]:
-            out["steps_per_hour_per_gpu"] = out["steps"] / (out["makespan_s"] / 3600) / n
-        return out
+        # per device of the whole cluster: the lab has it, used or not by the split
+        sliced = msgspec.structs.replace(scenario, pipelines=split)
+        return _alone(sliced, split, seed, scenario.cluster.num_devices)
     if policy == "exclusive":
         return _alone(scenario, scenario.pipelines, seed)
     raise ValueError(f"unknown policy {policy!r}: {', '.join(POLICIES)} or all")
