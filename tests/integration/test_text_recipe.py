@@ -20,12 +20,17 @@ from helpers.tiny_text import save_tiny_model
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
+# The score is a hash of the response, so two different samples of a random model almost
+# never tie and every group has a gradient. (Scoring the digit fraction, a random model's
+# whole batch often scored 0: no gradient, and `grad_norm > 0` failed by chance in CI.)
 REWARD = """
+import zlib
+
 def score(prompt, response, row):
     if row.get("explode"):
         raise ValueError("a verifier bug on this row")
     digits = sum(c.isdigit() for c in response)
-    return {"score": digits / max(len(response), 1), "digits": float(digits)}
+    return {"score": zlib.crc32(response.encode()) / 2**32, "digits": float(digits)}
 """
 
 CONFIG = """
@@ -180,17 +185,6 @@ def test_bad_recipe_input_is_refused_before_any_process_starts(
 # one minibatch: with two, the first's update would make the second's KL non-zero
 MEGATRON = "train: {lr: 0.001, minibatches: 1, backend: megatron, loss: {kl_coef: 0.05}}"
 
-# Distinct responses score apart, so every group has a gradient at step 1 and the
-# policy must move. (The digit reward scores a random model's whole batch 0 often:
-# no gradient, no move, and step 2's KL is 0 — a test that passes by luck.)
-HASH_REWARD = """
-import zlib
-
-def score(prompt, response, row):
-    return zlib.crc32(response.encode()) / 2**32
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
@@ -200,9 +194,7 @@ def test_a_text_recipe_trains_with_the_megatron_backend(
     """The Llama directory loaded into Megatron-core (grouped-query attention, tied
     embeddings), its weights back to vLLM through the cache, and the KL reference."""
     pytest.importorskip("megatron.core")
-    reward = tmp_path / "hash_reward.py"
-    reward.write_text(HASH_REWARD)
-    cfg, out, pid = write_config(tmp_path, recipe, reward=f"{reward}:score")
+    cfg, out, pid = write_config(tmp_path, recipe)
     cfg.write_text(cfg.read_text().replace("train: {lr: 0.001}", MEGATRON))
     done = launch(cfg, timeout=560)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
