@@ -26,8 +26,8 @@
 invariant; the coordinator never applies a plan with violations.
 
 Sets of devices are int bitmasks here (:mod:`rlix_async.control.planner_bits`),
-so a plan over thousands of devices takes milliseconds; the water-filling is
-:mod:`rlix_async.control.planner_fill`.
+so a plan over thousands of devices takes milliseconds; the water-filling, its
+floors and the rounding to whole bundles are :mod:`rlix_async.control.planner_fill`.
 """
 
 from __future__ import annotations
@@ -35,12 +35,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from functools import reduce
 from itertools import chain
-from operator import or_
 
-from rlix_async.control.planner_bits import Counts, Devices, Frame
-from rlix_async.control.planner_fill import water_fill
+from rlix_async.control.planner_bits import FRAMES, Counts, Devices, Frame, frame_of, new_frame
+from rlix_async.control.planner_fill import bundle_targets, guaranteed_floors, water_fill
 from rlix_async.control.snapshot import (
     Grant,
     PipelineIn,
@@ -51,7 +49,7 @@ from rlix_async.control.snapshot import (
     Snapshot,
     Waiting,
 )
-from rlix_async.control.topology import INFER, ClusterShape, ClusterSpec, Priority
+from rlix_async.control.topology import INFER, ClusterShape, Priority
 
 # --- planning ----------------------------------------------------------------------------
 
@@ -70,14 +68,16 @@ class _State:
     shrunk: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
     # The same as device masks (planner_bits): ``owned`` and ``blocked`` are the keys
     # of ``owner`` and of all ``reserved``; ``shards[pid]`` is pid's awake bundles in its
-    # frame, kept in step with ``active`` by shrink(). Awake ranks out of range or
-    # sharing a device (a snapshot that fails validation) make the state
-    # ``irregular``: ``shards`` is then unused and gen_holder() answers instead.
+    # frame, kept in step with ``active`` by shrink(), and ``seen`` their devices, all
+    # shards together. Awake ranks out of range or sharing a device (a snapshot that
+    # fails validation) make the state ``irregular``: ``shards`` and ``seen`` are then
+    # unused and gen_holder() answers instead.
     devices: Devices = field(init=False)
     owned: int = 0
     blocked: int = 0
     shards: dict[str, int] = field(default_factory=dict)
     indexed: dict[str, int] = field(default_factory=dict)  # shards' devices, before shrinks
+    seen: int = 0
     irregular: bool = False
     frames: dict[str, Frame] = field(default_factory=dict)
 
@@ -85,20 +85,42 @@ class _State:
         self.devices = Devices(self.shape.num_devices)
 
     def index_shards(self) -> None:
-        seen = 0
+        seen = count = 0  # the union of the shards' devices, and their sizes summed
+        pipes, frames, devices = self.pipes, self.frames, self.devices
+        shards, indexed, n = self.shards, self.indexed, self.devices.n
         for pid, ranks in self.active.items():
-            spec = self.pipes[pid].clusters[INFER]  # every pipeline has one (KeyError otherwise)
+            spec = pipes[pid].clusters[INFER]  # every pipeline has one (KeyError otherwise)
             if not ranks:
                 continue
-            frame = self.frames[pid] = Frame(spec, self.devices)
-            if min(ranks) < 0 or max(ranks) >= frame.dp:
-                self.irregular = True
-                continue
-            self.shards[pid] = frame.starts_of(ranks) * frame.block
-            mask = self.indexed[pid] = frame.spread(self.shards[pid])
-            if mask & seen or mask.bit_count() != len(ranks) * frame.tp:
-                self.irregular = True
+            frame = FRAMES.get(id(spec.devices))  # frame_of(spec, devices), sooner
+            if (
+                frame is None
+                or frame.listed is not spec.devices
+                or frame.tp != spec.tp
+                or frame.n != n
+            ):
+                frame = new_frame(spec, devices)
+            frames[pid] = frame
+            shard = frame.summed(ranks)  # disjoint bundles of a range of ids
+            if shard is not None:
+                mask = shard << spec.devices[0]  # (the frame's offset)
+                size = shard.bit_count()
+            else:
+                if min(ranks) < 0 or max(ranks) >= frame.dp:
+                    self.irregular = True
+                    continue
+                shard = frame.shard(ranks)
+                mask = frame.spread(shard)
+                size = mask.bit_count()
+                if size != len(ranks) * frame.tp:
+                    self.irregular = True
+            shards[pid] = shard
+            indexed[pid] = mask
             seen |= mask
+            count += size
+        self.seen = seen
+        if seen.bit_count() != count:  # shards share a device
+            self.irregular = True
 
     def gen_holder(self) -> dict[int, tuple[str, int]]:
         """device -> the awake shard on it (the last one, where several are)."""
@@ -114,31 +136,22 @@ class _State:
         """Devices held by a stage, fenced, or under an awake shard."""
         if self.irregular:
             return self.owned | self.devices.mask(self.gen_holder())
-        return reduce(
-            or_, [self.frames[pid].spread(x) for pid, x in self.shards.items()], self.owned
-        )
+        return self.owned | self.seen
 
     def shrink(self, pid: str, ranks: Collection[int]) -> None:
         self.active[pid].difference_update(ranks)
         self.shrunk[pid].update(ranks)
         if not self.irregular:
             frame = self.frames[pid]
-            self.shards[pid] &= ~(frame.starts_of(ranks) * frame.block)
+            gone = self.shards[pid] & frame.shard(ranks)
+            self.shards[pid] ^= gone
+            self.seen ^= frame.spread(gone)  # (seen has them: shards are disjoint)
 
 
 def plan(snap: Snapshot) -> Plan:
     """Decide grants, shrinks and expands for one snapshot. Pure and deterministic."""
     st = _State(snap.cluster, {p.id: p for p in snap.pipelines})
-    for d in snap.fenced:  # a shard may still hold it: as good as held by a stage
-        st.owner[d] = FENCED
-    st.owned = st.devices.mask(snap.fenced)
-    for p in snap.pipelines:
-        if INFER in p.clusters:
-            st.demand[p.id] = _demand(p)
-        for cname in p.held:
-            st.owner.update(dict.fromkeys(p.clusters[cname].devices, (p.id, cname)))
-            st.owned |= st.devices.mask(p.clusters[cname].devices)
-        st.active[p.id] = set(p.active_ranks.get(INFER, ()))
+    _prepare(snap, st)
     st.index_shards()
     out = Plan()
     _serve_gang_requests(snap, st, out)
@@ -148,6 +161,33 @@ def plan(snap: Snapshot) -> Plan:
     ]
     out.idle_devices = st.devices.listed(~busy)
     return out
+
+
+def _prepare(snap: Snapshot, st: _State) -> None:
+    """Fences, stages held, demand and awake ranks into ``st``."""
+    devices, owner, demand, active = st.devices, st.owner, st.demand, st.active
+    for d in snap.fenced:  # a shard may still hold it: as good as held by a stage
+        owner[d] = FENCED
+    owned = devices.mask(snap.fenced)
+    for p in snap.pipelines:
+        pid = p.id
+        if INFER in p.clusters:
+            progress = p.progress
+            if type(progress) is list and len(progress) == 1:
+                progress = progress[0]  # one stream (as the registry lists it)
+            if type(progress) is ProgressIn:  # one stream: _demand(p), sooner
+                target, completed = progress.target, progress.completed
+                demand[pid] = target - (target if target < completed else completed)
+            else:
+                demand[pid] = _demand(p)
+        if p.held:
+            for cname in p.held:
+                held = p.clusters[cname].devices
+                owner.update(dict.fromkeys(held, (pid, cname)))
+                owned |= devices.mask(held)
+        ranks = p.active_ranks.get(INFER)
+        active[pid] = set(ranks) if ranks else set()
+    st.owned = owned
 
 
 def _gang_order(snap: Snapshot) -> list[tuple[PipelineIn, RequestIn]]:
@@ -189,6 +229,8 @@ def _serve_gang_requests(snap: Snapshot, st: _State, out: Plan) -> None:
             if shard is not None and shard[1] in st.active[shard[0]]:
                 st.shrink(shard[0], [shard[1]])
         return
+    if not granted_mask:
+        return
     for pid, shards in list(st.shards.items()):
         if st.indexed[pid] & granted_mask:
             frame = st.frames[pid]
@@ -226,84 +268,94 @@ def _demand(p: PipelineIn) -> int:
     return 0
 
 
-def guaranteed_floors(
-    capacity: int,
-    wanting: list[str],
-    weights: dict[str, float],
-    tp: dict[str, int],
-    caps: dict[str, float],
-) -> dict[str, float]:
-    """One bundle for every pipeline with demand, largest demand first, while it fits."""
-    floors: dict[str, float] = {}
-    left = capacity
-    for pid in sorted(wanting, key=lambda q: (-weights[q], q)):
-        if tp[pid] <= left and caps[pid] >= tp[pid]:
-            floors[pid] = tp[pid]
-            left -= tp[pid]
-    return floors
-
-
 def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> int:
     """Shrinks and expands for generation; returns the devices busy afterwards
     (held by a stage, fenced, or under an awake shard) as a device mask."""
     pipes = [p for p in snap.pipelines if INFER in p.clusters]
-    spec = {p.id: p.clusters[INFER] for p in pipes}
-    offline = {p.id: p.offline_ranks.get(INFER, ()) for p in pipes}
     demand = st.demand
     wanting = [p.id for p in pipes if demand[p.id] > 0]
-    for pid in wanting:
-        if pid not in st.frames:
-            st.frames[pid] = Frame(spec[pid], st.devices)
     # The bundles each pipeline may run on (as frame starts): no device held by a
     # stage, not offline, and no device reserved unless the shard already runs
     # there. Stages, fences and reservations are settled now; awake ranks still
     # change below, but only for pipelines with no demand or above their target,
-    # never for one that grows.
+    # never for one that grows. (A pipeline id listed twice is its last listing
+    # here, as in ``st.pipes``.)
+    frames, devices, shards, owned, blocking = (
+        st.frames,
+        st.devices,
+        st.shards,
+        st.owned,
+        st.blocked,
+    )
     reach: dict[str, int] = {}
+    tps: dict[str, int] = {}
+    caps: dict[str, float] = {}
+    weights: dict[str, float] = {}
     usable = 0
     for pid in wanting:
-        frame = st.frames[pid]
-        ok = frame.starts & ~frame.touched(frame.local(st.owned))
-        reserved = frame.local(st.blocked)
-        if reserved:
-            ok &= ~frame.touched(reserved) | _awake(st, pid)
-        if offline[pid]:
-            ok &= ~frame.ranks_in(offline[pid])
+        p = st.pipes[pid]
+        spec = p.clusters[INFER]
+        frame = frames.get(pid)
+        if frame is None:
+            frame = frames[pid] = frame_of(spec, devices)
+        offset = frame.offset
+        if offset is not None:  # frame.touched(frame.local(owned)), inline
+            near = (owned >> offset) & frame.full
+            for step in frame.folds:
+                near |= near >> step
+            ok = frame.starts & ~near
+        else:
+            ok = frame.starts & ~frame.touched(frame.local(owned))
+        if blocking:
+            reserved = frame.local(blocking)
+            if reserved:
+                ok &= ~frame.touched(reserved) | _awake(st, pid)
+        offline = p.offline_ranks.get(INFER)
+        if offline:
+            ok &= ~frame.ranks_in(offline)
         reach[pid] = ok
-        usable |= frame.spread(ok * frame.block)
-    tps = {pid: spec[pid].tp for pid in wanting}
-    caps: dict[str, float] = {pid: tps[pid] * reach[pid].bit_count() for pid in wanting}
-    weight = {p.id: p.weight for p in pipes}
-    weights = {pid: weight[pid] * demand[pid] * tps[pid] for pid in wanting}
+        tp = tps[pid] = spec.tp
+        caps[pid] = tp * ok.bit_count()
+        weights[pid] = p.weight * demand[pid] * tp
+        if offset is not None:
+            usable |= ok * frame.block << offset
+        else:
+            usable |= frame.spread(ok * frame.block)
     capacity = usable.bit_count()
-    floors = guaranteed_floors(capacity, wanting, weights, tps, caps)
+    by_id = sorted(wanting)
+    floors = guaranteed_floors(capacity, wanting, weights, tps, caps, by_id)
     ideal = water_fill(capacity, weights, caps, floors)
     # Free for the taking: unowned devices and shards of pipelines with nothing to generate.
     if st.irregular:
         gen = st.gen_holder()
         busy_gen = st.devices.mask([d for d, (pid, _) in gen.items() if demand.get(pid, 0) > 0])
-    else:
-        busy_gen = reduce(or_, [st.frames[q].spread(st.shards.get(q, 0)) for q in wanting], 0)
+    else:  # the shards of those with demand: all shards (disjoint) but the others'
+        busy_gen = st.seen
+        for pid, shard in shards.items():
+            if not demand[pid] > 0:
+                busy_gen ^= frames[pid].spread(shard)
     idle = (usable & ~st.owned & ~busy_gen).bit_count()
-    target = _bundle_targets(wanting, ideal, spec, st, caps, capacity, idle)
+    target = bundle_targets(wanting, by_id, ideal, tps, st.active, caps, capacity, idle)
 
     # Devices each under-target pipeline could use: shrink others there first.
-    hungry = [pid for pid in wanting if len(st.active[pid]) < target[pid]]
-    asleep = {pid: reach[pid] & ~_awake(st, pid) for pid in hungry}
+    active = st.active
+    hungry = [pid for pid in wanting if len(active[pid]) < target[pid]]
+    asleep: dict[str, int] = {}
     hungry_devices = Counts()
     for pid in hungry:
-        st.frames[pid].count(hungry_devices, asleep[pid])
+        asleep[pid] = reach[pid] & ~_awake(st, pid)
+        frames[pid].count(hungry_devices, asleep[pid])
     contended = hungry_devices.support()
 
     for p in pipes:
         pid = p.id
-        ranks = st.active[pid]
+        ranks = active[pid]
         if not ranks:
             continue
-        frame = st.frames[pid]
         if demand[pid] == 0:
             if not contended:
                 continue
+            frame = frames[pid]
             if st.irregular:
                 hit = [r for r in sorted(ranks) if frame.bundle(r) & contended]
             else:
@@ -312,83 +364,47 @@ def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> int:
             continue
         excess = len(ranks) - target[pid]
         if excess > 0:  # the most contended first, then high ranks
+            frame = frames[pid]
             load = frame.loads(hungry_devices, ranks)
             by_load = sorted(sorted(ranks, reverse=True), key=load.__getitem__, reverse=True)
             st.shrink(pid, by_load[:excess])
 
     taken = st.busy()
     expands: dict[str, list[int]] = defaultdict(list)
-    # Neediest first: the largest gap between target and current share.
-    for pid in sorted(hungry, key=lambda q: (len(st.active[q]) / max(target[q], 1), q)):
-        frame = st.frames[pid]
+    # Neediest first: the largest gap between target and current share, then by id.
+    gap = {pid: len(active[pid]) / max(target[pid], 1) for pid in hungry}
+    for pid in sorted([q for q in by_id if q in gap], key=gap.__getitem__):
+        frame = frames[pid]
         # Reachable and asleep (so not reserved), and not taken since.
-        free = frame.ranks(asleep[pid] & ~frame.touched(frame.local(taken)))
-        wanted = max(target[pid] - len(st.active[pid]), 0)
+        if frame.offset is not None:  # frame.touched(frame.local(taken)), inline
+            near = (taken >> frame.offset) & frame.full
+            for step in frame.folds:
+                near |= near >> step
+            starts = asleep[pid] & ~near  # (asleep: starts only)
+        else:
+            starts = asleep[pid] & ~frame.touched(frame.local(taken))
+        free = frame.ranks(starts) if starts else []
+        wanted = max(target[pid] - len(active[pid]), 0)
         if len(free) > wanted:  # prefer bundles other hungry pipelines cannot use, then low ranks
             free.sort(key=frame.loads(hungry_devices, free).__getitem__)
         chosen = free[:wanted]
         expands[pid] += chosen
-        taken |= frame.spread(frame.starts_of(chosen) * frame.block)
-        st.active[pid].update(expands[pid])
+        if chosen:
+            taken |= frame.spread(frame.shard(chosen))
+            active[pid].update(expands[pid])
     # A rank shrunk and expanded in the same plan is simply kept.
     for pid, expanded in expands.items():
+        if not expanded:
+            continue
         kept = set(expanded) & st.shrunk[pid]
         st.shrunk[pid] -= kept
         fresh = sorted(set(expanded) - kept)
         if fresh:
             out.expand.append(RankChange(pid, INFER, fresh))
-    for pid in wanting:
-        if not st.active[pid]:
-            blocked = "every reachable bundle is held by a stage or reserved"
-            out.waiting.append(Waiting(pid, INFER, f"generation: {blocked}"))
+    for pid in [pid for pid in wanting if not active[pid]]:
+        blocked = "every reachable bundle is held by a stage or reserved"
+        out.waiting.append(Waiting(pid, INFER, f"generation: {blocked}"))
     return taken
-
-
-def _bundle_targets(
-    wanting: list[str],
-    ideal: dict[str, float],
-    spec: dict[str, ClusterSpec],
-    st: _State,
-    caps: dict[str, float],
-    capacity: int,
-    idle: int,
-) -> dict[str, int]:
-    """Whole bundles per pipeline: largest remainder, at least one, then hysteresis.
-
-    Hysteresis never leaves a device idle: a pipeline within one bundle of its
-    ideal still grows by that bundle when ``idle`` devices (unowned, or held by a
-    shard of a pipeline with nothing left to generate) can hold it.
-    """
-    tps = {pid: spec[pid].tp for pid in wanting}
-    exact = {pid: ideal[pid] / tps[pid] for pid in wanting}
-    target = {pid: int(exact[pid]) for pid in wanting}
-    room = capacity - sum(target[pid] * tps[pid] for pid in wanting)
-    for pid in sorted(wanting, key=lambda q: (-(exact[q] - target[q]), q)):
-        tp = tps[pid]
-        if exact[pid] > target[pid] and room >= tp and (target[pid] + 1) * tp <= caps[pid]:
-            target[pid] += 1
-            room -= tp
-    for pid in wanting:  # every pipeline with demand gets a bundle when it can reach one
-        if target[pid] == 0 and caps[pid] >= tps[pid]:
-            target[pid] = 1
-    for pid in wanting:  # hysteresis: a current share within one bundle of ideal stays
-        current = len(st.active[pid])
-        if current and abs(current - exact[pid]) <= 1 and current * tps[pid] <= caps[pid]:
-            if target[pid] > current and idle >= tps[pid]:
-                target[pid] = current + 1
-                idle -= tps[pid]
-            else:
-                target[pid] = current
-    # Keep the total feasible: trim those furthest above their ideal (never below one).
-    total = sum(target[pid] * tps[pid] for pid in wanting)
-    while total > capacity:
-        over = [pid for pid in wanting if target[pid] > 1]
-        if not over:
-            break
-        worst = max(over, key=lambda q: (target[q] - exact[q], q))
-        target[worst] -= 1
-        total -= tps[worst] * wanting.count(worst)  # once, unless pipeline ids repeat
-    return target
 
 
 # --- invariants ----------------------------------------------------------------------------
@@ -417,14 +433,21 @@ def _sound(snap: Snapshot, result: Plan) -> bool:
         for cname in p.held:
             claimed |= devices.mask(p.clusters[cname].devices)
             claims += len(p.clusters[cname].devices)
-    active = {p.id: set(p.active_ranks.get(INFER, ())) for p in snap.pipelines}
+    changed: dict[str, set[int]] = {}  # awake ranks of the pipelines the plan changes
+
+    def active(pid: str) -> set[int]:
+        ranks = changed.get(pid)
+        if ranks is None:
+            ranks = changed[pid] = set(pipes[pid].active_ranks.get(INFER, ()))
+        return ranks
+
     for ch in result.shrink:
         ranks = set(ch.ranks)
         if ch.pipeline not in pipes or ch.cluster != INFER or len(ranks) != len(ch.ranks):
             return False
-        if not ranks <= active[ch.pipeline]:
+        if not ranks <= active(ch.pipeline):
             return False
-        active[ch.pipeline] -= ranks
+        active(ch.pipeline).difference_update(ranks)
     pending = {(p.id, r.cluster): r for p in snap.pipelines for r in p.requests}
     for g in result.grants:
         req = pending.get((g.pipeline, g.cluster))
@@ -441,19 +464,39 @@ def _sound(snap: Snapshot, result: Plan) -> bool:
         grown = pipes[ch.pipeline]
         if ranks and not (min(ranks) >= 0 and max(ranks) < grown.clusters[INFER].dp):
             return False
-        if not ranks.isdisjoint(active[grown.id]) or not ranks.isdisjoint(
+        if not ranks.isdisjoint(active(grown.id)) or not ranks.isdisjoint(
             grown.offline_ranks.get(INFER, ())
         ):
             return False
-        active[grown.id] |= ranks
-    for pid, ranks in active.items():
-        if not ranks:
+        active(grown.id).update(ranks)
+    for pid, p in pipes.items():
+        listed: Collection[int] | None = changed.get(pid)
+        if listed is None:
+            listed = p.active_ranks.get(INFER)  # a list: it may repeat a rank
+        if not listed:
             continue
-        spec = pipes[pid].clusters.get(INFER)
-        if spec is None or min(ranks) < 0 or max(ranks) >= spec.dp:
+        spec = p.clusters.get(INFER)
+        if spec is None:
             return False
-        claimed |= devices.bundles(spec, ranks)
-        claims += len(ranks) * spec.tp
+        frame = FRAMES.get(id(spec.devices))  # frame_of(spec, devices), sooner
+        if frame is None or frame.listed is not spec.devices or frame.tp != spec.tp or frame.n != n:
+            frame = new_frame(spec, devices)
+        if frame.units is None:
+            if min(listed) < 0 or max(listed) >= spec.dp:
+                return False
+            ranks = set(listed)
+            claimed |= devices.bundles(spec, ranks)
+            claims += len(ranks) * spec.tp
+        else:  # disjoint bundles of tp bits each: the bits count the distinct ranks
+            bits = frame.summed(listed)
+            if bits is None:  # a rank out of range: _violations decides
+                return False
+            size = bits.bit_count()
+            if size != len(listed) * frame.tp:  # carries: a rank listed twice
+                bits = frame.starts_of(set(listed)) * frame.block
+                size = bits.bit_count()
+            claimed |= bits << spec.devices[0]  # (the frame's offset)
+            claims += size
     if claimed >> n or claimed.bit_count() != claims:
         return False
     return sorted(result.idle_devices) == devices.listed(~claimed)

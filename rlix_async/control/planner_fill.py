@@ -6,6 +6,10 @@ kept. Only the question each step asks, ``total(lam) < capacity``, is answered
 faster: from a sorted-breakpoint estimate of ``total`` when that is certain (it
 is off by far less than its margin), and by the exact sum otherwise, so every
 answer, hence ``lam`` and every share, is bit for bit what the plain sum gives.
+
+Around it: :func:`guaranteed_floors` (a bundle for every pipeline with demand,
+while they fit) and :func:`bundle_targets` (shares to whole bundles, with
+hysteresis).
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Callable
-from itertools import accumulate
-from operator import truediv
+from itertools import accumulate, compress
+from operator import mul, sub, truediv
 
 # A term is (cap, floor, weight): its share of lam is min(cap, max(floor, lam * weight)).
-Term = tuple[float, float, float]
+# Terms are their caps, floors and weights, as three lists.
+Terms = tuple[list[float], list[float], list[float]]
 
 
 def water_fill(
@@ -29,20 +34,28 @@ def water_fill(
     """Split ``capacity`` in proportion to ``weights``, each share clamped to
     ``[floor, cap]``: share = clamp(lam * weight), with lam found by bisection."""
     floors = floors or {}
+    # The terms (cap, floor, weight) as three lists. Here and below, ``b if b < a else a``
+    # is ``min(a, b)`` and ``b if b > a else a`` is ``max(a, b)``, the very same object.
     keys = [k for k, w in weights.items() if w > 0 and caps[k] > 0]
-    terms: list[Term] = [(caps[k], min(floors.get(k, 0.0), caps[k]), weights[k]) for k in keys]
+    cs = list(map(caps.__getitem__, keys))
+    los = [c if c < (lo := floors.get(k, 0.0)) else lo for k, c in zip(keys, cs, strict=True)]
+    ws = list(map(weights.__getitem__, keys))
 
-    def total(lam: float) -> float:
-        return sum(min(c, max(lo, lam * w)) for c, lo, w in terms)
+    def total(lam: float) -> float:  # sum(min(c, max(lo, lam * w)) over the terms)
+        return sum(
+            [
+                m if (m := v if (v := lam * w) > lo else lo) < c else c
+                for c, lo, w in zip(cs, los, ws, strict=True)
+            ]
+        )
 
     share = dict.fromkeys(weights, 0.0)
     if not keys:
         return share
-    if total(0.0) >= capacity:  # the floors alone use everything
-        for k, (_, lo, _) in zip(keys, terms, strict=True):
-            share[k] = lo
+    below = _below(capacity, (cs, los, ws), total)
+    if not below(0.0):  # total(0.0) >= capacity: the floors alone use everything
+        share.update(zip(keys, los, strict=True))
         return share
-    below = _below(capacity, terms, total)
     hi = 1.0
     while hi < 1e18 and below(hi):
         hi *= 2
@@ -53,13 +66,13 @@ def water_fill(
         if step == (lo, hi):  # a fixed point: the remaining steps change nothing
             break
         lo, hi = step
-    for k, (c, lo, w) in zip(keys, terms, strict=True):
-        share[k] = min(c, max(lo, hi * w))
+    for k, c, floor, w in zip(keys, cs, los, ws, strict=True):
+        share[k] = m if (m := v if (v := hi * w) > floor else floor) < c else c
     return share
 
 
 def _below(
-    capacity: float, terms: list[Term], total: Callable[[float], float]
+    capacity: float, terms: Terms, total: Callable[[float], float]
 ) -> Callable[[float], bool]:
     """``lam -> total(lam) < capacity``, exactly as ``total`` answers it.
 
@@ -71,15 +84,15 @@ def _below(
     of the true value; ``margin`` allows both, and only answers inside it are
     computed exactly (by :func:`_pinned` terms near ``lam``, else by ``total``).
     """
-    caps, floors, weights = (list(x) for x in zip(*terms, strict=True))
+    caps, floors, weights = terms
     size = sum(map(abs, caps)) + sum(map(abs, floors))
     weight_sum = sum(weights)
     if not math.isfinite(size + weight_sum):
         return lambda lam: total(lam) < capacity
     leave = list(map(truediv, floors, weights))  # lam where each term leaves its floor
     reach = list(map(truediv, caps, weights))  # and where it reaches its cap
-    by_leave = sorted(range(len(terms)), key=leave.__getitem__)
-    by_reach = sorted(range(len(terms)), key=reach.__getitem__)
+    by_leave = sorted(range(len(caps)), key=leave.__getitem__)
+    by_reach = sorted(range(len(caps)), key=reach.__getitem__)
     leave_at = list(map(leave.__getitem__, by_leave))
     reach_at = list(map(reach.__getitem__, by_reach))
     w_left = [0.0, *accumulate(map(weights.__getitem__, by_leave))]
@@ -87,7 +100,7 @@ def _below(
     w_capped = [0.0, *accumulate(map(weights.__getitem__, by_reach))]
     c_capped = [0.0, *accumulate(map(caps.__getitem__, by_reach))]
     base = sum(floors)
-    unit = (6 * len(terms) + 16) * 1.12e-16  # twice (3n + 8) units of 2**-53
+    unit = (6 * len(caps) + 16) * 1.12e-16  # twice (3n + 8) units of 2**-53
     near: list[float] = [1.0, 0.0]  # the lam range the pinned terms hold for
     pinned: list[tuple[float | None, float]] | None = None
 
@@ -114,16 +127,16 @@ def _below(
     return below
 
 
-def _pinned(terms: list[Term], a: float, b: float) -> list[tuple[float | None, float]] | None:
+def _pinned(terms: Terms, a: float, b: float) -> list[tuple[float | None, float]] | None:
     """Each term for every ``lam`` in ``[a, b]`` (``0 <= a``): ``(weight, _)`` where it is
     exactly ``lam * weight``, ``(None, value)`` where it is the very object ``min`` and
     ``max`` return (so a sum over them equals ``total``'s, types and all); None when
     a term meets its floor or cap in that range."""
     out: list[tuple[float | None, float]] = []
-    for c, lo, w in terms:
+    for c, lo, w in zip(*terms, strict=True):
         at_a, at_b = a * w, b * w  # lam * w is monotone in lam, rounded or not
         if at_b <= lo:
-            out.append((None, min(c, lo)))
+            out.append((None, lo if lo < c else c))  # min(c, lo)
         elif at_a >= c:
             out.append((None, c))
         elif lo < at_a and at_b < c:
@@ -131,3 +144,91 @@ def _pinned(terms: list[Term], a: float, b: float) -> list[tuple[float | None, f
         else:
             return None
     return out
+
+
+def guaranteed_floors(
+    capacity: int,
+    wanting: list[str],
+    weights: dict[str, float],
+    tp: dict[str, int],
+    caps: dict[str, float],
+    by_id: list[str] | None = None,
+) -> dict[str, float]:
+    """One bundle for every pipeline with demand, largest demand first, while it fits.
+    (``by_id``: ``sorted(wanting)``, where the caller has it.)"""
+    if sum(map(tp.__getitem__, wanting)) <= capacity:  # all fit: the order is moot
+        return {pid: tp[pid] for pid in wanting if caps[pid] >= tp[pid]}
+    floors: dict[str, float] = {}
+    left = capacity
+    total = sum(weights.values())
+    if total == total:  # no NaN: the (-weight, id) order
+        order = sorted(by_id or sorted(wanting), key=weights.__getitem__, reverse=True)
+    else:
+        order = sorted(wanting, key=lambda q: (-weights[q], q))
+    for pid in order:
+        if tp[pid] <= left and caps[pid] >= tp[pid]:
+            floors[pid] = tp[pid]
+            left -= tp[pid]
+    return floors
+
+
+def bundle_targets(
+    wanting: list[str],
+    by_id: list[str],
+    ideal: dict[str, float],
+    tps: dict[str, int],
+    active: dict[str, set[int]],
+    caps: dict[str, float],
+    capacity: int,
+    idle: int,
+) -> dict[str, int]:
+    """Whole bundles per pipeline: largest remainder, at least one, then hysteresis.
+    (``by_id`` is ``sorted(wanting)``.)
+
+    Hysteresis never leaves a device idle: a pipeline within one bundle of its
+    ideal still grows by that bundle when ``idle`` devices (unowned, or held by a
+    shard of a pipeline with nothing left to generate) can hold it.
+    """
+    per_tp = list(map(tps.__getitem__, wanting))
+    shares = list(map(truediv, map(ideal.__getitem__, wanting), per_tp))
+    wholes = list(map(int, shares))
+    exact = dict(zip(wanting, shares, strict=True))
+    target = dict(zip(wanting, wholes, strict=True))
+    rest = dict(zip(wanting, map(sub, shares, wholes), strict=True))
+    room = capacity - sum(map(mul, wholes, per_tp))
+    # Largest remainder first, then by id (an ideal share is never NaN), while some
+    # bundle fits: a remainder > 0 is exact > target, and room only shrinks.
+    least = min(tps.values(), default=0)
+    for pid in sorted(by_id, key=rest.__getitem__, reverse=True) if room >= least else ():
+        if rest[pid] <= 0 or room < least:
+            break
+        tp = tps[pid]
+        if room >= tp and (target[pid] + 1) * tp <= caps[pid]:
+            target[pid] += 1
+            room -= tp
+    currents = map(len, map(active.__getitem__, wanting))
+    for pid, tp, share, current, cap in zip(
+        wanting, per_tp, shares, currents, map(caps.__getitem__, wanting), strict=True
+    ):
+        whole = target[pid]
+        if whole == 0 and cap >= tp:  # every pipeline with demand gets a bundle when it
+            whole = target[pid] = 1  # can reach one
+        # hysteresis: a current share within one bundle of ideal stays
+        if current and -1 <= current - share <= 1 and current * tp <= cap:
+            if whole > current and idle >= tp:
+                target[pid] = current + 1
+                idle -= tp
+            else:
+                target[pid] = current
+    # Keep the total feasible: trim those furthest above their ideal (never below one).
+    total = sum(map(mul, map(target.__getitem__, wanting), per_tp))
+    while total > capacity:
+        over = [pid for pid in wanting if target[pid] > 1]
+        if not over:
+            break
+        # the largest (target - exact, id)
+        above = list(map(sub, map(target.__getitem__, over), map(exact.__getitem__, over)))
+        worst = max(compress(over, map(max(above).__eq__, above)))
+        target[worst] -= 1
+        total -= tps[worst] * wanting.count(worst)  # once, unless pipeline ids repeat
+    return target

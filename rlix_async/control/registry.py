@@ -278,17 +278,19 @@ class Registry:
         now = time.monotonic() if now is None else now
         pipes = []
         for p in self.pipelines.values():
-            if not p.registered:
+            if not p.clusters:  # not registered
                 continue
+            # (each part built only where there is something: a snapshot per plan)
+            held, active, offline, progress = p.held, p.active, p.offline, p.progress
             pipes.append(
                 PipelineIn(
                     id=p.id,
                     clusters=p.clusters,
-                    held={c: priority_name(pr) for c, pr in p.held.items()},
-                    active_ranks={INFER: sorted(p.active)} if p.active else {},
-                    offline_ranks={INFER: sorted(p.offline)} if p.offline else {},
+                    held={c: priority_name(pr) for c, pr in held.items()} if held else {},
+                    active_ranks={INFER: sorted(active)} if active else {},
+                    offline_ranks={INFER: sorted(offline)} if offline else {},
                     weight=p.weight,
-                    progress=list(p.progress.values()) or None,
+                    progress=list(progress.values()) if progress else None,
                     requests=[
                         RequestIn(
                             seq=r.seq,
@@ -298,8 +300,9 @@ class Registry:
                             age_s=max(0.0, now - r.since),
                         )
                         for r in p.requests.values()
-                        if p.admitted
-                    ],
+                    ]
+                    if p.requests and p.admitted
+                    else [],
                 )
             )
         # Fenced devices nobody owns. One already held (a grant waiting for the fence

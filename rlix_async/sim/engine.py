@@ -24,6 +24,7 @@ progress in the client's buckets.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import math
@@ -120,6 +121,12 @@ class Simulation:
         self._last_t = 0.0
         self._busy: dict[str, int] = {}
         self._busy_total = 0
+        # Bookkeeping that spares a plan a pass over every pipeline: the pipelines
+        # whose queue of cut trajectories may be non-empty, and whether a request was
+        # made since the last plan (only then can one lack its aging event).
+        self._order = {pid: i for i, pid in enumerate(self.pipes)}
+        self._queued: set[str] = set()
+        self._requested = False
         for p in self.pipes.values():
             self._push(p.decl.start_s, "start", p.decl.id)
 
@@ -138,21 +145,29 @@ class Simulation:
             "plan": self._plan,
             "aged": self._aged,
         }
-        for _ in range(max_events):
-            if not self._events:
-                break
-            t, _, kind, data = heapq.heappop(self._events)
-            self._account(t)
-            self.now = t
-            handlers[kind](*data)
-            if kind == "plan":
-                for pid in self._touched:
-                    self._recount(self.pipes[pid])
-                self._touched.clear()
-            elif kind != "start":
-                self._recount(self.pipes[data[0]])
-        else:
-            raise RuntimeError(f"simulation did not finish within {max_events} events")
+        # The loop allocates much (a snapshot and a plan per plan event) and frees it
+        # as it goes, in no reference cycle: collecting as often as usual would only
+        # re-scan what lives. Less often, then (restored after).
+        thresholds = gc.get_threshold()
+        gc.set_threshold(max(thresholds[0], 50_000), *thresholds[1:])
+        try:
+            for _ in range(max_events):
+                if not self._events:
+                    break
+                t, _, kind, data = heapq.heappop(self._events)
+                self._account(t)
+                self.now = t
+                handlers[kind](*data)
+                if kind == "plan":
+                    for pid in self._touched:
+                        self._recount(self.pipes[pid])
+                    self._touched.clear()
+                elif kind != "start":
+                    self._recount(self.pipes[data[0]])
+            else:
+                raise RuntimeError(f"simulation did not finish within {max_events} events")
+        finally:
+            gc.set_threshold(*thresholds)
         unfinished = [p.decl.id for p in self.pipes.values() if not p.done]
         if unfinished:
             raise RuntimeError(f"simulation stalled with unfinished pipelines {unfinished}")
@@ -165,7 +180,7 @@ class Simulation:
     def _recount(self, p: _Pipe) -> None:
         """Devices this pipeline keeps busy (serving shards with work, training)."""
         tp = p.decl.clusters[INFER].tp
-        busy = tp * sum(1 for r in p.ready if p.slots.get(r, 0))
+        busy = tp * len([r for r in p.ready if p.slots.get(r)])
         if p.training:
             busy += len(p.decl.clusters[TRAIN].devices)
         self._busy_total += busy - self._busy.get(p.decl.id, 0)
@@ -246,6 +261,7 @@ class Simulation:
         if not p.training and not p.requested and p.produced - p.consumed() >= p.target:
             self.registry.request(p.decl.id, TRAIN, Priority.ACTOR_TRAINING, p.target, self.now)
             p.requested = True
+            self._requested = True
             self._dirty()
 
     def _granted(self, pid: str) -> None:
@@ -321,13 +337,16 @@ class Simulation:
         if errors:
             raise RuntimeError(f"planner produced an invalid plan at t={self.now}: {errors}")
         aging = snap.policy.aging_s
-        for state in self.registry.pipelines.values():
-            for req in state.requests.values():
-                key = (state.id, req.seq)
-                if req.priority != Priority.GENERATION and key not in self._aging_at:
-                    self._aging_at.add(key)
-                    # just past the instant, so the plan then sees it aged
-                    self._push(max(req.since + aging, self.now) + 1e-6, "aged", state.id, req.seq)
+        if self._requested:  # else every request has its aging event already
+            self._requested = False
+            for state in self.registry.pipelines.values():
+                for req in state.requests.values():
+                    key = (state.id, req.seq)
+                    if req.priority != Priority.GENERATION and key not in self._aging_at:
+                        self._aging_at.add(key)
+                        # just past the instant, so the plan then sees it aged
+                        at = max(req.since + aging, self.now) + 1e-6
+                        self._push(at, "aged", state.id, req.seq)
         if not (result.shrink or result.grants or result.expand):
             return
         self.registry.apply(result)
@@ -343,6 +362,7 @@ class Simulation:
                     if r == rank:  # resumed elsewhere from where it was
                         del p.inflight[tid]
                         p.pending.appendleft(max(end - self.now, 0.0) + p.decl.reprefill_s)
+                        self._queued.add(ch.pipeline)
                         self.switch_device_s += p.decl.reprefill_s * spec.tp
                         self.reprefill_device_s += p.decl.reprefill_s * spec.tp
                         self.resumed += 1
@@ -369,10 +389,13 @@ class Simulation:
                 self._push(free + sw.wake_s + sw.sync_s, "ready", ch.pipeline, rank, p.epoch[rank])
             self._record_change(ev.Expanded, ch)
         self._touched.update(ch.pipeline for ch in result.shrink)
-        for p in self.pipes.values():  # shrunk shards' trajectories continue on the others
+        # Shrunk shards' trajectories continue on the others (pipelines in their order).
+        for pid in sorted(self._queued, key=self._order.__getitem__):
+            p = self.pipes[pid]
             if p.pending:
                 self._fill(p)
-                self._touched.add(p.decl.id)
+                self._touched.add(pid)
+        self._queued = {pid for pid in self._queued if self.pipes[pid].pending}
 
     def _record_change(self, kind: type[ev.Shrunk] | type[ev.Expanded], ch: RankChange) -> None:
         spec = self.pipes[ch.pipeline].decl.clusters[INFER]
