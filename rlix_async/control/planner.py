@@ -89,9 +89,9 @@ class _State:
         pipes, frames, devices = self.pipes, self.frames, self.devices
         shards, indexed, n = self.shards, self.indexed, self.devices.n
         for pid, ranks in self.active.items():
-            spec = pipes[pid].clusters[INFER]  # every pipeline has one (KeyError otherwise)
-            if not ranks:
+            if not ranks:  # (a base group's member never has any: its group does)
                 continue
+            spec = pipes[pid].clusters[INFER]
             frame = FRAMES.get(id(spec.devices))  # frame_of(spec, devices), sooner
             if (
                 frame is None

@@ -69,6 +69,12 @@ class PipelineState:
     lost_at: float | None = None  # when its driver went silent (lease timer start)
     offline: set[int] = field(default_factory=set)  # infer ranks whose shard worker died
     weight: float = 1.0  # fair-share weight among pipelines of the same priority
+    # A LoRA pipeline: the base group whose shards serve its rollouts (it keeps its
+    # actor_infer declaration, the group's; its own rank sets stay empty).
+    group: str | None = None
+    # A base group (docs/SCHEDULING.md, "Base groups"): its members, in the order they
+    # registered. It declares only actor_infer and owns the shards, ranks and fences.
+    members: list[str] = field(default_factory=list)
 
     @property
     def registered(self) -> bool:
@@ -127,12 +133,27 @@ class Registry:
         return p
 
     def register(
-        self, pid: str, clusters: dict[ClusterName, ClusterSpec], weight: float = 1.0
+        self,
+        pid: str,
+        clusters: dict[ClusterName, ClusterSpec],
+        weight: float = 1.0,
+        group: str | None = None,
     ) -> PipelineState:
+        """Register (or re-register) a pipeline. With ``group``, a LoRA pipeline joins
+        that base group, created by its first member: the group owns actor_infer, which
+        every member must declare alike."""
         try:
             validate_topology(clusters, self.shape)
         except TopologyError as exc:
             raise RegistryError("bad_topology", f"pipeline {pid}: {exc}") from None
+        existing = self.pipelines.get(pid)
+        if existing is not None and existing.members:
+            raise RegistryError("bad_group", f"{pid} is the id of a base group")
+        if existing is not None and existing.registered and existing.group != group:
+            raise RegistryError(
+                "already_registered", f"pipeline {pid} is registered in another base group"
+            )
+        base = self._group_for(pid, clusters, group) if group is not None else None
         p = self.pipelines.setdefault(pid, PipelineState(pid))
         if p.registered and p.clusters != clusters:
             raise RegistryError(
@@ -140,7 +161,33 @@ class Registry:
             )
         p.clusters = dict(clusters)
         p.weight = weight  # a restarted driver may bring a new one
+        if base is not None:
+            p.group = base.id
+            if pid not in base.members:
+                base.members.append(pid)
         return p
+
+    def _group_for(
+        self, pid: str, clusters: dict[ClusterName, ClusterSpec], group: str
+    ) -> PipelineState:
+        """The base group ``pid`` may join (created here by its first member)."""
+        if group == pid:
+            raise RegistryError("bad_group", f"pipeline {pid} cannot be its own base group")
+        base = self.pipelines.get(group)
+        if base is None:
+            base = self.pipelines[group] = PipelineState(
+                group, clusters={INFER: clusters[INFER]}, admitted=True
+            )
+        elif not base.members and base.registered:
+            raise RegistryError("bad_group", f"base group {group} is the id of a pipeline")
+        elif base.clusters.get(INFER) != clusters[INFER]:
+            first = base.members[0] if base.members else "its first member"
+            raise RegistryError(
+                "bad_group",
+                f"pipeline {pid}: {INFER} differs from base group {group}'s (declared by "
+                f"{first}): its members share the same shards",
+            )
+        return base
 
     def admit(self, pid: str) -> None:
         p = self.get(pid)
@@ -149,11 +196,20 @@ class Registry:
         p.admitted = True
 
     def remove(self, pid: str, *, fence: bool = False) -> PipelineState | None:
-        """Forget a pipeline; with ``fence``, its awake ranks' devices stay fenced."""
+        """Forget a pipeline; with ``fence``, its awake ranks' devices stay fenced. A base
+        group goes with its last member, and its awake ranks likewise."""
         p = self.pipelines.pop(pid, None)
-        if p is not None and fence and INFER in p.clusters:
-            for r in p.active:
-                self.fence(pid, r, p.clusters[INFER].bundle(r), "sleeping (pipeline dropped)")
+        dropped = [p] if p is not None else []
+        if p is not None and p.group is not None:
+            base = self.pipelines[p.group]
+            base.members.remove(pid)
+            if not base.members:
+                dropped.append(self.pipelines.pop(base.id))
+        for q in dropped:
+            if fence and INFER in q.clusters:
+                for r in q.active:
+                    reason = "sleeping (pipeline dropped)"
+                    self.fence(q.id, r, q.clusters[INFER].bundle(r), reason)
         return p
 
     # --- fences -----------------------------------------------------------------------------
@@ -281,16 +337,25 @@ class Registry:
             if not p.clusters:  # not registered
                 continue
             # (each part built only where there is something: a snapshot per plan)
-            held, active, offline, progress = p.held, p.active, p.offline, p.progress
+            held, active, offline = p.held, p.active, p.offline
+            clusters, requests = p.clusters, p.requests
+            progress: list[ProgressIn] | None = list(p.progress.values()) if p.progress else None
+            weight = p.weight
+            if p.group is not None:  # its rollouts are its group's: no actor_infer here
+                clusters = {c: spec for c, spec in clusters.items() if c != INFER}
+                requests = {c: r for c, r in requests.items() if c != INFER}
+                progress = None
+            elif p.members:
+                progress, weight = self._group_demand(p)
             pipes.append(
                 PipelineIn(
                     id=p.id,
-                    clusters=p.clusters,
+                    clusters=clusters,
                     held={c: priority_name(pr) for c, pr in held.items()} if held else {},
                     active_ranks={INFER: sorted(active)} if active else {},
                     offline_ranks={INFER: sorted(offline)} if offline else {},
-                    weight=p.weight,
-                    progress=list(progress.values()) if progress else None,
+                    weight=weight,
+                    progress=progress,
                     requests=[
                         RequestIn(
                             seq=r.seq,
@@ -299,10 +364,11 @@ class Registry:
                             step_target_estimate=r.estimate,
                             age_s=max(0.0, now - r.since),
                         )
-                        for r in p.requests.values()
+                        for r in requests.values()
                     ]
-                    if p.requests and p.admitted
+                    if requests and p.admitted
                     else [],
+                    base_group=p.group,
                 )
             )
         # Fenced devices nobody owns. One already held (a grant waiting for the fence
@@ -312,13 +378,40 @@ class Registry:
             fenced = sorted(self.fenced_devices() - self.owned_devices())
         return Snapshot(cluster=self.shape, pipelines=pipes, policy=self.policy, fenced=fenced)
 
+    def _group_demand(self, base: PipelineState) -> tuple[list[ProgressIn] | None, float]:
+        """A base group's rollout demand and weight. The demand is every member's
+        progress streams (named ``member/stream``), or for a member that reported none,
+        the estimate of its pending GENERATION request, as the planner reads a
+        pipeline's own. The weight is the members' weights averaged by their demand, so
+        the group's share (weight x demand) is the sum of what its members would ask
+        alone; with no demand, their plain mean."""
+        streams: list[ProgressIn] = []
+        weighted = 0.0
+        for mid in base.members:
+            m = self.pipelines[mid]
+            own = [
+                ProgressIn(target=s.target, completed=s.completed, stream=f"{mid}/{s.stream}")
+                for s in m.progress.values()
+            ]
+            gen = m.requests.get(INFER)
+            if not own and m.admitted and gen is not None and gen.estimate:
+                own = [ProgressIn(target=gen.estimate, completed=0, stream=f"{mid}/asked")]
+            weighted += m.weight * sum(s.target - min(s.completed, s.target) for s in own)
+            streams += own
+        demand = sum(s.target - min(s.completed, s.target) for s in streams)
+        if demand:
+            weight = weighted / demand
+        else:
+            weight = sum(self.pipelines[m].weight for m in base.members) / len(base.members)
+        return streams or None, min(max(weight, 1e-9), 1000.0)
+
     def apply(self, plan: Plan, *, fence: bool = False) -> list[str]:
         """Record the plan's outcome (the commands that realise it follow). With
         ``fence`` (the coordinator; the simulator models sleeps as durations), every
         shrunk rank's devices are fenced until its worker confirms the sleep.
 
-        Returns the pipelines whose GENERATION request is now answered (they
-        have at least one awake rank).
+        Returns the pipelines whose GENERATION request is now answered (they, or
+        their base group, have at least one awake rank).
         """
         for ch in plan.shrink:
             p = self.pipelines[ch.pipeline]
@@ -335,7 +428,8 @@ class Registry:
         answered = []
         for p in self.pipelines.values():
             gen = p.requests.get(INFER)
-            if gen is not None and gen.priority == Priority.GENERATION and p.active:
+            serving = p.active if p.group is None else self.pipelines[p.group].active
+            if gen is not None and gen.priority == Priority.GENERATION and serving:
                 del p.requests[INFER]
                 answered.append(p.id)
         return answered

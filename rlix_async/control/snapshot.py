@@ -55,6 +55,10 @@ class PipelineIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Fair-share weight among pipelines of the same priority: rollout shares go by
     # weight x remaining trajectories.
     weight: Annotated[float, msgspec.Meta(gt=0, le=1000)] = 1.0
+    # A LoRA pipeline's base group (docs/SCHEDULING.md, "Base groups"): the pipeline,
+    # in this snapshot, whose shards serve its rollouts. It then declares no
+    # actor_infer itself, and its rollout demand is counted in the group's progress.
+    base_group: PipelineId | None = None
 
     def remaining(self) -> int | None:
         """Trajectories still to generate this step; None when never reported."""
@@ -152,9 +156,11 @@ def validate_snapshot(snap: Snapshot) -> None:
             raise SnapshotError(f"{at}.id: duplicate pipeline id {p.id!r}")
         seen_ids.add(p.id)
         try:
-            validate_topology(dict(p.clusters), snap.cluster)
+            validate_topology(dict(p.clusters), snap.cluster, member=p.base_group is not None)
         except TopologyError as exc:
             raise SnapshotError(f"{at}.clusters: {exc}") from None
+        if p.base_group is not None:
+            _check_base_group(snap, p, at)
         for cname, prio in p.held.items():
             if cname not in p.clusters:
                 raise SnapshotError(f"{at}.held.{cname}: cluster not declared")
@@ -199,3 +205,14 @@ def validate_snapshot(snap: Snapshot) -> None:
             if req.cluster in p.held:
                 raise SnapshotError(f"{rat}.cluster: {p.id} already holds {req.cluster}")
             open_clusters.add(req.cluster)
+
+
+def _check_base_group(snap: Snapshot, p: PipelineIn, at: str) -> None:
+    """A member names a group in the snapshot that owns actor_infer and is no member."""
+    base = next((q for q in snap.pipelines if q.id == p.base_group), None)
+    if base is None or INFER not in base.clusters or base.base_group is not None:
+        raise SnapshotError(
+            f"{at}.base_group: {p.base_group!r} is no pipeline with {INFER} in this snapshot"
+        )
+    if p.active_ranks or p.offline_ranks:
+        raise SnapshotError(f"{at}: a base group member's shard ranks are its group's")

@@ -132,9 +132,15 @@ def validate_cluster(name: str, spec: ClusterSpec, shape: ClusterShape) -> None:
             )
 
 
-def validate_topology(clusters: Mapping[ClusterName, ClusterSpec], shape: ClusterShape) -> None:
-    """Raise :class:`TopologyError` naming the cluster and rule that is broken."""
-    if INFER not in clusters:
+def validate_topology(
+    clusters: Mapping[ClusterName, ClusterSpec], shape: ClusterShape, *, member: bool = False
+) -> None:
+    """Raise :class:`TopologyError` naming the cluster and rule that is broken. A base
+    group's member (``member``) has its rollouts on the group's shards: in a planner
+    snapshot it declares no actor_infer; anywhere else, one is required."""
+    if member and INFER in clusters:
+        raise TopologyError(f"cluster {INFER} is its base group's, not a member's")
+    if not member and INFER not in clusters:
         raise TopologyError(f"cluster {INFER} is required (declared: {sorted(clusters)})")
     for name, spec in clusters.items():
         validate_cluster(name, spec, shape)
