@@ -26,6 +26,14 @@ class SwitchCosts(Config, frozen=True):
     wake_s: Annotated[float, doc("Seconds a shard takes to wake.", ge=0)] = 0.0
     sync_gib_per_s: Annotated[float, doc("Weight sync bandwidth per shard, GiB/s.", gt=0)] = 2.0
     model_gib: Annotated[float, doc("Weights moved per sync, GiB.", ge=0)] = 0.0
+    adapter_sync_s: Annotated[
+        float,
+        doc(
+            "Seconds a base group's shard takes to load a member's new adapter version "
+            "(only that member's new trajectories there wait; the shard serves on).",
+            ge=0,
+        ),
+    ] = 0.5
 
     @property
     def sync_s(self) -> float:
@@ -83,6 +91,14 @@ class ScenarioPipeline(Config, frozen=True):
             le=1000,
         ),
     ] = 1.0
+    base: Annotated[
+        PipelineId | None,
+        doc(
+            "A LoRA pipeline's frozen base model: pipelines with the same base form a base "
+            "group whose shards serve every member per request (same actor_infer and "
+            "slots_per_shard; a weight sync loads only the adapter, adapter_sync_s)."
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         for name in ("actor_train", "actor_infer"):
@@ -139,6 +155,30 @@ class Scenario(Config, frozen=True):
                 raise invalid(f"pipelines[{i}].id", f"duplicate pipeline id {p.id!r}")
             seen.add(p.id)
             _check_topology(f"pipelines[{i}].clusters", p.clusters, self.cluster)
+        self._check_bases()
+
+    def _check_bases(self) -> None:
+        """Members of a base group share its shards: they must declare them alike, and a
+        base is a pipeline id in the planner's snapshot, so it cannot be a pipeline's."""
+        ids = {p.id for p in self.pipelines}
+        first: dict[str, ScenarioPipeline] = {}
+        for i, p in enumerate(self.pipelines):
+            if p.base is None:
+                continue
+            at = f"pipelines[{i}].base"
+            if p.base in ids:
+                raise invalid(at, f"{p.id}'s base {p.base!r} is the id of pipeline {p.base}")
+            head = first.setdefault(p.base, p)
+            for key, mine, theirs in (
+                ("actor_infer", p.clusters["actor_infer"], head.clusters["actor_infer"]),
+                ("slots_per_shard", p.slots_per_shard, head.slots_per_shard),
+            ):
+                if mine != theirs:
+                    raise invalid(
+                        at,
+                        f"{p.id}'s {key} differs from {head.id}'s, on the same base "
+                        f"{p.base!r} (its members share the same shards)",
+                    )
 
     @property
     def shape(self) -> ClusterShape:
