@@ -5,12 +5,16 @@ is the real :func:`rlix_async.control.planner.plan` on ``registry.snapshot``,
 checked by ``check_plan`` and recorded with ``registry.apply`` — the same path
 as the coordinator, with simulated time and simulated effects:
 
-- shrink: the shard's in-flight trajectories move to the pipeline's queue
+- shrink: the shard's in-flight trajectories move to their pipeline's queue
   with their remaining work plus ``reprefill_s`` (the router resumes cut
   rollouts elsewhere); its devices are free after ``sleep_s``.
 - expand: the shard serves after the devices are free + ``wake_s`` + sync.
 - grant: training starts once the devices are free; it lasts the sum of the
   pipeline's ``stages``. After it, awake shards pause for the weight sync.
+- base groups (``base``, sim/groups.py): the group's shards serve every member,
+  free slots taken by the members in turn. A member's step loads its adapter on
+  each awake shard in ``adapter_sync_s``: only its own new trajectories there
+  wait; an expand costs ``wake_s + adapter_sync_s`` (the base wakes with it).
 - A pipeline generates up to ``max_trajectory_age_steps`` batches ahead of
   training and reports progress as the coordinator's client does (coarse
   buckets), which is what the planner sizes its rollout share by.
@@ -42,6 +46,7 @@ from rlix_async.control.cadence import PlanCadence, progress_bucket, progress_is
 from rlix_async.control.registry import Registry
 from rlix_async.control.snapshot import RankChange
 from rlix_async.control.topology import INFER, TRAIN, Priority
+from rlix_async.sim.groups import Server, servers_of
 
 
 def sample_duration(rollout: RolloutTimes, rng: random.Random) -> float:
@@ -62,14 +67,12 @@ class _Pipe:
     produced: int = 0
     training: bool = False
     requested: bool = False
+    started: bool = False  # registered (a base group may serve others before)
     done: bool = False
-    ready: set[int] = field(default_factory=set)  # serving shards
-    slots: dict[int, int] = field(default_factory=dict)  # rank -> running trajectories
     inflight: dict[int, tuple[int, float, int]] = field(
         default_factory=dict
-    )  # tid -> (rank, end, token)
+    )  # tid -> (rank of its server, end, token)
     pending: deque[float] = field(default_factory=deque)  # remaining work of cut trajectories
-    epoch: dict[int, int] = field(default_factory=dict)  # rank -> wake generation
     # Its own trajectory stream, the same under every policy (common random numbers:
     # policies are compared on the same trajectories, not on different luck).
     rng: random.Random = field(default_factory=random.Random)
@@ -110,6 +113,14 @@ class Simulation:
             p.id: _Pipe(p, rng=random.Random(f"{seed}/{index[p.id]}"))
             for p in (pipelines or scenario.pipelines)
         }
+        # Who owns the shards: each pipeline, or its base group (sim/groups.py).
+        self.servers = servers_of(
+            [
+                (pid, p.decl.base, p.decl.clusters[INFER], p.decl.slots_per_shard)
+                for pid, p in self.pipes.items()
+            ]
+        )
+        self.server_of = {pid: self.servers[p.decl.base or pid] for pid, p in self.pipes.items()}
         self.free_at: dict[int, float] = {}  # device -> when its shrinking shard is asleep
         self.journal: list[ev.Event] = []
         self.busy_device_s = 0.0
@@ -119,7 +130,8 @@ class Simulation:
         self.preemptions = 0
         self.plans = 0
         self._last_t = 0.0
-        self._busy: dict[str, int] = {}
+        self._busy_train: dict[str, int] = {}  # per pipeline
+        self._busy_shards: dict[str, int] = {}  # per server
         self._busy_total = 0
         # Bookkeeping that spares a plan a pass over every pipeline: the pipelines
         # whose queue of cut trajectories may be non-empty, and whether a request was
@@ -159,11 +171,15 @@ class Simulation:
                 self.now = t
                 handlers[kind](*data)
                 if kind == "plan":
-                    for pid in self._touched:
-                        self._recount(self.pipes[pid])
+                    for sid in self._touched:
+                        self._recount_shards(self.servers[sid])
                     self._touched.clear()
-                elif kind != "start":
-                    self._recount(self.pipes[data[0]])
+                elif kind == "ready":
+                    self._recount_shards(self.servers[data[0]])
+                else:
+                    p = self.pipes[data[0]]
+                    self._recount_train(p)
+                    self._recount_shards(self.server_of[p.decl.id])
             else:
                 raise RuntimeError(f"simulation did not finish within {max_events} events")
         finally:
@@ -177,14 +193,18 @@ class Simulation:
         self.busy_device_s += self._busy_total * (t - self._last_t)
         self._last_t = t
 
-    def _recount(self, p: _Pipe) -> None:
-        """Devices this pipeline keeps busy (serving shards with work, training)."""
-        tp = p.decl.clusters[INFER].tp
-        busy = tp * len([r for r in p.ready if p.slots.get(r)])
-        if p.training:
-            busy += len(p.decl.clusters[TRAIN].devices)
-        self._busy_total += busy - self._busy.get(p.decl.id, 0)
-        self._busy[p.decl.id] = busy
+    def _recount_train(self, p: _Pipe) -> None:
+        """Devices this pipeline's training keeps busy."""
+        busy = len(p.decl.clusters[TRAIN].devices) if p.training else 0
+        self._busy_total += busy - self._busy_train.get(p.decl.id, 0)
+        self._busy_train[p.decl.id] = busy
+
+    def _recount_shards(self, s: Server) -> None:
+        """Devices of serving shards with work (any member's: a shard, not a member, is
+        busy)."""
+        busy = s.spec.tp * len([r for r in s.ready if s.slots.get(r)])
+        self._busy_total += busy - self._busy_shards.get(s.id, 0)
+        self._busy_shards[s.id] = busy
 
     def _dirty(self, urgent: bool = True) -> None:
         if urgent:
@@ -208,9 +228,11 @@ class Simulation:
 
     def _start(self, pid: str) -> None:
         p = self.pipes[pid]
-        self.registry.register(pid, p.decl.topology(), p.decl.weight)
+        self.registry.register(pid, p.decl.topology(), p.decl.weight, group=p.decl.base)
         self.registry.admit(pid)
+        p.started = True
         self._progress(p, force=True)
+        self._fill(self.server_of[pid])  # a base group may be serving already
         self._dirty()
 
     def _progress(self, p: _Pipe, force: bool = False) -> None:
@@ -231,19 +253,34 @@ class Simulation:
         # the coordinator's rule for what a report asks (control/cadence.py)
         self._dirty(urgent=progress_is_urgent(before, p.target, completed))
 
-    def _fill(self, p: _Pipe) -> None:
-        for rank in sorted(p.ready):
-            while p.slots.get(rank, 0) < p.decl.slots_per_shard:
-                if p.pending:
-                    work = p.pending.popleft()
-                elif p.produced + len(p.inflight) + len(p.pending) < p.limit():
-                    work = sample_duration(p.decl.rollout, p.rng)
+    def _fill(self, s: Server) -> None:
+        """Free slots of serving shards take the members' trajectories in turn, one
+        each (a cut one first), every member up to its own staleness limit: one
+        member's long tail and another's fresh batch share a shard."""
+        for rank in sorted(s.ready):
+            while s.slots.get(rank, 0) < s.slots_per_shard:
+                for pid in s.next_members():
+                    work = self._work(self.pipes[pid])
+                    if work is not None:
+                        break
                 else:
-                    return
+                    return  # no member has a trajectory to start
+                s.turn = s.members.index(pid) + 1
+                start = s.loaded_at(pid, rank, self.now)
                 tid = next(self._tids)
-                p.inflight[tid] = (rank, self.now + work, 0)
-                p.slots[rank] = p.slots.get(rank, 0) + 1
-                self._push(self.now + work, "done", p.decl.id, tid, 0)
+                self.pipes[pid].inflight[tid] = (rank, start + work, 0)
+                s.slots[rank] = s.slots.get(rank, 0) + 1
+                self._push(start + work, "done", pid, tid, 0)
+
+    def _work(self, p: _Pipe) -> float | None:
+        """The pipeline's next trajectory's work, or None when it may start none."""
+        if p.done or not p.started:
+            return None
+        if p.pending:
+            return p.pending.popleft()
+        if p.produced + len(p.inflight) + len(p.pending) < p.limit():
+            return sample_duration(p.decl.rollout, p.rng)
+        return None
 
     def _done(self, pid: str, tid: int, token: int) -> None:
         p = self.pipes[pid]
@@ -251,11 +288,12 @@ class Simulation:
         if entry is None or entry[2] != token or p.done:
             return  # cut by a shrink, or delayed by a sync (a newer event stands)
         del p.inflight[tid]
-        p.slots[entry[0]] -= 1
+        s = self.server_of[pid]
+        s.slots[entry[0]] -= 1
         p.produced += 1
         self._maybe_train(p)
         self._progress(p)
-        self._fill(p)
+        self._fill(s)
 
     def _maybe_train(self, p: _Pipe) -> None:
         if not p.training and not p.requested and p.produced - p.consumed() >= p.target:
@@ -283,44 +321,64 @@ class Simulation:
             self._sync_awake(p)
             self._maybe_train(p)
             self._progress(p, force=True)
-            self._fill(p)
+            self._fill(self.server_of[pid])
         self._dirty()
 
     def _sync_awake(self, p: _Pipe) -> None:
-        """Awake shards pause for the new weights: their trajectories end later."""
+        """Full weights: awake shards pause for them, their trajectories end later.
+        An adapter: each awake shard of the group loads it; only this member's
+        trajectories started there meanwhile wait (the others' run on)."""
+        s = self.server_of[p.decl.id]
+        if s.lora:
+            adapter_s = self.sc.switch.adapter_sync_s
+            state = self.registry.pipelines.get(s.id)
+            if adapter_s > 0 and state is not None:
+                # shards still waking too: the version may come after their own load
+                s.new_adapter(p.decl.id, state.active, self.now + adapter_s)
+                self.switch_device_s += adapter_s * s.spec.tp * len(s.ready)
+            return
         sync_s = self.sc.switch.sync_s
         if sync_s <= 0:
             return
-        tp = p.decl.clusters[INFER].tp
-        self.switch_device_s += sync_s * tp * len(p.ready)
+        tp = s.spec.tp
+        self.switch_device_s += sync_s * tp * len(s.ready)
         for tid, (rank, end, token) in list(p.inflight.items()):
             p.inflight[tid] = (rank, end + sync_s, token + 1)
             self._push(end + sync_s, "done", p.decl.id, tid, token + 1)
 
     def _finish(self, p: _Pipe) -> None:
+        """The last step is trained: its trajectories still running are dropped, and
+        its shards go with it (a base group's, with its last member)."""
         p.done = True
+        s = self.server_of[p.decl.id]
+        for rank, _, _ in p.inflight.values():
+            s.slots[rank] -= 1  # (the others' trajectories take the slots)
         p.inflight.clear()
         p.pending.clear()
-        p.ready.clear()
-        state = self.registry.remove(p.decl.id)
-        if state is not None and state.active:
-            spec = p.decl.clusters[INFER]
+        owner = self.registry.pipelines.get(s.id)
+        active = sorted(owner.active) if owner is not None else []
+        self.registry.remove(p.decl.id)
+        if s.id in self.registry.pipelines:
+            self._fill(s)  # a base group serving its other members
+            return
+        s.ready.clear()
+        if active:
             self._record(
                 ev.Shrunk(
-                    pipeline=p.decl.id,
+                    pipeline=s.id,
                     cluster=INFER,
-                    ranks=sorted(state.active),
-                    devices=sorted(d for r in state.active for d in spec.bundle(r)),
+                    ranks=active,
+                    devices=sorted(d for r in active for d in s.spec.bundle(r)),
                 )
             )
 
-    def _ready(self, pid: str, rank: int, epoch: int) -> None:
-        p = self.pipes[pid]
-        state = self.registry.pipelines.get(pid)
-        if p.done or state is None or rank not in state.active or p.epoch.get(rank) != epoch:
-            return  # shrunk again before it finished waking
-        p.ready.add(rank)
-        self._fill(p)
+    def _ready(self, sid: str, rank: int, epoch: int) -> None:
+        s = self.servers[sid]
+        state = self.registry.pipelines.get(sid)
+        if state is None or rank not in state.active or s.epoch.get(rank) != epoch:
+            return  # shrunk again before it finished waking (or its pipelines are done)
+        s.ready.add(rank)
+        self._fill(s)
 
     # --- the coordinator's scheduling path -------------------------------------------------
 
@@ -352,21 +410,15 @@ class Simulation:
         self.registry.apply(result)
         sw = self.sc.switch
         for ch in result.shrink:
-            p = self.pipes[ch.pipeline]
-            spec = p.decl.clusters[INFER]
+            s = self.servers[ch.pipeline]
+            spec = s.spec
             for rank in ch.ranks:
                 self.preemptions += 1
-                p.ready.discard(rank)
-                p.epoch[rank] = p.epoch.get(rank, 0) + 1
-                for tid, (r, end, _) in list(p.inflight.items()):
-                    if r == rank:  # resumed elsewhere from where it was
-                        del p.inflight[tid]
-                        p.pending.appendleft(max(end - self.now, 0.0) + p.decl.reprefill_s)
-                        self._queued.add(ch.pipeline)
-                        self.switch_device_s += p.decl.reprefill_s * spec.tp
-                        self.reprefill_device_s += p.decl.reprefill_s * spec.tp
-                        self.resumed += 1
-                p.slots[rank] = 0
+                s.ready.discard(rank)
+                s.epoch[rank] = s.epoch.get(rank, 0) + 1
+                for pid in s.members:  # every member's trajectories on it are cut
+                    self._cut(self.pipes[pid], rank, spec.tp)
+                s.slots[rank] = 0
                 for d in spec.bundle(rank):
                     self.free_at[d] = self.now + sw.sleep_s
                 self.switch_device_s += sw.sleep_s * spec.tp
@@ -380,25 +432,40 @@ class Simulation:
             )
             self._push(t, "granted", g.pipeline)
         for ch in result.expand:
-            p = self.pipes[ch.pipeline]
-            spec = p.decl.clusters[INFER]
+            s = self.servers[ch.pipeline]
+            spec = s.spec
+            # a base group's frozen base wakes with the shard; only adapters are loaded
+            sync_s = sw.adapter_sync_s if s.lora else sw.sync_s
             for rank in ch.ranks:
                 free = max([self.now, *(self.free_at.get(d, 0.0) for d in spec.bundle(rank))])
-                p.epoch[rank] = p.epoch.get(rank, 0) + 1
-                self.switch_device_s += (sw.wake_s + sw.sync_s) * spec.tp
-                self._push(free + sw.wake_s + sw.sync_s, "ready", ch.pipeline, rank, p.epoch[rank])
+                s.epoch[rank] = s.epoch.get(rank, 0) + 1
+                self.switch_device_s += (sw.wake_s + sync_s) * spec.tp
+                self._push(free + sw.wake_s + sync_s, "ready", ch.pipeline, rank, s.epoch[rank])
             self._record_change(ev.Expanded, ch)
         self._touched.update(ch.pipeline for ch in result.shrink)
         # Shrunk shards' trajectories continue on the others (pipelines in their order).
         for pid in sorted(self._queued, key=self._order.__getitem__):
             p = self.pipes[pid]
             if p.pending:
-                self._fill(p)
-                self._touched.add(pid)
+                s = self.server_of[pid]
+                self._fill(s)
+                self._touched.add(s.id)
         self._queued = {pid for pid in self._queued if self.pipes[pid].pending}
 
+    def _cut(self, p: _Pipe, rank: int, tp: int) -> None:
+        """The pipeline's trajectories on a shrunk shard: resumed elsewhere from where
+        they were, after a re-prefill."""
+        for tid, (r, end, _) in list(p.inflight.items()):
+            if r == rank:
+                del p.inflight[tid]
+                p.pending.appendleft(max(end - self.now, 0.0) + p.decl.reprefill_s)
+                self._queued.add(p.decl.id)
+                self.switch_device_s += p.decl.reprefill_s * tp
+                self.reprefill_device_s += p.decl.reprefill_s * tp
+                self.resumed += 1
+
     def _record_change(self, kind: type[ev.Shrunk] | type[ev.Expanded], ch: RankChange) -> None:
-        spec = self.pipes[ch.pipeline].decl.clusters[INFER]
+        spec = self.servers[ch.pipeline].spec
         devices = sorted(d for r in ch.ranks for d in spec.bundle(r))
         self._record(
             kind(pipeline=ch.pipeline, cluster=ch.cluster, ranks=ch.ranks, devices=devices)
