@@ -50,7 +50,7 @@ def _simulate(args: argparse.Namespace) -> int:
     import msgspec
 
     from rlix_async.config import ConfigError, Scenario, load_config
-    from rlix_async.sim.policies import POLICIES, compare, simulate
+    from rlix_async.sim.policies import BASELINES, compare, policies_for, simulate
 
     sc = load_config(args.scenario, Scenario, args.overrides)
     if args.staleness is not None:  # the same scenario, every pipeline that asynchronous
@@ -65,7 +65,7 @@ def _simulate(args: argparse.Namespace) -> int:
         check_output(args.journal)
     if args.seeds is not None:
         return _simulate_seeds(sc, args)
-    policies = list(POLICIES) if args.policy == "all" else [args.policy]
+    policies = list(policies_for(sc)) if args.policy == "all" else [args.policy]
     try:
         out = {
             pol: simulate(
@@ -79,14 +79,15 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"policies": out, **summary}, indent=2))
         return 0
+    width = max(10, *map(len, out))
     for pol, r in out.items():
         print(
-            f"{pol:10s} {r['steps_per_hour_per_gpu']:.3f} steps/h/GPU on {r['devices']} devices, "
+            f"{pol:{width}s} {r['steps_per_hour_per_gpu']:.3f} steps/h/GPU on {r['devices']} devices, "
             f"makespan {r['makespan_s']:.0f} s, utilization {r['gpu_utilization']:.2f}, "
             f"preemptions {r['preemptions']}, switching {r['wasted_gpu_s']:.0f} GPU-s "
             f"(re-prefill {r['reprefill_gpu_s']:.0f})"
         )
-    for base in ("exclusive", "static"):
+    for base in BASELINES:
         if f"gain_vs_{base}" in summary:
             print(f"timeshare / {base}: {summary[f'gain_vs_{base}']:.2f}x")
     if "fair_share_index" in summary:
@@ -109,15 +110,20 @@ def _simulate_seeds(sc: Scenario, args: argparse.Namespace) -> int:
         return 0
     for r in out["runs"]:
         worst = max(r["slowdown"].values(), default=0.0)
+        fw = (
+            f"/ full-weight {r['gain_vs_full_weight']:.2f}x, " if "gain_vs_full_weight" in r else ""
+        )
         print(
             f"seed {r['seed']:3d}: timeshare / exclusive {r['gain_vs_exclusive']:.2f}x, "
-            f"/ static {r['gain_vs_static']:.2f}x, slowest step {worst:.2f}x, "
+            f"/ static {r['gain_vs_static']:.2f}x, {fw}slowest step {worst:.2f}x, "
             f"fair-share index {r['fair_share_index']:.2f}"
         )
     g, gs, f, s = out["gain"], out["gain_vs_static"], out["fair_share_index"], out["slowdown"]
+    gf = out.get("gain_vs_full_weight")
+    fw = f"vs full-weight min {gf['min']:.2f}x mean {gf['mean']:.2f}x; " if gf else ""
     print(
         f"vs exclusive min {g['min']:.2f}x mean {g['mean']:.2f}x; vs static min "
-        f"{gs['min']:.2f}x mean {gs['mean']:.2f}x; step slowdown mean {s['mean']:.2f}x max "
+        f"{gs['min']:.2f}x mean {gs['mean']:.2f}x; {fw}step slowdown mean {s['mean']:.2f}x max "
         f"{s['max']:.2f}x; fair-share index max {f['max']:.2f}"
     )
     return 0
@@ -130,9 +136,14 @@ def _scenario(args: argparse.Namespace) -> int:
     if args.staleness < 0 or args.pipelines < 1 or args.steps < 1:
         raise UsageError("--staleness must be >= 0, --pipelines and --steps >= 1")
     sc = generate.agentic(
-        args.seed, staleness=args.staleness, pipelines=args.pipelines, steps=args.steps
+        args.seed,
+        staleness=args.staleness,
+        pipelines=args.pipelines,
+        steps=args.steps,
+        base=args.base,
     )
-    text = f"# rlix-async scenario {args.family} --seed {args.seed} --staleness {args.staleness}\n"
+    text = f"# rlix-async scenario {args.family} --seed {args.seed} --staleness {args.staleness}"
+    text += f" --base {args.base}\n" if args.base is not None else "\n"
     text += dump(sc)
     if args.output is None:
         print(text, end="")
@@ -150,7 +161,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser("simulate", help="discrete-event simulation of a scenario (real planner)")
     p.add_argument("scenario", help="Scenario file (see scenarios/ and docs/CONFIG.md)")
-    p.add_argument("--policy", choices=["exclusive", "static", "timeshare", "all"], default="all")
+    p.add_argument(
+        "--policy",
+        choices=["exclusive", "static", "timeshare", "full_weight", "all"],
+        default="all",
+        help="all: the first three, and full_weight (every base removed) where a base is named",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--journal", help="write the timeshare run's journal (rlix-async timeline)")
     p.add_argument("--seed", type=int, default=0)
@@ -169,5 +185,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--staleness", type=int, default=0, help="max_trajectory_age_steps")
     p.add_argument("--pipelines", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--base", help="put every pipeline on this base (one LoRA base group)")
     p.add_argument("-o", "--output", help="write here instead of standard output")
     p.set_defaults(func=_scenario)

@@ -4,8 +4,9 @@
 to, with every pipeline different: four pipelines on one 8-device node, each
 declaring the whole node for rollout and devices 0-3 for training, lognormal
 trajectory times (median 60-240 s, sigma 0.6-1.4), training 200-400 s plus 60 s
-of old log-probs, staggered starts. ``rlix-async scenario agentic --seed N``
-writes one as YAML; the property tests draw many.
+of old log-probs, staggered starts; with ``base``, all LoRA pipelines of one base
+group. ``rlix-async scenario agentic --seed N`` writes one as YAML; the property
+tests draw many.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ FAMILIES = ("agentic",)
 
 
 def agentic(
-    seed: int, *, staleness: int = 0, pipelines: int = 4, steps: int = 10, devices: int = 8
+    seed: int,
+    *,
+    staleness: int = 0,
+    pipelines: int = 4,
+    steps: int = 10,
+    devices: int = 8,
+    base: str | None = None,
 ) -> Scenario:
     """One draw of the agentic family (see the module docstring)."""
     if pipelines < 1 or steps < 1 or devices < 4 or devices % 4:
@@ -45,6 +52,7 @@ def agentic(
             ),
             stages={"ACTOR_TRAINING": round(rng.uniform(200, 400), 1), "OLD_LOG_PROBS": 60.0},
             clusters={"actor_train": train, "actor_infer": infer},
+            base=base,
         )
         for i in range(pipelines)
     ]

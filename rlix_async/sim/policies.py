@@ -9,6 +9,12 @@
   experiments does without a scheduler.
 - ``exclusive``: each pipeline alone on everything it declares (4 pipelines
   declaring 8 devices each count 32 devices).
+- ``full_weight`` (only where a pipeline has a ``base``): time-sharing of the
+  same scenario with every ``base`` removed, each pipeline syncing its full
+  weights: what LoRA base groups are worth to the scheduler.
+
+Exclusive and static run each pipeline alone; one with a ``base`` is then a base
+group of one (it syncs only its adapter).
 
 Each pipeline draws its trajectories from its own seeded stream, so every policy
 sees the same trajectories (common random numbers).
@@ -33,6 +39,21 @@ from rlix_async.control.topology import ClusterSpec, validate_topology
 from rlix_async.sim.engine import Simulation
 
 POLICIES = ("exclusive", "static", "timeshare")
+FULL_WEIGHT = "full_weight"
+BASELINES = ("exclusive", "static", FULL_WEIGHT)  # what compare() divides timeshare by
+
+
+def policies_for(scenario: Scenario) -> tuple[str, ...]:
+    """What ``all`` runs: the three, and full-weight time-sharing where a base is named."""
+    if any(p.base is not None for p in scenario.pipelines):
+        return (*POLICIES, FULL_WEIGHT)
+    return POLICIES
+
+
+def full_weight(scenario: Scenario) -> Scenario:
+    """The same scenario with every ``base`` removed (each pipeline its own model)."""
+    pipes = [msgspec.structs.replace(p, base=None) for p in scenario.pipelines]
+    return msgspec.structs.replace(scenario, pipelines=pipes)
 
 
 def static_split(scenario: Scenario) -> list[ScenarioPipeline]:
@@ -117,20 +138,22 @@ def simulate(
     journal: str | Path | None = None,
 ) -> dict[str, Any]:
     """One policy's results (see the module docstring for the policies)."""
-    if policy == "timeshare":
-        sim = Simulation(scenario, seed=seed)
+    if policy in ("timeshare", FULL_WEIGHT):
+        sim = Simulation(scenario if policy == "timeshare" else full_weight(scenario), seed=seed)
         out = sim.run()
         if journal is not None:
             sim.write_journal(journal)
         return out
     if policy == "static":
         split = static_split(scenario)
-        # per device of the whole cluster: the lab has it, used or not by the split
-        sliced = msgspec.structs.replace(scenario, pipelines=split)
-        return _alone(sliced, split, seed, scenario.cluster.num_devices)
+        # Per device of the whole cluster: the lab has it, used or not by the split.
+        # The split is simulated pipeline by pipeline in the declared scenario (its
+        # shape, costs and pipeline order): members of one base on different slices
+        # are no scenario of their own, each is alone on its slice.
+        return _alone(scenario, split, seed, scenario.cluster.num_devices)
     if policy == "exclusive":
         return _alone(scenario, scenario.pipelines, seed)
-    raise ValueError(f"unknown policy {policy!r}: {', '.join(POLICIES)} or all")
+    raise ValueError(f"unknown policy {policy!r}: {', '.join(BASELINES)}, timeshare or all")
 
 
 def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -138,7 +161,7 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     index (timeshare against exclusive)."""
     ts = runs["timeshare"]
     out: dict[str, Any] = {}
-    for base in ("exclusive", "static"):
+    for base in BASELINES:
         if base in runs and runs[base]["steps_per_hour_per_gpu"]:
             rate = ts["steps_per_hour_per_gpu"] / runs[base]["steps_per_hour_per_gpu"]
             out[f"gain_vs_{base}"] = round(rate, 3)
@@ -156,10 +179,10 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def seed_sweep(scenario: Scenario, seeds: range) -> dict[str, Any]:
-    """All three policies on each seed: gains, step slowdowns, fair-share index."""
+    """All policies on each seed: gains, step slowdowns, fair-share index."""
     runs = []
     for s in seeds:
-        each = {pol: simulate(scenario, pol, seed=s) for pol in POLICIES}
+        each = {pol: simulate(scenario, pol, seed=s) for pol in policies_for(scenario)}
         runs.append({"seed": s, **compare(each)})
 
     def spread(key: str) -> dict[str, float]:
@@ -167,10 +190,13 @@ def seed_sweep(scenario: Scenario, seeds: range) -> dict[str, Any]:
         return {"min": min(vals), "mean": round(sum(vals) / len(vals), 3), "max": max(vals)}
 
     slow = [v for r in runs for v in r["slowdown"].values()]
-    return {
+    out: dict[str, Any] = {
         "runs": runs,
         "gain": spread("gain_vs_exclusive"),
         "gain_vs_static": spread("gain_vs_static"),
         "fair_share_index": spread("fair_share_index"),
         "slowdown": {"mean": round(sum(slow) / len(slow), 3), "max": max(slow)},
     }
+    if FULL_WEIGHT in policies_for(scenario):
+        out["gain_vs_full_weight"] = spread("gain_vs_full_weight")
+    return out
