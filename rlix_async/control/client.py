@@ -59,6 +59,7 @@ class PipelineClient:
         self.clusters: dict[ClusterName, ClusterSpec] = {}
         self.admitted = False
         self.weight = 1.0
+        self.group: str | None = None
         self.held: dict[ClusterName, PriorityName] = {}
         self.active_ranks: list[int] = []
         self.endpoints: dict[int, str] = {}  # rank -> shard data plane (for the router)
@@ -114,14 +115,24 @@ class PipelineClient:
 
     # --- lifecycle -------------------------------------------------------------------------
 
-    async def register(self, clusters: dict[ClusterName, ClusterSpec], weight: float = 1.0) -> None:
+    async def register(
+        self,
+        clusters: dict[ClusterName, ClusterSpec],
+        weight: float = 1.0,
+        group: str | None = None,
+    ) -> None:
         """``weight``: this pipeline's share of rollout devices against others of the
-        same priority (2.0: twice a default pipeline's at equal demand)."""
+        same priority (2.0: twice a default pipeline's at equal demand). ``group``: a
+        LoRA pipeline's base group, whose shards serve its rollouts (ActiveRanks then
+        names the group's ranks; its requests carry this pipeline's adapter)."""
         await self._call(
-            m.RegisterPipeline(pipeline_id=self.pipeline_id, clusters=clusters, weight=weight)
+            m.RegisterPipeline(
+                pipeline_id=self.pipeline_id, clusters=clusters, weight=weight, group=group
+            )
         )
         self.clusters = dict(clusters)
         self.weight = weight
+        self.group = group
 
     async def admit(self) -> None:
         await self._call(m.AdmitPipeline(pipeline_id=self.pipeline_id))
@@ -327,6 +338,7 @@ class PipelineClient:
                     clusters=self.clusters,
                     admitted=self.admitted,
                     weight=self.weight,
+                    group=self.group,
                     held=self.held,
                     requests=list(self._requests.values()),
                 )

@@ -37,7 +37,6 @@ from rlix_async.control.registry import Registry, RegistryError
 from rlix_async.control.snapshot import Plan, RankChange, Snapshot
 from rlix_async.control.topology import (
     INFER,
-    ClusterName,
     ClusterShape,
     Priority,
     priority_name,
@@ -95,6 +94,7 @@ class Coordinator(PeerWatcher):
         self._sleeping: set[tuple[str, int]] = set()
         self.weights: dict[str, CacheRef] = {}  # latest promoted version per pipeline
         self.shard_versions: dict[tuple[str, int], int | None] = {}  # acked by workers
+        self.adapter_versions: dict[tuple[str, int], dict[str, int]] = {}
         self.shard_endpoints: dict[tuple[str, int], str] = {}  # data planes, for routers
         self.shard_data_keys: dict[tuple[str, int], str] = {}  # their public keys (tcp)
         self.shard_memory: dict[tuple[str, int], int] = {}  # bytes in use, last acked
@@ -235,9 +235,11 @@ class Coordinator(PeerWatcher):
                 f"{msg.pipeline_id} is registered and its driver is connected: "
                 "unregister it first (rlix-async kill)",
             )
-        p = self.registry.register(msg.pipeline_id, dict(msg.clusters), msg.weight)
+        p = self.registry.register(msg.pipeline_id, dict(msg.clusters), msg.weight, msg.group)
         p.connected, p.lost_at = True, None
-        self.journal.record(ev.Registered(pipeline=p.id, clusters=p.clusters, weight=p.weight))
+        self.journal.record(
+            ev.Registered(pipeline=p.id, clusters=p.clusters, weight=p.weight, group=p.group)
+        )
         self._check_bound_workers(p.id)
         if restarted:
             # A new driver process for a known pipeline (it was restarted, e.g. with
@@ -338,9 +340,7 @@ class Coordinator(PeerWatcher):
         p = self.registry.get(msg.pipeline_id)
         self.weights[p.id] = msg.ref
         self.journal.record(ev.WeightsPublished(pipeline=p.id, version=msg.ref.version))
-        for rank in sorted(p.active):
-            if self.shard_versions.get((p.id, rank)) != msg.ref.version:
-                self.tasks.spawn(self._sync_rank(p.id, rank), "sync")
+        self._sync_stale(p, msg.ref.version)
         return Ok()
 
     def _unregister(self, msg: m.Unregister, ctx: CallContext) -> Ok:
@@ -377,9 +377,11 @@ class Coordinator(PeerWatcher):
                     "nothing of this resume was applied",
                 )
         reweighted = known and self.registry.pipelines[pid].weight != msg.weight
-        p = self.registry.register(pid, dict(msg.clusters), msg.weight)
+        p = self.registry.register(pid, dict(msg.clusters), msg.weight, msg.group)
         if not known or reweighted:
-            self.journal.record(ev.Registered(pipeline=pid, clusters=p.clusters, weight=p.weight))
+            self.journal.record(
+                ev.Registered(pipeline=pid, clusters=p.clusters, weight=p.weight, group=p.group)
+            )
         self._check_bound_workers(pid)
         p.connected, p.lost_at = True, None
         if msg.admitted and not p.admitted:
@@ -409,15 +411,6 @@ class Coordinator(PeerWatcher):
         self.tasks.spawn(self._notify_ranks(pid), "ranks")
         self.kick()
         return Ok()
-
-    def _regrant(self, pid: str, cluster: ClusterName) -> None:
-        """Repeat a grant whose notification was lost; like the first one, it goes out
-        only once no fence covers its devices."""
-        p = self.registry.pipelines[pid]
-        devices = list(p.clusters[cluster].devices)
-        self.tasks.spawn(
-            self._grant(pid, cluster, priority_name(p.held[cluster]), devices), "regrant"
-        )
 
     def _status(self, msg: m.StatusRequest, ctx: CallContext) -> m.StatusReply:
         """Every pipeline, device owner and fence: for admins and drivers, not for shard

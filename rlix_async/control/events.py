@@ -48,9 +48,10 @@ class JournalEvent(msgspec.Struct, tag_field="ev", kw_only=True):
 class Registered(JournalEvent, tag="register"):
     clusters: dict[ClusterName, ClusterSpec]
     weight: float = 1.0
+    group: str | None = None  # a LoRA pipeline's base group
 
     def apply(self, registry: Registry) -> None:
-        registry.register(self.pipeline, dict(self.clusters), self.weight)
+        registry.register(self.pipeline, dict(self.clusters), self.weight, self.group)
 
 
 class Admitted(JournalEvent, tag="admit"):
@@ -165,6 +166,7 @@ class WeightsPublished(JournalEvent, tag="weights"):
 class ShardSynced(JournalEvent, tag="synced"):
     rank: int
     version: int | None
+    adapter: str | None = None  # a base group's shard: the member whose adapter it holds
 
 
 class ProgressRecord(msgspec.Struct, kw_only=True):
@@ -183,6 +185,8 @@ class PipelineRecord(msgspec.Struct, kw_only=True):
     active: list[int] = []
     progress: list[ProgressRecord] = []
     weight: float = 1.0
+    group: str | None = None  # a member: its base group (made by its registration)
+    base: bool = False  # a base group itself: only its awake ranks are restored
 
 
 class FenceRecord(msgspec.Struct, kw_only=True):
@@ -219,6 +223,8 @@ class RegistrySnapshot(JournalEvent, tag="snapshot"):
                     clusters=dict(p.clusters),
                     admitted=p.admitted,
                     weight=p.weight,
+                    group=p.group,
+                    base=bool(p.members),
                     held={c: priority_name(pr) for c, pr in p.held.items()},
                     active=sorted(p.active),
                     progress=[
@@ -255,9 +261,13 @@ class RegistrySnapshot(JournalEvent, tag="snapshot"):
         left_out: list[str] = []
         for w in self.workers:
             registry.workers[(w.pipeline, w.rank)] = w.incarnation
-        for rec in self.pipelines:
+        # members first: their registration makes their base groups
+        for rec in sorted(self.pipelines, key=lambda r: r.base):
             try:
-                p = registry.register(rec.id, dict(rec.clusters), rec.weight)
+                if rec.base:
+                    p = _known(registry, rec.id)
+                else:
+                    p = registry.register(rec.id, dict(rec.clusters), rec.weight, rec.group)
             except Exception as exc:
                 left_out.append(f"pipeline {rec.id}: {exc}")
                 continue

@@ -52,6 +52,9 @@ class RegisterPipeline(Message):
     pipeline_id: PipelineId
     clusters: dict[ClusterName, ClusterSpec]
     weight: Weight = 1.0
+    # A LoRA pipeline's base group: its rollouts run on the group's shards (worker
+    # identities ``<group>/infer/<rank>``), which serve every member's adapter.
+    group: PipelineId | None = None
 
 
 class AdmitPipeline(Message):
@@ -109,6 +112,7 @@ class Resume(Message):
     clusters: dict[ClusterName, ClusterSpec]
     admitted: bool
     weight: Weight = 1.0
+    group: PipelineId | None = None
     held: dict[ClusterName, PriorityName] = {}
     requests: list[RequestStage] = []
 
@@ -204,16 +208,20 @@ class ShardCommand(Message):
 
     ``sleep``: abort, drain and sleep. ``wake``: wake, reach ``weights`` and
     serve. ``sync``: reach ``weights`` if awake (a sleeping shard syncs when it
-    wakes, never before).
+    wakes, never before). A base group's shard (``<group>/infer/<rank>``) gets
+    ``adapters`` instead: each member's newest adapter version, loaded beside the
+    others without pausing them.
     """
 
     action: ShardAction
     weights: CacheRef | None = None
+    adapters: dict[str, CacheRef] = {}  # member pipeline -> its newest adapter
 
 
 class ShardAck(Message):
     state: ShardState
     weight_version: int | None = None
+    adapter_versions: dict[str, int] = {}  # a base group's shard: member -> version held
     # after the command: device memory in use on the shard's devices (CUDA, via NVML),
     # or the worker's resident memory (CPU); None when the engine cannot tell
     memory_bytes: int | None = None

@@ -114,6 +114,7 @@ class PeerWatcher(PlanRealiser):
             f = self.registry.fences.get((pid, rank))
             if f is not None and not f.reason.startswith("worker lost"):
                 f.reason = f"worker lost ({f.reason})"
+            self.adapter_versions.pop((pid, rank), None)
             for table in (self.shard_versions, self.shard_endpoints, self.shard_data_keys):
                 table.pop((pid, rank), None)  # a replacement says hello with its own
             return
@@ -144,7 +145,7 @@ class PeerWatcher(PlanRealiser):
         # Everything else keyed by the pipeline goes with it (a long-lived coordinator
         # sees thousands of pipelines come and go).
         self.weights.pop(pid, None)
-        for table in (self.shard_versions, self.shard_memory):
+        for table in (self.shard_versions, self.shard_memory, self.adapter_versions):
             for key in [k for k in table if k[0] == pid]:
                 del table[key]
         # A worker still connected keeps its data plane's address and key: when the

@@ -21,9 +21,16 @@ from rlix_async.config import SchedulerConfig
 from rlix_async.control import journal as ev
 from rlix_async.control import messages as m
 from rlix_async.control.journal import Journal, JournalWriteError
-from rlix_async.control.registry import Registry
+from rlix_async.control.registry import PipelineState, Registry
 from rlix_async.control.snapshot import Plan, RankChange
-from rlix_async.control.topology import INFER, ClusterName, ClusterSpec, Priority, PriorityName
+from rlix_async.control.topology import (
+    INFER,
+    ClusterName,
+    ClusterSpec,
+    Priority,
+    PriorityName,
+    priority_name,
+)
 from rlix_async.transport import RpcServer
 from rlix_async.weights.ref import CacheRef
 
@@ -45,6 +52,7 @@ class PlanRealiser:
     kick: Callable[[], None]
     weights: dict[str, CacheRef]  # latest promoted version per pipeline
     shard_versions: dict[tuple[str, int], int | None]  # acked by workers
+    adapter_versions: dict[tuple[str, int], dict[str, int]]  # base groups' shards: acked
     shard_endpoints: dict[tuple[str, int], str]  # data planes, for routers
     shard_data_keys: dict[tuple[str, int], str]  # their CURVE public keys (tcp)
     shard_memory: dict[tuple[str, int], int]  # bytes in use, as last acknowledged
@@ -149,10 +157,15 @@ class PlanRealiser:
         await self._notify_ranks(pid)
         p = self.registry.pipelines.get(pid)
         if answered and p is not None:
+            serving = self._serving(p)
             await self.server.notify(
                 m.driver_identity(pid),
-                m.Granted(cluster=INFER, priority="GENERATION", ranks=sorted(p.active)),
+                m.Granted(cluster=INFER, priority="GENERATION", ranks=sorted(serving.active)),
             )
+
+    def _serving(self, p: PipelineState) -> PipelineState:
+        """Whose shards serve ``p``'s rollouts: its own, or its base group's."""
+        return self.registry.pipelines[p.group] if p.group is not None else p
 
     # --- fenced sleeps ----------------------------------------------------------------------
 
@@ -242,6 +255,29 @@ class PlanRealiser:
                 m.Granted(cluster=cluster, priority=priority, devices=devices),
             )
 
+    def _regrant(self, pid: str, cluster: ClusterName) -> None:
+        """Repeat a grant whose notification was lost; like the first one, it goes out
+        only once no fence covers its devices."""
+        p = self.registry.pipelines[pid]
+        devices = list(p.clusters[cluster].devices)
+        self.tasks.spawn(
+            self._grant(pid, cluster, priority_name(p.held[cluster]), devices), "regrant"
+        )
+
+    def _sync_stale(self, p: PipelineState, version: int) -> None:
+        """Selective sync of a new version: only ``p``'s awake shards that hold another
+        are told to pull it (a member's: its base group's shards, about its adapter);
+        sleeping ones catch up when they wake."""
+        if p.group is not None:
+            base = self.registry.pipelines[p.group]
+            for rank in sorted(base.active):
+                if self.adapter_versions.get((base.id, rank), {}).get(p.id) != version:
+                    self.tasks.spawn(self._sync_rank(base.id, rank), "sync")
+            return
+        for rank in sorted(p.active):
+            if self.shard_versions.get((p.id, rank)) != version:
+                self.tasks.spawn(self._sync_rank(p.id, rank), "sync")
+
     async def _expand(self, pid: str, ranks: list[int], spec: ClusterSpec) -> None:
         await asyncio.gather(*(self._wake_rank(pid, r, spec.bundle(r)) for r in ranks))
 
@@ -280,6 +316,7 @@ class PlanRealiser:
         self.registry.fence(pid, rank, p.clusters[INFER].bundle(rank), why)
         self._journal_plan(lost)
         self.shard_versions.pop((pid, rank), None)
+        self.adapter_versions.pop((pid, rank), None)
         self.tasks.spawn(self._sleep_rank(pid, rank), "sleep-failed")
         self.tasks.spawn(self._notify_ranks(pid), "ranks")
         self.kick()
@@ -296,14 +333,17 @@ class PlanRealiser:
             log.error("%s of %s: the worker is not connected", action, ident)
             return None
         weights = self.weights.get(pid) if action != "sleep" else None
+        adapters = self._adapters(pid) if action != "sleep" else {}
+        held = self.adapter_versions.get((pid, rank), {})
         timeout = self.cfg.command_timeout_s
-        if weights is not None and self.shard_versions.get((pid, rank)) != weights.version:
+        if (weights is not None and self.shard_versions.get((pid, rank)) != weights.version) or any(
+            held.get(member) != ref.version for member, ref in adapters.items()
+        ):
             # a sync gets its own budget; a wake that syncs gets both
             timeout = (timeout if action == "wake" else 0.0) + self.cfg.sync_timeout_s
+        command = m.ShardCommand(action=action, weights=weights, adapters=adapters)
         try:
-            ack = await self.server.call(
-                ident, m.ShardCommand(action=action, weights=weights), timeout=timeout
-            )
+            ack = await self.server.call(ident, command, timeout=timeout)
         except Exception as exc:  # stuck, failed or gone: the caller decides
             log.error("%s of %s failed: %s", action, ident, exc)
             return None
@@ -311,6 +351,8 @@ class PlanRealiser:
             log.error("%s of %s: unexpected reply %s", action, ident, type(ack).__name__)
             return None
         self.shard_versions[(pid, rank)] = ack.weight_version
+        if adapters or ack.adapter_versions:
+            self.adapter_versions[(pid, rank)] = dict(ack.adapter_versions)
         if ack.memory_bytes is not None:
             self.shard_memory[(pid, rank)] = ack.memory_bytes
         log.info(
@@ -323,27 +365,43 @@ class PlanRealiser:
         )
         if weights is not None and ack.state == m.ShardState.ACTIVE:
             self.journal.record(ev.ShardSynced(pipeline=pid, rank=rank, version=ack.weight_version))
+        if adapters and ack.state == m.ShardState.ACTIVE:
+            for member, version in sorted(ack.adapter_versions.items()):
+                if held.get(member) != version:
+                    self.journal.record(
+                        ev.ShardSynced(pipeline=pid, rank=rank, version=version, adapter=member)
+                    )
         return ack
 
-    async def _notify_ranks(self, pid: str) -> None:
+    def _adapters(self, pid: str) -> dict[str, CacheRef]:
+        """A base group's members' newest adapters (empty for any other pipeline)."""
         p = self.registry.pipelines.get(pid)
-        if p is not None and p.connected:
-            endpoints = {
-                r: self.shard_endpoints[(pid, r)]
-                for r in p.active
-                if (pid, r) in self.shard_endpoints
-            }
-            data_keys = {
-                r: self.shard_data_keys[(pid, r)]
-                for r in p.active
-                if (pid, r) in self.shard_data_keys
-            }
-            await self.server.notify(
-                m.driver_identity(pid),
-                m.ActiveRanks(
-                    cluster=INFER,
-                    ranks=sorted(p.active),
-                    endpoints=endpoints,
-                    data_keys=data_keys,
-                ),
-            )
+        if p is None or not p.members:
+            return {}
+        return {member: self.weights[member] for member in p.members if member in self.weights}
+
+    async def _notify_ranks(self, pid: str) -> None:
+        """Tell ``pid``'s driver which shards serve it now; for a base group, every
+        member's driver (the group has none)."""
+        p = self.registry.pipelines.get(pid)
+        if p is None:
+            return
+        drivers = [self.registry.pipelines[q] for q in p.members] if p.members else [p]
+        serving = self._serving(p)
+        sid = serving.id
+        endpoints = {
+            r: self.shard_endpoints[(sid, r)]
+            for r in serving.active
+            if (sid, r) in self.shard_endpoints
+        }
+        data_keys = {
+            r: self.shard_data_keys[(sid, r)]
+            for r in serving.active
+            if (sid, r) in self.shard_data_keys
+        }
+        ranks = m.ActiveRanks(
+            cluster=INFER, ranks=sorted(serving.active), endpoints=endpoints, data_keys=data_keys
+        )
+        for q in drivers:
+            if q.connected:
+                await self.server.notify(m.driver_identity(q.id), ranks)

@@ -63,3 +63,34 @@ class ShardEngine(Protocol):
         ...
 
     async def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+
+class AdapterEngine(ShardEngine, Protocol):
+    """The engine of a base group's shard (LoRA pipelines on one frozen base model):
+    each request may name a member's adapter, and each member's adapter versions
+    load beside the others'."""
+
+    adapter_versions: dict[str, int]  # member -> the version its new requests get
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        request_id: str | None = None,
+        stop_token_ids: list[int] | None = None,
+        stop: list[str] | None = None,
+        adapter: str | None = None,
+    ) -> AsyncIterator[GenerationChunk]:
+        """As ShardEngine's, with ``adapter``'s newest version (None: the base model;
+        each chunk's weight_version is that adapter version)."""
+        ...
+
+    async def load_adapter(self, name: str, ref: CacheRef) -> None:
+        """Load (or replace) adapter ``name`` at ``ref.version`` from the weight cache,
+        without pausing any request: running ones finish on the version they started
+        on. On failure the previous version serves on."""
+        ...

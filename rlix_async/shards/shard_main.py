@@ -17,7 +17,8 @@ from rlix_async.shards.devices import (
     check_binding,
 )
 from rlix_async.shards.engine import ShardEngine
-from rlix_async.shards.worker import LoadOnWake, ShardWorker, shutdown_engine
+from rlix_async.shards.lazy_engine import LoadOnWake, shutdown_engine
+from rlix_async.shards.worker import ShardWorker
 from rlix_async.transport import TransportConfig
 
 

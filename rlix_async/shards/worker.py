@@ -42,7 +42,7 @@ import logging
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rlix_async.control import messages as m
@@ -52,7 +52,7 @@ from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
 from rlix_async.shards.devices import (
     memory_in_use,
 )
-from rlix_async.shards.engine import GenerationChunk, PauseMode, ShardEngine
+from rlix_async.shards.engine import AdapterEngine, ShardEngine
 from rlix_async.shards.messages import Cancel, Generate, GenerateResult, ShardRefusal
 from rlix_async.transport import CallContext, RpcClient, RpcServer, TransportConfig
 from rlix_async.weights.ref import CacheRef
@@ -101,8 +101,18 @@ class ShardWorker:
         sleep_level: int = 2,
         cuda: bool = False,
         sleep_timeout_s: float = 300.0,
+        members: Sequence[str] = (),
     ) -> None:
         self.engine = engine
+        # A base group's shard (``pipeline`` is the group): the LoRA pipelines it serves,
+        # each request with its caller's adapter. Their base is frozen: it is never
+        # synced, so a sleep must keep it.
+        self.members = list(members)
+        if self.members and sleep_level != 1:
+            raise ValueError(
+                f"{pipeline}/infer/{rank} serves a base group: it sleeps at level 1 (got "
+                f"{sleep_level}), since its frozen base weights are never synced"
+            )
         self.sleep_timeout_s = sleep_timeout_s
         self.pipeline = pipeline
         self.rank = rank
@@ -122,12 +132,14 @@ class ShardWorker:
         self.decoded_tokens = 0  # every token the engine produced here
         self.engine_dead = asyncio.Event()  # set when the engine can no longer serve
         self.cancelled = 0  # requests stopped because their caller gave up
-        self._requests: dict[str, asyncio.Task[object]] = {}
-        self._early_cancels: OrderedDict[str, float] = OrderedDict()
+        # Requests by (the caller's pipeline, its request id): routers of several
+        # pipelines (a base group's members) may use one id, and may cancel only theirs.
+        self._requests: dict[tuple[str, str], asyncio.Task[object]] = {}
+        self._early_cancels: OrderedDict[tuple[str, str], float] = OrderedDict()
         # What each running request has decoded so far (its answer, also when it is
         # cut past the drain timeout: see shrink), and the ids being cut.
-        self._decoded: dict[str, _Decoded] = {}
-        self._cut: set[str] = set()
+        self._decoded: dict[tuple[str, str], _Decoded] = {}
+        self._cut: set[tuple[str, str]] = set()
         self.data = RpcServer(
             data_endpoint or ipc_endpoint(f"{pipeline}-infer-{rank}"),
             keys=data_keys,
@@ -163,9 +175,11 @@ class ShardWorker:
         await self.data.close()
 
     def _admit_router(self, identity: str, info: dict[str, object]) -> None:
-        """Only this pipeline's routers (``PIPELINE/router/*``) may send work here."""
+        """Only this pipeline's routers (``PIPELINE/router/*``), or a base group's
+        members' routers, may send work here."""
         pipeline, kind = [*identity.split("/"), "", ""][:2]
-        if (pipeline, kind) != (self.pipeline, "router"):
+        mine = pipeline in self.members if self.members else pipeline == self.pipeline
+        if kind != "router" or not mine:
             raise RpcError(
                 ErrorCode.FORBIDDEN,
                 f"{identity} may not use shard {self.pipeline}/infer/{self.rank}",
@@ -182,32 +196,39 @@ class ShardWorker:
                 ShardRefusal.STALE_WEIGHTS,
                 f"{self.pipeline}/infer/{self.rank} holds no weights (awaiting a sync)",
             )
-        if msg.min_version is not None and (
-            self.synced_version is None or self.synced_version < msg.min_version
-        ):
+        caller = ctx.peer.split("/")[0]
+        # a base group's shard serves each member with its own adapter, the caller's
+        # (none loaded yet: the base, which a fresh adapter equals)
+        adapter = caller if self.members else None
+        version = self._version_for(adapter)
+        if version is None and adapter is not None:
+            adapter = None
+        if msg.min_version is not None and (version is None or version < msg.min_version):
+            held = f"adapter {adapter} version" if adapter else "weights"
             raise RpcError(
                 ShardRefusal.STALE_WEIGHTS,
-                f"{self.pipeline}/infer/{self.rank} holds weights {self.synced_version}, "
+                f"{self.pipeline}/infer/{self.rank} holds {held} {version}, "
                 f"the request needs version {msg.min_version} or newer",
             )
-        if self._early_cancels.pop(msg.request_id, None) is not None:
+        key = (caller, msg.request_id)
+        if self._early_cancels.pop(key, None) is not None:
             self.cancelled += 1
             raise RpcError(
                 ShardRefusal.CANCELLED, f"request {msg.request_id} was cancelled by its caller"
             )
         task = asyncio.current_task()
         assert task is not None
-        self._requests[msg.request_id] = task
-        decoded = self._decoded[msg.request_id] = _Decoded(version=self.synced_version)
+        self._requests[key] = task
+        decoded = self._decoded[key] = _Decoded(version=version)
         try:
-            await self._serve(msg, decoded)
+            await self._serve(msg, decoded, adapter, caller)
             # cut: a shrink ended it early. A response that ended at its end of sequence
             # or a stop string while the shrink ran is finished: resumed, it would be
             # continued past its end (and that tail trained on)
             cut = self.preempted and not decoded.ended and len(decoded.tokens) < msg.max_tokens
             return decoded.result(msg.request_id, preempted=cut)
         except asyncio.CancelledError:
-            if msg.request_id not in self._cut:
+            if key not in self._cut:
                 raise  # its caller gave up (Cancel), or we are closing
             task.uncancel()  # cut by a shrink past its drain timeout: answer what we have
             return decoded.result(msg.request_id, preempted=True)
@@ -219,37 +240,54 @@ class ShardWorker:
                 self.engine_dead.set()
             raise
         finally:
-            self._requests.pop(msg.request_id, None)
-            self._decoded.pop(msg.request_id, None)
-            self._cut.discard(msg.request_id)
+            self._requests.pop(key, None)
+            self._decoded.pop(key, None)
+            self._cut.discard(key)
+
+    def _version_for(self, adapter: str | None) -> int | None:
+        """The version a new request runs on: the weights', or its adapter's."""
+        if adapter is None:
+            return self.synced_version
+        return self._adapter_engine().adapter_versions.get(adapter)
+
+    def _adapter_engine(self) -> AdapterEngine:
+        return self.engine  # type: ignore[return-value]  # a base group's engine (shard_main)
 
     def _cancel(self, msg: Cancel, ctx: CallContext) -> None:
         """Stop requests whose caller gave up: cancelling the serving task closes the
         engine's stream, and vLLM aborts a request whose stream is cancelled."""
         now = time.monotonic()
+        caller = ctx.peer.split("/")[0]
         for rid in msg.request_ids:
-            task = self._requests.pop(rid, None)
+            task = self._requests.pop((caller, rid), None)
             if task is not None:
                 task.cancel()
                 self.cancelled += 1
             else:  # not started yet (or already done): refuse it if it comes
-                self._early_cancels[rid] = now
+                self._early_cancels[(caller, rid)] = now
         while self._early_cancels and (
             len(self._early_cancels) > _EARLY_CANCEL_MAX
             or now - next(iter(self._early_cancels.values())) > _EARLY_CANCEL_S
         ):
             self._early_cancels.popitem(last=False)
 
-    async def _serve(self, msg: Generate, decoded: _Decoded) -> None:
+    async def _serve(
+        self, msg: Generate, decoded: _Decoded, adapter: str | None, caller: str
+    ) -> None:
+        # (an adapter only where there is one: a plain engine need not know the keyword)
+        extra = {"adapter": adapter} if adapter is not None else {}
+        # members' routers may use the same ids: the engine's are the caller's own
+        request_id = f"{caller}/{msg.request_id}" if self.members else msg.request_id
         async for chunk in self.engine.generate(
             msg.prompt_ids,
             max_tokens=msg.max_tokens,
             temperature=msg.temperature,
             top_p=msg.top_p,
             seed=msg.seed,
-            request_id=msg.request_id,
+            request_id=request_id,
             stop_token_ids=msg.stop_token_ids,
             stop=msg.stop,
+            **extra,
         ):
             if len(chunk.token_ids) < len(decoded.tokens):  # cumulative: shorter is a bug
                 log.error(
@@ -270,24 +308,33 @@ class ShardWorker:
         except Exception as exc:  # a monitoring failure must not fail the command
             log.warning("memory in use unknown: %s", exc)
             memory = None
-        return m.ShardAck(state=self.state, weight_version=self.synced_version, memory_bytes=memory)
+        adapters = dict(self._adapter_engine().adapter_versions) if self.members else {}
+        return m.ShardAck(
+            state=self.state,
+            weight_version=self.synced_version,
+            adapter_versions=adapters,
+            memory_bytes=memory,
+        )
 
     async def _on_command(self, msg: m.ShardCommand, ctx: CallContext) -> m.ShardAck:
         async with self._lock:
             if msg.action == "sleep":
                 await self.shrink()
             elif msg.action == "wake":
-                await self.wake(msg.weights)
+                await self.wake(msg.weights, msg.adapters)
+            elif self.members and self.state == ShardState.ACTIVE:
+                await self._load_adapters(msg.adapters)  # beside running requests
             elif msg.weights is not None and self.state == ShardState.WAKING:
                 await self.wake(msg.weights)  # awake, waiting for its first version
             elif msg.weights is not None and self.state == ShardState.ACTIVE:
                 await self.sync(msg.weights)
             return self.ack()
 
-    async def wake(self, ref: CacheRef | None) -> None:
+    async def wake(self, ref: CacheRef | None, adapters: dict[str, CacheRef] | None = None) -> None:
         if self.state == ShardState.ACTIVE:
             if ref is not None and ref.version != self.synced_version:
                 await self.sync(ref)
+            await self._load_adapters(adapters or {})
             return
         t0 = time.monotonic()
         if self.state == ShardState.ASLEEP:
@@ -312,6 +359,7 @@ class ShardWorker:
             )
             return
         await self.engine.wake_up(["kv_cache"])
+        await self._load_adapters(adapters or {})  # before serving: each member's newest
         await self.engine.resume()  # undo the shrink's pause
         self.state = ShardState.ACTIVE
         self.preempted = False
@@ -341,6 +389,42 @@ class ShardWorker:
         finally:
             await self.engine.resume()  # paused requests end (refused, or aborted by the sleep)
         self.phase_ms["sync"] = (time.monotonic() - t0) * 1000
+
+    async def _load_adapters(self, adapters: dict[str, CacheRef]) -> None:
+        """A base group's shard loads each member's newest adapter it lacks, without a
+        pause. One that fails (or is not a member's own) is logged and skipped: that
+        member's requests go to shards that hold it, or wait; the others go on."""
+        if not self.members:
+            return
+        engine = self._adapter_engine()
+        for member, ref in sorted(adapters.items()):
+            if engine.adapter_versions.get(member) == ref.version:
+                continue
+            if member not in self.members or ref.pipeline != member:
+                log.error(
+                    "%s/infer/%d refuses adapter %s of %s: not a member's own",
+                    self.pipeline,
+                    self.rank,
+                    member,
+                    ref.pipeline,
+                )
+                continue
+            t0 = time.monotonic()
+            try:
+                await engine.load_adapter(member, ref)
+            except Exception as exc:
+                log.error(
+                    "%s/infer/%d: adapter %s version %s failed to load (%s); still on %s",
+                    self.pipeline,
+                    self.rank,
+                    member,
+                    ref.version,
+                    exc,
+                    engine.adapter_versions.get(member),
+                )
+                continue
+            self.syncs += 1
+            self.phase_ms["adapter"] = (time.monotonic() - t0) * 1000
 
     async def _load(self, ref: CacheRef) -> None:
         if ref.pipeline != self.pipeline:  # never another pipeline's weights, whoever asks
@@ -439,91 +523,3 @@ class ShardWorker:
             aborted,
             {k: round(v, 1) for k, v in self.phase_ms.items()},
         )
-
-
-class LoadOnWake:
-    """An engine built at its first wake (``engine.load: first_wake``), when the
-    coordinator has given the shard its devices; until then it holds nothing, runs
-    nothing and its sleeps are no-ops. Built off the event loop, so heartbeats go
-    on while a model loads."""
-
-    def __init__(self, build: Callable[[], ShardEngine]) -> None:
-        self._build = build
-        self.engine: ShardEngine | None = None
-
-    @property
-    def loaded(self) -> bool:
-        return self.engine is not None
-
-    @property
-    def weight_version(self) -> int | None:
-        return self.engine.weight_version if self.engine is not None else None
-
-    @weight_version.setter
-    def weight_version(self, version: int | None) -> None:
-        self._built().weight_version = version
-
-    def _built(self) -> ShardEngine:
-        if self.engine is None:
-            raise RuntimeError("the engine is built at the shard's first wake")
-        return self.engine
-
-    def generate(
-        self,
-        prompt_ids: list[int],
-        *,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        request_id: str | None = None,
-        stop_token_ids: list[int] | None = None,
-        stop: list[str] | None = None,
-    ) -> AsyncIterator[GenerationChunk]:
-        return self._built().generate(
-            prompt_ids,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            request_id=request_id,
-            stop_token_ids=stop_token_ids,
-            stop=stop,
-        )
-
-    async def load_version(self, ref: CacheRef) -> None:
-        await self._built().load_version(ref)
-
-    async def abort_all(self) -> int:
-        return await self.engine.abort_all() if self.engine is not None else 0
-
-    def num_running(self) -> int:
-        return self.engine.num_running() if self.engine is not None else 0
-
-    async def pause(self, mode: PauseMode = "abort") -> None:
-        if self.engine is not None:
-            await self.engine.pause(mode)
-
-    async def resume(self) -> None:
-        if self.engine is not None:
-            await self.engine.resume()
-
-    async def sleep(self, level: int = 2) -> None:
-        if self.engine is not None:
-            await self.engine.sleep(level)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        if self.engine is None:
-            self.engine = await asyncio.to_thread(self._build)  # awake once built
-            return
-        await self.engine.wake_up(tags)
-
-    def shutdown(self) -> None:
-        if self.engine is not None:
-            shutdown_engine(self.engine)
-
-
-def shutdown_engine(engine: ShardEngine) -> None:
-    shutdown = getattr(engine, "shutdown", None)
-    if shutdown is not None:
-        shutdown()

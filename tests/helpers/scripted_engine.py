@@ -23,6 +23,14 @@ never be stopped. ``running_at_sleep`` records how many ran at each sleep.
 ``built_marker``: a file created when the engine is built (to see when it is).
 ``load_error``: ``"refused"`` makes the next weight update fail before any
 weight changes (a SyncError), ``"midway"`` after it began (any other error).
+
+Adapters (a base group's shard, AdapterEngine): ``load_adapter`` pulls the
+member's version through the same real path into a counting sink, after
+``adapter_delay_s``; a request with ``adapter`` reports that adapter's version at
+its start and offsets its tokens by the adapter name (``adapter_offset``), so a
+test sees whose adapter served it. ``served`` records (adapter, request id) per
+request started; ``pauses`` counts pause calls. ``adapter_error`` makes the next
+adapter load fail.
 """
 
 from __future__ import annotations
@@ -74,6 +82,13 @@ class ScriptedEngine:
     asleep: bool = True
     paused: bool = False
     loaded_bytes: int = 0
+    adapter_versions: dict[str, int] = field(default_factory=dict)
+    adapter_bytes: dict[str, int] = field(default_factory=dict)
+    adapter_delay_s: float = 0.0
+    adapter_error: bool = False
+    served: list[tuple[str | None, str]] = field(default_factory=list)
+    pauses: int = 0
+    _adapter_layouts: dict[str, Layout] = field(default_factory=dict)
     _running: dict[int, asyncio.Event] = field(default_factory=dict)
     _keys: Iterator[int] = field(default_factory=itertools.count)
     _layout: Layout | None = None
@@ -89,18 +104,22 @@ class ScriptedEngine:
         *,
         max_tokens: int,
         stop_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        adapter: str | None = None,
         **_: object,
     ) -> AsyncIterator[GenerationChunk]:
         key = next(self._keys)
         cancelled = self._running[key] = asyncio.Event()
-        base = sum(prompt_ids)
+        self.served.append((adapter, request_id or ""))
+        version = self.weight_version if adapter is None else self.adapter_versions[adapter]
+        base = sum(prompt_ids) + adapter_offset(adapter)
         tokens: list[int] = []
         try:
             for i in range(max_tokens):
                 while self.paused and not self.ignore_pause and not cancelled.is_set():  # noqa: ASYNC110
                     await asyncio.sleep(0.001)  # an abort must end a paused request too
                 if cancelled.is_set():
-                    yield GenerationChunk(tokens, [0.0] * len(tokens), True, self.weight_version)
+                    yield GenerationChunk(tokens, [0.0] * len(tokens), True, version)
                     return
                 await asyncio.sleep(self.token_delay_s)
                 tokens.append((base + i) % self.vocab)
@@ -113,11 +132,7 @@ class ScriptedEngine:
                     else None
                 )
                 yield GenerationChunk(
-                    list(tokens),
-                    [0.0] * len(tokens),
-                    reason is not None,
-                    self.weight_version,
-                    reason,
+                    list(tokens), [0.0] * len(tokens), reason is not None, version, reason
                 )
                 if reason == "stop":
                     return
@@ -134,6 +149,7 @@ class ScriptedEngine:
         return len(self._running) + self.stuck
 
     async def pause(self, mode: str = "abort") -> None:
+        self.pauses += 1
         if mode == "abort":
             await self.abort_all()
         self.paused = mode != "abort"
@@ -168,3 +184,18 @@ class ScriptedEngine:
         self._layout = await pull(ref, sink, self._layout)
         self.loaded_bytes = sink.bytes
         self.weight_version = ref.version
+
+    async def load_adapter(self, name: str, ref: CacheRef) -> None:
+        await asyncio.sleep(self.adapter_delay_s)
+        if self.adapter_error:
+            self.adapter_error = False
+            raise RuntimeError(f"adapter {name} version {ref.version}: scripted failure")
+        sink = _CountingSink()
+        self._adapter_layouts[name] = await pull(ref, sink, self._adapter_layouts.get(name))
+        self.adapter_bytes[name] = sink.bytes
+        self.adapter_versions[name] = ref.version
+
+
+def adapter_offset(adapter: str | None) -> int:
+    """How a request's tokens show whose adapter served it (0: the base)."""
+    return sum(map(ord, adapter)) if adapter else 0

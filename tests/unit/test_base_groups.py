@@ -155,3 +155,33 @@ def test_a_snapshot_member_must_name_a_group_that_owns_actor_infer() -> None:
         change(bad)
         with pytest.raises(SnapshotError, match=message):
             decode_snapshot(msgspec.json.encode(bad))
+
+
+def test_a_groups_members_and_shards_survive_replay_and_compaction() -> None:
+    from rlix_async.control import journal as ev
+    from rlix_async.control.journal import replay_events
+
+    reg = Registry(SHAPE)
+    events: list[ev.Event] = []
+    for pid, train in (("a", (0, 1)), ("b", (2, 3))):
+        p = reg.register(pid, lora(train), group="base")
+        events.append(ev.Registered(pipeline=pid, clusters=p.clusters, group="base"))
+    reg.report_progress("a", "default", 16, 0)
+    for pid in ("a", "b"):
+        reg.admit(pid)
+        events.append(ev.Admitted(pipeline=pid))
+    result = plan(reg.snapshot(0.0))
+    reg.apply(result)
+    events += [
+        ev.Expanded(pipeline=ch.pipeline, cluster=INFER, ranks=ch.ranks, devices=ch.ranks)
+        for ch in result.expand
+    ]
+    replayed = Registry(SHAPE)
+    replay_events(events, replayed)
+    compacted = Registry(SHAPE)
+    ev.RegistrySnapshot.of(reg).apply(compacted)
+    for again in (replayed, compacted):
+        assert again.get("base").members == ["a", "b"] and again.get("a").group == "base"
+        assert again.get("base").active == set(range(8))
+        again.report_progress("a", "default", 16, 0)
+        assert again.snapshot(0.0) == reg.snapshot(0.0)
