@@ -7,6 +7,11 @@ generation config. The base model is the pipeline's ``model.path`` (or the rando
 tiny Llama the launcher wrote to ``OUT/<id>/model``), read from the
 ``pipeline.yaml`` the launcher wrote next to the checkpoints. The checkpoint is read
 with ``weights_only``: a file we did not write cannot run code as it is read.
+
+A LoRA checkpoint holds the adapter alone and records its base directory and LoRA
+config (train/lora.py): export merges the adapter into that base and writes the
+merged model, a plain HF directory. Its base is the one it recorded, or, with
+``--config``, that pipeline's ``model.path`` (a base moved since training).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 
 class ExportError(ValueError):
@@ -24,43 +30,25 @@ def export_checkpoint(ckpt: Path, hf_dir: Path, *, config: Path | None = None) -
     """Write the policy of ``ckpt`` to ``hf_dir`` (created; must not hold a model yet)."""
     import torch
 
-    from rlix_async.config import ConfigError, PipelineConfig, load_config
-
     if not ckpt.is_file():
         raise ExportError(f"{ckpt}: no such checkpoint")
-    run_dir = ckpt.resolve().parent.parent  # OUT/<id>/ckpt/step_N.pt
-    config = config or run_dir / "pipeline.yaml"
-    if not config.is_file():
-        raise ExportError(f"{config}: no pipeline config beside the checkpoint (use --config)")
     try:
-        cfg = load_config(str(config), PipelineConfig)
-    except ConfigError as exc:
-        raise ExportError(str(exc)) from None
-    if cfg.train.backend != "torch":
-        raise ExportError(
-            f"{ckpt}: a {cfg.train.backend} checkpoint; export reads torch-backend "
-            "checkpoints (HF names) only"
-        )
-    base = Path(cfg.model.path) if cfg.model.path else run_dir / "model"
+        data = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
+        state, lora = data["model"], data.get("lora")
+        if lora is not None and not isinstance(lora, dict):
+            raise TypeError("lora")
+    except Exception as exc:  # a torn or foreign file: say which, in one line
+        raise ExportError(f"{ckpt}: not a pipeline checkpoint ({type(exc).__name__})") from None
+    run_dir = ckpt.resolve().parent.parent  # OUT/<id>/ckpt/step_N.pt
+    if lora is not None and config is None and lora.get("base"):
+        base = Path(lora["base"])  # an adapter names its base: no pipeline config needed
+    else:
+        base = _base_from_config(ckpt, config or run_dir / "pipeline.yaml", run_dir)
     if not (base / "config.json").is_file():
         raise ExportError(f"{base}: the base model directory is gone (config.json missing)")
     if (hf_dir / "config.json").exists():
         raise ExportError(f"{hf_dir}: already holds a model; choose an empty directory")
-    try:
-        state = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)["model"]
-    except Exception as exc:  # a torn or foreign file: say which, in one line
-        raise ExportError(f"{ckpt}: not a pipeline checkpoint ({type(exc).__name__})") from None
-
-    import transformers
-
-    dtype = next(t.dtype for t in state.values() if t.is_floating_point())
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight" or not model.config.tie_word_embeddings]
-    if missing or unexpected:
-        raise ExportError(
-            f"{ckpt}: does not fit {base} (missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
+    model = _merged(ckpt, base, lora, state) if lora is not None else _full(ckpt, base, state)
     hf_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = hf_dir.with_name(f".{hf_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -75,6 +63,54 @@ def export_checkpoint(ckpt: Path, hf_dir: Path, *, config: Path | None = None) -
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return hf_dir
+
+
+def _base_from_config(ckpt: Path, config: Path, run_dir: Path) -> Path:
+    """The base model directory of the pipeline config ``config``."""
+    from rlix_async.config import ConfigError, PipelineConfig, load_config
+
+    if not config.is_file():
+        raise ExportError(f"{config}: no pipeline config beside the checkpoint (use --config)")
+    try:
+        cfg = load_config(str(config), PipelineConfig)
+    except ConfigError as exc:
+        raise ExportError(str(exc)) from None
+    if cfg.train.backend != "torch":
+        raise ExportError(
+            f"{ckpt}: a {cfg.train.backend} checkpoint; export reads torch-backend "
+            "checkpoints (HF names) only"
+        )
+    return Path(cfg.model.path) if cfg.model.path else run_dir / "model"
+
+
+def _full(ckpt: Path, base: Path, state: dict[str, Any]) -> Any:
+    """The base's architecture holding the checkpoint's weights, in their dtype."""
+    import transformers
+
+    dtype = next(t.dtype for t in state.values() if t.is_floating_point())
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not model.config.tie_word_embeddings]
+    if missing or unexpected:
+        raise ExportError(
+            f"{ckpt}: does not fit {base} (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    return model
+
+
+def _merged(ckpt: Path, base: Path, lora: dict[str, Any], state: dict[str, Any]) -> Any:
+    """A LoRA checkpoint's adapter merged into its base: a plain model vLLM and
+    transformers load without peft, in the dtype the adapter was trained at."""
+    import msgspec
+
+    from rlix_async.train.lora import merged_model
+
+    try:
+        return merged_model(base, lora, state)
+    except (ValueError, RuntimeError, KeyError, msgspec.ValidationError) as exc:
+        # a shape mismatch's message runs over many lines: its first says which tensor
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ExportError(f"{ckpt}: its adapter does not fit {base} ({why})") from None
 
 
 def _beside_weights(name: str) -> bool:

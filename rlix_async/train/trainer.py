@@ -11,6 +11,11 @@ Devices: one per rank, ``cuda:{LOCAL_RANK}`` among those the process sees (the
 launcher sets ``CUDA_VISIBLE_DEVICES`` to the pipeline's actor_train devices).
 Precision: parameters and optimizer state in ``TrainConfig.dtype``; log-probs,
 importance ratios, advantages and the loss always in float32.
+
+LoRA (``lora``, issue 21): the model is a peft model on the frozen base; the optimizer,
+DDP's gradient reduction, checkpoints and the weight cache hold the adapter only, and
+the KL reference is the base itself (the adapter switched off, no second copy). The
+adapter and its optimizer state are float32 (train/lora.py says why).
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ import random
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from rlix_async.config import ModelConfig, TrainConfig, resolve_dtype
+from rlix_async.train import lora as lora_utils
 from rlix_async.train.algo import (
     entropy,
     group_advantages,
@@ -38,6 +44,9 @@ from rlix_async.train.algo import (
     token_log_probs,
 )
 from rlix_async.train.buffer import Group
+
+if TYPE_CHECKING:
+    from rlix_async.config.lora import LoraConfig
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -155,8 +164,10 @@ class TorchTrainer:
         start_offloaded: bool = False,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        lora: LoraConfig | None = None,
     ) -> None:
         self.cfg = cfg or TrainConfig()
+        self.lora = lora
         # the rollout's sampling: log-probs are of the distribution tokens were drawn from
         self.temperature, self.top_p = temperature, top_p
         self.model_cfg = model or ModelConfig()
@@ -182,15 +193,18 @@ class TorchTrainer:
         # start_offloaded (the pipeline): built in host memory, onto the device at the
         # first reload(), i.e. once the coordinator has granted it
         self.model = self._build_model()
+        if lora is not None:  # still in host memory: the adapter is built there
+            self.model = lora_utils.lora_model(self.model, lora, seed)
         if not start_offloaded:
             self.model = self.model.to(self.device)
         self.optim = torch.optim.AdamW(
-            self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
+            lora_utils.trainable(self.model), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
         # the KL penalty's reference: the starting weights, frozen (a resume rebuilds it
-        # from the same start, so checkpoints need not hold it)
+        # from the same start, so checkpoints need not hold it). An adapter's start is
+        # its base, which the model holds already: no copy, see _reference_logp
         self.reference: torch.nn.Module | None = None
-        if self.cfg.loss.kl_coef > 0:
+        if self.cfg.loss.kl_coef > 0 and lora is None:
             self.reference = self._frozen_copy()
         self.step = 0
         self._host: PinnedHostBuffers | None = None
@@ -236,6 +250,14 @@ class TorchTrainer:
         self._wrap_ddp()
 
     def _wrap_ddp(self) -> None:
+        frozen = lora_utils.frozen_names(self.model)
+        if frozen:
+            # DDP broadcasts rank 0's parameters at every wrap, i.e. every step: the
+            # frozen base would cross the link each time though every rank loaded the
+            # same one (one directory, one seed) and none ever changes it
+            torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                self.model, frozen
+            )
         self._ddp = torch.nn.parallel.DistributedDataParallel(
             self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
         )
@@ -384,23 +406,38 @@ class TorchTrainer:
         # float32 from any logits dtype
         return token_log_probs(logits, ids[:, 1:], temperature=self.temperature, top_p=self.top_p)
 
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None or (self.lora is not None and self.cfg.loss.kl_coef > 0)
+
+    def _reference_logp(self, ids: torch.Tensor) -> torch.Tensor:
+        """The KL reference's log-probs: the starting weights. An adapter starts as a
+        no-op (lora_B is zero), so its reference is the base: the model, adapter off."""
+        if self.lora is not None:
+            with lora_utils.base_only(self.model):
+                return self._logp(self.model, ids)
+        assert self.reference is not None
+        return self._logp(self.reference, ids)
+
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         self._require_on_device("train_step()")
         t = self._tensors(groups)
         model = self._ddp or self.model
-        self.model.train()
+        # pi_old and the reference in eval mode: an adapter's dropout (train mode only)
+        # would make them noisy draws instead of the distributions the ratios divide by
+        self.model.eval()
         n = t["ids"].shape[0]
         order = torch.arange(n, device=self.device)
         parts = [p for p in order.chunk(max(1, min(self.cfg.minibatches, n))) if len(p)]
         # pi_old: these weights, before the update; a minibatch at a time, so the
         # [rows, T, vocab] distributions never exist for the whole batch at once
         old = torch.zeros_like(t["mask"])
-        ref = torch.zeros_like(t["mask"]) if self.reference is not None else None
+        ref = torch.zeros_like(t["mask"]) if self.has_reference else None
         entropy_sum = 0.0
         with torch.no_grad():
             for idx in parts:
-                if ref is not None and self.reference is not None:
-                    ref[idx] = self._logp(self.reference, t["ids"][idx])
+                if ref is not None:
+                    ref[idx] = self._reference_logp(t["ids"][idx])
                 ids = t["ids"][idx]
                 full = sampling_log_softmax(
                     self.forward_logits(self.model, ids)[:, :-1],
@@ -411,6 +448,7 @@ class TorchTrainer:
                 old[idx] = full.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
                 entropy_sum += float((entropy(full) * t["mask"][idx]).sum())
                 del full
+        self.model.train()
         mean_entropy = entropy_sum / float(t["mask"].sum().clamp(min=1.0))
         stats: dict[str, float] = {
             "loss": 0.0,
@@ -451,7 +489,9 @@ class TorchTrainer:
                 stats["clip_frac"] += s["clip_frac"] * share
                 stats["is_weight_mean"] += s["is_weight_mean"] * share
                 stats["kl"] += s["kl"] * share
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(
+                lora_utils.trainable(self.model), self.cfg.max_grad_norm
+            )
             # A non-finite gradient would write NaN into every weight and every later
             # rollout: skip that update and count it. Under DDP the gradients are
             # all-reduced before this, so every rank sees the same norm and skips alike.
@@ -472,7 +512,10 @@ class TorchTrainer:
         After ``offload`` these are views of the page-locked host buffers (no copy).
         A tied ``lm_head.weight`` is left out: it is the embedding (vLLM's loader skips
         it too), and sending it would move the largest matrix twice.
+        With LoRA: the adapter only, in the shards' format (train/lora.py).
         """
+        if self.lora is not None:
+            return lora_utils.adapter_for_cache(self.model, self.dtype)
         state = self.model.state_dict()
         if getattr(self.model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
@@ -482,12 +525,22 @@ class TorchTrainer:
 
     def save(self, path: Path, extra: dict[str, Any]) -> None:
         """Model, optimizer, step and RNG, with ``extra``: plain values only (lists,
-        dicts, numbers, strings, tensors), what ``load`` accepts."""
+        dicts, numbers, strings, tensors), what ``load`` accepts. With LoRA, "model" is
+        the adapter alone and "lora" says what it was trained on (base directory,
+        config, dtype): the frozen base is never written."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
+        if self.lora is not None:
+            model_state = lora_utils.adapter_state(self.model)
+            extra = {
+                **extra,
+                "lora": lora_utils.record(self.lora, self.model_cfg.path, self.dtype),
+            }
+        else:
+            model_state = self.model.state_dict()
         torch.save(
             {
-                "model": self.model.state_dict(),
+                "model": model_state,
                 "optim": self.optim.state_dict(),
                 "step": self.step,
                 "rng": {
@@ -511,7 +564,7 @@ class TorchTrainer:
         state) returned. Read with ``weights_only``: tensors, containers and plain
         values only, so a file we did not write cannot run code as it is read."""
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        self.model.load_state_dict(ckpt["model"])
+        self._load_model(path, ckpt)
         self.optim.load_state_dict(ckpt["optim"])
         self.step = int(ckpt["step"])
         torch.set_rng_state(ckpt["rng"]["torch"])
@@ -519,6 +572,12 @@ class TorchTrainer:
         if "cuda" in ckpt["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"], self.device)
         return ckpt
+
+    def _load_model(self, path: Path, ckpt: dict[str, Any]) -> None:
+        if self.lora is not None or "lora" in ckpt:  # either: a mismatch is refused there
+            lora_utils.load_checkpoint_adapter(self.model, self.lora, ckpt, path)
+        else:
+            self.model.load_state_dict(ckpt["model"])
 
 
 def checkpoints(directory: Path) -> list[Path]:
