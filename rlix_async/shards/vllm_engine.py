@@ -14,6 +14,10 @@ CPU ``sleep``/``wake_up`` do not free memory (the CPU build has no sleep mode),
 and the KV cache is sized by ``kv_cache_memory_bytes`` instead of a GPU memory
 fraction. The sleep-mode path has never run on a GPU in this project (no vLLM
 on the GPU machines it was tested on): tests/gpu/test_vllm_sleep_gpu.py is the check.
+
+Started with ``lora`` (a base group's shard) it is an
+:class:`~rlix_async.shards.engine.AdapterEngine`: vLLM's LoRA support, adapters
+loaded from the weight cache in memory (:mod:`rlix_async.shards.vllm_lora`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from typing import Any
 import msgspec
 
 from rlix_async.config import EngineConfig
+from rlix_async.config.lora import EngineLoraConfig
 from rlix_async.shards.engine import GenerationChunk, PauseMode
+from rlix_async.shards.vllm_lora import EXTENSION, AdapterError, Adapters, Served, engine_args
 from rlix_async.shards.vllm_plugin import BACKEND
 from rlix_async.weights.ref import CacheRef
 from rlix_async.weights.shm import SHM_DIR
@@ -51,9 +57,11 @@ class VllmEngine:
         cuda: bool = False,
         keys_dir: str | None = None,
         key_name: str = "",
+        lora: EngineLoraConfig | None = None,
     ) -> None:
         """``keys_dir``/``key_name``: this shard's CURVE pair, with which vLLM's worker
-        pulls versions served over tcp by a trainer on another node."""
+        pulls versions served over tcp by a trainer on another node. ``lora``: serve
+        LoRA adapters (``load_adapter``, ``generate(adapter=...)``)."""
         from vllm.config import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -85,13 +93,29 @@ class VllmEngine:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         if cuda:  # the CPU build has no sleep mode
             kwargs["enable_sleep_mode"] = True
+        if lora is not None:
+            kwargs.update(engine_args(lora))
         kwargs.update(config.vllm_args)
+        if lora is not None and kwargs["worker_extension_cls"] != EXTENSION:
+            raise ValueError(
+                "engine.vllm_args sets worker_extension_cls, which a shard serving "
+                f"adapters needs for its own ({EXTENSION})"
+            )
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self.weight_version: int | None = None
         self._ids = itertools.count()
         self._inflight: set[str] = set()
         self._transfer_ready = False
         self._transfer_init = {"keys_dir": keys_dir, "key_name": key_name} if keys_dir else {}
+        self._adapters = (
+            Adapters(self.llm, kwargs["max_cpu_loras"], keys_dir, key_name)
+            if lora is not None
+            else None
+        )
+        # member -> the adapter version its new requests get (AdapterEngine)
+        self.adapter_versions: dict[str, int] = (
+            self._adapters.versions if self._adapters is not None else {}
+        )
 
     async def generate(
         self,
@@ -105,7 +129,10 @@ class VllmEngine:
         request_id: str | None = None,
         stop_token_ids: list[int] | None = None,
         stop: list[str] | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[GenerationChunk]:
+        """``adapter``: a member's newest adapter version (None: the base model); each
+        chunk's ``weight_version`` is then that adapter version."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -124,12 +151,21 @@ class VllmEngine:
         )
         rid = request_id or f"r{next(self._ids)}"
         version = self.weight_version
+        served: Served | None = None
+        if adapter is not None:
+            # held until the request ends: a replaced version is removed only then
+            table = self._adapter_table()
+            served = table.acquire(adapter)
+            version = served.version
         self._inflight.add(rid)
         try:
             tokens: list[int] = []
             lps: list[float] = []
             async for out in self.llm.generate(
-                TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=rid
+                TokensPrompt(prompt_token_ids=prompt_ids),
+                params,
+                request_id=rid,
+                lora_request=served.request if served is not None else None,
             ):
                 comp = out.outputs[0]
                 # Outputs are cumulative, except the one an abort produces: without a
@@ -145,6 +181,19 @@ class VllmEngine:
                 yield GenerationChunk(list(tokens), list(lps), out.finished, version, reason)
         finally:
             self._inflight.discard(rid)
+            if served is not None:
+                table.release(served)
+
+    def _adapter_table(self) -> Adapters:
+        if self._adapters is None:
+            raise AdapterError("this engine serves no adapters (started without lora)")
+        return self._adapters
+
+    async def load_adapter(self, name: str, ref: CacheRef) -> None:
+        """Load (or replace) adapter ``name`` from the weight cache beside running
+        requests; those on its previous version finish on it. On failure (a one-line
+        AdapterError or SyncError) the previous version serves on."""
+        await self._adapter_table().load(name, ref)
 
     async def abort_all(self) -> int:
         """Abort every request this engine is running; returns how many."""
@@ -201,5 +250,6 @@ class VllmEngine:
     def shutdown(self) -> None:
         self.llm.shutdown()
         # Drop it now: AsyncLLM.__del__ shuts down again, which fails noisily if
-        # it only runs during interpreter teardown.
+        # it only runs during interpreter teardown (the adapters hold it too).
+        self._adapters = None
         del self.llm

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import torch
@@ -74,6 +75,30 @@ class _StagingSink:
         self.named = []
 
 
+def stage_version(
+    ref: CacheRef,
+    layout: Layout | None,
+    *,
+    keys: ClientKeys | None = None,
+    shm_dir: Path = SHM_DIR,
+) -> tuple[CacheRef, Layout, list[tuple[str, torch.Tensor]]]:
+    """A consistent private copy of the version ``ref`` names: shared memory on the
+    owner's node, else tcp. If the owner overwrote the slot meanwhile, the copy is
+    retried from the newer version the slot holds (the returned ref names the version
+    copied). Also stages LoRA adapters (:mod:`rlix_async.shards.vllm_lora`)."""
+    for _ in range(MAX_ATTEMPTS):
+        staged = _StagingSink()
+        try:
+            layout = pull_blocking(ref, staged, layout, keys=keys, shm_dir=shm_dir)
+        except SlotOverwritten as exc:
+            logger.warning("%s; copying what the slot holds now", exc)
+            time.sleep(0.01)
+            ref = current_slot_ref(ref, shm_dir) or ref
+            continue
+        return ref, layout, staged.named
+    raise SyncError(f"no consistent version of {ref.pipeline} after {MAX_ATTEMPTS} tries")
+
+
 class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
     init_info_cls = RlixInitInfo
     update_info_cls = RlixUpdateInfo
@@ -84,8 +109,6 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
     keys: ClientKeys | None = None
 
     def init_transfer_engine(self, init_info: RlixInitInfo) -> None:
-        from pathlib import Path
-
         if init_info.shm_dir:
             self.shm_dir = Path(init_info.shm_dir)
         if init_info.keys_dir:
@@ -117,26 +140,14 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
         slot holds. Costs one transient host copy of the weights.
         """
         ref = msgspec.convert(update_info.__dict__, CacheRef)
-        for _ in range(MAX_ATTEMPTS):
-            staged = _StagingSink()
-            try:
-                self.layout = pull_blocking(
-                    ref, staged, self.layout, keys=self.keys, shm_dir=self.shm_dir
-                )
-            except SlotOverwritten as exc:
-                logger.warning("%s; copying what the slot holds now", exc)
-                time.sleep(0.01)
-                ref = current_slot_ref(ref, self.shm_dir) or ref
-                continue
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self.model)
-            self.reloading = True
-            self.model.load_weights(self._with_tied_head(staged.named))  # type: ignore[operator]
-            return
-        raise SyncError(
-            f"no consistent version of {update_info.pipeline} after {MAX_ATTEMPTS} tries"
+        _, self.layout, named = stage_version(
+            ref, self.layout, keys=self.keys, shm_dir=self.shm_dir
         )
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self.reloading = True
+        self.model.load_weights(self._with_tied_head(named))  # type: ignore[operator]
 
     def _with_tied_head(
         self, named: list[tuple[str, torch.Tensor]]
