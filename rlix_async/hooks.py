@@ -73,8 +73,10 @@ class ClusterHooks:
         transport: TransportConfig | None = None,
         connect_timeout_s: float = 120.0,
         weight: float = 1.0,
+        group: str | None = None,
     ) -> ClusterHooks:
-        """Connect, register the topology (and fair-share weight) and get admitted."""
+        """Connect, register the topology (fair-share weight, and a LoRA pipeline's base
+        group) and get admitted."""
         client = await PipelineClient.connect(
             endpoint,
             pipeline_id=pipeline_id,
@@ -82,7 +84,7 @@ class ClusterHooks:
             transport=transport,
             timeout=connect_timeout_s,
         )
-        await client.register(topology, weight)
+        await client.register(topology, weight, group)
         await client.admit()
         return cls(client, Router(client, keys=keys, transport=transport))
 

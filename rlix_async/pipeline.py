@@ -84,6 +84,7 @@ class Driver:
         self.trainer = trainer
         self.store = store
         self.channel = channel  # to the other ranks (None: running alone)
+        self.sync_bytes = 0  # the bytes of the last version published (metrics.jsonl)
         self.ckpt = ckpt  # the checkpoint resumed from: buffer and collector state
         self.resumed = resumed  # --resume (with or without a checkpoint to resume from)
         self.buffer = (
@@ -126,6 +127,7 @@ class Driver:
                 self.cfg.clusters,
                 keys=keys,
                 weight=self.cfg.weight,
+                group=self.cfg.base_group,
             )
             prompts = self.recipe.train_prompts(self.cfg) if self.recipe is not None else None
             episodes = self.recipe.episodes if self.recipe is not None else None
@@ -180,7 +182,9 @@ class Driver:
 
     async def _publish(self, hooks: ClusterHooks, cache: WeightCache) -> None:
         v = self.trainer.step
-        await asyncio.to_thread(cache.build, v, self.trainer.weights_for_cache())
+        tensors = self.trainer.weights_for_cache()  # a LoRA pipeline's: its adapter only
+        self.sync_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        await asyncio.to_thread(cache.build, v, tensors)
         await hooks.after_training(v, cache.promote(v))
 
     async def _wait_for_batch(self, collector: Collector, collecting: asyncio.Future[None]) -> None:
@@ -231,6 +235,7 @@ class Driver:
         # every rank's state is off the devices before they are released
         if self.channel is not None:
             await asyncio.to_thread(self.channel.wait_done, version)
+        self.sync_bytes = 0  # set by _publish, if this step's version goes out
         if step < self.cfg.steps:
             await self._publish(hooks, cache)
             collector.set_training(False)
@@ -260,6 +265,8 @@ class Driver:
             "filtered": collector.filtered,
             "resumed": collector.resumed,
             "reprefill_tokens": hooks.router.reprefill_tokens,  # preemption's recompute, so far
+            # what this step's version moves to each shard that syncs it (0: not published)
+            "sync_bytes": self.sync_bytes,
             **self._response_stats(batch),
             "active_shards": len(hooks.client.active_ranks),
             "time": time.time(),
@@ -437,6 +444,7 @@ def build_trainer(cfg: PipelineConfig, rank: int, world: int) -> TorchTrainer:
         start_offloaded=True,
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
+        lora=cfg.lora,
     )
 
 

@@ -2,7 +2,8 @@
 
 One pure function, :func:`build_plan`, turns a :class:`~rlix_async.config.LaunchConfig`
 into the list of processes: the coordinator, one shard worker per rollout rank
-of every pipeline, one torchrun job per pipeline. ``rlix-async launch`` starts
+of every pipeline (LoRA pipelines on one base: of their base group, once), one
+torchrun job per pipeline. ``rlix-async launch`` starts
 exactly this list, ``rlix-async launch --dry-run`` prints it, and the SLURM
 template (``launchers/slurm/rlix.sbatch``) runs ``launch --node`` on each node, and
 :func:`node_plan` picks and wires one node's share.
@@ -27,6 +28,7 @@ from typing import Any, Literal
 import msgspec
 
 from rlix_async.config import CoordinatorConfig, LaunchConfig, PipelineConfig, ShardConfig
+from rlix_async.config.lora import base_groups
 from rlix_async.control.topology import INFER, TRAIN
 
 Role = Literal["coordinator", "shard", "trainer"]
@@ -111,38 +113,64 @@ def build_plan(
             log_path=logs / "coordinator.log",
         )
     ]
-    for p in cfg.pipelines:
-        infer = p.clusters[INFER]
+    for sid, first, members in shard_owners(cfg):
+        infer = first.clusters[INFER]
+        engine = cfg.engine
+        if members:  # LoRA serving; the frozen base kept through sleeps (never synced)
+            largest = max(len(m) for m in base_groups(cfg.pipelines).values())
+            lora = msgspec.structs.replace(
+                engine.lora, max_loras=engine.lora.max_loras or 2 * largest
+            )
+            engine = msgspec.structs.replace(engine, sleep_level=1, lora=lora)
         for rank, bundle in enumerate(infer.bundles()):
             shard = ShardConfig(
-                pipeline=p.id,
+                pipeline=sid,
                 rank=rank,
                 devices=bundle,
                 tensor_parallel_size=infer.tp,
-                model=str(model_dir(p, out)),
+                model=str(model_dir(first, out)),
                 coordinator=coordinator,
                 keys=keys,
-                engine=cfg.engine,
+                engine=engine,
+                members=members,
             )
-            path = out / p.id / f"shard-{rank}.yaml"
+            path = out / sid / f"shard-{rank}.yaml"
             plan.append(
                 PlannedProcess(
                     role="shard",
-                    name=f"shard {p.id}/{rank}",
+                    name=f"shard {sid}/{rank}",
                     argv=cli_argv("shard", "--config", str(path)),
                     node=bundle[0] // gpn,
-                    pipeline=p.id,
+                    pipeline=sid,
                     rank=rank,
                     devices=list(bundle),
                     env={"CUDA_VISIBLE_DEVICES": visible_devices(bundle, gpn)},
                     config=shard,
                     config_path=path,
-                    log_path=logs / f"shard-{p.id}-{rank}.log",
+                    log_path=logs / f"shard-{sid}-{rank}.log",
                 )
             )
+    group_of = {p.id: gid for gid, ms in base_groups(cfg.pipelines).items() for p in ms}
     for p in cfg.pipelines:
+        p = msgspec.structs.replace(p, base_group=group_of.get(p.id))
         plan.append(trainer_process(p, out, coordinator, gpn, keys=keys, resume=resume))
     return plan
+
+
+def shard_owners(cfg: LaunchConfig) -> list[tuple[str, PipelineConfig, list[str]]]:
+    """Whose shards a launch starts: (id, the pipeline whose actor_infer and model they
+    use, members). A full-weight pipeline has its own (no members); LoRA pipelines on one
+    base share their base group's, started once, in config order of first appearance."""
+    group_of = {p.id: gid for gid, ms in base_groups(cfg.pipelines).items() for p in ms}
+    members = {gid: [p.id for p in ms] for gid, ms in base_groups(cfg.pipelines).items()}
+    out: list[tuple[str, PipelineConfig, list[str]]] = []
+    for p in cfg.pipelines:
+        gid = group_of.get(p.id)
+        if gid is None:
+            out.append((p.id, p, []))
+        elif members[gid][0] == p.id:
+            out.append((gid, p, members[gid]))
+    return out
 
 
 def trainer_process(
@@ -199,12 +227,16 @@ def node_plan(plan: list[PlannedProcess], node: int, address: str) -> list[Plann
     cache on ``tcp://ADDRESS:*`` (shards on its own node keep reading shared memory).
     ``address`` is this node's address as the other nodes reach it."""
     trainer_node: dict[str, int] = {}
-    shard_nodes: dict[str, set[int]] = {}
+    shard_nodes: dict[str, set[int]] = {}  # per pipeline: where its rollouts run
+    served: dict[str, list[str]] = {}  # shard owner -> the pipelines it serves
     for proc in plan:
         if proc.role == "trainer" and proc.pipeline is not None:
             trainer_node[proc.pipeline] = proc.node
-        elif proc.role == "shard" and proc.pipeline is not None:
-            shard_nodes.setdefault(proc.pipeline, set()).add(proc.node)
+        elif proc.role == "shard" and isinstance(proc.config, ShardConfig):
+            # a base group's shard serves its members (each with its own trainer)
+            served[proc.config.pipeline] = proc.config.members or [proc.config.pipeline]
+            for pid in served[proc.config.pipeline]:
+                shard_nodes.setdefault(pid, set()).add(proc.node)
     mine: list[PlannedProcess] = []
     for proc in plan:
         if proc.role == "coordinator":
@@ -214,7 +246,7 @@ def node_plan(plan: list[PlannedProcess], node: int, address: str) -> list[Plann
         if proc.node != node:
             continue
         assert proc.pipeline is not None and proc.config is not None
-        if proc.role == "shard" and proc.node != trainer_node[proc.pipeline]:
+        if proc.role == "shard" and {trainer_node[q] for q in served[proc.pipeline]} != {proc.node}:
             proc.config = msgspec.structs.replace(proc.config, data_endpoint=f"tcp://{address}:*")
         if proc.role == "trainer" and shard_nodes.get(proc.pipeline, set()) - {proc.node}:
             proc.config = msgspec.structs.replace(

@@ -10,7 +10,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from rlix_async.config.schema import Config, _check_topology, doc, invalid
+from rlix_async.config.launch_rules import check_topology
+from rlix_async.config.schema import Config, doc, invalid
 from rlix_async.control.cadence import PLAN_INTERVAL_S, PROGRESS_INTERVAL_S
 from rlix_async.control.topology import (
     ClusterName,
@@ -154,7 +155,7 @@ class Scenario(Config, frozen=True):
             if p.id in seen:
                 raise invalid(f"pipelines[{i}].id", f"duplicate pipeline id {p.id!r}")
             seen.add(p.id)
-            _check_topology(f"pipelines[{i}].clusters", p.clusters, self.cluster)
+            check_topology(f"pipelines[{i}].clusters", p.clusters, self.cluster)
         self._check_bases()
 
     def _check_bases(self) -> None:

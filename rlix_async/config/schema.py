@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from rlix_async.config.launch_rules import check_launch
+from rlix_async.config.lora import EngineLoraConfig, LoraConfig
 from rlix_async.config.recipe import DataConfig, TargetTokensTask, TaskConfig, check_recipe
 from rlix_async.config.schema_base import Config, Endpoint, doc, invalid
 from rlix_async.config.training import TrainConfig
@@ -17,8 +19,6 @@ from rlix_async.control.topology import (
     ClusterShape,
     ClusterSpec,
     PipelineId,
-    TopologyError,
-    validate_topology,
 )
 
 # --- coordinator ------------------------------------------------------------------------
@@ -186,6 +186,9 @@ class EngineConfig(Config, frozen=True):
         ),
     ] = None
     custom_args: Annotated[dict[str, Any], doc("kind custom: keyword arguments.")] = {}
+    lora: Annotated[
+        EngineLoraConfig, doc("Serving adapters, for base groups (pipelines with lora).")
+    ] = EngineLoraConfig()
 
     def __post_init__(self) -> None:
         if self.kind == "custom" and not self.custom:
@@ -253,8 +256,20 @@ class ShardConfig(Config, frozen=True):
         ),
     ] = 300.0
     engine: Annotated[EngineConfig, doc("The inference engine.")] = EngineConfig()
+    members: Annotated[
+        list[PipelineId],
+        doc(
+            "A base group's shard (pipeline is then the group's id, set by the launcher): "
+            "the LoRA pipelines it serves, each request with its caller's adapter."
+        ),
+    ] = []
 
     def __post_init__(self) -> None:
+        if self.members and self.engine.sleep_level != 1:
+            raise invalid(
+                "engine.sleep_level",
+                "a base group's shard sleeps at level 1: its frozen base is never synced",
+            )
         if self.engine.kind == "vllm" and not self.model:
             raise invalid("model", "a vllm engine needs a model directory")
         if self.devices and len(self.devices) != self.tensor_parallel_size:
@@ -464,6 +479,13 @@ class PipelineConfig(Config, frozen=True):
     rollout: Annotated[RolloutConfig, doc("Batch shape and sampling.")] = RolloutConfig()
     train: Annotated[TrainConfig, doc("Trainer backend, optimizer and loss.")] = TrainConfig()
     model: Annotated[ModelConfig, doc("The policy model.")] = ModelConfig()
+    lora: Annotated[
+        LoraConfig | None,
+        doc(
+            "Train a LoRA adapter on the frozen model.path. LoRA pipelines on one base "
+            "model share its shards (a base group). Unset: full weights."
+        ),
+    ] = None
     out: Annotated[
         str | None,
         doc("Run directory (OUT/ID/metrics.jsonl, OUT/ID/ckpt). Set by the launcher."),
@@ -472,6 +494,10 @@ class PipelineConfig(Config, frozen=True):
         None
     )
     keys: Annotated[str | None, doc("CURVE key directory, for tcp endpoints.")] = None
+    base_group: Annotated[
+        PipelineId | None,
+        doc("A LoRA pipeline's base group, whose shards serve it. Set by the launcher."),
+    ] = None
     weights_endpoint: Annotated[
         Endpoint | None,
         doc(
@@ -539,50 +565,4 @@ class LaunchConfig(Config, frozen=True):
     )
 
     def __post_init__(self) -> None:
-        seen: set[str] = set()
-        for i, p in enumerate(self.pipelines):
-            at = f"pipelines[{i}]"
-            if p.id in seen:
-                raise invalid(f"{at}.id", f"duplicate pipeline id {p.id!r}")
-            seen.add(p.id)
-            for key in ("out", "coordinator", "keys"):
-                if getattr(p, key) is not None:
-                    raise invalid(f"{at}.{key}", "set by the launcher; remove it")
-            _check_topology(f"{at}.clusters", p.clusters, self.cluster)
-            infer_tp = p.clusters["actor_infer"].tp
-            if infer_tp > self.cluster.gpus_per_node:
-                raise invalid(
-                    f"{at}.clusters.actor_infer.tp",
-                    f"{infer_tp} > gpus_per_node={self.cluster.gpus_per_node}: a shard "
-                    "(one vLLM engine) runs on one node",
-                )
-            if p.data is not None and p.data.max_prompt_tokens is not None:
-                longest = p.data.max_prompt_tokens + p.rollout.max_tokens
-                if longest > self.engine.max_model_len:
-                    raise invalid(
-                        f"{at}.data.max_prompt_tokens",
-                        f"{p.data.max_prompt_tokens} + rollout.max_tokens "
-                        f"{p.rollout.max_tokens} > engine.max_model_len "
-                        f"{self.engine.max_model_len}",
-                    )
-            if p.data is not None and p.rollout.max_tokens >= self.engine.max_model_len:
-                raise invalid(
-                    f"{at}.rollout.max_tokens",
-                    f"{p.rollout.max_tokens} leaves no room for a prompt in "
-                    f"engine.max_model_len {self.engine.max_model_len}",
-                )
-            train = p.clusters["actor_train"].devices
-            nodes = sorted({d // self.cluster.gpus_per_node for d in train})
-            if len(nodes) > 1:
-                raise invalid(
-                    f"{at}.clusters.actor_train.devices",
-                    f"{list(train)} span nodes {nodes}: a trainer runs on one node "
-                    f"(torchrun --standalone; gpus_per_node={self.cluster.gpus_per_node})",
-                )
-
-
-def _check_topology(at: str, clusters: dict[ClusterName, ClusterSpec], shape: ClusterShape) -> None:
-    try:
-        validate_topology(dict(clusters), shape)
-    except TopologyError as exc:
-        raise invalid(at, str(exc)) from None
+        check_launch(self)

@@ -8,6 +8,7 @@ import asyncio
 import socket
 import sys
 import time
+import zlib
 
 from rlix_async.aio import until_signalled
 from rlix_async.config import EngineConfig, ShardConfig
@@ -31,7 +32,9 @@ def build_engine(
     cuda: bool = False,
     keys_dir: str | None = None,
     key_name: str = "",
+    adapters: bool = False,
 ) -> ShardEngine:
+    """The shard's engine; ``adapters``: a base group's, serving LoRA adapters."""
     if engine.kind == "custom":
         from rlix_async.loading import load_object
 
@@ -48,7 +51,15 @@ def build_engine(
         cuda=cuda,
         keys_dir=keys_dir,
         key_name=key_name,
+        lora=engine.lora if adapters else None,
     )
+
+
+def engine_seed(pipeline: str, rank: int) -> int:
+    """The sampling seed of a shard's engine: its own. With one seed for all, two fresh
+    shards draw the same random numbers, and a GRPO group's requests spread over them
+    come back identical (no advantage, no gradient)."""
+    return zlib.crc32(f"{pipeline}/infer/{rank}".encode())
 
 
 async def serve(cfg: ShardConfig) -> int:
@@ -81,10 +92,12 @@ async def serve(cfg: ShardConfig) -> int:
         return build_engine(
             engine_cfg,
             cfg.model,
+            seed=engine_seed(cfg.pipeline, cfg.rank),
             tp=cfg.tensor_parallel_size,
             cuda=cuda,
             keys_dir=cfg.keys,
             key_name=key_name,
+            adapters=bool(cfg.members),
         )
 
     engine: ShardEngine = LoadOnWake(build) if engine_cfg.load == "first_wake" else build()
@@ -106,6 +119,7 @@ async def serve(cfg: ShardConfig) -> int:
         sleep_level=cfg.engine.sleep_level,
         cuda=cuda,
         sleep_timeout_s=cfg.sleep_timeout_s,
+        members=cfg.members,
     )
     try:
         await worker.start()

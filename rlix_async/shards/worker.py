@@ -197,12 +197,16 @@ class ShardWorker:
                 f"{self.pipeline}/infer/{self.rank} holds no weights (awaiting a sync)",
             )
         caller = ctx.peer.split("/")[0]
-        # a base group's shard serves each member with its own adapter, the caller's
-        # (none loaded yet: the base, which a fresh adapter equals)
+        # A base group's shard serves each member with its own adapter, the caller's,
+        # and only once one is loaded: never the bare base in its place (on vLLM's CPU
+        # build a base request batched with adapter requests can get their weights).
         adapter = caller if self.members else None
         version = self._version_for(adapter)
-        if version is None and adapter is not None:
-            adapter = None
+        if adapter is not None and version is None:
+            raise RpcError(
+                ShardRefusal.STALE_WEIGHTS,
+                f"{self.pipeline}/infer/{self.rank} holds no adapter of {adapter} yet",
+            )
         if msg.min_version is not None and (version is None or version < msg.min_version):
             held = f"adapter {adapter} version" if adapter else "weights"
             raise RpcError(

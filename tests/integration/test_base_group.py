@@ -26,6 +26,7 @@ from rlix_async.control.coordinator import Coordinator
 from rlix_async.control.journal import read_journal
 from rlix_async.control.messages import ShardState
 from rlix_async.control.topology import ClusterShape, ClusterSpec
+from rlix_async.protocol import RpcError
 from rlix_async.shards.messages import Cancel, Generate
 from rlix_async.shards.router import Router
 from rlix_async.shards.worker import ShardWorker
@@ -118,7 +119,8 @@ async def test_one_set_of_shards_serves_both_members_each_with_its_own_adapter(
     ipc_ep: str, tmp_path: Path
 ) -> None:
     async with base_group(ipc_ep, tmp_path) as g:
-        await g.publish("a", 1)  # b has published nothing yet: its requests use the base
+        await g.publish("a", 1)
+        await g.publish("b", 3)
         for pid in ("a", "b"):
             await g.drivers[pid].report_progress(8, 0, force=True)
         ranks = {
@@ -127,9 +129,10 @@ async def test_one_set_of_shards_serves_both_members_each_with_its_own_adapter(
         }
         assert ranks == {"a": [0, 1], "b": [0, 1]}  # the group's shards, both members
         await until(lambda: all(w.state == ShardState.ACTIVE for w in g.workers))
-        assert [g.engine(r).adapter_versions for r in range(2)] == [{"a": 1}] * 2
-        assert g.engine(0).adapter_bytes == {"a": ADAPTER_BYTES}
-        assert g.co.adapter_versions == {("g", 0): {"a": 1}, ("g", 1): {"a": 1}}
+        held = {"a": 1, "b": 3}
+        assert [g.engine(r).adapter_versions for r in range(2)] == [held] * 2
+        assert g.engine(0).adapter_bytes == {"a": ADAPTER_BYTES, "b": ADAPTER_BYTES}
+        assert g.co.adapter_versions == {("g", 0): held, ("g", 1): held}
         # a group's shard is planned once, not per member
         assert {ch.pipeline for ch in g.events(ev.Expanded)} == {"g"}
 
@@ -141,12 +144,12 @@ async def test_one_set_of_shards_serves_both_members_each_with_its_own_adapter(
         ]
         trajs = await asyncio.gather(*jobs)
         for traj, pid in zip(trajs, ["a"] * 4 + ["b"] * 4, strict=True):
-            offset = adapter_offset(pid if pid == "a" else None)
+            offset = adapter_offset(pid)
             assert traj.token_ids == [(sum(prompt) + offset + i) % 1000 for i in range(20)]
-            assert set(traj.versions) == ({1} if pid == "a" else {None})
-        # both members' requests ran on one shard (and each request kept its caller's name)
-        served = {who for r in range(2) for who, _ in g.engine(r).served}
-        assert served == {"a", None}
+            assert set(traj.versions) == {held[pid]}
+        # both members' requests ran on each shard
+        for r in range(2):
+            assert {who for who, _ in g.engine(r).served} == {"a", "b"}
         for r in range(2):
             rids = [rid for _, rid in g.engine(r).served]
             assert len(set(rids)) == len(rids)
@@ -185,6 +188,7 @@ async def test_members_routers_only_and_each_cancels_only_its_own(
     ipc_ep: str, tmp_path: Path
 ) -> None:
     async with base_group(ipc_ep, tmp_path, token_delay_s=0.02) as g:
+        await g.publish("b", 1)
         for pid in ("a", "b"):
             await g.drivers[pid].report_progress(8, 0, force=True)
             await g.drivers[pid].request("actor_infer", "GENERATION", timeout=10)
@@ -211,6 +215,7 @@ async def test_a_members_training_shrinks_the_group_and_the_others_rollouts_move
     ipc_ep: str, tmp_path: Path
 ) -> None:
     async with base_group(ipc_ep, tmp_path, token_delay_s=0.02) as g:
+        await g.publish("b", 1)
         for pid in ("a", "b"):
             await g.drivers[pid].report_progress(8, 0, force=True)
             await g.drivers[pid].request("actor_infer", "GENERATION", timeout=10)
@@ -249,3 +254,26 @@ async def test_a_failed_adapter_load_keeps_the_shard_serving_the_others(
         for _ in range(4):
             traj = await g.routers["a"].generate([2], 3, min_version=2)
             assert traj.ranks == [1] and set(traj.versions) == {2}
+
+
+async def test_a_member_without_an_adapter_is_refused_not_served_the_base(
+    ipc_ep: str, tmp_path: Path
+) -> None:
+    async with base_group(ipc_ep, tmp_path) as g:
+        await g.publish("a", 1)
+        for pid in ("a", "b"):
+            await g.drivers[pid].report_progress(8, 0, force=True)
+            await g.drivers[pid].request("actor_infer", "GENERATION", timeout=10)
+        await until(lambda: all(w.state == ShardState.ACTIVE for w in g.workers))
+        client = await RpcClient(g.workers[0].data.endpoint, "b/router/x").connect()
+        try:
+            with pytest.raises(RpcError, match="holds no adapter of b yet") as refused:
+                await client.call(Generate(request_id="r", prompt_ids=[1], max_tokens=2))
+            assert refused.value.code == "stale_weights"  # the router waits for a sync
+            await g.publish("b", 1)
+            await until(lambda: g.engine(0).adapter_versions.get("b") == 1)
+            reply = await client.call(Generate(request_id="r2", prompt_ids=[1], max_tokens=2))
+            assert reply.weight_version == 1
+        finally:
+            await client.close()
+        assert all(who == "a" or who == "b" for r in range(2) for who, _ in g.engine(r).served)

@@ -185,6 +185,7 @@ def test_bad_recipe_input_is_refused_before_any_process_starts(
 # one minibatch: with two, the first's update would make the second's KL non-zero
 MEGATRON = "train: {lr: 0.001, minibatches: 1, backend: megatron, loss: {kl_coef: 0.05}}"
 
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
