@@ -292,3 +292,36 @@ async def test_malformed_version_is_refused_and_the_old_one_serves(engine, world
         assert await loras(engine) == loaded  # nothing of it stayed registered
         out = await run(engine, PROMPTS[2], adapter=name)
         assert out.token_ids == c.greedy[2] and out.weight_version == 1
+
+
+@pytest.mark.timeout(300)
+async def test_the_trainers_adapter_serves_as_its_merged_export(
+    engine, world, caches, tmp_path: Path
+) -> None:
+    """The issue's check end to end: the trainer's adapter (version n) through the
+    cache and a shard's engine gives the greedy tokens of the model the trainer's
+    checkpoint exports (merged into the base)."""
+    from rlix_async.config import ModelConfig, TrainConfig
+    from rlix_async.config.lora import LoraConfig
+    from rlix_async.models.export import export_checkpoint
+    from rlix_async.train.trainer import TorchTrainer
+
+    trainer = TorchTrainer(
+        TrainConfig(dtype="float32"),
+        ModelConfig(path=str(world.path)),
+        lora=LoraConfig(rank=RANK, alpha=ALPHA),
+    )
+    gen = torch.Generator().manual_seed(11)  # far from the fresh adapter (B = 0: the base)
+    with torch.no_grad():
+        for n, p in trainer.model.named_parameters():
+            if ".lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    trainer.save(tmp_path / "step_3.pt", {})
+    merged = base_model(export_checkpoint(tmp_path / "step_3.pt", tmp_path / "merged"))
+    expected = [hf_greedy(merged, p) for p in PROMPTS]
+    assert expected != world.base
+    name = member("t")
+    await engine.load_adapter(name, publish(caches, name, 3, trainer.weights_for_cache()))
+    outs = [await run(engine, p, adapter=name) for p in PROMPTS]
+    assert [o.token_ids for o in outs] == expected
+    assert {o.weight_version for o in outs} == {3}
