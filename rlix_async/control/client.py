@@ -196,7 +196,9 @@ class PipelineClient:
         return await self._await_grant(cluster, req, fut, timeout)
 
     async def await_release(self) -> None:
-        """Shrink every rollout shard of this pipeline; returns when they are asleep."""
+        """Shrink every rollout shard of this pipeline; returns when they are asleep. A
+        base group's member only drops its demand: the group's shards serve the others
+        (the planner shrinks them when its training needs their devices)."""
         self._requests.pop(INFER, None)
         await self._call(m.ShrinkAll(pipeline_id=self.pipeline_id), timeout=300)
 

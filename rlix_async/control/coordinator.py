@@ -204,6 +204,11 @@ class Coordinator(PeerWatcher):
         """A handler acts for pipeline ``pid`` only for its driver (the identity the
         transport bound to the caller's key) or an admin; nobody else, whatever
         the message says."""
+        p = self.registry.pipelines.get(pid)
+        if p is not None and p.members:  # its shards' owner, not a pipeline anyone drives
+            raise RegistryError(
+                ErrorCode.FORBIDDEN, f"{pid} is a base group: act for its members {p.members}"
+            )
         if m.driver_pipeline(ctx.peer) == pid or _is_admin(ctx):
             return
         raise RegistryError(ErrorCode.FORBIDDEN, f"{ctx.peer} may not act for pipeline {pid!r}")
@@ -235,12 +240,13 @@ class Coordinator(PeerWatcher):
                 f"{msg.pipeline_id} is registered and its driver is connected: "
                 "unregister it first (rlix-async kill)",
             )
+        self._check_group_workers(msg.pipeline_id, msg.group)
         p = self.registry.register(msg.pipeline_id, dict(msg.clusters), msg.weight, msg.group)
         p.connected, p.lost_at = True, None
         self.journal.record(
             ev.Registered(pipeline=p.id, clusters=p.clusters, weight=p.weight, group=p.group)
         )
-        self._check_bound_workers(p.id)
+        self._check_bound_workers(p.group or p.id)
         if restarted:
             # A new driver process for a known pipeline (it was restarted, e.g. with
             # --resume): it holds no stage and waits for nothing the old one asked;
@@ -377,12 +383,13 @@ class Coordinator(PeerWatcher):
                     "nothing of this resume was applied",
                 )
         reweighted = known and self.registry.pipelines[pid].weight != msg.weight
+        self._check_group_workers(pid, msg.group)
         p = self.registry.register(pid, dict(msg.clusters), msg.weight, msg.group)
         if not known or reweighted:
             self.journal.record(
                 ev.Registered(pipeline=pid, clusters=p.clusters, weight=p.weight, group=p.group)
             )
-        self._check_bound_workers(pid)
+        self._check_bound_workers(p.group or pid)
         p.connected, p.lost_at = True, None
         if msg.admitted and not p.admitted:
             self.registry.admit(pid)

@@ -139,11 +139,48 @@ class PeerWatcher(PlanRealiser):
             self.journal.maybe_compact(self.registry)
 
     def _drop_pipeline(self, pid: str, reason: str) -> None:
+        """Drop a pipeline: its stages released, its shards put to sleep (fenced until
+        they confirm), everything keyed by it forgotten. A base group's last member
+        takes the group with it, and the group's shards likewise."""
+        before = self.registry.pipelines.get(pid)
+        base = self.registry.pipelines.get(before.group) if before and before.group else None
         p = self.registry.remove(pid, fence=True)
         if p is None:
             return
-        # Everything else keyed by the pipeline goes with it (a long-lived coordinator
-        # sees thousands of pipelines come and go).
+        dropped = [p] if base is None or base.id in self.registry.pipelines else [p, base]
+        for q in dropped:
+            self._forget(q.id)
+        if base is not None:  # a member's adapter versions on the group's shards
+            for held in self.adapter_versions.values():
+                held.pop(pid, None)
+        log.warning(
+            "pipeline %s dropped (%s): releasing %s and %d rollout ranks",
+            pid,
+            reason,
+            sorted(p.held),
+            sum(len(q.active) for q in dropped),
+        )
+        for cluster in p.held:
+            self.journal.record(ev.Released(pipeline=pid, cluster=cluster))
+        for q in dropped:
+            if q.active:
+                self.journal.record(
+                    ev.Shrunk(
+                        pipeline=q.id,
+                        cluster=INFER,
+                        ranks=sorted(q.active),
+                        devices=devices_of(q.clusters[INFER], q.active),
+                    )
+                )
+            for r in q.active:  # put its shards to sleep: fenced until they confirm
+                self.tasks.spawn(self._sleep_rank(q.id, r), "sleep-dropped")
+        self.journal.record(ev.Unregistered(pipeline=pid, reason=reason))
+        self._journal_fences()
+        self.kick()
+
+    def _forget(self, pid: str) -> None:
+        """Everything else keyed by a dropped pipeline (a long-lived coordinator sees
+        thousands come and go)."""
         self.weights.pop(pid, None)
         for table in (self.shard_versions, self.shard_memory, self.adapter_versions):
             for key in [k for k in table if k[0] == pid]:
@@ -155,29 +192,20 @@ class PeerWatcher(PlanRealiser):
             for key in [k for k in where if k[0] == pid]:
                 if m.worker_identity(*key) not in self.server.peers:
                     del where[key]
-        log.warning(
-            "pipeline %s dropped (%s): releasing %s and %d rollout ranks",
-            pid,
-            reason,
-            sorted(p.held),
-            len(p.active),
-        )
-        for cluster in p.held:
-            self.journal.record(ev.Released(pipeline=pid, cluster=cluster))
-        if p.active:
-            self.journal.record(
-                ev.Shrunk(
-                    pipeline=pid,
-                    cluster=INFER,
-                    ranks=sorted(p.active),
-                    devices=devices_of(p.clusters[INFER], p.active),
+
+    def _check_group_workers(self, pid: str, group: str | None) -> None:
+        """A base group's shard workers serve the members they were started with: a
+        pipeline joining a group whose connected workers do not list it is refused."""
+        if group is None:
+            return
+        prefix = m.worker_identity(group, 0)[:-1]
+        for ident, info in self.server.peers.items():
+            members = info.info.get("members")
+            if ident.startswith(prefix) and isinstance(members, list) and pid not in members:
+                raise RegistryError(
+                    "bad_group",
+                    f"pipeline {pid}: the shards of base group {group} serve {members} only",
                 )
-            )
-            for r in p.active:  # put its shards to sleep: fenced until they confirm
-                self.tasks.spawn(self._sleep_rank(pid, r), "sleep-dropped")
-        self.journal.record(ev.Unregistered(pipeline=pid, reason=reason))
-        self._journal_fences()
-        self.kick()
 
     async def _expire_phantom_ranks(self) -> None:
         """Ranks the journal says are awake, whose worker has not said hello within

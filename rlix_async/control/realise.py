@@ -350,9 +350,10 @@ class PlanRealiser:
         if not isinstance(ack, m.ShardAck):
             log.error("%s of %s: unexpected reply %s", action, ident, type(ack).__name__)
             return None
-        self.shard_versions[(pid, rank)] = ack.weight_version
-        if adapters or ack.adapter_versions:
-            self.adapter_versions[(pid, rank)] = dict(ack.adapter_versions)
+        if pid in self.registry.pipelines:  # (a dropped one's last sleep leaves nothing)
+            self.shard_versions[(pid, rank)] = ack.weight_version
+            if adapters or ack.adapter_versions:
+                self.adapter_versions[(pid, rank)] = dict(ack.adapter_versions)
         if ack.memory_bytes is not None:
             self.shard_memory[(pid, rank)] = ack.memory_bytes
         log.info(

@@ -141,7 +141,8 @@ async def serve(cfg: ShardConfig) -> int:
     t1 = time.monotonic()
     shutdown_engine(engine)
     print(
-        f"stopped: worker closed in {t1 - t0:.1f} s, engine in {time.monotonic() - t1:.1f} s",
+        f"stopped: worker closed in {t1 - t0:.1f} s, engine in {time.monotonic() - t1:.1f} s; "
+        f"served {dict(sorted(worker.served.items()))} (requests answered, by pipeline)",
         file=sys.stderr,
         flush=True,
     )

@@ -41,7 +41,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -132,6 +132,10 @@ class ShardWorker:
         self.decoded_tokens = 0  # every token the engine produced here
         self.engine_dead = asyncio.Event()  # set when the engine can no longer serve
         self.cancelled = 0  # requests stopped because their caller gave up
+        self.served: Counter[str] = Counter()  # requests answered, by caller's pipeline
+        # a base group's shard: the version of each member's adapter it loaded (the
+        # whole ref: a restarted trainer may publish a version number again)
+        self._adapter_refs: dict[str, CacheRef] = {}
         # Requests by (the caller's pipeline, its request id): routers of several
         # pipelines (a base group's members) may use one id, and may cancel only theirs.
         self._requests: dict[tuple[str, str], asyncio.Task[object]] = {}
@@ -154,7 +158,12 @@ class ShardWorker:
             m.worker_identity(pipeline, rank),
             keys=keys,
             config=transport,
-            info={"role": "infer", "host": socket.gethostname(), "devices": self.devices},
+            info={
+                "role": "infer",
+                "host": socket.gethostname(),
+                "devices": self.devices,
+                "members": self.members,  # a base group's shard: whom it serves
+            },
         )
         self.rpc.on(m.ShardCommand, self._on_command)
 
@@ -230,6 +239,7 @@ class ShardWorker:
             # or a stop string while the shrink ran is finished: resumed, it would be
             # continued past its end (and that tail trained on)
             cut = self.preempted and not decoded.ended and len(decoded.tokens) < msg.max_tokens
+            self.served[caller] += 1
             return decoded.result(msg.request_id, preempted=cut)
         except asyncio.CancelledError:
             if key not in self._cut:
@@ -324,10 +334,13 @@ class ShardWorker:
         async with self._lock:
             if msg.action == "sleep":
                 await self.shrink()
+            elif msg.action == "wake" and self.members:  # the frozen base is never synced
+                await self.wake(None, msg.adapters)
             elif msg.action == "wake":
                 await self.wake(msg.weights, msg.adapters)
-            elif self.members and self.state == ShardState.ACTIVE:
-                await self._load_adapters(msg.adapters)  # beside running requests
+            elif self.members:  # a sync: adapters only, beside running requests
+                if self.state == ShardState.ACTIVE:
+                    await self._load_adapters(msg.adapters)
             elif msg.weights is not None and self.state == ShardState.WAKING:
                 await self.wake(msg.weights)  # awake, waiting for its first version
             elif msg.weights is not None and self.state == ShardState.ACTIVE:
@@ -402,7 +415,7 @@ class ShardWorker:
             return
         engine = self._adapter_engine()
         for member, ref in sorted(adapters.items()):
-            if engine.adapter_versions.get(member) == ref.version:
+            if self._adapter_refs.get(member) == ref:
                 continue
             if member not in self.members or ref.pipeline != member:
                 log.error(
@@ -427,6 +440,7 @@ class ShardWorker:
                     engine.adapter_versions.get(member),
                 )
                 continue
+            self._adapter_refs[member] = ref
             self.syncs += 1
             self.phase_ms["adapter"] = (time.monotonic() - t0) * 1000
 

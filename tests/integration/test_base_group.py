@@ -277,3 +277,43 @@ async def test_a_member_without_an_adapter_is_refused_not_served_the_base(
         finally:
             await client.close()
         assert all(who == "a" or who == "b" for r in range(2) for who, _ in g.engine(r).served)
+
+
+async def test_the_last_member_gone_puts_the_groups_shards_to_sleep(
+    ipc_ep: str, tmp_path: Path
+) -> None:
+    async with base_group(ipc_ep, tmp_path) as g:
+        for pid in ("a", "b"):
+            await g.publish(pid, 1)
+            await g.drivers[pid].report_progress(8, 0, force=True)
+            await g.drivers[pid].request("actor_infer", "GENERATION", timeout=10)
+        await until(lambda: all(w.state == ShardState.ACTIVE for w in g.workers))
+        await g.drivers["a"].unregister()
+        await asyncio.sleep(0.3)
+        assert all(w.state == ShardState.ACTIVE for w in g.workers)  # b still uses them
+        assert all("a" not in held for held in g.co.adapter_versions.values())
+        await g.drivers["b"].unregister()
+        await until(lambda: all(w.state == ShardState.ASLEEP for w in g.workers))
+        await until(lambda: not g.co.registry.fences)  # confirmed asleep: devices free
+        assert "g" not in g.co.registry.pipelines and not g.co.adapter_versions
+        shrunk = [e for e in g.events(ev.Shrunk) if e.pipeline == "g"]
+        assert sorted(r for e in shrunk for r in e.ranks) == [0, 1]
+
+
+async def test_a_group_is_no_pipeline_and_its_shards_serve_only_their_members(
+    ipc_ep: str, tmp_path: Path
+) -> None:
+    async with base_group(ipc_ep, tmp_path) as g:
+        posing = await PipelineClient.connect(g.co.endpoint, pipeline_id="g")
+        outsider = await PipelineClient.connect(g.co.endpoint, pipeline_id="c")
+        try:
+            with pytest.raises(RpcError, match="g is a base group: act for its members"):
+                await posing.unregister()  # e.g. `rlix-async kill g`
+            with pytest.raises(RpcError, match=r"base group g serve \['a', 'b'\] only"):
+                await outsider.register(
+                    {"actor_train": ClusterSpec(1, (0,)), "actor_infer": INFER}, group="g"
+                )
+            assert g.co.registry.get("g").members == ["a", "b"]
+        finally:
+            await posing.close()
+            await outsider.close()

@@ -9,6 +9,7 @@ no model hub here); docs/PERF.md has the same run on SmolLM2-135M.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,8 +98,15 @@ def test_two_lora_pipelines_share_one_set_of_shards(tmp_path: Path) -> None:
     events = list(read_journal(out / "journal.jsonl"))
     assert {e.pipeline for e in events if isinstance(e, Expanded)} == {"base.base"}
     synced = {(e.rank, e.adapter) for e in events if isinstance(e, ShardSynced) and e.adapter}
-    served_both = [r for r in (0, 1) if {(r, "lo-a"), (r, "lo-b")} <= synced]
-    assert served_both, synced  # a shard that held both members' adapters
+    assert {(r, pid) for r in (0, 1) for pid in ("lo-a", "lo-b")} & synced
+    # what each shard answered, by member (its last log line): one served both
+    served = [
+        re.findall(r"served \{(.*)\}", (out / "logs" / f"shard-base.base-{r}.log").read_text())
+        for r in (0, 1)
+    ]
+    assert any(lines and "'lo-a'" in lines[-1] and "'lo-b'" in lines[-1] for lines in served), (
+        served
+    )
 
     sizes = {
         "lo-a": adapter_bytes(model, 4, ["q_proj", "v_proj"]),
