@@ -113,11 +113,12 @@ def build_plan(
             log_path=logs / "coordinator.log",
         )
     ]
-    for sid, first, members in shard_owners(cfg):
+    groups = base_groups(cfg.pipelines)
+    for sid, first, members in shard_owners(cfg.pipelines, groups):
         infer = first.clusters[INFER]
         engine = cfg.engine
         if members:  # LoRA serving; the frozen base kept through sleeps (never synced)
-            largest = max(len(m) for m in base_groups(cfg.pipelines).values())
+            largest = max(len(m) for m in groups.values())
             lora = msgspec.structs.replace(
                 engine.lora, max_loras=engine.lora.max_loras or 2 * largest
             )
@@ -150,26 +151,29 @@ def build_plan(
                     log_path=logs / f"shard-{sid}-{rank}.log",
                 )
             )
-    group_of = {p.id: gid for gid, ms in base_groups(cfg.pipelines).items() for p in ms}
+    group_of = {p.id: gid for gid, ms in groups.items() for p in ms}
     for p in cfg.pipelines:
         p = msgspec.structs.replace(p, base_group=group_of.get(p.id))
         plan.append(trainer_process(p, out, coordinator, gpn, keys=keys, resume=resume))
     return plan
 
 
-def shard_owners(cfg: LaunchConfig) -> list[tuple[str, PipelineConfig, list[str]]]:
+def shard_owners(
+    pipelines: list[PipelineConfig], groups: dict[str, list[PipelineConfig]]
+) -> list[tuple[str, PipelineConfig, list[str]]]:
     """Whose shards a launch starts: (id, the pipeline whose actor_infer and model they
     use, members). A full-weight pipeline has its own (no members); LoRA pipelines on one
-    base share their base group's, started once, in config order of first appearance."""
-    group_of = {p.id: gid for gid, ms in base_groups(cfg.pipelines).items() for p in ms}
-    members = {gid: [p.id for p in ms] for gid, ms in base_groups(cfg.pipelines).items()}
+    base (``groups``: config/lora.py's base_groups) share their base group's, started
+    once, where its first member stands in the config."""
+    first_of = {ms[0].id: (gid, [p.id for p in ms]) for gid, ms in groups.items()}
+    grouped = {p.id for ms in groups.values() for p in ms}
     out: list[tuple[str, PipelineConfig, list[str]]] = []
-    for p in cfg.pipelines:
-        gid = group_of.get(p.id)
-        if gid is None:
+    for p in pipelines:
+        if p.id in first_of:
+            gid, members = first_of[p.id]
+            out.append((gid, p, members))
+        elif p.id not in grouped:
             out.append((p.id, p, []))
-        elif members[gid][0] == p.id:
-            out.append((gid, p, members[gid]))
     return out
 
 

@@ -386,7 +386,7 @@ class Registry:
         the group's share (weight x demand) is the sum of what its members would ask
         alone; with no demand, their plain mean."""
         streams: list[ProgressIn] = []
-        weighted = 0.0
+        weighted = demand = 0.0
         for mid in base.members:
             m = self.pipelines[mid]
             own = [
@@ -396,14 +396,15 @@ class Registry:
             gen = m.requests.get(INFER)
             if not own and m.admitted and gen is not None and gen.estimate:
                 own = [ProgressIn(target=gen.estimate, completed=0, stream=f"{mid}/asked")]
-            weighted += m.weight * sum(s.target - min(s.completed, s.target) for s in own)
+            left = sum(s.target - min(s.completed, s.target) for s in own)
+            weighted += m.weight * left
+            demand += left
             streams += own
-        demand = sum(s.target - min(s.completed, s.target) for s in streams)
         if demand:
-            weight = weighted / demand
-        else:
-            weight = sum(self.pipelines[m].weight for m in base.members) / len(base.members)
-        return streams or None, min(max(weight, 1e-9), 1000.0)
+            return streams, weighted / demand
+        return streams or None, sum(self.pipelines[m].weight for m in base.members) / len(
+            base.members
+        )
 
     def apply(self, plan: Plan, *, fence: bool = False) -> list[str]:
         """Record the plan's outcome (the commands that realise it follow). With

@@ -79,6 +79,13 @@ class Group:
         assert isinstance(engine, ScriptedEngine)
         return engine
 
+    async def roll_out(self) -> None:
+        """Both members ask for rollout; returns once every group shard serves."""
+        for pid in ("a", "b"):
+            await self.drivers[pid].report_progress(8, 0, force=True)
+            await self.drivers[pid].request("actor_infer", "GENERATION", timeout=10)
+        await until(lambda: all(w.state == ShardState.ACTIVE for w in self.workers))
+
     async def publish(self, member: str, version: int) -> None:
         cache = self.caches.setdefault(
             member, WeightCache(member, f"bg{uuid.uuid4().hex[:6]}", bucket_bytes=16 << 10)
@@ -162,10 +169,7 @@ async def test_a_new_adapter_loads_beside_running_requests_and_pauses_nobody(
     async with base_group(ipc_ep, tmp_path, token_delay_s=0.02) as g:
         await g.publish("a", 1)
         await g.publish("b", 1)
-        for pid in ("a", "b"):
-            await g.drivers[pid].report_progress(8, 0, force=True)
-            await g.drivers[pid].request("actor_infer", "GENERATION", timeout=10)
-        await until(lambda: all(w.state == ShardState.ACTIVE for w in g.workers))
+        await g.roll_out()
         for r in range(2):
             g.engine(r).adapter_delay_s = 0.3  # a slow load: nothing may wait for it
         pauses = [g.engine(r).pauses for r in range(2)]
@@ -189,10 +193,7 @@ async def test_members_routers_only_and_each_cancels_only_its_own(
 ) -> None:
     async with base_group(ipc_ep, tmp_path, token_delay_s=0.02) as g:
         await g.publish("b", 1)
-        for pid in ("a", "b"):
-            await g.drivers[pid].report_progress(8, 0, force=True)
-            await g.drivers[pid].request("actor_infer", "GENERATION", timeout=10)
-        await until(lambda: all(w.state == ShardState.ACTIVE for w in g.workers))
+        await g.roll_out()
         shard = g.workers[0].data.endpoint
         with pytest.raises(ConnectionError, match="c/router/x may not use shard g/infer/0"):
             await RpcClient(shard, "c/router/x").connect()
@@ -216,10 +217,7 @@ async def test_a_members_training_shrinks_the_group_and_the_others_rollouts_move
 ) -> None:
     async with base_group(ipc_ep, tmp_path, token_delay_s=0.02) as g:
         await g.publish("b", 1)
-        for pid in ("a", "b"):
-            await g.drivers[pid].report_progress(8, 0, force=True)
-            await g.drivers[pid].request("actor_infer", "GENERATION", timeout=10)
-        await until(lambda: all(w.state == ShardState.ACTIVE for w in g.workers))
+        await g.roll_out()
         jobs = [asyncio.ensure_future(g.routers["b"].generate([i + 1], 40)) for i in range(4)]
         await until(lambda: sum(g.engine(r).num_running() for r in range(2)) == 4)
         devices = await g.drivers["a"].request("actor_train", "ACTOR_TRAINING", timeout=10)
@@ -239,10 +237,7 @@ async def test_a_failed_adapter_load_keeps_the_shard_serving_the_others(
     async with base_group(ipc_ep, tmp_path) as g:
         await g.publish("a", 1)
         await g.publish("b", 1)
-        for pid in ("a", "b"):
-            await g.drivers[pid].report_progress(8, 0, force=True)
-            await g.drivers[pid].request("actor_infer", "GENERATION", timeout=10)
-        await until(lambda: all(w.state == ShardState.ACTIVE for w in g.workers))
+        await g.roll_out()
         g.engine(0).adapter_error = True
         await g.publish("a", 2)
         await until(lambda: g.engine(1).adapter_versions["a"] == 2)
@@ -261,10 +256,7 @@ async def test_a_member_without_an_adapter_is_refused_not_served_the_base(
 ) -> None:
     async with base_group(ipc_ep, tmp_path) as g:
         await g.publish("a", 1)
-        for pid in ("a", "b"):
-            await g.drivers[pid].report_progress(8, 0, force=True)
-            await g.drivers[pid].request("actor_infer", "GENERATION", timeout=10)
-        await until(lambda: all(w.state == ShardState.ACTIVE for w in g.workers))
+        await g.roll_out()
         client = await RpcClient(g.workers[0].data.endpoint, "b/router/x").connect()
         try:
             with pytest.raises(RpcError, match="holds no adapter of b yet") as refused:
@@ -283,11 +275,9 @@ async def test_the_last_member_gone_puts_the_groups_shards_to_sleep(
     ipc_ep: str, tmp_path: Path
 ) -> None:
     async with base_group(ipc_ep, tmp_path) as g:
-        for pid in ("a", "b"):
-            await g.publish(pid, 1)
-            await g.drivers[pid].report_progress(8, 0, force=True)
-            await g.drivers[pid].request("actor_infer", "GENERATION", timeout=10)
-        await until(lambda: all(w.state == ShardState.ACTIVE for w in g.workers))
+        await g.publish("a", 1)
+        await g.publish("b", 1)
+        await g.roll_out()
         await g.drivers["a"].unregister()
         await asyncio.sleep(0.3)
         assert all(w.state == ShardState.ACTIVE for w in g.workers)  # b still uses them
