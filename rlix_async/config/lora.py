@@ -9,6 +9,7 @@ shards possible are checked here, before any process starts.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,10 +51,20 @@ class LoraConfig(Config, frozen=True):
     dropout: Annotated[
         float, doc("Dropout on the adapter's input, in training only.", ge=0, lt=1)
     ] = 0.0
+    layers: Annotated[
+        Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=1)] | None,
+        doc(
+            "The decoder layers (0-based) that get adapters (peft's "
+            "layers_to_transform); unset: every layer. The backward pass stops at the "
+            "first adapted layer, so adapting only the last few makes a step much cheaper."
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         if len(set(self.target_modules)) != len(self.target_modules):
             raise invalid("target_modules", f"{self.target_modules} names a module twice")
+        if self.layers is not None and len(set(self.layers)) != len(self.layers):
+            raise invalid("layers", f"{self.layers} names a layer twice")
 
 
 class EngineLoraConfig(Config, frozen=True):
@@ -96,6 +107,17 @@ def base_groups(pipelines: Sequence[PipelineConfig]) -> dict[str, list[PipelineC
     return out
 
 
+def _layer_count(path: str) -> int | None:
+    """The decoder layers of the HF model directory ``path`` (its config.json), or None
+    where that cannot be read here (the trainer's load reports it)."""
+    try:
+        cfg = json.loads(Path(path, "config.json").read_text())
+        n = cfg.get("text_config", cfg)["num_hidden_layers"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return n if isinstance(n, int) else None
+
+
 def check_base_groups(pipelines: Sequence[PipelineConfig], engine: EngineConfig) -> None:
     """Every rule a base group's shared shards need, as one-line config errors that
     name the pipelines."""
@@ -108,6 +130,13 @@ def check_base_groups(pipelines: Sequence[PipelineConfig], engine: EngineConfig)
             raise invalid(where, f"{p.id}: an adapter trains on a base model: set model.path")
         if p.train.backend != "torch":
             raise invalid(where, f"{p.id}: LoRA trains with train.backend torch (peft)")
+        layers = _layer_count(p.model.path)
+        if p.lora.layers and layers is not None and max(p.lora.layers) >= layers:
+            raise invalid(
+                f"{where}.layers",
+                f"{p.id}: layer {max(p.lora.layers)}, but {p.model.path} has {layers} "
+                f"layers (0-{layers - 1})",
+            )
         if p.lora.rank > engine.lora.max_lora_rank:
             raise invalid(
                 f"{where}.rank",

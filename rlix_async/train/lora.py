@@ -55,6 +55,7 @@ def lora_model(base: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.Mo
         # typed int in peft, used as alpha / r: a float alpha works and means what it says
         lora_alpha=cfg.alpha,  # type: ignore[arg-type]
         target_modules=list(cfg.target_modules),
+        layers_to_transform=list(cfg.layers) if cfg.layers else None,
         lora_dropout=cfg.dropout,
         bias="none",  # the shards serve A and B only
         task_type="CAUSAL_LM",
@@ -150,12 +151,12 @@ def config_of(rec: Mapping[str, Any]) -> LoraConfig:
 
 def same_adapter(a: LoraConfig, b: LoraConfig) -> bool:
     """Whether adapters of the two configs mean the same thing (dropout acts in
-    training only; the targets' order is no part of the adapter)."""
-    return (a.rank, a.alpha, sorted(a.target_modules)) == (
-        b.rank,
-        b.alpha,
-        sorted(b.target_modules),
-    )
+    training only; the order of targets and layers is no part of the adapter)."""
+
+    def key(c: LoraConfig) -> tuple[int, float, list[str], list[int] | None]:
+        return c.rank, c.alpha, sorted(c.target_modules), sorted(c.layers or []) or None
+
+    return key(a) == key(b)
 
 
 def load_checkpoint_adapter(

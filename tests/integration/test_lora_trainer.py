@@ -124,6 +124,35 @@ def test_a_step_changes_only_the_adapter_and_the_optimizer_holds_only_it(base: P
     assert sum(v.numel() for v in moments) == 2 * sum(p.numel() for p in adapter.values())
 
 
+def test_an_adapter_on_the_last_layer_trains_there_and_backpropagates_no_further(
+    base: Path,
+) -> None:
+    """``lora.layers``: adapters on those layers only, in the optimizer and the cache;
+    layer 0 then computes nothing that needs a gradient (the backward stops at layer 1).
+    With every layer adapted, layer 0's output does need one: the check can fail."""
+
+    def layer0_needs_grad(t: TorchTrainer) -> bool:
+        seen: list[bool] = []
+        layer0 = t.model.get_submodule("base_model.model.model.layers.0")
+        hook = layer0.register_forward_hook(
+            lambda _m, _i, out: seen.append(next(tensors_in(out)).requires_grad)
+        )
+        try:
+            stats = t.train_step(BATCH)
+        finally:
+            hook.remove()
+        assert stats["skipped_updates"] == 0 and seen
+        return any(seen)
+
+    last = lora_trainer(base, lora=LoraConfig(rank=2, alpha=8.0, layers=[1]))
+    assert {n.split(".layers.")[1].split(".")[0] for n in adapter_params(last)} == {"1"}
+    assert {n for n in last.weights_for_cache()} == {
+        n for n in shard_names(2) if ".layers.1." in n
+    }
+    assert not layer0_needs_grad(last)
+    assert layer0_needs_grad(lora_trainer(base))
+
+
 def test_the_cache_is_the_adapter_with_b_scaled_as_the_shards_serve_it(base: Path) -> None:
     t = lora_trainer(base)
     randomize_adapter(t)

@@ -295,12 +295,14 @@ async def test_malformed_version_is_refused_and_the_old_one_serves(engine, world
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("layers", [None, [1]], ids=["every_layer", "last_layer"])
 async def test_the_trainers_adapter_serves_as_its_merged_export(
-    engine, world, caches, tmp_path: Path
+    engine, world, caches, tmp_path: Path, layers: list[int] | None
 ) -> None:
     """The issue's check end to end: the trainer's adapter (version n) through the
     cache and a shard's engine gives the greedy tokens of the model the trainer's
-    checkpoint exports (merged into the base)."""
+    checkpoint exports (merged into the base). An adapter on the last layer only
+    (``lora.layers``) serves too: the engine adapts no other layer."""
     from rlix_async.config import ModelConfig, TrainConfig
     from rlix_async.config.lora import LoraConfig
     from rlix_async.models.export import export_checkpoint
@@ -309,7 +311,7 @@ async def test_the_trainers_adapter_serves_as_its_merged_export(
     trainer = TorchTrainer(
         TrainConfig(dtype="float32"),
         ModelConfig(path=str(world.path)),
-        lora=LoraConfig(rank=RANK, alpha=ALPHA),
+        lora=LoraConfig(rank=RANK, alpha=ALPHA, layers=layers),
     )
     gen = torch.Generator().manual_seed(11)  # far from the fresh adapter (B = 0: the base)
     with torch.no_grad():
@@ -320,7 +322,7 @@ async def test_the_trainers_adapter_serves_as_its_merged_export(
     merged = base_model(export_checkpoint(tmp_path / "step_3.pt", tmp_path / "merged"))
     expected = [hf_greedy(merged, p) for p in PROMPTS]
     assert expected != world.base
-    name = member("t")
+    name = member(f"t{len(layers or [])}")
     await engine.load_adapter(name, publish(caches, name, 3, trainer.weights_for_cache()))
     outs = [await run(engine, p, adapter=name) for p in PROMPTS]
     assert [o.token_ids for o in outs] == expected

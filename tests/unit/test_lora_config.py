@@ -94,6 +94,22 @@ def test_what_cannot_share_a_bases_shards_is_refused_naming_the_pipelines(
     assert "\n" not in str(err.value)
 
 
+def test_adapted_layers_are_checked_against_the_base_directory(tmp_path: Any) -> None:
+    """``lora.layers`` names layers of the base: past its config.json's
+    num_hidden_layers, or twice, a one-line error; in range, accepted."""
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 30}')
+    cfg = _launch(_pipe("a", path=str(tmp_path), lora={"layers": [26, 29]}))
+    assert cfg.pipelines[0].lora is not None and cfg.pipelines[0].lora.layers == [26, 29]
+    for layers, message in [
+        ([29, 30], f"pipelines[0].lora.layers: a: layer 30, but {tmp_path} has 30 layers (0-29)"),
+        ([3, 3], "layers: [3, 3] names a layer twice"),
+        ([], "layers"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            _launch(_pipe("a", path=str(tmp_path), lora={"layers": layers}))
+        assert message in str(err.value) and "\n" not in str(err.value)
+
+
 def test_a_larger_engine_rank_serves_a_larger_adapter() -> None:
     cfg = _launch(_pipe("a", lora={"rank": 32}), engine={"lora": {"max_lora_rank": 32}})
     assert cfg.engine.lora.max_lora_rank == 32
