@@ -146,9 +146,7 @@ def test_an_adapter_on_the_last_layer_trains_there_and_backpropagates_no_further
 
     last = lora_trainer(base, lora=LoraConfig(rank=2, alpha=8.0, layers=[1]))
     assert {n.split(".layers.")[1].split(".")[0] for n in adapter_params(last)} == {"1"}
-    assert {n for n in last.weights_for_cache()} == {
-        n for n in shard_names(2) if ".layers.1." in n
-    }
+    assert {n for n in last.weights_for_cache()} == {n for n in shard_names(2) if ".layers.1." in n}
     assert not layer0_needs_grad(last)
     assert layer0_needs_grad(lora_trainer(base))
 
