@@ -346,7 +346,7 @@ class PipelineClient:
                 )
             )
         except RpcError as exc:
-            if exc.code not in ("lease_conflict", "bad_resume", "forbidden"):
+            if exc.code not in ("lease_conflict", "bad_resume", "forbidden", "bad_group"):
                 raise  # e.g. handler_failed: the reconnection loop tries again
             # Refused whole: sending it again would be refused again, forever.
             self.failed = f"{self.pipeline_id}: the coordinator refused our resume: {exc}"

@@ -420,8 +420,7 @@ class Coordinator(PeerWatcher):
         return Ok()
 
     def _status(self, msg: m.StatusRequest, ctx: CallContext) -> m.StatusReply:
-        """Every pipeline, device owner and fence: for admins and drivers, not for shard
-        keys (a shard host has no business reading the whole cluster)."""
+        """The whole cluster, for admins and drivers; never for a shard key."""
         pr = ctx.principal
         if pr is not None and pr.role == "shard":
             raise RegistryError(ErrorCode.FORBIDDEN, f"{pr.describe()} may not read the status")
@@ -441,6 +440,8 @@ class Coordinator(PeerWatcher):
                 remaining=p.remaining(),
                 requests={c: priority_name(r.priority) for c, r in p.requests.items()},
                 shard_memory=memory.get(p.id, {}),
+                group=p.group,
+                members=list(p.members),
             )
             for p in self.registry.pipelines.values()
         ]

@@ -164,6 +164,8 @@ class PipelineStatus(msgspec.Struct):
     remaining: int | None
     requests: dict[ClusterName, PriorityName]  # queued, not yet granted
     shard_memory: dict[int, int] = {}  # rank -> bytes in use after its last command
+    group: str | None = None  # a LoRA pipeline's base group (its shards serve it)
+    members: list[str] = []  # a base group's member pipelines
 
 
 class FenceStatus(msgspec.Struct):

@@ -28,6 +28,10 @@ def render(st: m.StatusReply) -> Table:
     for p in st.pipelines:
         mine = "".join(_mark(o, p.id) for o in st.owners)
         state = ("admitted" if p.admitted else "registered") + ("" if p.connected else ", LOST")
+        if p.members:  # a base group: its shards serve these pipelines
+            state = f"base group of {', '.join(p.members)}"
+        elif p.group is not None:
+            state += f", served by {p.group}"
         table.add_row(
             p.id,
             state,

@@ -2,10 +2,12 @@
 
     python -m rlix_async.recipes.guess [--out DIR] [--train N] [--eval N] [--high H]
 
-Multi-turn by nature: an episode lasts as many turns as the model needs, so its
-lengths are heavy-tailed (a bisecting player needs about log2(H) turns, a careless
-one many more, up to ``max_turns``): the long-tail workload, where a few long
-episodes hold a pipeline's rollout shards while the rest of the batch is done.
+Multi-turn by nature: an episode lasts as many turns as the model needs. Each game's
+range 1..high is drawn log-uniformly between 1..2 and 1..H, so most games are small
+and a few are large: a bisecting player needs about log2(high) turns, a careless one
+about high / 2, up to ``max_turns``. Episode lengths are heavy-tailed: the long-tail
+workload, where a few long episodes hold a pipeline's rollout shards while the rest
+of the batch is done.
 Reward 1 for finding the number, less 0.05 a turn after the first; 0 if
 ``max_turns`` ends the episode first. A turn with no number gets a reminder.
 """
@@ -13,6 +15,7 @@ Reward 1 for finding the number, less 0.05 a turn after the first; 0 if
 from __future__ import annotations
 
 import argparse
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,7 @@ RULES = (
 TURN_COST = 0.05
 TRAIN_ROWS = 2000
 EVAL_ROWS = 32
-HIGH = 30
+HIGH = 128
 
 
 class GuessNumber:
@@ -66,13 +69,16 @@ def write_data(
 ) -> tuple[Path, Path]:
     """``out/train.jsonl`` and ``out/eval.jsonl``: the same arguments, the same files.
     The ``question`` field names the game (the dataset's prompt key); the env reads the rest."""
+    if high < 2:
+        raise ValueError(f"high {high}: a game needs at least two numbers")
     rng = random.Random(seed)
 
+    def row() -> dict[str, object]:
+        top = round(2 ** rng.uniform(1, math.log2(high)))  # log-uniform: the heavy tail
+        return {"question": f"guess 1..{top}", "target": rng.randint(1, top), "low": 1, "high": top}
+
     def rows(n: int) -> list[dict[str, object]]:
-        return [
-            {"question": f"guess 1..{high}", "target": rng.randint(1, high), "low": 1, "high": high}
-            for _ in range(n)
-        ]
+        return [row() for _ in range(n)]
 
     train = rows(train_rows)  # drawn first: the same seed, the same files
     return write_splits(out, train, rows(eval_rows))

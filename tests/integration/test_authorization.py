@@ -260,6 +260,25 @@ async def test_the_client_gives_up_a_refused_resume(ipc_ep: str) -> None:
         await x.close()
 
 
+async def test_the_client_gives_up_a_resume_into_a_base_group_that_cannot_be(
+    ipc_ep: str,
+) -> None:
+    """A LoRA member resuming into base group g after the coordinator forgot it and a
+    pipeline named g registered: refused as bad_group, for good (no retry loop)."""
+    async with Coordinator(ipc_ep, SHAPE) as co:
+        a = await PipelineClient.connect(co.endpoint, pipeline_id="a")
+        await a.register(TOPO, group="g")
+        co.registry.remove("a")  # its group goes with its last member
+        g = await PipelineClient.connect(co.endpoint, pipeline_id="g")
+        await g.register(TOPO)
+        await a._resume(a.rpc)
+        assert a.failed is not None and "is the id of a pipeline" in a.failed
+        with pytest.raises(ResumeRefused, match="refused our resume"):
+            await asyncio.wait_for(a.admit(), 5)
+        await a.close()
+        await g.close()
+
+
 async def test_the_shard_data_plane_serves_with_its_own_key(keys: Path) -> None:
     """Only the coordinator holds the server secret: a shard's tcp data plane serves
     with the shard's key, the router learns that public key from the coordinator,

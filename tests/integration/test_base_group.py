@@ -304,6 +304,9 @@ async def test_a_group_is_no_pipeline_and_its_shards_serve_only_their_members(
                     {"actor_train": ClusterSpec(1, (0,)), "actor_infer": INFER}, group="g"
                 )
             assert g.co.registry.get("g").members == ["a", "b"]
+            status = {p.id: p for p in g.co.status().pipelines}  # what `status` shows
+            assert status["g"].members == ["a", "b"] and status["g"].group is None
+            assert status["a"].group == status["b"].group == "g" and not status["a"].members
         finally:
             await posing.close()
             await outsider.close()

@@ -257,6 +257,28 @@ def test_the_status_table_shows_fenced_devices() -> None:
     assert ". ." in idle  # devices 0 and 2 idle, device 1 (fenced) not
 
 
+def test_the_status_table_names_base_groups_and_their_members() -> None:
+    from rich.console import Console
+
+    from rlix_async.control import messages as m
+    from rlix_async.observe.status import render
+
+    def pipe(pid: str, **keys: object) -> m.PipelineStatus:
+        return m.PipelineStatus(pid, True, True, {}, [], None, {}, **keys)  # type: ignore[arg-type]
+
+    reply = m.StatusReply(
+        devices=2,
+        owners=[None, None],
+        pipelines=[pipe("base.x", members=["a", "b"]), pipe("a", group="base.x")],
+        plans=1,
+        rejected_plans=0,
+    )
+    console = Console(width=200, record=True)
+    console.print(render(reply))
+    text = console.export_text()
+    assert "base group of a, b" in text and "admitted, served by base.x" in text
+
+
 def test_the_test_double_engine_is_not_a_production_option() -> None:
     """`engine: scripted` (the tests' fake engine) cannot be chosen from a config; an
     engine of your own is `kind: custom` with its class named."""
