@@ -295,6 +295,12 @@ class Registry:
                 f"GENERATION is requested on {INFER} and only there "
                 f"(got {priority.name} on {cluster})",
             )
+        if p.group is not None and cluster == INFER and priority != Priority.GENERATION:
+            raise RegistryError(  # the group's shards are its; a member only asks rollouts
+                "bad_request",
+                f"pipeline {pid}: base group {p.group} holds {INFER}; a member asks "
+                "GENERATION there, nothing else",
+            )
         if cluster in p.held:
             raise RegistryError("bad_request", f"pipeline {pid} already holds {cluster}")
         existing = p.requests.get(cluster)

@@ -105,6 +105,18 @@ def test_a_member_with_another_actor_infer_is_refused_naming_both() -> None:
     assert reg.get("base").members == ["a"]
 
 
+def test_a_member_asks_only_rollouts_of_the_groups_shards() -> None:
+    """INITIALIZATION on actor_infer by a member would wait forever (the group holds
+    those shards): refused at once; its GENERATION request and training go through."""
+    reg = Registry(SHAPE)
+    group_of_two(reg)
+    with pytest.raises(RegistryError, match="base group base holds actor_infer"):
+        reg.request("a", INFER, Priority.INITIALIZATION, None)
+    assert not reg.get("a").requests
+    reg.request("a", INFER, Priority.GENERATION, 4)
+    reg.request("a", TRAIN, Priority.INITIALIZATION, None)
+
+
 @pytest.mark.parametrize(
     ("first", "then", "message"),
     [
