@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rlix_async.config import LaunchConfig, convert
+from rlix_async.config.lora import base_groups
 from rlix_async.control.journal import Expanded, ShardSynced, Shrunk, read_journal
 from rlix_async.launch import Launcher
 from rlix_async.rollout.ledger import LEDGER, tally
@@ -76,12 +77,15 @@ def read_metrics(out: Path, pid: str, *, evals: bool = False) -> list[dict[str, 
 
 
 def journal_counts(journal: Path) -> dict[str, dict[str, int]]:
-    """Shard shrinks, expands and weight syncs per pipeline, from the journal."""
+    """Shard shrinks, expands and weight syncs per pipeline, from the journal. A base
+    group's shrinks and expands count under the group; an adapter's syncs under the
+    member whose adapter it is."""
     counts: dict[str, dict[str, int]] = {}
     if not journal.exists():
         return counts
     for ev in read_journal(journal):
-        c = counts.setdefault(ev.pipeline, {"shrinks": 0, "expands": 0, "weight_syncs": 0})
+        owner = ev.adapter if isinstance(ev, ShardSynced) and ev.adapter else ev.pipeline
+        c = counts.setdefault(owner, {"shrinks": 0, "expands": 0, "weight_syncs": 0})
         match ev:
             case Shrunk():
                 c["shrinks"] += len(ev.ranks)
@@ -92,6 +96,15 @@ def journal_counts(journal: Path) -> dict[str, dict[str, int]]:
     return counts
 
 
+def _shard_counts(counts: dict[str, dict[str, int]], pid: str, group: str | None) -> dict[str, int]:
+    """A pipeline's shrinks and expands (a LoRA member's: its base group's shards,
+    shared with the other members) and its own weight syncs."""
+    zero = {"shrinks": 0, "expands": 0, "weight_syncs": 0}
+    own = counts.get(pid, zero)
+    shards = counts.get(group, zero) if group is not None else own
+    return {**own, "shrinks": shards["shrinks"], "expands": shards["expands"]}
+
+
 def summarize(cfg: LaunchConfig, wall_s: float) -> dict[str, Any]:
     """The run in numbers. Trajectories come from each pipeline's ledger, not from the
     counters in metrics.jsonl: those are restored from a checkpoint on restart, so the
@@ -100,6 +113,7 @@ def summarize(cfg: LaunchConfig, wall_s: float) -> dict[str, Any]:
     ledger cannot place (``unaccounted``, zero unless the ledger is broken)."""
     out = Path(cfg.out)
     counts = journal_counts(out / "journal.jsonl")
+    group_of = {m.id: gid for gid, members in base_groups(cfg.pipelines).items() for m in members}
     pipes: dict[str, Any] = {}
     lost = 0
     for p in cfg.pipelines:
@@ -133,7 +147,7 @@ def summarize(cfg: LaunchConfig, wall_s: float) -> dict[str, Any]:
             "trajectories_lost_to_restarts": t.lost_to_restarts,
             "trajectories_unaccounted": unaccounted,
             "trajectories_resumed": last.get("resumed", 0),
-            **counts.get(p.id, {"shrinks": 0, "expands": 0, "weight_syncs": 0}),
+            **_shard_counts(counts, p.id, group_of.get(p.id)),
         }
     return {"wall_s": round(wall_s, 1), "lost_trajectories": lost, "pipelines": pipes}
 

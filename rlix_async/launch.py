@@ -41,8 +41,10 @@ from rlix_async.process_plan import (
     NodePlanError,
     PlannedProcess,
     build_plan,
+    cpu_binding,
     model_dir,
     node_plan,
+    parse_cpu_list,
     trainer_process,
 )
 from rlix_async.security import ipc_endpoint
@@ -279,9 +281,15 @@ class Launcher:
         if planned.config is not None and planned.config_path is not None:
             _write(planned.config_path, planned.config)
         assert planned.log_path is not None
-        return Proc(
-            planned.name, planned.argv, planned.log_path, env=planned.env, append=self.resume
-        )
+        env = dict(planned.env)
+        bind = planned.role == "shard" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+        cores = _host_cores() if bind else []
+        if cores:  # no GPUs here: the devices are shares of the cores
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(  # one list per tensor-parallel rank
+                ",".join(map(str, own))
+                for own in cpu_binding(planned.devices, self.cfg.cluster.gpus_per_node, cores)
+            )
+        return Proc(planned.name, planned.argv, planned.log_path, env=env, append=self.resume)
 
     def start(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -480,6 +488,29 @@ def _check_node(cfg: LaunchConfig, node: NodeRole) -> None:
             raise SecurityError(f"{node.keys}/server.key: missing (copy it from the keygen)")
     except SecurityError as exc:
         raise LaunchError(str(exc)) from None
+
+
+def _host_cores() -> list[int]:
+    """This node's physical cores (one logical CPU each: SMT siblings, often numbered
+    far apart, would put two shards on one core), where it has no GPU (logical devices
+    bind to shares of them); empty on a GPU node, where nothing is pinned."""
+    if any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists():
+        return []
+    return physical_cores(os.sched_getaffinity(0))
+
+
+def physical_cores(allowed: set[int]) -> list[int]:
+    """One logical CPU of each physical core in ``allowed`` (the lowest sibling)."""
+    return sorted(c for c in allowed if min(_siblings(c) & allowed) == c)
+
+
+def _siblings(cpu: int) -> set[int]:
+    """The logical CPUs sharing ``cpu``'s physical core (itself alone where unknown)."""
+    path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+    try:
+        return set(parse_cpu_list(path.read_text())) | {cpu}
+    except (OSError, ValueError):
+        return {cpu}
 
 
 def _child_env() -> dict[str, str]:

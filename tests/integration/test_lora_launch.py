@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 from helpers.tiny_text import save_tiny_model
 
+from rlix_async.config import LaunchConfig, load_config
 from rlix_async.control.journal import Expanded, ShardSynced, read_journal
+from rlix_async.demo import summarize
 
 pytest.importorskip("peft")
 pytest.importorskip("datasets")
@@ -99,6 +101,13 @@ def test_two_lora_pipelines_share_one_set_of_shards(tmp_path: Path) -> None:
     assert {e.pipeline for e in events if isinstance(e, Expanded)} == {"base.base"}
     synced = {(e.rank, e.adapter) for e in events if isinstance(e, ShardSynced) and e.adapter}
     assert {(r, pid) for r in (0, 1) for pid in ("lo-a", "lo-b")} & synced
+    # the run's summary gives each member its group's shrinks and its own adapter's syncs
+    summary = summarize(load_config(cfg, LaunchConfig), 0.0)["pipelines"]
+    moves = sum(len(e.ranks) for e in events if isinstance(e, Expanded))
+    for pid in ("lo-a", "lo-b"):
+        assert summary[pid]["expands"] == moves > 0
+        loads = [e for e in events if isinstance(e, ShardSynced) and e.adapter == pid]
+        assert summary[pid]["weight_syncs"] == len(loads) > 0
     # what each shard answered, by member (its last log line): one served both
     served = [
         re.findall(r"served \{(.*)\}", (out / "logs" / f"shard-base.base-{r}.log").read_text())

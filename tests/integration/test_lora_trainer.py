@@ -151,6 +151,16 @@ def test_an_adapter_on_the_last_layer_trains_there_and_backpropagates_no_further
     assert layer0_needs_grad(lora_trainer(base))
 
 
+def test_a_checkpoint_resumes_only_into_the_same_adapted_layers() -> None:
+    """``same_adapter`` (what a resume checks): the layers' order is no part of the
+    adapter, the set is (every layer and two of them are different adapters)."""
+    from rlix_async.train.lora import same_adapter
+
+    assert same_adapter(LoraConfig(layers=[1, 0]), LoraConfig(layers=[0, 1]))
+    assert not same_adapter(LoraConfig(layers=[1]), LoraConfig(layers=[0, 1]))
+    assert not same_adapter(LoraConfig(layers=[1]), LoraConfig())
+
+
 def test_the_cache_is_the_adapter_with_b_scaled_as_the_shards_serve_it(base: Path) -> None:
     t = lora_trainer(base)
     randomize_adapter(t)

@@ -174,8 +174,12 @@ def _argv(pid: int) -> list[str]:
 
 
 @pytest.mark.timeout(120)
-def test_the_real_launch_starts_exactly_the_dry_run_plan(tmp_path: Path) -> None:
-    """Scripted shards (a test double); the coordinator, shard and torchrun processes are real."""
+def test_the_real_launch_starts_exactly_the_dry_run_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scripted shards (a test double); the coordinator, shard and torchrun processes are
+    real. On a host without GPUs each shard is also given its devices' cores (added at
+    start on the node, not part of the plan)."""
     from rlix_async.config import (
         CoordinatorConfig,
         LaunchConfig,
@@ -184,7 +188,8 @@ def test_the_real_launch_starts_exactly_the_dry_run_plan(tmp_path: Path) -> None
         convert,
         load_config,
     )
-    from rlix_async.launch import Launcher
+    from rlix_async.launch import Launcher, _host_cores
+    from rlix_async.process_plan import cpu_binding
 
     kinds = {"coordinator": CoordinatorConfig, "shard": ShardConfig, "trainer": PipelineConfig}
     pid = f"pl{os.getpid() % 10000}"
@@ -194,6 +199,13 @@ def test_the_real_launch_starts_exactly_the_dry_run_plan(tmp_path: Path) -> None
 
     def real(value: str) -> str:  # the dry run names the coordinator's socket symbolically
         return value.replace("ipc://<coordinator.sock>", launcher.endpoint)
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # a user's would win
+    cores = _host_cores()  # this host has no GPU: devices are shares of its cores
+    assert cores or any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
+
+    def bound(devices: list[int]) -> str:
+        return "|".join(",".join(map(str, c)) for c in cpu_binding(devices, 3, cores))
 
     try:
         launcher.start()
@@ -205,6 +217,10 @@ def test_the_real_launch_starts_exactly_the_dry_run_plan(tmp_path: Path) -> None
             assert _argv(proc.popen.pid) == [real(a) for a in want["argv"]], who
             env = _environ(proc.popen.pid)
             assert {k: env.get(k) for k in want["env"]} == want["env"], who
+            if cores and want["role"] == "shard":  # vllm-cpu pins its threads there
+                assert env["VLLM_CPU_OMP_THREADS_BIND"] == bound(want["devices"]), who
+            if cores and want["role"] == "trainer":  # its driver loop must not queue
+                assert "VLLM_CPU_OMP_THREADS_BIND" not in env, who
             kind = kinds[want["role"]]
             written = load_config(want["config_path"], kind)
             config = json.loads(real(json.dumps(want["config"])))

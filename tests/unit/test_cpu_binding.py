@@ -1,0 +1,45 @@
+"""Logical devices on a node without GPUs are shares of its physical cores
+(process_plan.cpu_binding, launch._host_cores): two shards pin their engines to the same
+core only where devices outnumber cores. The launch test (test_process_plan.py)
+checks each shard's engine gets its devices' list."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlix_async.process_plan import cpu_binding, parse_cpu_list
+
+
+@pytest.mark.parametrize(
+    ("devices", "gpus_per_node", "cores", "expected"),
+    [
+        ([0, 1], 2, [0, 1], [[0], [1]]),  # this VM's recipes: one core per device
+        (
+            [0, 1, 2, 3],
+            4,
+            list(range(16)),
+            [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+        ),
+        ([5], 4, list(range(8)), [[2, 3]]),  # node-local index 1 of node 1
+        ([0, 1, 2], 3, [0, 1], [[0], [1], [0]]),  # more devices than cores: round robin
+        ([1], 2, [4, 6, 7], [[6]]),  # an odd core left over is nobody's
+        ([0, 1], 2, [0, 1, 2, 3, 4], [[0, 1], [2, 3]]),  # floor: equal shares
+    ],
+)
+def test_each_device_gets_its_own_share_of_the_cores(
+    devices: list[int], gpus_per_node: int, cores: list[int], expected: list[list[int]]
+) -> None:
+    assert cpu_binding(devices, gpus_per_node, cores) == expected
+
+
+def test_smt_siblings_count_as_one_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hyperthreads numbered far apart (0 and 2 share a core, 1 and 3 another): the
+    cores are 0 and 1, so two shards get a physical core each, not a sibling each."""
+    from rlix_async import launch
+
+    siblings = {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}
+    monkeypatch.setattr(launch, "_siblings", lambda c: set(parse_cpu_list(siblings[c])))
+    assert launch.physical_cores({0, 1, 2, 3}) == [0, 1]
+    assert launch.physical_cores({2, 3}) == [2, 3]  # allowed only one sibling of each
+    assert cpu_binding([0, 1], 2, launch.physical_cores({0, 1, 2, 3})) == [[0], [1]]
+    assert parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
