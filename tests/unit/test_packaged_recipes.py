@@ -1,5 +1,5 @@
-"""The packaged arithmetic recipe: its data, its YAML ready to launch, and reward.png with
-the eval accuracy beside the batch reward."""
+"""The packaged recipes: arithmetic's data, its YAML ready to launch, and reward.png with
+the eval accuracy beside the batch reward; guess's heavy-tailed games and its LoRA."""
 
 from __future__ import annotations
 
@@ -57,6 +57,32 @@ def test_the_demo_recipe_config_points_at_its_data_and_model(
     assert Path(p.data.train).is_file() and p.data.eval and Path(p.data.eval).is_file()
     # everything else is the packaged YAML's
     assert p.reward == recipe_raw("arithmetic")["pipelines"][0]["reward"] == "math_answer"
+
+
+def test_guess_games_are_mostly_small_with_a_few_large_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Game sizes are log-uniform from 1..2 to 1..128: the long tail of episode lengths
+    comes from a few large games. The recipe trains a LoRA on the last 4 layers."""
+    from rlix_async.recipes import guess
+
+    train, held_out = guess.write_data(tmp_path / "a")
+    assert train.read_bytes() == guess.write_data(tmp_path / "b")[0].read_bytes()
+    rows = read(train)
+    highs = sorted(r["high"] for r in rows)
+    assert highs[0] == 2 and highs[-1] == 128 and len(rows) == guess.TRAIN_ROWS
+    assert 12 <= highs[len(highs) // 2] <= 20  # median ~ 2^4
+    assert 0.12 < sum(h >= 64 for h in highs) / len(highs) < 0.22  # the tail: ~1/6
+    assert all(r["low"] == 1 <= r["target"] <= r["high"] for r in rows + read(held_out))
+    with pytest.raises(ValueError, match="at least two numbers"):
+        guess.write_data(tmp_path / "c", high=1)
+    cache = tmp_path / "cache"
+    (cache / "models" / RECIPES["guess"][1]).mkdir(parents=True)
+    (cache / "models" / RECIPES["guess"][1] / MARKER).write_text("{}")
+    monkeypatch.setenv("RLIX_ASYNC_CACHE", str(cache))
+    (p,) = demo_config(str(tmp_path / "run"), steps=2, recipe="guess").pipelines
+    assert p.lora is not None and p.lora.layers == [26, 27, 28, 29]
+    assert p.env == "rlix_async.recipes.guess:GuessNumber" and p.max_turns == 16
 
 
 def test_reward_png_shows_eval_accuracy_when_a_pipeline_evaluates(
