@@ -71,12 +71,19 @@ class Supervisor:
             await asyncio.wait(tasks, timeout=timeout)
 
 
-async def until_signalled() -> None:
-    """Return on SIGINT or SIGTERM (a process main serves until then)."""
+def stop_signals() -> asyncio.Event:
+    """An event set on SIGINT or SIGTERM, its handlers installed before this returns: a
+    process installs them before it says READY, so a stop sent right after is a clean
+    stop, not the default action (death by signal)."""
     import signal
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
+
+
+async def until_signalled() -> None:
+    """Return on SIGINT or SIGTERM (a process main serves until then)."""
+    await stop_signals().wait()

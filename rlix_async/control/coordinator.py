@@ -24,7 +24,7 @@ from pathlib import Path
 
 import msgspec
 
-from rlix_async.aio import Supervisor, until_signalled
+from rlix_async.aio import Supervisor, stop_signals
 from rlix_async.config import CoordinatorConfig, SchedulerConfig
 from rlix_async.control import journal as ev
 from rlix_async.control import messages as m
@@ -586,9 +586,9 @@ async def serve(cfg: CoordinatorConfig) -> None:
     )
     try:
         await coord.start()
-        print(f"READY {coord.endpoint}", flush=True)
+        signalled: asyncio.Future[object] = asyncio.ensure_future(stop_signals().wait())
+        print(f"READY {coord.endpoint}", flush=True)  # handlers first: SIGTERM is clean
         assert coord.fatal is not None
-        signalled: asyncio.Future[object] = asyncio.ensure_future(until_signalled())
         fatal: asyncio.Future[object] = coord.fatal  # type: ignore[assignment]  # str is an object
         await asyncio.wait([signalled, fatal], return_when=asyncio.FIRST_COMPLETED)
         signalled.cancel()

@@ -10,7 +10,7 @@ import sys
 import time
 import zlib
 
-from rlix_async.aio import until_signalled
+from rlix_async.aio import stop_signals
 from rlix_async.config import EngineConfig, ShardConfig
 from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
 from rlix_async.shards.devices import (
@@ -128,9 +128,9 @@ async def serve(cfg: ShardConfig) -> int:
         await worker.close()
         shutdown_engine(engine)
         return 2
-    print(f"READY {worker.data.endpoint}", flush=True)
+    signalled = asyncio.ensure_future(stop_signals().wait())
+    print(f"READY {worker.data.endpoint}", flush=True)  # handlers first: SIGTERM is clean
     dead = asyncio.ensure_future(worker.engine_dead.wait())
-    signalled = asyncio.ensure_future(until_signalled())
     await asyncio.wait([dead, signalled], return_when=asyncio.FIRST_COMPLETED)
     signalled.cancel()
     t0 = time.monotonic()

@@ -270,7 +270,13 @@ def test_an_adapter_checkpoint_holds_no_base_and_resumes_bit_exactly(
     assert size < 3 * 4 * adapter_numel + (48 << 10) < base_bytes / 4, (size, adapter_numel)
     assert ckpt["lora"] == {
         "base": str(base.resolve()),
-        "config": {"rank": 2, "alpha": 8.0, "target_modules": list(LORA_TARGETS), "dropout": 0.0},
+        "config": {
+            "rank": 2,
+            "alpha": 8.0,
+            "target_modules": list(LORA_TARGETS),
+            "dropout": 0.0,
+            "layers": None,
+        },
         "dtype": "float32",
     }
     assert ckpt["prompts_used"] == 7
