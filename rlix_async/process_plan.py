@@ -80,13 +80,11 @@ def cpu_binding(
     driver's event loop, which must not queue behind an engine's busy threads."""
     if not cores:
         raise ValueError("no cores to bind to")
-    share = max(1, len(cores) // gpus_per_node)
-    out = []
-    for d in devices:
-        i = d % gpus_per_node
-        own = cores[i * share : (i + 1) * share] if share * gpus_per_node <= len(cores) else []
-        out.append(own or [cores[i % len(cores)]])
-    return out
+    local = [d % gpus_per_node for d in devices]
+    if len(cores) < gpus_per_node:  # more devices than cores: round robin
+        return [[cores[i % len(cores)]] for i in local]
+    share = len(cores) // gpus_per_node
+    return [cores[i * share : (i + 1) * share] for i in local]
 
 
 def parse_cpu_list(text: str) -> list[int]:
