@@ -244,6 +244,8 @@ class Launcher:
         self.pipelines: dict[str, Proc] = {}
         self.exit_codes: dict[str, int] = {}
         self.env = _child_env()
+        # the cores shards bind to (none on a GPU node, or where the user set the binding)
+        self.shard_cores = [] if "VLLM_CPU_OMP_THREADS_BIND" in os.environ else _host_cores()
         self.max_shard_restarts = 3
         self.max_pipeline_restarts = 2  # each resumes from its newest checkpoint
         # A coordinator that keeps dying (e.g. a journal it cannot use) is restarted
@@ -282,12 +284,12 @@ class Launcher:
             _write(planned.config_path, planned.config)
         assert planned.log_path is not None
         env = dict(planned.env)
-        bind = planned.role == "shard" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
-        cores = _host_cores() if bind else []
-        if cores:  # no GPUs here: the devices are shares of the cores
+        if planned.role == "shard" and self.shard_cores:  # no GPUs: devices share the cores
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(  # one list per tensor-parallel rank
                 ",".join(map(str, own))
-                for own in cpu_binding(planned.devices, self.cfg.cluster.gpus_per_node, cores)
+                for own in cpu_binding(
+                    planned.devices, self.cfg.cluster.gpus_per_node, self.shard_cores
+                )
             )
         return Proc(planned.name, planned.argv, planned.log_path, env=env, append=self.resume)
 

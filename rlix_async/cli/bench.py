@@ -122,11 +122,10 @@ def _positive_float(text: str) -> float:
 def _cpu_list(text: str) -> list[int]:
     """'1', '0,2' or '2-3' as a sorted list of CPU numbers this process may use, with
     at least one left over for the load generator."""
-    cpus: set[int] = set()
+    from rlix_async.process_plan import parse_cpu_list
+
     try:
-        for part in text.split(","):
-            lo, _, hi = part.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
+        cpus = set(parse_cpu_list(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected CPUs like '1' or '2-3', got {text!r}") from None
     usable = os.sched_getaffinity(0)

@@ -153,8 +153,8 @@ def same_adapter(a: LoraConfig, b: LoraConfig) -> bool:
     """Whether adapters of the two configs mean the same thing (dropout acts in
     training only; the order of targets and layers is no part of the adapter)."""
 
-    def key(c: LoraConfig) -> tuple[int, float, list[str], list[int] | None]:
-        return c.rank, c.alpha, sorted(c.target_modules), sorted(c.layers or []) or None
+    def key(c: LoraConfig) -> tuple[int, float, list[str], list[int]]:
+        return c.rank, c.alpha, sorted(c.target_modules), sorted(c.layers or [])  # []: all
 
     return key(a) == key(b)
 

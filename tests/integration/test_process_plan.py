@@ -195,12 +195,12 @@ def test_the_real_launch_starts_exactly_the_dry_run_plan(
     pid = f"pl{os.getpid() % 10000}"
     text = ONE_NODE.replace("{engine}", SCRIPTED_ENGINE).replace("{pid}", pid)
     planned = dry_run(tmp_path, text)["processes"]
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # a user's would win
     launcher = Launcher(load_config(tmp_path / "launch.yaml", LaunchConfig))
 
     def real(value: str) -> str:  # the dry run names the coordinator's socket symbolically
         return value.replace("ipc://<coordinator.sock>", launcher.endpoint)
 
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # a user's would win
     cores = _host_cores()  # this host has no GPU: devices are shares of its cores
     assert cores or any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
 
