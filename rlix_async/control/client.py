@@ -41,6 +41,20 @@ log = logging.getLogger(__name__)
 GRANT_TIMEOUT_S = 6 * 3600.0  # a stage may wait behind others' training, never forever
 
 
+# Resume refusals that the same Resume would meet again (nothing of it was applied):
+# the client stops instead of retrying on every reconnection.
+REFUSED_FOR_GOOD = frozenset(
+    {
+        "lease_conflict",
+        "bad_resume",
+        "forbidden",
+        "bad_group",
+        "bad_topology",
+        "already_registered",
+    }
+)
+
+
 class ResumeRefused(RuntimeError):
     """The coordinator refused this pipeline's Resume: its leases conflict."""
 
@@ -346,7 +360,7 @@ class PipelineClient:
                 )
             )
         except RpcError as exc:
-            if exc.code not in ("lease_conflict", "bad_resume", "forbidden", "bad_group"):
+            if exc.code not in REFUSED_FOR_GOOD:
                 raise  # e.g. handler_failed: the reconnection loop tries again
             # Refused whole: sending it again would be refused again, forever.
             self.failed = f"{self.pipeline_id}: the coordinator refused our resume: {exc}"

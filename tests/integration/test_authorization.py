@@ -279,6 +279,25 @@ async def test_the_client_gives_up_a_resume_into_a_base_group_that_cannot_be(
         await g.close()
 
 
+async def test_the_client_gives_up_a_resume_whose_topology_the_coordinator_knows_otherwise(
+    ipc_ep: str,
+) -> None:
+    """The coordinator's journal has pipeline a with another topology (the job was
+    restarted with a changed config while the coordinator lived on): a's Resume is
+    refused as already_registered, for good, and the journal's registration stays."""
+    async with Coordinator(ipc_ep, SHAPE) as co:
+        a = await PipelineClient.connect(co.endpoint, pipeline_id="a")
+        await a.register(TOPO)
+        co.registry.remove("a")
+        co.registry.register("a", dict(TOPO_B), 1.0, None)  # what the journal replayed
+        await a._resume(a.rpc)
+        assert a.failed is not None and "another topology" in a.failed
+        with pytest.raises(ResumeRefused, match="refused our resume"):
+            await asyncio.wait_for(a.admit(), 5)
+        assert co.registry.pipelines["a"].clusters == TOPO_B
+        await a.close()
+
+
 async def test_the_shard_data_plane_serves_with_its_own_key(keys: Path) -> None:
     """Only the coordinator holds the server secret: a shard's tcp data plane serves
     with the shard's key, the router learns that public key from the coordinator,
