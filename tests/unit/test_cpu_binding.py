@@ -43,3 +43,27 @@ def test_smt_siblings_count_as_one_core(monkeypatch: pytest.MonkeyPatch) -> None
     assert launch.physical_cores({2, 3}) == [2, 3]  # allowed only one sibling of each
     assert cpu_binding([0, 1], 2, launch.physical_cores({0, 1, 2, 3})) == [[0], [1]]
     assert parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+
+
+def test_the_dry_run_table_shows_each_shards_cores_and_only_shards_are_bound() -> None:
+    """bind_shards is what the launcher and ``launch --dry-run`` both apply: a TP-2
+    shard gets one core list per rank; trainers and the coordinator get none."""
+    from rlix_async.process_plan import BIND_ENV, PlannedProcess, bind_shards, format_plan
+
+    def plan() -> list[PlannedProcess]:
+        return [
+            PlannedProcess("coordinator", "coordinator", ["x"]),
+            PlannedProcess("shard", "shard a/0", ["x"], pipeline="a", rank=0, devices=[2, 3]),
+            PlannedProcess("trainer", "trainer a", ["x"], pipeline="a", devices=[0, 1]),
+        ]
+
+    bound = plan()
+    bind_shards(bound, 4, list(range(8)))
+    assert [p.env.get(BIND_ENV) for p in bound] == [None, "4,5|6,7", None]
+    table = format_plan(bound).splitlines()
+    assert table[0].split()[6] == "CPUS"
+    assert table[2].split()[6] == "4,5|6,7" and table[3].split()[6] == "-"
+    unbound = plan()
+    bind_shards(unbound, 4, [])  # a GPU node, or the user's own binding
+    assert all(BIND_ENV not in p.env for p in unbound)
+    assert "CPUS" not in format_plan(unbound)
