@@ -238,6 +238,8 @@ def serve_coordinator(spec: dict[str, Any]) -> None:
     Registry.snapshot = t.wrap("snapshot", Registry.snapshot)  # type: ignore[method-assign]
     # every journal append is a write(2) on the loop (an fsync too, for some events)
     Journal.record = t.wrap("journal", Journal.record)  # type: ignore[method-assign]
+    # every fsync, also the one a plan's batch of events ends with (outside record)
+    Journal.sync = t.wrap("journal_sync", Journal.sync)  # type: ignore[method-assign]
     drains = _time_drains()
     lag: list[tuple[float, float, float]] = []
     gc_pauses = _time_gc()

@@ -449,12 +449,15 @@ def _summarise(
     starts = sorted(row[0] for row in stats.get("snapshot", []))
     worst = sorted((row for row in stats.get("lag", []) if t0 <= row[0] < t1), key=lambda r: -r[1])
     stalls = []
-    for end, lag_s, _ in worst[:8]:
+    for end, lag_s, cpu_s in worst[:8]:
         before = [s for s in starts if s <= end]
         stalls.append(
             {
                 "at_s": round(end - t0, 2),
                 "ms": round(1000 * lag_s, 1),
+                # the loop thread's CPU meanwhile: far below "ms", it waited (a core,
+                # a system call), not ran
+                "loop_cpu_ms": round(1000 * cpu_s, 1),
                 "after_plan_start_ms": round(1000 * (end - before[-1]), 1) if before else None,
             }
         )
@@ -512,6 +515,7 @@ def _summarise(
         "snapshot_ms": _ms(_in(stats.get("snapshot", []), t0, t1)),
         "check_ms": _ms(_in(stats.get("check", []), t0, t1)),
         "journal_ms": _ms(_in(stats.get("journal", []), t0, t1)),
+        "journal_sync_ms": _ms(_in(stats.get("journal_sync", []), t0, t1)),
         "loop_lag_ms": _ms(_in(stats.get("lag", []), t0, t1)),
         # the reader's turns: messages read per second, and how long a turn held the loop
         "received_per_s": round(sum(_in(stats.get("drains", []), t0, t1, 2)) / cfg.duration_s),

@@ -381,7 +381,7 @@ class Registry:
         # to lift before it is delivered) or awake (a wake waiting likewise) is owned.
         fenced: list[int] = []
         if self.fences:
-            fenced = sorted(self.fenced_devices() - self.owned_devices())
+            fenced = sorted(self.unowned(self.fenced_devices()))
         return Snapshot(cluster=self.shape, pipelines=pipes, policy=self.policy, fenced=fenced)
 
     def _group_demand(self, base: PipelineState) -> tuple[list[ProgressIn] | None, float]:
@@ -441,17 +441,21 @@ class Registry:
                 answered.append(p.id)
         return answered
 
-    def owned_devices(self) -> set[int]:
-        """Devices a stage holds or an awake rank runs on (``owners()`` not None)."""
-        out: set[int] = set()
+    def unowned(self, devices: set[int]) -> set[int]:
+        """Those of ``devices`` no stage holds and no awake rank runs on (``owners()``
+        None there). Cheap for a few devices: a snapshot asks it of the fenced ones on
+        every plan, and a pipeline whose shards are nowhere near them is skipped."""
+        left = set(devices)
         for p in self.pipelines.values():
+            if not left:
+                break
             for c in p.held:
-                out.update(p.clusters[c].devices)
-            if p.active and INFER in p.clusters:
-                spec = p.clusters[INFER]
+                left.difference_update(p.clusters[c].devices)
+            spec = p.clusters.get(INFER)
+            if p.active and spec is not None and not left.isdisjoint(spec.devices):
                 for r in p.active:
-                    out.update(spec.bundle(r))
-        return out
+                    left.difference_update(spec.bundle(r))
+        return left
 
     def owners(self) -> list[DeviceOwner | None]:
         """Per device: the stage or rollout shard holding it (None: idle)."""

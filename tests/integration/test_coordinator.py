@@ -48,7 +48,7 @@ def test_registry_refuses_bad_input() -> None:
     assert reg.request(pid, "actor_train", Priority.ACTOR_TRAINING, None) is first  # idempotent
 
 
-def test_owned_devices_are_the_devices_with_an_owner() -> None:
+def test_unowned_devices_are_the_devices_without_an_owner() -> None:
     """The snapshot's cheap set (every plan, twice) matches the per-device list."""
     reg = Registry(ClusterShape(nodes=1, gpus_per_node=8))
     for pid, base in (("A", 0), ("B", 4)):
@@ -62,8 +62,9 @@ def test_owned_devices_are_the_devices_with_an_owner() -> None:
     reg.pipelines["A"].held["actor_train"] = Priority.ACTOR_TRAINING
     reg.pipelines["B"].active.update({1, 3})
     reg.fence("B", 0, (4,), "sleeping")
-    expected = {d for d, o in enumerate(reg.owners()) if o is not None}
-    assert reg.owned_devices() == expected == {0, 1, 5, 7}
+    expected = {d for d, o in enumerate(reg.owners()) if o is None}
+    assert reg.unowned(set(range(8))) == expected == {2, 3, 4, 6}
+    assert reg.unowned({0, 4, 5}) == {4}  # a few devices, as the snapshot asks
     assert reg.snapshot().fenced == [4]
 
 
