@@ -144,6 +144,8 @@ class Coordinator(PeerWatcher):
                 )
             now = time.monotonic()
             for p in self.registry.pipelines.values():  # until their drivers come back
+                if p.members:  # a base group has no driver: it lives while a member does
+                    continue
                 p.connected, p.lost_at = False, now
             self._journaled_fences = set(self.registry.fences)
             if n:

@@ -153,12 +153,14 @@ class Registry:
             raise RegistryError(
                 "already_registered", f"pipeline {pid} is registered in another base group"
             )
-        base = self._group_for(pid, clusters, group) if group is not None else None
-        p = self.pipelines.setdefault(pid, PipelineState(pid))
-        if p.registered and p.clusters != clusters:
+        if existing is not None and existing.registered and existing.clusters != clusters:
             raise RegistryError(
                 "already_registered", f"pipeline {pid} is registered with another topology"
             )
+        # every check is above or in _group_for, before anything changes: a refused
+        # registration (or Resume) leaves no half-made group behind
+        base = self._group_for(pid, clusters, group) if group is not None else None
+        p = self.pipelines.setdefault(pid, PipelineState(pid))
         p.clusters = dict(clusters)
         p.weight = weight  # a restarted driver may bring a new one
         if base is not None:

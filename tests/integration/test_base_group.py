@@ -312,3 +312,38 @@ async def test_a_group_is_no_pipeline_and_its_shards_serve_only_their_members(
         finally:
             await posing.close()
             await outsider.close()
+
+
+async def test_a_base_group_outlives_a_coordinator_restart_while_its_members_resume(
+    ipc_ep: str, tmp_path: Path
+) -> None:
+    """A base group has no driver of its own: after a restart on the journal its lease
+    is its members'. Before, replay marked it lost like a driver's pipeline, nothing
+    ever cleared that, and it was dropped at lease expiry under its resumed members;
+    every scheduling step then failed (KeyError on the group)."""
+    from rlix_async.config import SchedulerConfig
+
+    journal = tmp_path / "journal.jsonl"
+    cfg = SchedulerConfig(lease_timeout_s=1.0)
+    drivers: list[PipelineClient] = []
+    async with Coordinator(ipc_ep, ClusterShape(1, 2), journal=journal, config=cfg) as co:
+        for pid, train in MEMBERS.items():
+            pc = await PipelineClient.connect(co.endpoint, pipeline_id=pid)
+            await pc.register({"actor_train": train, "actor_infer": INFER}, group="g")
+            await pc.admit()
+            drivers.append(pc)
+    try:
+        async with Coordinator(ipc_ep, ClusterShape(1, 2), journal=journal, config=cfg) as co:
+            await until(
+                lambda: all(co.registry.pipelines[d.pipeline_id].connected for d in drivers)
+            )
+            await asyncio.sleep(2.5)  # past the lease timeout of anything still marked lost
+            assert co.registry.pipelines["g"].members == ["a", "b"]
+            assert co.registry.pipelines["g"].lost_at is None
+            co.schedule_once()  # raised KeyError once the group was dropped
+            await drivers[0].report_progress(8, 0, force=True)
+            assert await drivers[0].request("actor_infer", "GENERATION", timeout=10) == [0, 1]
+            assert all(d.failed is None for d in drivers)
+    finally:
+        for pc in drivers:
+            await pc.close()

@@ -105,6 +105,19 @@ def test_a_member_with_another_actor_infer_is_refused_naming_both() -> None:
     assert reg.get("base").members == ["a"]
 
 
+def test_a_refused_registration_changes_nothing_not_even_a_group() -> None:
+    """Every check runs before anything is made: a member re-registering with another
+    topology while its group is missing (dropped meanwhile) is refused without
+    recreating the group, which would then refuse every other member as a pipeline."""
+    reg = Registry(SHAPE)
+    reg.register("a", lora((0,)), group="base")
+    del reg.pipelines["base"]  # the state a dropped group used to leave behind
+    with pytest.raises(RegistryError, match="registered with another topology"):
+        reg.register("a", lora((1,)), group="base")
+    assert "base" not in reg.pipelines
+    assert reg.get("a").clusters == lora((0,))
+
+
 def test_a_member_asks_only_rollouts_of_the_groups_shards() -> None:
     """INITIALIZATION on actor_infer by a member would wait forever (the group holds
     those shards): refused at once; its GENERATION request and training go through."""
