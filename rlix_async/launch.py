@@ -38,14 +38,13 @@ import msgspec
 
 from rlix_async.config import LaunchConfig, PipelineConfig, dump
 from rlix_async.process_plan import (
-    BIND_ENV,
     NodePlanError,
     PlannedProcess,
     bind_shards,
     build_plan,
     model_dir,
     node_plan,
-    parse_cpu_list,
+    shard_cores,
     trainer_process,
 )
 from rlix_async.security import ipc_endpoint
@@ -483,35 +482,6 @@ def _check_node(cfg: LaunchConfig, node: NodeRole) -> None:
             raise SecurityError(f"{node.keys}/server.key: missing (copy it from the keygen)")
     except SecurityError as exc:
         raise LaunchError(str(exc)) from None
-
-
-def shard_cores() -> list[int]:
-    """The cores this node's shards bind to: none on a GPU node, or where the user set
-    the binding (``VLLM_CPU_OMP_THREADS_BIND``) for every process."""
-    return [] if BIND_ENV in os.environ else _host_cores()
-
-
-def _host_cores() -> list[int]:
-    """This node's physical cores (one logical CPU each: SMT siblings, often numbered
-    far apart, would put two shards on one core), where it has no GPU (logical devices
-    bind to shares of them); empty on a GPU node, where nothing is pinned."""
-    if any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists():
-        return []
-    return physical_cores(os.sched_getaffinity(0))
-
-
-def physical_cores(allowed: set[int]) -> list[int]:
-    """One logical CPU of each physical core in ``allowed`` (the lowest sibling)."""
-    return sorted(c for c in allowed if min(_siblings(c) & allowed) == c)
-
-
-def _siblings(cpu: int) -> set[int]:
-    """The logical CPUs sharing ``cpu``'s physical core (itself alone where unknown)."""
-    path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-    try:
-        return set(parse_cpu_list(path.read_text())) | {cpu}
-    except (OSError, ValueError):
-        return {cpu}
 
 
 def _child_env() -> dict[str, str]:

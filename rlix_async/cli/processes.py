@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -77,8 +78,14 @@ def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
     """Print the process plan without starting (or writing) anything."""
     import json
 
-    from rlix_async.launch import shard_cores
-    from rlix_async.process_plan import NodePlanError, bind_shards, build_plan, format_plan
+    from rlix_async.process_plan import (
+        BIND_ENV,
+        NodePlanError,
+        bind_shards,
+        build_plan,
+        format_plan,
+        shard_cores,
+    )
 
     endpoint = "ipc://<coordinator.sock>" if cfg.cluster.nodes == 1 else "tcp://<head-node>:7600"
     try:
@@ -93,6 +100,8 @@ def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
     print(format_plan(plan))
     if cores and cfg.cluster.nodes > 1:  # each node binds its shards to its own cores
         print(f"CPUS: as on this host ({len(cores)} cores); each node binds to its own")
+    elif not cores and (bound := os.environ.get(BIND_ENV)) is not None:
+        print(f"CPUS: every process gets your {BIND_ENV}={bound}")
     return 0
 
 

@@ -56,7 +56,9 @@ REFUSED_FOR_GOOD = frozenset(
 
 
 class ResumeRefused(RuntimeError):
-    """The coordinator refused this pipeline's Resume: its leases conflict."""
+    """The coordinator refused this pipeline's Resume for good (REFUSED_FOR_GOOD): its
+    leases conflict, or its registration no longer fits (another topology, group or
+    cluster); the pipeline exits and its launcher restarts it from a checkpoint."""
 
 
 class PipelineClient:

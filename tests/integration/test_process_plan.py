@@ -188,8 +188,8 @@ def test_the_real_launch_starts_exactly_the_dry_run_plan(
         convert,
         load_config,
     )
-    from rlix_async.launch import Launcher, _host_cores
-    from rlix_async.process_plan import cpu_binding
+    from rlix_async.launch import Launcher
+    from rlix_async.process_plan import _host_cores, cpu_binding
 
     kinds = {"coordinator": CoordinatorConfig, "shard": ShardConfig, "trainer": PipelineConfig}
     pid = f"pl{os.getpid() % 10000}"

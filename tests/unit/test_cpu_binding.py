@@ -1,5 +1,5 @@
 """Logical devices on a node without GPUs are shares of its physical cores
-(process_plan.cpu_binding, launch._host_cores): two shards pin their engines to the same
+(process_plan.cpu_binding, process_plan._host_cores): two shards pin their engines to the same
 core only where devices outnumber cores. The launch test (test_process_plan.py)
 checks each shard's engine gets its devices' list."""
 
@@ -36,13 +36,13 @@ def test_each_device_gets_its_own_share_of_the_cores(
 def test_smt_siblings_count_as_one_core(monkeypatch: pytest.MonkeyPatch) -> None:
     """Hyperthreads numbered far apart (0 and 2 share a core, 1 and 3 another): the
     cores are 0 and 1, so two shards get a physical core each, not a sibling each."""
-    from rlix_async import launch
+    from rlix_async import process_plan
 
     siblings = {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}
-    monkeypatch.setattr(launch, "_siblings", lambda c: set(parse_cpu_list(siblings[c])))
-    assert launch.physical_cores({0, 1, 2, 3}) == [0, 1]
-    assert launch.physical_cores({2, 3}) == [2, 3]  # allowed only one sibling of each
-    assert cpu_binding([0, 1], 2, launch.physical_cores({0, 1, 2, 3})) == [[0], [1]]
+    monkeypatch.setattr(process_plan, "_siblings", lambda c: set(parse_cpu_list(siblings[c])))
+    assert process_plan.physical_cores({0, 1, 2, 3}) == [0, 1]
+    assert process_plan.physical_cores({2, 3}) == [2, 3]  # allowed only one sibling of each
+    assert cpu_binding([0, 1], 2, process_plan.physical_cores({0, 1, 2, 3})) == [[0], [1]]
     assert parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
 
 
