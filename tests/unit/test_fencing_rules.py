@@ -160,6 +160,10 @@ class World:
                 o = owners[d]
                 mine = o is not None and (o.pipeline, o.rank) == (pid, rank)
                 assert d in fenced or mine, f"{pid}[{rank}] ({w.name}) holds {d}, owner {o}"
+        # the snapshot's shortcut (Registry.unowned) agrees with the per-device owners
+        for devices in (fenced, set(range(len(owners)))):
+            free = {d for d in devices if owners[d] is None}
+            assert self.registry.unowned(devices) == free, devices
 
 
 # Weighted towards the steps that move devices between holders (plans and deliveries).
