@@ -58,7 +58,8 @@ REFUSED_FOR_GOOD = frozenset(
 class ResumeRefused(RuntimeError):
     """The coordinator refused this pipeline's Resume for good (REFUSED_FOR_GOOD): its
     leases conflict, or its registration no longer fits (another topology, group or
-    cluster); the pipeline exits and its launcher restarts it from a checkpoint."""
+    cluster); every later call raises it. Under ``rlix-async launch`` the pipeline
+    then exits and is restarted from its checkpoint, registering afresh."""
 
 
 class PipelineClient:
