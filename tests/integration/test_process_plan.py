@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers.cluster import SCRIPTED_ENGINE, rlix
+from helpers.cluster import ROOT, SCRIPTED_ENGINE, rlix
 
 TWO_NODES = """
 out: {out}
@@ -91,6 +92,26 @@ def test_dry_run_prints_a_table(tmp_path: Path) -> None:
         "CUDA_VISIBLE_DEVICES",
     ]
     assert lines[4].split()[:6] == ["shard", "code", "0", "1", "4,5", "0,1"]
+
+
+def test_dry_run_says_when_the_users_own_binding_goes_to_every_process(tmp_path: Path) -> None:
+    """With VLLM_CPU_OMP_THREADS_BIND set, the launcher binds nothing itself: no CPUS
+    column, and one line saying the user's value reaches every process."""
+    cfg = tmp_path / "launch.yaml"
+    cfg.write_text(TWO_NODES.format(out=tmp_path / "out"))
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"}
+    out = subprocess.run(
+        [sys.executable, "-m", "rlix_async.cli", "launch", str(cfg), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "CPUS" not in lines[0]
+    assert lines[-1] == "CPUS: every process gets your VLLM_CPU_OMP_THREADS_BIND=0-1|2-3"
 
 
 @pytest.mark.parametrize(
