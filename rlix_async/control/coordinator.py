@@ -9,8 +9,7 @@ waits only for the shrinks on its own devices; every command has a timeout).
 Fault isolation: a driver that stops heartbeating keeps its leases for
 ``lease_timeout_s`` (it may be reconnecting), then loses them; nobody else is
 affected. Restart: the journal rebuilds registrations, stages held and ranks
-awake; reconnecting drivers re-assert their state with ``Resume``.
-"""
+awake; reconnecting drivers re-assert their state with ``Resume``."""
 
 from __future__ import annotations
 
@@ -143,9 +142,8 @@ class Coordinator(PeerWatcher):
                     stats.cut_bytes,
                 )
             now = time.monotonic()
-            for p in self.registry.pipelines.values():  # until their drivers come back
-                if p.members:  # a base group has no driver: it lives while a member does
-                    continue
+            # lost until their drivers return (a base group has none: it lives by its members)
+            for p in [q for q in self.registry.pipelines.values() if not q.members]:
                 p.connected, p.lost_at = False, now
             self._journaled_fences = set(self.registry.fences)
             if n:

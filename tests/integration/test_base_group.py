@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -329,7 +330,9 @@ async def test_a_base_group_outlives_a_coordinator_restart_while_its_members_res
     from rlix_async.config import SchedulerConfig
 
     journal = tmp_path / "journal.jsonl"
-    cfg = SchedulerConfig(lease_timeout_s=1.0)
+    # long enough for the members to resume on a loaded machine (a member not back in
+    # time is dropped, rightly, and the group with its last one)
+    cfg = SchedulerConfig(lease_timeout_s=4.0)
     drivers: list[PipelineClient] = []
     async with Coordinator(ipc_ep, ClusterShape(1, 2), journal=journal, config=cfg) as co:
         for pid, train in MEMBERS.items():
@@ -339,10 +342,13 @@ async def test_a_base_group_outlives_a_coordinator_restart_while_its_members_res
             drivers.append(pc)
     try:
         async with Coordinator(ipc_ep, ClusterShape(1, 2), journal=journal, config=cfg) as co:
+            restarted = time.monotonic()
             await until(
-                lambda: all(co.registry.pipelines[d.pipeline_id].connected for d in drivers)
+                lambda: all(co.registry.pipelines[d.pipeline_id].connected for d in drivers),
+                timeout=cfg.lease_timeout_s,
             )
-            await asyncio.sleep(2.5)  # past the lease timeout of anything still marked lost
+            # past the lease timeout of anything still marked lost since the replay
+            await asyncio.sleep(max(0.0, restarted + cfg.lease_timeout_s + 1.0 - time.monotonic()))
             assert co.registry.pipelines["g"].members == ["a", "b"]
             assert co.registry.pipelines["g"].lost_at is None
             co.schedule_once()  # raised KeyError once the group was dropped
