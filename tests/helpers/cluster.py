@@ -58,8 +58,10 @@ async def joined_pipeline(endpoint: str, pid: str, topology: dict, transport: An
     return pc
 
 
-def rlix(*args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess[str]:
-    """Run the ``rlix-async`` command in a child process."""
+def rlix(
+    *args: str, timeout: float = 120, check: bool = False, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the ``rlix-async`` command in a child process (``env``: its whole environment)."""
     return subprocess.run(
         [sys.executable, "-m", "rlix_async.cli", *args],
         capture_output=True,
@@ -67,4 +69,5 @@ def rlix(*args: str, timeout: float = 120, check: bool = False) -> subprocess.Co
         timeout=timeout,
         check=check,
         cwd=ROOT,
+        env=env,
     )

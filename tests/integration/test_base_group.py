@@ -20,6 +20,7 @@ from typing import TypeVar
 import pytest
 import torch
 from helpers.scripted_engine import ScriptedEngine, adapter_offset
+from helpers.waits import until
 
 from rlix_async.control import journal as ev
 from rlix_async.control.client import PipelineClient
@@ -51,13 +52,6 @@ def adapter(seed: int) -> dict[str, torch.Tensor]:
 
 
 ADAPTER_BYTES = 2 * 8 * 64 * 4
-
-
-async def until(pred, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 E = TypeVar("E")

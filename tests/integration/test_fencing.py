@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from helpers.cluster import SCRIPTED_ENGINE, joined_pipeline
+from helpers.waits import until
 
 from rlix_async.config import SchedulerConfig
 from rlix_async.control import messages as m
@@ -184,11 +185,7 @@ async def test_a_shard_sleeps_before_its_hello_and_reports_memory(ipc_ep: str) -
             assert engine.asleep and engine.sleeps == 1  # before the coordinator heard of it
             await driver.report_progress(8, 0, force=True)
             await driver.request("actor_infer", "GENERATION", timeout=10)
-            # recorded when the wake's ack arrives, which may follow the grant
-            for _ in range(200):
-                if ("P", 0) in co.shard_memory:
-                    break
-                await asyncio.sleep(0.05)
+            await until(lambda: ("P", 0) in co.shard_memory)  # recorded when the ack arrives
             assert co.shard_memory[("P", 0)] > 10 << 20  # this process's RSS, on CPU
         finally:
             await worker.close()

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers.cluster import ROOT, SCRIPTED_ENGINE, rlix
+from helpers.cluster import SCRIPTED_ENGINE, rlix
 
 TWO_NODES = """
 out: {out}
@@ -100,14 +99,7 @@ def test_dry_run_says_when_the_users_own_binding_goes_to_every_process(tmp_path:
     cfg = tmp_path / "launch.yaml"
     cfg.write_text(TWO_NODES.format(out=tmp_path / "out"))
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"}
-    out = subprocess.run(
-        [sys.executable, "-m", "rlix_async.cli", "launch", str(cfg), "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=env,
-    )
+    out = rlix("launch", str(cfg), "--dry-run", env=env)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "CPUS" not in lines[0]

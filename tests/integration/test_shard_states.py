@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers.cluster import joined_pipeline
 from helpers.scripted_engine import ScriptedEngine
+from helpers.waits import until
 
 from rlix_async.control.coordinator import Coordinator
 from rlix_async.control.messages import ShardState
@@ -27,13 +28,6 @@ from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.sinks import SyncError
 
 TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0,))}
-
-
-async def until(pred, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 async def generate(client: RpcClient, rid: str, max_tokens: int = 4) -> GenerateResult:

@@ -7,11 +7,11 @@ several vLLM engines on this machine); the weights still travel the real path
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 from helpers.cluster import joined_pipeline
 from helpers.scripted_engine import ScriptedEngine
+from helpers.waits import until
 
 from rlix_async.control.coordinator import Coordinator
 from rlix_async.control.messages import ShardState
@@ -27,13 +27,6 @@ def weights(seed: int) -> dict:
 
     g = torch.Generator().manual_seed(seed)
     return {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g)}
-
-
-async def until(pred, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 async def test_wake_syncs_active_stale_shards_sync_sleeping_ones_wait(ipc_ep: str) -> None:

@@ -1,6 +1,6 @@
 """Logical devices on a node without GPUs are shares of its physical cores
-(process_plan.cpu_binding, process_plan._host_cores): two shards pin their engines to the same
-core only where devices outnumber cores. The launch test (test_process_plan.py)
+(process_plan.cpu_binding, process_plan._host_cores): two shards pin their engines to
+the same core only where devices outnumber cores. The launch test (test_process_plan.py)
 checks each shard's engine gets its devices' list."""
 
 from __future__ import annotations
