@@ -14,7 +14,8 @@ from collections.abc import Iterable
 
 import msgspec
 
-from rlix_async.control.registry import Fence, PipelineState, Registry
+from rlix_async.control.fences import Fence
+from rlix_async.control.registry import PipelineState, Registry
 from rlix_async.control.snapshot import ProgressIn
 from rlix_async.control.topology import (
     INFER,

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from rlix_async.control.fences import Fence, FenceTable
 from rlix_async.control.messages import DeviceOwner
 from rlix_async.control.snapshot import (
     PipelineIn,
@@ -86,28 +87,12 @@ class PipelineState:
         return sum(p.target - min(p.completed, p.target) for p in self.progress.values())
 
 
-@dataclass
-class Fence:
-    """Devices a shard worker may still hold: not planned, not granted, until lifted."""
-
-    pipeline: str
-    rank: int
-    devices: tuple[int, ...]
-    holder: str | None  # the worker incarnation ("host:pid") that may hold them
-    reason: str
-    since: float
-
-    def __str__(self) -> str:
-        who = self.holder or "no worker"
-        return f"{self.pipeline}/{INFER}[{self.rank}] ({who}): {self.reason}"
-
-
 class Registry:
     def __init__(self, shape: ClusterShape, policy: Policy | None = None) -> None:
         self.shape = shape
         self.policy = policy or Policy()
         self.pipelines: dict[str, PipelineState] = {}
-        self.fences: dict[tuple[str, int], Fence] = {}
+        self.fences = FenceTable()
         # The last worker incarnation seen per rollout rank ("host:pid"); kept after it
         # is lost, so a rank whose worker vanished is told apart from one never run.
         self.workers: dict[tuple[str, int], str] = {}
@@ -268,11 +253,10 @@ class Registry:
 
     def blocking_fences(self, devices: Iterable[int]) -> list[Fence]:
         """Fences covering any of ``devices``: a grant or wake there must wait."""
-        wanted = set(devices)
-        return [f for f in self.fences.values() if wanted.intersection(f.devices)]
+        return self.fences.covering(devices)
 
     def fenced_devices(self) -> set[int]:
-        return {d for f in self.fences.values() for d in f.devices}
+        return self.fences.devices()
 
     # --- stages --------------------------------------------------------------------------
 
