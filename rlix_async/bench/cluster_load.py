@@ -2,7 +2,7 @@
 
 ``python -m rlix_async.bench.cluster_load ROLE SPEC.json [INDEX]``:
 
-- ``coordinator``: the real coordinator (``control.coordinator.serve``, the code
+- ``coordinator``: the real coordinator (``control.coordinator_main.serve``, the code
   ``rlix-async coordinator`` runs) with timers around the scheduling step
   (snapshot, plan in the planner thread, check and apply on the loop) and a probe of the event loop's lag; the samples are
   written to ``STATS`` when it is stopped. The timers are wrapped around the
@@ -202,6 +202,7 @@ def _entered(
 def serve_coordinator(spec: dict[str, Any]) -> None:
     from rlix_async.config import CoordinatorConfig, load_config
     from rlix_async.control import coordinator as co
+    from rlix_async.control import coordinator_main
     from rlix_async.control.journal import Journal
     from rlix_async.control.planner_proc import PlannerProcess
     from rlix_async.control.registry import Registry
@@ -251,7 +252,7 @@ def serve_coordinator(spec: dict[str, Any]) -> None:
             loop.slow_callback_duration = spec["slow_callback_ms"] / 1000
         probe = asyncio.ensure_future(_lag_probe(lag))
         try:
-            await co.serve(cfg)
+            await coordinator_main.serve(cfg)
         finally:
             probe.cancel()
 

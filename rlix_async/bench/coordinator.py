@@ -1,6 +1,6 @@
 """``rlix-async bench coordinator``: the control plane at cluster scale, on real sockets.
 
-One coordinator process (the shipped ``control.coordinator.serve``, with timers
+One coordinator process (the shipped ``control.coordinator_main.serve``, with timers
 around its scheduling step: rlix_async/bench/cluster_load.py), ``--peers``
 simulated shard workers spread over a few processes (one DEALER socket each,
 heartbeating at the default interval, answering every sleep/wake/sync) and

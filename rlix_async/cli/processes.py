@@ -34,7 +34,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         check_output(cfg.journal, parents=True)  # the coordinator creates its directory
 
     from rlix_async.aio import run  # the process's imports after its input is checked
-    from rlix_async.control.coordinator import serve
+    from rlix_async.control.coordinator_main import serve
 
     run(serve(cfg))
     return 0

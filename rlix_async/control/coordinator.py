@@ -23,8 +23,8 @@ from pathlib import Path
 
 import msgspec
 
-from rlix_async.aio import Supervisor, stop_signals
-from rlix_async.config import CoordinatorConfig, SchedulerConfig
+from rlix_async.aio import Supervisor, TurnPacer
+from rlix_async.config import SchedulerConfig
 from rlix_async.control import journal as ev
 from rlix_async.control import messages as m
 from rlix_async.control.cadence import PlanCadence, progress_is_urgent
@@ -32,6 +32,7 @@ from rlix_async.control.journal import Journal, JournalWriteError, open_journal
 from rlix_async.control.peers import PeerWatcher
 from rlix_async.control.planner import check_plan, idle_after, plan
 from rlix_async.control.planner_proc import PlannerProcess
+from rlix_async.control.realise import STEPS_PER_TURN
 from rlix_async.control.registry import Registry, RegistryError
 from rlix_async.control.snapshot import Plan, RankChange, Snapshot
 from rlix_async.control.topology import (
@@ -41,7 +42,7 @@ from rlix_async.control.topology import (
     priority_name,
 )
 from rlix_async.protocol import ErrorCode, Ok
-from rlix_async.security import ServerKeys, ipc_endpoint
+from rlix_async.security import ServerKeys
 from rlix_async.transport import CallContext, RpcServer, TransportConfig
 from rlix_async.weights.ref import CacheRef
 
@@ -89,6 +90,7 @@ class Coordinator(PeerWatcher):
         )
         self._fence_lifted: dict[tuple[str, int], asyncio.Event] = {}
         self._journal_sync_due = False
+        self.pacer = TurnPacer(STEPS_PER_TURN)
         self._journaled_fences: set[tuple[str, int]] = set()
         self._sleeping: set[tuple[str, int]] = set()
         self.weights: dict[str, CacheRef] = {}  # latest promoted version per pipeline
@@ -146,6 +148,7 @@ class Coordinator(PeerWatcher):
             for p in [q for q in self.registry.pipelines.values() if not q.members]:
                 p.connected, p.lost_at = False, now
             self._journaled_fences = set(self.registry.fences)
+            self.registry.fences.take_changed()  # replayed: journaled already
             if n:
                 log.info(
                     "journal %s: %d events replayed, %d pipelines recovered",
@@ -566,35 +569,3 @@ def _is_admin(ctx: CallContext) -> bool:
     if ctx.principal is not None:
         return ctx.principal.role == "admin"
     return ctx.peer.split("/")[1:2] == ["cli"]
-
-
-async def serve(cfg: CoordinatorConfig) -> None:
-    """The coordinator process: serve until SIGINT or SIGTERM (``rlix-async coordinator``)."""
-    from rlix_async.observe.metrics import Metrics
-
-    metrics = Metrics(cfg.metrics_port, cfg.metrics_host) if cfg.metrics_port is not None else None
-    coord = Coordinator(
-        cfg.endpoint or ipc_endpoint("coordinator"),
-        cfg.cluster,
-        journal=cfg.journal,
-        keys=ServerKeys.load(cfg.keys) if cfg.keys else None,
-        transport=TransportConfig.with_heartbeat(
-            cfg.heartbeat_interval_s, io_threads=cfg.io_threads
-        ),
-        config=cfg.scheduler,
-        on_status=metrics.update if metrics is not None else None,
-    )
-    try:
-        await coord.start()
-        signalled: asyncio.Future[object] = asyncio.ensure_future(stop_signals().wait())
-        print(f"READY {coord.endpoint}", flush=True)  # handlers first: SIGTERM is clean
-        assert coord.fatal is not None
-        fatal: asyncio.Future[object] = coord.fatal  # type: ignore[assignment]  # str is an object
-        await asyncio.wait([signalled, fatal], return_when=asyncio.FIRST_COMPLETED)
-        signalled.cancel()
-        await coord.close()
-        if coord.fatal.done():  # the launcher restarts us on the journal
-            raise SystemExit(f"coordinator: {coord.fatal.result()}; exiting to be restarted")
-    finally:
-        if metrics is not None:
-            metrics.close()

@@ -16,7 +16,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable
 
-from rlix_async.aio import Supervisor
+from rlix_async.aio import Supervisor, TurnPacer
 from rlix_async.config import SchedulerConfig
 from rlix_async.control import journal as ev
 from rlix_async.control import messages as m
@@ -37,6 +37,9 @@ from rlix_async.weights.ref import CacheRef
 log = logging.getLogger("rlix_async.control.coordinator")
 
 UNFENCE_SYNC_S = 0.05  # lifted fences are fsynced together, this long after the first
+# Realisation steps (a command sent, an acknowledgement taken in, a driver notified) run
+# at most this many per turn of the loop (aio.TurnPacer says why): about 2-5 ms of CPU.
+STEPS_PER_TURN = 32
 
 
 def devices_of(spec: ClusterSpec, ranks: Iterable[int]) -> list[int]:
@@ -49,6 +52,7 @@ class PlanRealiser:
     journal: Journal
     cfg: SchedulerConfig
     tasks: Supervisor
+    pacer: TurnPacer
     kick: Callable[[], None]
     weights: dict[str, CacheRef]  # latest promoted version per pipeline
     shard_versions: dict[tuple[str, int], int | None]  # acked by workers
@@ -69,23 +73,28 @@ class PlanRealiser:
         return answered
 
     def _journal_fences(self) -> None:
-        """Journal fences set or lifted since the last call, and wake their waiters."""
-        now = set(self.registry.fences)
-        for key in sorted(now - self._journaled_fences):
-            f = self.registry.fences[key]
-            self.journal.record(
-                ev.Fenced(
-                    pipeline=f.pipeline,
-                    rank=f.rank,
-                    devices=list(f.devices),
-                    holder=f.holder,
-                    reason=f.reason,
+        """Journal fences set or lifted since the last call, and wake their waiters.
+        Only the keys the registry changed are looked at (hundreds of fences stand at
+        once at scale, and sleeps are confirmed one by one)."""
+        fences = self.registry.fences
+        changed = sorted(fences.take_changed())
+        for key in changed:
+            f = fences.get(key)
+            if f is not None and key not in self._journaled_fences:
+                self.journal.record(
+                    ev.Fenced(
+                        pipeline=f.pipeline,
+                        rank=f.rank,
+                        devices=list(f.devices),
+                        holder=f.holder,
+                        reason=f.reason,
+                    )
                 )
-            )
-        lifted = self._journaled_fences - now
-        for pid, rank in sorted(lifted):
-            self.journal.record(ev.Unfenced(pipeline=pid, rank=rank))
-        self._journaled_fences = now
+                self._journaled_fences.add(key)
+        lifted = [k for k in changed if k not in fences and k in self._journaled_fences]
+        for key in lifted:
+            self.journal.record(ev.Unfenced(pipeline=key[0], rank=key[1]))
+            self._journaled_fences.discard(key)
         for key in lifted:  # wake only those waiting for this fence: hundreds of sleeps
             waiters = self._fence_lifted.pop(key, None)  # are confirmed in one burst
             if waiters is not None:
@@ -250,6 +259,7 @@ class PlanRealiser:
             return p is not None and p.held.get(cluster) == Priority[priority]
 
         if await self._wait_unfenced(devices, f"grant of {cluster} to {pid}", still_granted):
+            await self.pacer.turn()
             await self.server.notify(
                 m.driver_identity(pid),
                 m.Granted(cluster=cluster, priority=priority, devices=devices),
@@ -326,6 +336,7 @@ class PlanRealiser:
         acknowledgement, or None when it failed, timed out or the worker is gone.
         Pipelines that run their engines themselves (no worker ever said hello for
         the rank) follow ActiveRanks: a wake or sync there succeeds at once."""
+        await self.pacer.turn()
         ident = m.worker_identity(pid, rank)
         if ident not in self.server.peers:
             if self.registry.workers.get((pid, rank)) is None and action != "sleep":
@@ -347,6 +358,7 @@ class PlanRealiser:
         except Exception as exc:  # stuck, failed or gone: the caller decides
             log.error("%s of %s failed: %s", action, ident, exc)
             return None
+        await self.pacer.turn()  # acknowledgements come back in bursts
         if not isinstance(ack, m.ShardAck):
             log.error("%s of %s: unexpected reply %s", action, ident, type(ack).__name__)
             return None
@@ -384,6 +396,7 @@ class PlanRealiser:
     async def _notify_ranks(self, pid: str) -> None:
         """Tell ``pid``'s driver which shards serve it now; for a base group, every
         member's driver (the group has none)."""
+        await self.pacer.turn()
         p = self.registry.pipelines.get(pid)
         if p is None:
             return
