@@ -28,7 +28,7 @@ from rlix_async.config import SchedulerConfig
 from rlix_async.control import journal as ev
 from rlix_async.control import messages as m
 from rlix_async.control.cadence import PlanCadence, progress_is_urgent
-from rlix_async.control.journal import Journal, JournalWriteError, open_journal
+from rlix_async.control.journal import GroupSync, Journal, JournalWriteError, open_journal
 from rlix_async.control.peers import PeerWatcher
 from rlix_async.control.planner import check_plan, idle_after, plan
 from rlix_async.control.planner_proc import PlannerProcess
@@ -43,7 +43,7 @@ from rlix_async.control.topology import (
 )
 from rlix_async.protocol import ErrorCode, Ok
 from rlix_async.security import ServerKeys
-from rlix_async.transport import CallContext, RpcServer, TransportConfig
+from rlix_async.transport import CallContext, Deferred, RpcServer, TransportConfig
 from rlix_async.weights.ref import CacheRef
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class Coordinator(PeerWatcher):
         self._fence_lifted: dict[tuple[str, int], asyncio.Event] = {}
         self._journal_sync_due = False
         self.pacer = TurnPacer(STEPS_PER_TURN)
+        self.group_sync = GroupSync(self.journal)
         self._journaled_fences: set[tuple[str, int]] = set()
         self._sleeping: set[tuple[str, int]] = set()
         self.weights: dict[str, CacheRef] = {}  # latest promoted version per pipeline
@@ -133,6 +134,7 @@ class Coordinator(PeerWatcher):
         if self.journal_path is not None:
             self.journal, stats = open_journal(self.journal_path, self.registry)
             self.journal.on_error = self._journal_failed
+            self.group_sync = GroupSync(self.journal)
             n = stats.events
             if stats.skipped or stats.unreadable or stats.cut_bytes:
                 log.warning(
@@ -287,18 +289,21 @@ class Coordinator(PeerWatcher):
         self.kick()
         return Ok()
 
-    def _release(self, msg: m.ReleaseStage, ctx: CallContext) -> Ok:
+    def _release(self, msg: m.ReleaseStage, ctx: CallContext) -> Ok | Deferred:
+        """Released at once; the reply waits for the fsync it shares with the other
+        calls of this loop turn (releases come in bursts: ``GroupSync``)."""
         self._authorize(ctx, msg.pipeline_id)
         if self.registry.release(msg.pipeline_id, msg.cluster):
-            self.journal.record(ev.Released(pipeline=msg.pipeline_id, cluster=msg.cluster))
+            released = ev.Released(pipeline=msg.pipeline_id, cluster=msg.cluster)
+            self.journal.record(released, sync=False)
         self.kick()
-        return Ok()
+        return self.group_sync.reply_after(Ok())
 
-    def _release_and_request(self, msg: m.ReleaseAndRequest, ctx: CallContext) -> Ok:
+    def _release_and_request(self, msg: m.ReleaseAndRequest, ctx: CallContext) -> Ok | Deferred:
         self._authorize(ctx, msg.pipeline_id)
         self.registry.get(msg.pipeline_id)
         self._release(m.ReleaseStage(pipeline_id=msg.pipeline_id, cluster=msg.release), ctx)
-        return self._request(msg.request, ctx)
+        return self.group_sync.reply_after(self._request(msg.request, ctx))
 
     async def _shrink_all(self, msg: m.ShrinkAll, ctx: CallContext) -> Ok:
         self._authorize(ctx, msg.pipeline_id)

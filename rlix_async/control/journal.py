@@ -16,6 +16,7 @@ history into one :class:`RegistrySnapshot`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
@@ -25,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -56,8 +57,10 @@ from rlix_async.control.events import (  # noqa: F401  (re-exported: journal.X i
     WorkerRecord,
 )
 from rlix_async.control.registry import Registry
+from rlix_async.transport.types import Deferred
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Journals longer than this (events) are compacted into one snapshot when a
 # coordinator opens them: large enough that a run's timeline is never cut short
@@ -333,10 +336,11 @@ class Journal:
             os.fsync(fd)
         return start
 
-    def record(self, event: Event) -> None:
+    def record(self, event: Event, *, sync: bool = True) -> None:
         """Append one event; raises :class:`JournalWriteError` when it is not written
         (or, under the fsync policy, not synced), in which case the caller must not act
-        on it."""
+        on it. With ``sync=False`` the fsync the policy asks for is left to the
+        caller (:class:`GroupSync`, or a batch's end)."""
         event.t = round(self.clock(), 6)
         if self.path is None:
             return
@@ -346,7 +350,7 @@ class Journal:
             lease = isinstance(event, LEASE_EVENTS)
             if self.fsync == "always" or (self.fsync == "leases" and lease):
                 self._unsynced = True
-                if not self._batches:
+                if sync and not self._batches:
                     self.sync()
         except JournalWriteError as exc:
             if self.on_error is not None:
@@ -401,6 +405,11 @@ class Journal:
                 self.on_error(error)
             raise error from exc
         self._unsynced = False
+
+    @property
+    def unsynced(self) -> bool:
+        """Written events the fsync policy wants on disk are not yet."""
+        return self._unsynced
 
     def compact(self, registry: Registry) -> None:
         """Rewrite the file as one :class:`RegistrySnapshot` of ``registry``, atomically
@@ -475,3 +484,42 @@ def open_journal(
     if compact_over is not None:
         stats.compacted = journal.maybe_compact(registry, compact_over)
     return journal, stats
+
+
+class GroupSync:
+    """Group commit: the handlers of one turn of the loop share one fsync. A handler
+    records with ``sync=False`` and returns :meth:`reply_after`, a
+    :class:`~rlix_async.transport.Deferred` reply; one fsync on the next turn makes
+    every event recorded meanwhile durable, then all those replies go out. At 4,096
+    peers, 70 ReleaseStage calls came in one burst and, fsynced one by one, took
+    30 ms of the loop (docs/PERF.md)."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self._waiting: list[tuple[Deferred, Any]] = []
+        self.syncs = 0  # fsyncs done for the group (for tests and benchmarks)
+
+    def reply_after(self, reply: T) -> T | Deferred:
+        """``reply`` once what was recorded is durable: itself at once when nothing
+        waits for an fsync, else a Deferred of it, answered after the next group
+        fsync (or failed with that fsync's :class:`JournalWriteError`)."""
+        if not self.journal.unsynced:
+            return reply
+        if not self._waiting:
+            asyncio.get_running_loop().call_soon(self._sync)
+        later = Deferred()
+        self._waiting.append((later, reply))
+        return later
+
+    def _sync(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        try:
+            if self.journal.unsynced:  # (a plan's batch may have synced them already)
+                self.syncs += 1
+                self.journal.sync()
+        except JournalWriteError as exc:
+            for later, _ in waiting:
+                later.fail(exc)
+            return
+        for later, reply in waiting:
+            later.resolve(reply)

@@ -60,6 +60,7 @@ from rlix_async.transport.types import (
     CallContext,
     CallTimeout,
     ConnectionLost,
+    Deferred,
     Handler,
     Reply,
     TransportConfig,
@@ -133,6 +134,10 @@ class _Endpoint:
         The handler returns a Message (the reply), a :class:`Reply` (reply with
         binary frames) or None (replied as ``Ok``). Raising :class:`RpcError`
         sends its code; any other exception is reported as ``handler_failed``.
+        A sync handler may also return a :class:`Deferred`: it acts at once, in the
+        order messages arrive, and its reply goes out when the Deferred is resolved
+        (the coordinator's, after a shared fsync); a failed one is reported as a
+        raised exception would be.
         """
         self._handlers[msg_type] = (handler, inspect.iscoroutinefunction(handler))
 
@@ -341,7 +346,9 @@ class _Endpoint:
             except Exception as exc:
                 self._handler_failed(route, ctx, msg, exc)
                 return
-            if ctx.call_id:
+            if isinstance(result, Deferred):
+                result.on_done(lambda reply, exc: self._deferred_reply(route, ctx, msg, reply, exc))
+            elif ctx.call_id:
                 self._send_result(route, ctx.call_id, result)
             return
         self._running_handlers += 1
@@ -367,6 +374,16 @@ class _Endpoint:
                 and (self._running_handlers < self.config.max_concurrent_handlers // 2 + 1)
             ):
                 self._start_reading()
+
+    def _deferred_reply(
+        self, route: Any, ctx: CallContext, msg: Message, reply: Any, exc: Exception | None
+    ) -> None:
+        if self._closed:
+            return
+        if exc is not None:
+            self._handler_failed(route, ctx, msg, exc)
+        elif ctx.call_id:
+            self._send_result(route, ctx.call_id, reply)
 
     def _handler_failed(self, route: Any, ctx: CallContext, msg: Message, exc: Exception) -> None:
         if isinstance(exc, RpcError):

@@ -90,6 +90,43 @@ class Reply:
     on_sent: Callable[[Any], None] | None = None
 
 
+class Deferred:
+    """The reply of a sync handler that has acted but answers later (the coordinator's
+    release: after the fsync it shares with the other calls of its loop turn). The
+    handler returns it; :meth:`resolve` or :meth:`fail` sends the answer at once, in
+    the calling callback (an asyncio future's callbacks would wait for another
+    turn of the loop)."""
+
+    __slots__ = ("_on_done", "_outcome")
+
+    def __init__(self) -> None:
+        self._on_done: Callable[[Any, Exception | None], None] | None = None
+        self._outcome: tuple[Any, Exception | None] | None = None
+
+    def resolve(self, reply: Any) -> None:
+        self._finish(reply, None)
+
+    def fail(self, exc: Exception) -> None:
+        self._finish(None, exc)
+
+    @property
+    def done(self) -> bool:
+        return self._outcome is not None
+
+    def on_done(self, callback: Callable[[Any, Exception | None], None]) -> None:
+        """The transport's: ``callback(reply, exception)`` once it is answered."""
+        self._on_done = callback
+        if self._outcome is not None:
+            callback(*self._outcome)
+
+    def _finish(self, reply: Any, exc: Exception | None) -> None:
+        if self._outcome is not None:
+            return  # answered once
+        self._outcome = (reply, exc)
+        if self._on_done is not None:
+            self._on_done(reply, exc)
+
+
 Handler = Callable[[Any, CallContext], Any]
 
 

@@ -20,11 +20,13 @@ from helpers.peer import (
     Sleep,
     Slept,
 )
+from helpers.waits import until
 
 from rlix_async.protocol import ErrorCode, Ok, Ping, Pong, RpcError
 from rlix_async.transport import (
     CallTimeout,
     ConnectionLost,
+    Deferred,
     RpcClient,
     RpcServer,
     TransportConfig,
@@ -335,3 +337,30 @@ async def test_server_spreads_connections_over_its_io_threads(ipc_ep) -> None:
                 await c.close()
     with pytest.raises(ValueError, match="io_threads"):
         TransportConfig(io_threads=0)
+
+
+async def test_a_handler_acts_at_once_and_replies_when_its_deferred_is_answered(ipc_ep) -> None:
+    """A sync handler returning a Deferred: messages are acted on in arrival order,
+    the reply waits for the Deferred, and a failed one is the caller's error."""
+    acted: list[int] = []
+    replies: dict[int, Deferred] = {}
+
+    def deferred(msg: Ping, ctx: object) -> Deferred:
+        acted.append(msg.seq)
+        replies[msg.seq] = Deferred()
+        return replies[msg.seq]
+
+    async with RpcServer(ipc_ep) as server:
+        server.on(Ping, deferred)
+        async with RpcClient(server.endpoint, "a/b/0") as client:
+            calls = [asyncio.ensure_future(client.call(Ping(seq=i), timeout=5)) for i in (1, 2)]
+            await until(lambda: len(acted) == 2, timeout=5)
+            assert acted == [1, 2]
+            await asyncio.sleep(0.1)
+            assert not any(c.done() for c in calls)  # acted on, not answered
+            replies[2].resolve(Pong(seq=2))
+            assert await calls[1] == Pong(seq=2)
+            assert not calls[0].done()
+            replies[1].fail(RpcError("journal", "fsync failed"))
+            with pytest.raises(RpcError, match="fsync failed"):
+                await calls[0]
