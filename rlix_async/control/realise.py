@@ -195,6 +195,7 @@ class PlanRealiser:
 
     async def _try_sleep(self, pid: str, rank: int) -> bool:
         """One sleep command; True when the fence is lifted (or there was none)."""
+        await self.pacer.turn()
         if (pid, rank) not in self.registry.fences:
             return True
         holder = self._incarnation(pid, rank)
@@ -258,8 +259,8 @@ class PlanRealiser:
             p = self.registry.pipelines.get(pid)
             return p is not None and p.held.get(cluster) == Priority[priority]
 
+        await self.pacer.turn()  # first: nothing may await between the checks and the send
         if await self._wait_unfenced(devices, f"grant of {cluster} to {pid}", still_granted):
-            await self.pacer.turn()
             await self.server.notify(
                 m.driver_identity(pid),
                 m.Granted(cluster=cluster, priority=priority, devices=devices),
@@ -299,6 +300,7 @@ class PlanRealiser:
             p = self.registry.pipelines.get(pid)
             return p is not None and rank in p.active
 
+        await self.pacer.turn()
         if not await self._wait_unfenced(bundle, f"wake of {pid}/{INFER}[{rank}]", still_active):
             return
         if await self._command(pid, rank, "wake") is None:
@@ -312,6 +314,7 @@ class PlanRealiser:
             await self._notify_ranks(pid)
 
     async def _sync_rank(self, pid: str, rank: int) -> None:
+        await self.pacer.turn()
         if await self._command(pid, rank, "sync") is None:
             self._give_up_rank(pid, rank, "sync failed")
 
@@ -335,8 +338,9 @@ class PlanRealiser:
         """Tell shard worker ``pid/infer/rank`` to sleep, wake or sync; its
         acknowledgement, or None when it failed, timed out or the worker is gone.
         Pipelines that run their engines themselves (no worker ever said hello for
-        the rank) follow ActiveRanks: a wake or sync there succeeds at once."""
-        await self.pacer.turn()
+        the rank) follow ActiveRanks: a wake or sync there succeeds at once. Callers
+        take their turn of the pacer *before* they check that the command is still
+        wanted: nothing awaits between those checks and the send."""
         ident = m.worker_identity(pid, rank)
         if ident not in self.server.peers:
             if self.registry.workers.get((pid, rank)) is None and action != "sleep":

@@ -242,3 +242,48 @@ async def test_an_engine_loaded_at_first_wake_holds_nothing_before(
             await driver.close()
             proc.kill()
             proc.wait(timeout=10)
+
+
+class GatedPacer:
+    """The coordinator's pacer with a gate the test opens: a realisation step waits
+    at ``turn()`` until then, as it would behind a burst of other steps (the real
+    TurnPacer's waits cannot be timed from outside)."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.waiting = 0
+
+    async def turn(self) -> None:
+        self.waiting += 1
+        await self.gate.wait()
+
+
+@pytest.mark.timeout(90)
+async def test_a_wake_that_waited_its_turn_is_not_sent_once_its_rank_was_shrunk(
+    ipc_ep: str,
+) -> None:
+    """A wake that waits for its turn of the pacer checks that its rank is still in
+    the plan after the wait, not before: a shrink meanwhile (its sleep sent, its fence
+    lifted) must not be followed by the stale wake, which would leave the shard awake
+    on devices the plan gives to others."""
+    from rlix_async.control.snapshot import Plan, RankChange
+
+    async with cluster(ipc_ep) as (co, _, _procs):
+        sent: list[tuple[str, str]] = []
+        real_call = co.server.call
+
+        async def spy(ident: str, msg: object, **kw: object) -> object:
+            if isinstance(msg, m.ShardCommand):
+                sent.append((ident, msg.action))
+            return await real_call(ident, msg, **kw)  # type: ignore[arg-type]
+
+        co.server.call = spy  # type: ignore[method-assign]
+        gated = GatedPacer()
+        co.pacer = gated  # type: ignore[assignment]
+        spec = co.registry.pipelines["P"].clusters["actor_infer"]
+        wake = asyncio.ensure_future(co._wake_rank("P", 1, spec.bundle(1)))
+        await until(lambda: gated.waiting == 1, timeout=5)
+        co.registry.apply(Plan(shrink=[RankChange("P", "actor_infer", [1])]), fence=True)
+        gated.gate.set()
+        await asyncio.wait_for(wake, 10)
+        assert ("P/infer/1", "wake") not in sent
