@@ -81,7 +81,9 @@ class TurnPacer:
     acknowledgements come back together; unpaced, a thousand such steps run in one
     turn (over 100 ms of CPU) while a driver's call waits behind them. Paced, the
     loop reads its sockets between every ``per_turn`` of them. A caller with budget
-    left in the turn passes without waiting.
+    left in the turn passes without waiting. The bound is loose by up to a factor of
+    two: waiters released in one turn run in the next, where callers that pass at
+    once may spend that turn's budget beside them.
     """
 
     def __init__(self, per_turn: int) -> None:

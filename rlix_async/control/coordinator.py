@@ -91,7 +91,7 @@ class Coordinator(PeerWatcher):
         self._fence_lifted: dict[tuple[str, int], asyncio.Event] = {}
         self._journal_sync_due = False
         self.pacer = TurnPacer(STEPS_PER_TURN)
-        self.group_sync = GroupSync(self.journal)
+        self.group_sync = GroupSync(lambda: self.journal)  # (start() may reopen it)
         self._journaled_fences: set[tuple[str, int]] = set()
         self._sleeping: set[tuple[str, int]] = set()
         self.weights: dict[str, CacheRef] = {}  # latest promoted version per pipeline
@@ -134,7 +134,6 @@ class Coordinator(PeerWatcher):
         if self.journal_path is not None:
             self.journal, stats = open_journal(self.journal_path, self.registry)
             self.journal.on_error = self._journal_failed
-            self.group_sync = GroupSync(self.journal)
             n = stats.events
             if stats.skipped or stats.unreadable or stats.cut_bytes:
                 log.warning(
@@ -292,18 +291,26 @@ class Coordinator(PeerWatcher):
     def _release(self, msg: m.ReleaseStage, ctx: CallContext) -> Ok | Deferred:
         """Released at once; the reply waits for the fsync it shares with the other
         calls of this loop turn (releases come in bursts: ``GroupSync``)."""
+        self._released(msg, ctx)
+        return self.group_sync.reply_after(Ok())
+
+    def _released(self, msg: m.ReleaseStage, ctx: CallContext) -> None:
         self._authorize(ctx, msg.pipeline_id)
         if self.registry.release(msg.pipeline_id, msg.cluster):
             released = ev.Released(pipeline=msg.pipeline_id, cluster=msg.cluster)
             self.journal.record(released, sync=False)
         self.kick()
-        return self.group_sync.reply_after(Ok())
 
     def _release_and_request(self, msg: m.ReleaseAndRequest, ctx: CallContext) -> Ok | Deferred:
         self._authorize(ctx, msg.pipeline_id)
         self.registry.get(msg.pipeline_id)
-        self._release(m.ReleaseStage(pipeline_id=msg.pipeline_id, cluster=msg.release), ctx)
-        return self.group_sync.reply_after(self._request(msg.request, ctx))
+        self._released(m.ReleaseStage(pipeline_id=msg.pipeline_id, cluster=msg.release), ctx)
+        try:
+            reply = self._request(msg.request, ctx)
+        except Exception:  # refused: the release stands, durable before the refusal goes
+            self.journal.sync()
+            raise
+        return self.group_sync.reply_after(reply)
 
     async def _shrink_all(self, msg: m.ShrinkAll, ctx: CallContext) -> Ok:
         self._authorize(ctx, msg.pipeline_id)

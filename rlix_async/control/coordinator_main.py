@@ -19,11 +19,12 @@ FULL_GC_EVERY = 100  # young collections of generation 1 per full one (Python's 
 def quiet_gc() -> None:
     """Keep the cyclic garbage collector's pauses short on a loop that must answer in
     milliseconds. What exists once the coordinator has started (modules, config, the
-    replayed journal) lives as long as the process: frozen, full collections no longer
-    walk it. And full collections run a tenth as often: at 4,096 peers they stopped
-    the loop for 25-80 ms about every two seconds (docs/PERF.md, "Coordinator at cluster
-    scale"). Garbage without cycles is freed at once by reference counting either way;
-    cyclic garbage waits a little longer."""
+    replayed journal) is mostly alive for the life of the process: frozen, full
+    collections no longer walk it (cycles among the few of those objects that die
+    later are not reclaimed: bounded by the startup heap). And full collections run a
+    tenth as often: at 4,096 peers they stopped the loop for 25-80 ms about every two
+    seconds (docs/PERF.md, "Coordinator at cluster scale"). Garbage without cycles is
+    freed at once by reference counting either way; cyclic garbage waits longer."""
     gc.freeze()
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, FULL_GC_EVERY)

@@ -494,8 +494,8 @@ class GroupSync:
     peers, 70 ReleaseStage calls came in one burst and, fsynced one by one, took
     30 ms of the loop (docs/PERF.md)."""
 
-    def __init__(self, journal: Journal) -> None:
-        self.journal = journal
+    def __init__(self, journal: Callable[[], Journal]) -> None:
+        self._journal = journal  # the owner's current journal (it may be reopened)
         self._waiting: list[tuple[Deferred, Any]] = []
         self.syncs = 0  # fsyncs done for the group (for tests and benchmarks)
 
@@ -503,7 +503,7 @@ class GroupSync:
         """``reply`` once what was recorded is durable: itself at once when nothing
         waits for an fsync, else a Deferred of it, answered after the next group
         fsync (or failed with that fsync's :class:`JournalWriteError`)."""
-        if not self.journal.unsynced:
+        if not self._journal().unsynced:
             return reply
         if not self._waiting:
             asyncio.get_running_loop().call_soon(self._sync)
@@ -514,9 +514,10 @@ class GroupSync:
     def _sync(self) -> None:
         waiting, self._waiting = self._waiting, []
         try:
-            if self.journal.unsynced:  # (a plan's batch may have synced them already)
+            journal = self._journal()
+            if journal.unsynced:  # (a plan's batch may have synced them already)
                 self.syncs += 1
-                self.journal.sync()
+                journal.sync()
         except JournalWriteError as exc:
             for later, _ in waiting:
                 later.fail(exc)

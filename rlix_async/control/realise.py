@@ -37,8 +37,9 @@ from rlix_async.weights.ref import CacheRef
 log = logging.getLogger("rlix_async.control.coordinator")
 
 UNFENCE_SYNC_S = 0.05  # lifted fences are fsynced together, this long after the first
-# Realisation steps (a command sent, an acknowledgement taken in, a driver notified) run
-# at most this many per turn of the loop (aio.TurnPacer says why): about 2-5 ms of CPU.
+# Realisation steps (a command sent, an acknowledgement acted on, a driver notified) pass
+# the pacer about this many per turn of the loop (aio.TurnPacer says why and how
+# exactly): a few ms of CPU.
 STEPS_PER_TURN = 32
 
 
@@ -362,7 +363,6 @@ class PlanRealiser:
         except Exception as exc:  # stuck, failed or gone: the caller decides
             log.error("%s of %s failed: %s", action, ident, exc)
             return None
-        await self.pacer.turn()  # acknowledgements come back in bursts
         if not isinstance(ack, m.ShardAck):
             log.error("%s of %s: unexpected reply %s", action, ident, type(ack).__name__)
             return None
@@ -388,6 +388,10 @@ class PlanRealiser:
                     self.journal.record(
                         ev.ShardSynced(pipeline=pid, rank=rank, version=version, adapter=member)
                     )
+        # Acknowledgements come back in bursts: what the caller does with this one
+        # waits its turn. (What it says was recorded above, at once: a rank given up
+        # meanwhile must not get a version back afterwards.)
+        await self.pacer.turn()
         return ack
 
     def _adapters(self, pid: str) -> dict[str, CacheRef]:

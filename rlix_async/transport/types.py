@@ -109,10 +109,6 @@ class Deferred:
     def fail(self, exc: Exception) -> None:
         self._finish(None, exc)
 
-    @property
-    def done(self) -> bool:
-        return self._outcome is not None
-
     def on_done(self, callback: Callable[[Any, Exception | None], None]) -> None:
         """The transport's: ``callback(reply, exception)`` once it is answered."""
         self._on_done = callback

@@ -349,3 +349,26 @@ async def test_lifted_fences_are_fsynced_together_soon(ipc_ep: str, tmp_path: Pa
         assert len(syncs) == 1
         assert (tmp_path / "journal.jsonl").read_text().count('"ev":"unfence"') == 4
         await a.close()
+
+
+async def test_a_release_replies_only_after_its_event_is_fsynced(ipc_ep, tmp_path: Path) -> None:
+    """Group commit: the release acts at once, but its reply is a Deferred answered
+    by the next turn's shared fsync, never before the Released event is durable."""
+    from rlix_async.control import messages as m
+    from rlix_async.transport import CallContext, Deferred
+
+    async with Coordinator(ipc_ep, SHAPE, journal=tmp_path / "j.jsonl") as co:
+        driver = await joined(co.endpoint, "P")
+        try:
+            assert await driver.request("actor_train", "ACTOR_TRAINING", timeout=20) == [0, 1]
+            ctx = CallContext(m.driver_identity("P"), call_id=1)
+            reply = co._release(m.ReleaseStage(pipeline_id="P", cluster="actor_train"), ctx)
+            assert "actor_train" not in co.registry.pipelines["P"].held  # acted at once
+            assert isinstance(reply, Deferred) and co.journal.unsynced
+            durable_at_reply: list[bool] = []
+            reply.on_done(lambda ok, exc: durable_at_reply.append(not co.journal.unsynced))
+            await asyncio.sleep(0)  # the next turn: the group's fsync, then the reply
+            assert durable_at_reply == [True]
+            assert '"release"' in (tmp_path / "j.jsonl").read_text()
+        finally:
+            await driver.close()

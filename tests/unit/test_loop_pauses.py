@@ -88,8 +88,10 @@ def test_the_coordinator_freezes_its_startup_heap_and_collects_fully_less_often(
             "from rlix_async.control.coordinator_main import FULL_GC_EVERY, quiet_gc\n"
             "before = gc.get_threshold()\n"
             "quiet_gc()\n"
+            "import sys\n"
             "print(gc.get_freeze_count() > 1000, before[:2] == gc.get_threshold()[:2],"
-            " gc.get_threshold()[2] == FULL_GC_EVERY > before[2])",
+            # (3.14's incremental collector has no third threshold to set)
+            " gc.get_threshold()[2] == FULL_GC_EVERY > before[2] or sys.version_info >= (3, 14))",
         ],
         capture_output=True,
         text=True,
