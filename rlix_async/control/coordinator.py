@@ -390,7 +390,7 @@ class Coordinator(PeerWatcher):
             clash = {
                 str(o) for d in spec.devices if d < len(owners) and (o := owners[d]) is not None
             }
-            clash |= {str(f) for f in self.registry.blocking_fences(spec.devices)}
+            clash |= {str(f) for f in self.registry.fences.covering(spec.devices)}
             if clash:
                 raise RegistryError(
                     "lease_conflict",

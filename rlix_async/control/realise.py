@@ -235,7 +235,7 @@ class PlanRealiser:
         meanwhile (the grant or wake was withdrawn). Never proceeds on a timeout: each
         one is logged with the fences still in the way."""
         devices = list(devices)
-        while blocking := self.registry.blocking_fences(devices):
+        while blocking := self.registry.fences.covering(devices):
             if not wanted():
                 return False
             f = blocking[0]  # lifted: look again (another may still be in the way)

@@ -11,14 +11,13 @@ devices until the worker process that may still hold them has confirmed its
 sleep, or is known dead because a new worker process for that rank said hello
 (a supervisor starts a replacement only after reaping the old one). A fenced
 device is never planned for anyone, and a grant or wake on it is delivered
-only once no fence covers it (:meth:`Registry.blocking_fences`).
+only once no fence covers it (``registry.fences.covering``, control/fences.py).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from rlix_async.control.fences import Fence, FenceTable
@@ -251,13 +250,6 @@ class Registry:
             f.holder = incarnation  # fenced before any hello: this one may hold them now
         return None
 
-    def blocking_fences(self, devices: Iterable[int]) -> list[Fence]:
-        """Fences covering any of ``devices``: a grant or wake there must wait."""
-        return self.fences.covering(devices)
-
-    def fenced_devices(self) -> set[int]:
-        return self.fences.devices()
-
     # --- stages --------------------------------------------------------------------------
 
     def request(
@@ -367,7 +359,7 @@ class Registry:
         # to lift before it is delivered) or awake (a wake waiting likewise) is owned.
         fenced: list[int] = []
         if self.fences:
-            fenced = sorted(self.unowned(self.fenced_devices()))
+            fenced = sorted(self.unowned(self.fences.devices()))
         return Snapshot(cluster=self.shape, pipelines=pipes, policy=self.policy, fenced=fenced)
 
     def _group_demand(self, base: PipelineState) -> tuple[list[ProgressIn] | None, float]:

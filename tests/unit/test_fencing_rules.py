@@ -7,7 +7,7 @@ process holds memory on which device) is modelled here, and the coordinator's
 reactions (rlix_async/control/realise.py and coordinator.py) are mirrored call for
 call: ``apply(plan, fence=True)``, ``confirm_asleep`` after a sleep acknowledged by
 the holder, ``worker_joined`` at every hello, ``remove(fence=True)`` on a drop,
-``blocking_fences`` before a grant or wake is delivered.
+``fences.covering`` before a grant or wake is delivered.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class World:
             p = self.registry.pipelines.get(pid)
             if p is None or (kind == "wake" and rank not in p.active):
                 continue  # withdrawn meanwhile
-            if self.registry.blocking_fences(devices):
+            if self.registry.fences.covering(devices):
                 waiting.append((kind, pid, rank, devices))
                 continue
             besides = (pid, rank) if kind == "wake" else None
@@ -152,7 +152,7 @@ class World:
     def check_invariant(self) -> None:
         """A device a live process holds is fenced, or awake for that very worker."""
         owners = self.registry.owners()
-        fenced = self.registry.fenced_devices()
+        fenced = self.registry.fences.devices()
         for (pid, rank), w in self.workers.items():
             if not w.alive:
                 continue
