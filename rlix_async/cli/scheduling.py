@@ -96,6 +96,12 @@ def _simulate(args: argparse.Namespace) -> int:
             f"slowest pipeline's step {worst:.2f}x its exclusive one; "
             f"fair-share index {summary['fair_share_index']:.2f} (1.00: slowed alike)"
         )
+    if "sharing_index" in summary:
+        shared = summary["sharing_slowdown"].values()
+        print(
+            f"while all ran: steps {min(shared):.2f}-{max(shared):.2f}x their exclusive "
+            f"ones; sharing index {summary['sharing_index']:.2f}"
+        )
     return 0
 
 
@@ -117,6 +123,7 @@ def _simulate_seeds(sc: Scenario, args: argparse.Namespace) -> int:
             f"seed {r['seed']:3d}: timeshare / exclusive {r['gain_vs_exclusive']:.2f}x, "
             f"/ static {r['gain_vs_static']:.2f}x, {fw}slowest step {worst:.2f}x, "
             f"fair-share index {r['fair_share_index']:.2f}"
+            + (f", sharing index {r['sharing_index']:.2f}" if "sharing_index" in r else "")
         )
     g, gs, f, s = out["gain"], out["gain_vs_static"], out["fair_share_index"], out["slowdown"]
     gf = out.get("gain_vs_full_weight")
@@ -125,6 +132,11 @@ def _simulate_seeds(sc: Scenario, args: argparse.Namespace) -> int:
         f"vs exclusive min {g['min']:.2f}x mean {g['mean']:.2f}x; vs static min "
         f"{gs['min']:.2f}x mean {gs['mean']:.2f}x; {fw}step slowdown mean {s['mean']:.2f}x max "
         f"{s['max']:.2f}x; fair-share index max {f['max']:.2f}"
+        + (
+            f", sharing index max {out['sharing_index']['max']:.2f}"
+            if "sharing_index" in out
+            else ""
+        )
     )
     return 0
 

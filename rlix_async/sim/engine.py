@@ -490,6 +490,12 @@ class Simulation:
             starts = [p.decl.start_s, *p.step_ends[:-1]]
             steps = [e - s for s, e in zip(starts, p.step_ends, strict=True)]
             mean_step[p.decl.id] = round(sum(steps) / len(steps), 1) if steps else None
+        # when each pipeline started and ended each step: compare() reads from them how
+        # pipelines fared while all of them ran (policies.sharing_slowdowns)
+        timeline = {
+            p.decl.id: [p.decl.start_s, *(round(e, 1) for e in p.step_ends)]
+            for p in self.pipes.values()
+        }
         n = len(self.devices_used())
         steps_total = sum(p.step for p in self.pipes.values())
         return {
@@ -499,6 +505,7 @@ class Simulation:
             "steps_per_hour_per_gpu": steps_total / (makespan / 3600) / n if makespan else 0.0,
             "gpu_utilization": self.busy_device_s / (n * makespan) if makespan else 0.0,
             "mean_step_s": mean_step,
+            "timeline_s": timeline,
             "preemptions": self.preemptions,
             "wasted_gpu_s": round(self.switch_device_s, 1),
             "reprefill_gpu_s": round(self.reprefill_device_s, 1),

@@ -23,7 +23,10 @@ Gains are steps per hour per device, timeshare over the baseline. The fair-share
 index is the worst pipeline's step slowdown (timeshare over exclusive) times the
 gain over exclusive, over the number of pipelines: when the pipelines all declare
 the same devices (the scenarios here), 1.0 when every pipeline is slowed alike,
-above when one gets less than its share of the gain.
+above when one gets less than its share of the gain. The sharing index is the same
+reading of the steps taken while every pipeline was running (``sharing_slowdowns``):
+the whole-run index flatters runs of different lengths, whose longest pipeline ends
+alone.
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ def _alone(
         "steps_per_hour_per_gpu": steps / (makespan / 3600) / devices if makespan else 0.0,
         "gpu_utilization": busy / (devices * makespan) if makespan else 0.0,
         "mean_step_s": {k: v for r in runs for k, v in r["mean_step_s"].items()},
+        "timeline_s": {k: v for r in runs for k, v in r["timeline_s"].items()},
         "preemptions": sum(r["preemptions"] for r in runs),
         "wasted_gpu_s": round(sum(r["wasted_gpu_s"] for r in runs), 1),
         "reprefill_gpu_s": round(sum(r["reprefill_gpu_s"] for r in runs), 1),
@@ -175,7 +179,40 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         if slowdown and "gain_vs_exclusive" in out:
             worst = max(slowdown.values())
             out["fair_share_index"] = round(worst * out["gain_vs_exclusive"] / len(slowdown), 3)
+        sharing = sharing_slowdowns(ts["timeline_s"], runs["exclusive"]["mean_step_s"])
+        if sharing:
+            out["sharing_slowdown"] = sharing
+            inverse = sum(1 / s for s in sharing.values()) / len(sharing)
+            out["sharing_index"] = round(max(sharing.values()) * inverse, 3)
     return out
+
+
+def sharing_slowdowns(
+    timeline: dict[str, list[float]], exclusive_step: dict[str, float | None]
+) -> dict[str, float]:
+    """Each pipeline's mean step while every pipeline was running (from the last start
+    to the first finish), over its exclusive step; {} when fewer than two pipelines
+    ended two steps in that window.
+
+    Why apart from the whole-run slowdown: pipelines whose runs differ in length do
+    not share to the end. Once the short ones finish, the longest runs alone at its
+    exclusive pace, which pulls its whole-run slowdown down and the makespan gain up:
+    the fair-share index can read 1.0 on a run where, while they shared, one
+    pipeline stepped at 1.8x its exclusive time and another at 7x (docs/PERF.md).
+    The sharing index (worst sharing slowdown x the mean of their inverses; 1.0:
+    slowed alike) reads the shared part only.
+    """
+    if len(timeline) < 2:
+        return {}
+    first = max(t[0] for t in timeline.values())
+    last = min(t[-1] for t in timeline.values())
+    out = {}
+    for pid, t in timeline.items():
+        ends = [e for e in t[1:] if first <= e <= last]
+        step = exclusive_step.get(pid)
+        if len(ends) >= 2 and step:
+            out[pid] = round((ends[-1] - ends[0]) / (len(ends) - 1) / step, 3)
+    return out if len(out) >= 2 else {}
 
 
 def seed_sweep(scenario: Scenario, seeds: range) -> dict[str, Any]:
@@ -197,6 +234,8 @@ def seed_sweep(scenario: Scenario, seeds: range) -> dict[str, Any]:
         "fair_share_index": spread("fair_share_index"),
         "slowdown": {"mean": round(sum(slow) / len(slow), 3), "max": max(slow)},
     }
+    if any("sharing_index" in r for r in runs):
+        out["sharing_index"] = spread("sharing_index")
     if FULL_WEIGHT in policies_for(scenario):
         out["gain_vs_full_weight"] = spread("gain_vs_full_weight")
     return out

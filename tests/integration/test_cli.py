@@ -168,6 +168,7 @@ def test_simulate_json_shape_and_journal_for_timeline(tmp_path: Path) -> None:
             "makespan_s",
             "gpu_utilization",
             "mean_step_s",
+            "timeline_s",
             "preemptions",
             "wasted_gpu_s",
             "reprefill_gpu_s",

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from rlix_async.config import ConfigError, Scenario, ScenarioPipeline
 from rlix_async.control.topology import ClusterShape, ClusterSpec
 from rlix_async.sim import generate
-from rlix_async.sim.policies import POLICIES, compare, simulate, static_split
+from rlix_async.sim.policies import POLICIES, compare, sharing_slowdowns, simulate, static_split
 
 
 def _pipe(
@@ -111,3 +111,31 @@ def test_the_same_seed_gives_the_same_figures() -> None:
     sc = generate.agentic(7, staleness=1, steps=3)
     assert simulate(sc, "timeshare", seed=7) == simulate(sc, "timeshare", seed=7)
     assert generate.agentic(7) == generate.agentic(7) != generate.agentic(8)
+
+
+def test_the_sharing_index_reads_only_the_steps_taken_while_all_pipelines_ran() -> None:
+    """Two pipelines, both 100 s steps alone. While both run (100-700 s), a steps
+    every 200 s (2x) and b every 600 s (6x); a ends at 700, b then runs alone at its
+    exclusive pace. The sharing figures see 2x and 6x; steps ended before the last
+    start or after the first finish are not counted."""
+    timeline = {
+        "a": [100.0, 300.0, 500.0, 700.0],
+        "b": [0.0, 90.0, 100.0, 700.0, 800.0, 900.0],  # a step ended at 90 s: before a
+    }
+    sharing = sharing_slowdowns(timeline, {"a": 100.0, "b": 100.0})
+    assert sharing == {"a": 2.0, "b": 6.0}
+    runs = {
+        "exclusive": {"steps_per_hour_per_gpu": 1.0, "mean_step_s": {"a": 100.0, "b": 100.0}},
+        "timeshare": {
+            "steps_per_hour_per_gpu": 1.0,
+            "mean_step_s": {"a": 200.0, "b": 180.0},
+            "timeline_s": timeline,
+        },
+    }
+    c = compare(runs)
+    assert c["sharing_slowdown"] == sharing
+    assert c["sharing_index"] == round(6.0 * (1 / 2 + 1 / 6) / 2, 3)  # 2.0
+    assert c["fair_share_index"] == 1.0  # the whole run reads 2.0 x 1.0 / 2
+    # a pipeline with fewer than two step ends in the window is left out, and with
+    # fewer than two pipelines left there is no sharing index
+    assert sharing_slowdowns({**timeline, "a": [100.0, 700.0]}, {"a": 100.0, "b": 100.0}) == {}
