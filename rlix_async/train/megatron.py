@@ -10,6 +10,8 @@ refused by :func:`llama_shape` with a one-line reason. Weights leave in HF
 loader takes; both conversions are exact (tests compare logits). Tensor/pipeline
 parallel sizes are 1 here: data parallel over torchrun ranks via DDP. On CPU it
 needs ``megatron_cpu_compat`` (megatron-core 0.16.1 assumes CUDA in two places).
+Its CUDA RNG tracker is seeded (``model_parallel_cuda_manual_seed``) with the parallel
+state; on CPU the compat module keeps that tracker's states on the CPU generator.
 """
 
 from __future__ import annotations
@@ -193,6 +195,17 @@ def hf_to_megatron(
     return out
 
 
+def _seed_rng_tracker(seed: int) -> None:
+    """Seed Megatron's model-parallel RNG tracker once per process: attention forks it
+    around dropout, and an unseeded tracker raises there at the first forward. Kept
+    across the per-step rebuilds of the parallel state (which leave it alone), so
+    random streams continue from step to step instead of restarting."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    if not get_cuda_rng_tracker().is_initialized():
+        model_parallel_cuda_manual_seed(seed)
+
+
 class MegatronTrainer(TorchTrainer):
     _shape: dict[str, Any]  # the GPTModel's shape, set by _build_model
 
@@ -211,6 +224,7 @@ class MegatronTrainer(TorchTrainer):
             )
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1, 1)
+        _seed_rng_tracker(self.seed)
 
     def _build_model(self) -> torch.nn.Module:
         from rlix_async.train import megatron_cpu_compat

@@ -1,12 +1,16 @@
 """CPU-compat patches for megatron-core 0.16.1 (tests and demos on machines without CUDA).
 
-Never imported on GPU machines: ``apply()`` does nothing when CUDA is present.
+Never applied on GPU machines: ``apply()`` does nothing when CUDA is present.
 Two spots of megatron-core assume a GPU:
 
 - ``torch.cuda.current_device()`` is used as a device (rotary embeddings move
   their frequencies there): on CPU it answers ``"cpu"``.
-- The CUDA RNG tracker's ``fork()`` (used around dropout in attention) needs
-  CUDA RNG states: on CPU it is a no-op context (one RNG, no tensor parallelism).
+- The CUDA RNG tracker keeps CUDA generator states (``add``, and ``fork`` around
+  dropout in attention). On CPU it keeps CPU generator states instead and swaps
+  them in and out of the CPU generator, with Megatron's own ``fork`` and its
+  checks: a tracker nobody seeded (``model_parallel_cuda_manual_seed``) raises
+  "cuda rng state ... is not added" here as it does on CUDA, so a trainer that
+  forgets to seed fails on CPU too instead of only at its first CUDA forward.
 
 The default causal mask is built on "cuda" too; callers pass an explicit mask
 instead (see ``MegatronTrainer.forward_logits``).
@@ -14,8 +18,7 @@ instead (see ``MegatronTrainer.forward_logits``).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -30,9 +33,23 @@ def apply() -> None:
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
 
-    @contextlib.contextmanager
-    def _fork(self: object, name: str = "model-parallel-rng") -> Iterator[None]:
-        yield
+    def get_state(clone: bool = False, graph_safe: bool = False, **_: Any) -> torch.Tensor:
+        return torch.get_rng_state()
 
-    mrandom.CudaRNGStatesTracker.fork = _fork  # type: ignore[method-assign,assignment]
+    def set_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+        torch.set_rng_state(new_state)
+
+    def add(self: Any, name: str, seed: int) -> None:
+        # CudaRNGStatesTracker.add with a CPU generator's state in place of CUDA's
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+    mrandom.CudaRNGStatesTracker.add = add  # type: ignore[method-assign]
     _applied = True
