@@ -41,6 +41,7 @@ from rlix_async.process_plan import (
     NodePlanError,
     PlannedProcess,
     bind_shards,
+    bind_visible_devices,
     build_plan,
     model_dir,
     node_plan,
@@ -230,6 +231,7 @@ class Launcher:
             self.plan = build_plan(cfg, self.out, self.endpoint, keys=keys, resume=resume)
             if node is not None:
                 self.plan = node_plan(self.plan, node.node, node.address)
+            bind_visible_devices(self.plan, os.environ)
             bind_shards(self.plan, cfg.cluster.gpus_per_node, shard_cores())
         except NodePlanError as exc:
             raise LaunchError(str(exc)) from None

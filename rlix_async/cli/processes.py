@@ -82,6 +82,7 @@ def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
         BIND_ENV,
         NodePlanError,
         bind_shards,
+        bind_visible_devices,
         build_plan,
         format_plan,
         shard_cores,
@@ -90,6 +91,7 @@ def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
     endpoint = "ipc://<coordinator.sock>" if cfg.cluster.nodes == 1 else "tcp://<head-node>:7600"
     try:
         plan = build_plan(cfg, Path(cfg.out).resolve(), endpoint, resume=args.resume)
+        bind_visible_devices(plan, os.environ)
     except NodePlanError as exc:
         raise UsageError(str(exc)) from None
     cores = shard_cores()
@@ -105,6 +107,21 @@ def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def check_vllm(cfg: LaunchConfig) -> None:
+    """Before any process starts: a vLLM engine needs a vLLM this package supports
+    (exit 2, one line; one newer than those checked gets a one-line warning)."""
+    if cfg.engine.kind != "vllm":
+        return
+    from rlix_async.shards import vllm_api  # reads vLLM's metadata, imports nothing
+
+    try:
+        warning = vllm_api.check_version()
+    except vllm_api.VllmVersionError as exc:
+        raise UsageError(str(exc)) from None
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+
+
 def _launch(args: argparse.Namespace) -> int:
     from rlix_async.config import LaunchConfig, load_config
 
@@ -114,6 +131,7 @@ def _launch(args: argparse.Namespace) -> int:
     if args.json:
         raise UsageError("--json goes with --dry-run")
     check_output(cfg.out, directory=True)
+    check_vllm(cfg)
     from rlix_async.launch import Launcher, LaunchError, NodeRole  # torch: after the checks
 
     node = None

@@ -13,10 +13,7 @@ import zlib
 from rlix_async.aio import stop_signals
 from rlix_async.config import EngineConfig, ShardConfig
 from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
-from rlix_async.shards.devices import (
-    DeviceBindingError,
-    check_binding,
-)
+from rlix_async.shards.devices import DeviceBindingError, check_binding, cuda_device_count
 from rlix_async.shards.engine import ShardEngine
 from rlix_async.shards.lazy_engine import LoadOnWake, shutdown_engine
 from rlix_async.shards.worker import ShardWorker
@@ -65,14 +62,26 @@ def engine_seed(pipeline: str, rank: int) -> int:
 async def serve(cfg: ShardConfig) -> int:
     """The shard worker process (``rlix-async shard``): serve until signalled. Returns 3
     when the engine died, so a launcher replaces this worker; 2 when it does not see
-    the devices it is bound to or the coordinator refuses them."""
-    import torch
+    the devices it is bound to, the coordinator refuses them, or the installed vLLM
+    is not one this package supports."""
+    if cfg.engine.kind == "vllm":
+        from rlix_async.shards import vllm_api
 
-    cuda = cfg.engine.kind == "vllm" and torch.cuda.is_available()
+        try:
+            warning = vllm_api.check_version()
+            if cfg.members:  # adapters from memory use vLLM internals: checked now
+                vllm_api.check_internals()
+        except vllm_api.VllmVersionError as exc:
+            print(f"error: shard {cfg.pipeline}/{cfg.rank}: {exc}", file=sys.stderr, flush=True)
+            return 2
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+    # Counted without initialising CUDA here: vLLM forks its engine core from this
+    # process (see cuda_device_count).
+    devices_seen = cuda_device_count() if cfg.engine.kind == "vllm" else 0
+    cuda = devices_seen > 0
     try:
-        check_binding(
-            cfg.devices, cfg.tensor_parallel_size, torch.cuda.device_count() if cuda else None
-        )
+        check_binding(cfg.devices, cfg.tensor_parallel_size, devices_seen if cuda else None)
     except DeviceBindingError as exc:
         print(f"error: shard {cfg.pipeline}/{cfg.rank}: {exc}", file=sys.stderr, flush=True)
         return 2

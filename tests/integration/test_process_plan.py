@@ -76,6 +76,47 @@ def test_dry_run_binds_every_process_to_its_devices_on_two_nodes(tmp_path: Path)
                 seen |= set(p["devices"])
 
 
+@pytest.mark.parametrize("allowed", ["4,5,6,7", "GPU-aa,GPU-bb,GPU-cc,GPU-dd"])
+def test_a_restricted_environment_gives_each_process_only_entries_of_its_list(
+    tmp_path: Path, allowed: str
+) -> None:
+    """CUDA_VISIBLE_DEVICES already set (a SLURM job's gres, or the user): node-local
+    device k is the k-th entry (indices or UUIDs alike); global ids stay the planner's."""
+    cfg = tmp_path / "launch.yaml"
+    cfg.write_text(TWO_NODES.format(out=tmp_path / "out"))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": allowed}
+    env.pop("CUDA_DEVICE_ORDER", None)
+    out = rlix("launch", str(cfg), "--dry-run", "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    rows = {(p["role"], p["pipeline"], p["rank"]): p for p in json.loads(out.stdout)["processes"]}
+    entries = allowed.split(",")
+    assert rows[("coordinator", None, None)]["env"]["CUDA_VISIBLE_DEVICES"] == ""
+    expected = {  # local indices 0,1 and 2,3 on each node
+        ("shard", "math", 1): ([2, 3], entries[2:4]),
+        ("shard", "code", 0): ([4, 5], entries[0:2]),
+        ("trainer", "code", None): ([4, 5], entries[0:2]),
+    }
+    for key, (devices, visible) in expected.items():
+        p = rows[key]
+        assert p["devices"] == devices, key
+        assert p["env"]["CUDA_VISIBLE_DEVICES"].split(",") == visible, key
+        assert p["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID", key  # NVML's (and SLURM's) order
+    for p in rows.values():
+        if p["devices"]:
+            assert set(p["env"]["CUDA_VISIBLE_DEVICES"].split(",")) <= set(entries), p
+
+
+def test_a_plan_needing_more_devices_than_the_environment_allows_is_refused(
+    tmp_path: Path,
+) -> None:
+    cfg = tmp_path / "launch.yaml"
+    cfg.write_text(TWO_NODES.format(out=tmp_path / "out"))
+    out = rlix("launch", str(cfg), "--dry-run", env={**os.environ, "CUDA_VISIBLE_DEVICES": "3,1"})
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert "CUDA_VISIBLE_DEVICES=3,1 lets this launch use 2 devices there" in line, line
+
+
 def test_dry_run_prints_a_table(tmp_path: Path) -> None:
     cfg = tmp_path / "launch.yaml"
     cfg.write_text(TWO_NODES.format(out=tmp_path / "out"))
