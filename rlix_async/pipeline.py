@@ -139,6 +139,7 @@ class Driver:
             if self.ckpt is not None:
                 collector.load_state_dict(self.ckpt)
             try:
+                await self._build(cache)  # the starting weights (the trainer starts offloaded)
                 await self._publish(hooks, cache)
                 self._maybe_eval(evaluator, self.trainer.step)
                 await hooks.report_progress(collector.target, 0)
@@ -180,11 +181,17 @@ class Driver:
         log.info("%s: serving weights at %s", self.cfg.id, server.endpoint)
         return server
 
-    async def _publish(self, hooks: ClusterHooks, cache: WeightCache) -> None:
-        v = self.trainer.step
+    async def _build(self, cache: WeightCache) -> None:
+        """This step's weights into the cache, while they are still on the device: on
+        CUDA each tensor goes straight from the device into the page-locked slot (one
+        DMA per tensor, no host temporary), instead of offload first and a host copy
+        after (docs/PERF.md, "GPU figures")."""
         tensors = self.trainer.weights_for_cache()  # a LoRA pipeline's: its adapter only
         self.sync_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        await asyncio.to_thread(cache.build, v, tensors)
+        await asyncio.to_thread(cache.build, self.trainer.step, tensors)
+
+    async def _publish(self, hooks: ClusterHooks, cache: WeightCache) -> None:
+        v = self.trainer.step
         await hooks.after_training(v, cache.promote(v))
 
     async def _wait_for_batch(self, collector: Collector, collecting: asyncio.Future[None]) -> None:
@@ -231,11 +238,14 @@ class Driver:
             ledger.checkpoint(step, buffered)  # the step's trajectories are trained for good
             if self.cfg.keep_checkpoints is not None:  # only once the new one is on disk
                 prune_checkpoints(path.parent, self.cfg.keep_checkpoints)
+        self.sync_bytes = 0  # set by _build, if this step's version goes out
+        publish = step < self.cfg.steps or eval_due(step, self.cfg.eval_every, self.cfg.steps)
+        if publish:
+            await self._build(cache)
         await asyncio.to_thread(self.trainer.offload)  # never block heartbeats
         # every rank's state is off the devices before they are released
         if self.channel is not None:
             await asyncio.to_thread(self.channel.wait_done, version)
-        self.sync_bytes = 0  # set by _publish, if this step's version goes out
         if step < self.cfg.steps:
             await self._publish(hooks, cache)
             collector.set_training(False)

@@ -13,10 +13,12 @@ Two receivers (``--receiver``):
 - ``vllm``: the path a shard really uses. A vLLM engine serves a random Llama
   of about ``--size-mb``; this process owns the cache and each round builds a
   new version and loads it with ``VllmEngine.load_version`` (vLLM's weight
-  transfer API, our ``rlix_shm`` backend staging a private copy, then the
-  model's ``load_weights`` in a layerwise reload). Measured: the sync's
-  throughput, the same version copied into plain tensors in this process for
-  comparison, and the peak extra private memory of the engine's processes
+  transfer API, our ``rlix_shm`` backend handing the leased slot's bytes to the
+  model's ``load_weights``, in a layerwise reload or a direct copy). Measured:
+  the sync's throughput; its floor, ``vllm_inmemory_gibps`` (the same version
+  loaded by the same path from a private copy already in the worker's memory:
+  vLLM's own cost, no transfer); the same version copied into plain tensors in
+  this process; and the peak extra private memory of the engine's processes
   during the sync.
 """
 
@@ -299,6 +301,7 @@ async def _vllm_bench(size_mb: int, bucket: int, rounds: int) -> dict[str, Any]:
 
     from rlix_async.config import EngineConfig
     from rlix_async.models.tiny import save_tiny_llama, tiny_llama
+    from rlix_async.shards.devices import cuda_device_count
     from rlix_async.shards.vllm_engine import VllmEngine
 
     config = llama_for(size_mb)
@@ -306,7 +309,7 @@ async def _vllm_bench(size_mb: int, bucket: int, rounds: int) -> dict[str, Any]:
     total = sum(t.nbytes for t in versions[0].values())
     with tempfile.TemporaryDirectory(prefix="rlix-wbench-") as tmp:
         path = save_tiny_llama(f"{tmp}/model", seed=0, **config)
-        cuda = torch.cuda.is_available()
+        cuda = cuda_device_count() > 0  # not torch.cuda.is_available(): vLLM forks from here
         engine = VllmEngine(str(path), EngineConfig(max_model_len=256), cuda=cuda)
         cache = WeightCache(f"wbench{os.getpid()}", "owner0", bucket_bytes=bucket)
         try:
@@ -314,7 +317,7 @@ async def _vllm_bench(size_mb: int, bucket: int, rounds: int) -> dict[str, Any]:
             # memory before the first sync: what a sync leaves allocated counts too.
             memory = PeakSampler([p.pid for p in psutil.Process().children(recursive=True)])
             before = memory.now()
-            seconds, peaks = [], []
+            seconds, floors, peaks = [], [], []
             for v in range(1, rounds + 2):  # version 1 is the warm-up (first mapping, layout)
                 cache.build(v, versions[(v + 1) % 2])
                 ref = cache.promote(v)
@@ -326,6 +329,15 @@ async def _vllm_bench(size_mb: int, bucket: int, rounds: int) -> dict[str, Any]:
                 peaks.append(memory.peak)
             assert engine.weight_version == 1 + rounds
             retained = memory.now() - before
+            how = (await engine.last_load())[0]
+            # The floor, in the same conditions (a version just built, then loaded): vLLM
+            # loading it by the same path from a private copy in the worker's memory
+            # (made first, not timed).
+            for v in range(rounds + 2, 2 * rounds + 2):
+                cache.build(v, versions[(v + 1) % 2])
+                ref = cache.promote(v)
+                floors.append(min(min(r) for r in await engine.reload_from_memory(ref)))
+            floor = min(floors)
             plain = TensorSink({k: torch.empty_like(t) for k, t in versions[0].items()})
             layout = sync_local(ref, plain)  # warm: this process maps the slot once
             t0 = time.perf_counter()
@@ -345,6 +357,11 @@ async def _vllm_bench(size_mb: int, bucket: int, rounds: int) -> dict[str, Any]:
         "device": "cuda" if cuda else "cpu",
         "vllm_gibps": total / best / GIB,
         "vllm_seconds": seconds,
+        "vllm_inmemory_gibps": total / floor / GIB,
+        "vllm_inmemory_seconds": floors,
+        "vllm_vs_inmemory": floor / best,
+        "load_path": how.get("path"),
+        "reload_reason": how.get("reload_reason"),
         "plain_tensors_gibps": plain_gibps,
         "memcpy_gibps": _memcpy_gibps(total),
         "engine_extra_mb": (max(peaks) - before) / MIB,

@@ -174,8 +174,11 @@ class EngineConfig(Config, frozen=True):
     vllm_args: Annotated[
         dict[str, Any],
         doc(
-            "More vLLM AsyncEngineArgs, passed as they are (kind vllm); "
-            "tensor_parallel_size and enable_sleep_mode are set by rlix and refused here."
+            "More vLLM AsyncEngineArgs, passed as they are (kind vllm), e.g. "
+            "{enforce_eager: true} to run without CUDA graphs (they are on by default on "
+            "CUDA). What rlix sets itself (tensor_parallel_size, enable_sleep_mode, "
+            "logprobs_mode, skip_tokenizer_init, weight_transfer_config, "
+            "worker_extension_cls) is refused here."
         ),
     ] = {}
     custom: Annotated[
@@ -196,13 +199,15 @@ class EngineConfig(Config, frozen=True):
         if self.kind == "vllm" and self.custom:
             raise invalid("custom", "set kind: custom to use an engine of your own")
         rlix_sets = {"tensor_parallel_size", "enable_sleep_mode", "logprobs_mode"}
-        owned = sorted((rlix_sets | {"skip_tokenizer_init"}) & set(self.vllm_args))
+        rlix_sets |= {"skip_tokenizer_init", "weight_transfer_config", "worker_extension_cls"}
+        owned = sorted(rlix_sets & set(self.vllm_args))
         if owned:
             raise invalid(
                 "vllm_args",
                 f"{', '.join(owned)}: set by rlix (actor_infer.tp; sleep mode is on with "
                 "CUDA; log-probs of the sampling distribution, which the trainer matches; "
-                "the tokenizer is on when the model directory has one)",
+                "the tokenizer is on when the model directory has one; weights load "
+                "through rlix's own transfer backend and worker extension)",
             )
 
     def for_device(self, cuda: bool) -> EngineConfig:

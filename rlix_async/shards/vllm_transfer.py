@@ -1,49 +1,63 @@
 """Our weight-transfer backend for vLLM (``WeightTransferConfig(backend="rlix_shm")``).
 
-It runs inside vLLM's worker process. The update info is a
-:class:`~rlix_async.weights.ref.CacheRef`: the worker maps the owner's
-shared-memory slot (once; later syncs reuse the mapping), and feeds the model
-its tensors through ``model.load_weights`` inside vLLM's layerwise reload
-(``initialize_layerwise_reload`` / ``finalize_layerwise_reload``), the same path
-vLLM's own IPC backend uses, so in-place loading also works on the CPU build.
-Each version is staged in private memory first (see ``receive_weights``).
+It runs inside vLLM's worker process (each tensor-parallel rank its own). The
+update info is a :class:`~rlix_async.weights.ref.CacheRef`, and a version reaches
+the model one of two ways:
+
+- **On the owner's node** the worker maps the owner's shared-memory slot once
+  (page-locked where the worker uses CUDA, so device copies read it by DMA) and
+  holds it with a reader's lease for the whole load (``weights/shm.py``): the owner
+  never rewrites a slot under it, so the model's loader reads the slot's bytes
+  directly, with no private copy of the version. Each rank's loader narrows every
+  tensor to its own shard before copying, so it touches only those bytes.
+- **From another node** (the owner's ``WeightServer`` over tcp) the version is
+  received into private memory first: a stream can break halfway, and a model
+  must never be left with half a version.
+
+Loading is vLLM's layerwise reload (``initialize_layerwise_reload``, the model's
+``load_weights``, ``finalize_layerwise_reload``), which rebuilds each layer and
+re-runs what vLLM does to weights after loading (repacking on CPU, quantisation).
+Where vLLM uses weights as loaded (unquantised, CUDA: :func:`vllm_api.direct_copy_applies`)
+it is skipped, and ``load_weights`` copies each tensor straight into the serving
+parameters. A lease that expired under a hung load (the owner rewrote the slot)
+is caught by the seqlock after the load, and the load is redone from the version
+the slot holds then; the worker's engine is paused throughout, so nothing is
+served from the mixture in between.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
 
 from rlix_async.security import ClientKeys
+from rlix_async.shards import vllm_api
 from rlix_async.weights.packing import Layout
-from rlix_async.weights.pull import pull_blocking
+from rlix_async.weights.pull import on_owner_node, pull_blocking
 from rlix_async.weights.ref import CacheRef
-from rlix_async.weights.shm import SHM_DIR, current_slot_ref, forget_mappings
+from rlix_async.weights.shm import SHM_DIR, current_slot_ref, forget_mappings, read_slot
 from rlix_async.weights.sinks import SlotOverwritten, SyncError
 
 logger = logging.getLogger(__name__)
 MAX_ATTEMPTS = 20
+Named = list[tuple[str, torch.Tensor]]
 
 
 @dataclass
-class RlixInitInfo(WeightTransferInitInfo):
+class RlixInitInfo(vllm_api.WeightTransferInitInfo):  # type: ignore[misc]
     shm_dir: str | None = None
     keys_dir: str | None = None  # this shard's key pair, for owners on other nodes (tcp)
     key_name: str = ""
 
 
 @dataclass
-class RlixUpdateInfo(WeightTransferUpdateInfo):
+class RlixUpdateInfo(vllm_api.WeightTransferUpdateInfo):  # type: ignore[misc]
     pipeline: str
     owner: str
     version: int
@@ -57,15 +71,16 @@ class RlixUpdateInfo(WeightTransferUpdateInfo):
 
 
 class _StagingSink:
-    """Private copies of a version's tensors (the slot may be rewritten under us)."""
+    """Private copies of a version's tensors, for versions received over tcp and for
+    LoRA adapters (small; vLLM keeps its own copy of an adapter anyway)."""
 
     def __init__(self) -> None:
-        self.named: list[tuple[str, torch.Tensor]] = []
+        self.named: Named = []
 
     def start(self, version: int, layout: Layout) -> None:
         self.named = []
 
-    def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def load(self, named: Named) -> None:
         self.named.extend((name, t.clone()) for name, t in named)
 
     def finish(self, version: int) -> None:
@@ -81,11 +96,11 @@ def stage_version(
     *,
     keys: ClientKeys | None = None,
     shm_dir: Path = SHM_DIR,
-) -> tuple[CacheRef, Layout, list[tuple[str, torch.Tensor]]]:
+) -> tuple[CacheRef, Layout, Named]:
     """A consistent private copy of the version ``ref`` names: shared memory on the
     owner's node, else tcp. If the owner overwrote the slot meanwhile, the copy is
     retried from the newer version the slot holds (the returned ref names the version
-    copied). Also stages LoRA adapters (:mod:`rlix_async.shards.vllm_lora`)."""
+    copied)."""
     for _ in range(MAX_ATTEMPTS):
         staged = _StagingSink()
         try:
@@ -99,7 +114,7 @@ def stage_version(
     raise SyncError(f"no consistent version of {ref.pipeline} after {MAX_ATTEMPTS} tries")
 
 
-class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
+class RlixShmTransferEngine(vllm_api.WeightTransferEngine):  # type: ignore[misc]
     init_info_cls = RlixInitInfo
     update_info_cls = RlixUpdateInfo
     supports_draft_weight_update = False
@@ -107,51 +122,88 @@ class RlixShmTransferEngine(WeightTransferEngine[RlixInitInfo, RlixUpdateInfo]):
     shm_dir = SHM_DIR
     layout: Layout | None = None  # read from shared memory once per model layout
     keys: ClientKeys | None = None
+    # why the layerwise reload is needed here (None: tensors are copied in directly)
+    reload_reason: str | None = "not initialised"
+    loads = 0  # versions loaded by this worker, and how (for tests and benchmarks)
+    last_load: dict[str, object] = {}
 
     def init_transfer_engine(self, init_info: RlixInitInfo) -> None:
         if init_info.shm_dir:
             self.shm_dir = Path(init_info.shm_dir)
         if init_info.keys_dir:
             self.keys = ClientKeys.load(init_info.keys_dir, init_info.key_name or "client")
-
-    reloading = False  # the layerwise reload runs only once a version is staged
+        self.reload_reason = vllm_api.direct_copy_applies(
+            vllm_api.current_platform.is_cuda(), self.model_config.quantization
+        )
 
     def start_weight_update(self) -> None:
-        # The reload itself starts in receive_weights, after the copy succeeded: a
-        # sync that fails before (cache gone, owner unreachable) leaves the model
-        # untouched and serving its previous weights, not half-reloaded.
-        self.reloading = False
+        # Nothing yet: the load (reload included) runs whole inside receive_weights,
+        # once the version is reachable, so a sync that fails before (cache gone, owner
+        # unreachable) leaves the model untouched and serving its previous weights.
+        pass
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        if self.reloading:
-            finalize_layerwise_reload(self.model, self.model_config)
-            self.reloading = False
+        pass  # receive_weights finished the reload while it held the slot
 
     def receive_weights(self, update_info: RlixUpdateInfo) -> None:
-        """Stage a consistent copy of the version, then load every tensor exactly once.
-
-        vLLM's layerwise reload takes each weight once per session (a layer is
-        finalized when its last weight arrives), so a torn read must never
-        reach the model: the version is first copied out of the owner's slot
-        (the seqlock proves the copy consistent) and, if the owner overwrote
-        the slot meanwhile, the copy is retried from the newer version the
-        slot holds. Costs one transient host copy of the weights.
-        """
         ref = msgspec.convert(update_info.__dict__, CacheRef)
-        _, self.layout, named = stage_version(
-            ref, self.layout, keys=self.keys, shm_dir=self.shm_dir
-        )
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        t0 = time.perf_counter()
+        staged = 0
+        if on_owner_node(ref, self.shm_dir):
+            ref = self._load_leased(ref)
+        else:
+            ref, self.layout, named = stage_version(
+                ref, self.layout, keys=self.keys, shm_dir=self.shm_dir
+            )
+            staged = sum(t.numel() * t.element_size() for _, t in named)
+            self._load(named)
+        self.loads += 1
+        self.last_load = {
+            "version": ref.version,
+            "seconds": time.perf_counter() - t0,
+            "path": "layerwise" if self.reload_reason else "direct",
+            "reload_reason": self.reload_reason,
+            "staged_bytes": staged,  # a private copy: only what came over tcp
+        }
 
-        initialize_layerwise_reload(self.model)
-        self.reloading = True
-        self.model.load_weights(self._with_tied_head(named))  # type: ignore[operator]
+    def _load_leased(self, ref: CacheRef) -> CacheRef:
+        """Load straight from the owner's slot while holding it. Returns the ref loaded
+        (newer than asked if the owner had moved on)."""
+        for _ in range(MAX_ATTEMPTS):
+            with read_slot(ref, self.layout, self.shm_dir) as slot:
+                try:
+                    slot.check("before")
+                except SlotOverwritten as exc:  # moved on before our lease: follow it
+                    logger.info("%s; loading what the slot holds now", exc)
+                    ref = slot.current() or ref
+                    continue
+                self.layout = slot.layout
+                self._load(slot.named())
+                try:
+                    slot.check("during")
+                except SlotOverwritten as exc:  # our lease expired mid-load
+                    logger.warning("%s; loading the version the slot holds now", exc)
+                    ref = slot.current() or ref
+                    continue
+                return ref
+            time.sleep(0.01)  # (only after a 'continue': the slot was being written)
+        raise SyncError(f"no consistent version of {ref.pipeline} after {MAX_ATTEMPTS} tries")
 
-    def _with_tied_head(
-        self, named: list[tuple[str, torch.Tensor]]
-    ) -> list[tuple[str, torch.Tensor]]:
+    def _load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Every tensor into the model exactly once: a direct copy where vLLM allows
+        it, else inside a layerwise reload, finalised even when the load fails (a
+        layer left half-reloaded would stay on the meta device and kill the engine)."""
+        named = self._with_tied_head(list(named))
+        if self.reload_reason is None:
+            self.model.load_weights(named)
+            return
+        vllm_api.initialize_layerwise_reload(self.model)
+        try:
+            self.model.load_weights(named)
+        finally:
+            vllm_api.finalize_layerwise_reload(self.model, self.model_config)
+
+    def _with_tied_head(self, named: Named) -> Named:
         """The embedding again as ``lm_head.weight`` when the model ties them: trainers
         leave the tied head out of the cache (it would move the largest matrix twice),
         but vLLM's layerwise reload counts the head as a layer of its own, and one that

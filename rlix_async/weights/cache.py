@@ -3,12 +3,14 @@
 Two slots hold at most two versions: ``build(version, tensors)`` packs into
 the slot that does not hold the promoted version, ``promote(version)`` makes
 it the one shards sync to. Slots live as long as the model layout (see
-:mod:`rlix_async.weights.shm` for the segments and the seqlock header).
+:mod:`rlix_async.weights.shm` for the segments and :mod:`rlix_async.weights.seqlock`
+for the header).
 Segment names are tied to pipeline and owner, so a restarted owner removes
 what a crashed predecessor left behind. With CUDA present the slots are
 page-locked (cudaHostRegister) and ``build`` copies device tensors straight
-into them (see :func:`~rlix_async.weights.packing.pack_into`). The owner waits
-for zero-copy remote sends of a slot to finish before it overwrites that slot.
+into them (see :func:`~rlix_async.weights.packing.pack_into`). Before it
+overwrites a slot the owner waits for zero-copy remote sends of it to finish and
+for same-node readers' leases to end, each at most ``send_wait_s``.
 
 Before it creates a layout's segments (two slots and the layout) the cache
 checks its directory has room for them and fails with one line naming the
@@ -30,8 +32,8 @@ import torch
 
 from rlix_async.weights.packing import Layout, layout_of, pack_into
 from rlix_async.weights.ref import CacheRef
+from rlix_async.weights.seqlock import HEADER, write_header
 from rlix_async.weights.shm import (
-    HEADER,
     SHM_DIR,
     Segment,
     cleanup_stale,
@@ -39,7 +41,6 @@ from rlix_async.weights.shm import (
     layout_segment_bytes,
     publish_layout,
     segment_prefix,
-    write_header,
 )
 
 log = logging.getLogger(__name__)
@@ -103,11 +104,18 @@ class WeightCache:
         self.slot_version[slot] = None
         self._wait_sends(slot)
         seg, fp = self.slots[slot], self.layout.fingerprint()
-        gen = self.generation[slot] + 1  # odd: readers of the old content now fail
-        write_header(seg.buf, gen, self.layout.total_bytes, None, fp)
-        pack_into(tensors, self.layout, seg.buf[HEADER:])
-        self.generation[slot] = gen + 1
-        write_header(seg.buf, gen + 1, self.layout.total_bytes, version, fp)
+        # Same-node readers hold the slot while they read it (leases); one that holds
+        # it past send_wait_s has its lease broken (see weights/shm.py).
+        leased = seg.lock_exclusive(self.send_wait_s)
+        try:
+            gen = self.generation[slot] + 1  # odd: readers of the old content now fail
+            write_header(seg.buf, gen, self.layout.total_bytes, None, fp)
+            pack_into(tensors, self.layout, seg.buf[HEADER:])
+            self.generation[slot] = gen + 1
+            write_header(seg.buf, gen + 1, self.layout.total_bytes, version, fp)
+        finally:
+            if leased:
+                seg.unlock_exclusive()
         self.slot_version[slot] = version
         return self.ref(version)
 

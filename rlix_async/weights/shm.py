@@ -1,38 +1,25 @@
-"""Shared memory: named segments, the slot header (a seqlock), and same-node reads.
+"""Shared memory: named segments, leases on them, and same-node reads.
 
 The owner (:class:`~rlix_async.weights.cache.WeightCache`) writes two slots per
 pipeline, ``/dev/shm/rlix-<pipeline>-<owner>-slot{0,1}`` (mode 0600), and
 publishes each model layout once in its own segment. A shard on the same node
 maps a slot once and reuses the mapping for every later sync: a sync is a
 plain copy, with no per-version mmap and page-table set-up (which costs as
-much as the copy itself).
+much as the copy itself). Each slot starts with a seqlock header
+(:mod:`rlix_async.weights.seqlock`): a reader checks it before and after it reads.
 
-Each slot starts with a header: a generation counter used as a seqlock (odd
-while the owner writes), the version held (-1: none) and the layout
-fingerprint. A reader checks the generation before and after copying, so it
-never loads a half-overwritten version.
-
-Memory ordering. A seqlock is only correct if the generation and the data are
-seen in the order they were written. x86 keeps stores in order and loads in
-order, ARM (GH200's Grace) does not, so both sides issue full fences:
-
-- writer (:func:`write_header`): store the odd generation, fence, write header
-  fields and data; then fence (release), store the even generation;
-- reader (:func:`read_header`, called before and after the copy): fence, load
-  the generation, fence, header fields, fence, load it again, fence. The first
-  fence orders the copy's loads before the re-read; the last one orders the
-  first read before the copy's loads.
-
-The fence is libatomic's ``atomic_thread_fence(memory_order_seq_cst)``, called
-through ctypes: an exported function, so no compiler is needed at runtime, and
-a full barrier (``lock or`` on x86-64, ``dmb ish`` on aarch64). libatomic
-(Debian/Ubuntu ``libatomic1``) ships with GCC's runtime on mainstream
-distributions. The generation is loaded and stored with libatomic's
-``__atomic_load_8`` / ``__atomic_store_8``: the struct module reads and writes
-integers byte by byte, so a reader racing a writer could see half a counter.
-Without libatomic, x86-64 falls back to its hardware order (a no-op fence and
-one aligned 8-byte move through ctypes); on any other machine importing this
-module fails, naming the package to install. :data:`ORDER` counts its fences.
+Leases. A reader holds the slot it reads: a shared ``flock`` on the slot's file,
+taken before its first check of the header and released after its last use of
+the data (a vLLM shard: after the engine's loader has finished with the views).
+The owner takes the exclusive lock before it rewrites a slot, so a version is
+never overwritten under a reader, and a reader can hand the mapped, page-locked
+bytes straight to its loader instead of copying them out first. The kernel drops
+a dead reader's lease with its last file descriptor (a crash, SIGKILL); a hung
+reader's lease expires: the owner waits at most its ``send_wait_s`` and then
+writes anyway (and logs who held the slot). The seqlock stays as the check that
+catches exactly that case: the hung reader, if it ever resumes, finds the
+generation changed, and its load is redone from the version the slot holds now
+before anything is served (:func:`read_slot`, ``vllm_transfer``).
 
 Space. Slots are reserved with ``posix_fallocate`` when created: a directory
 too small for them fails with :class:`ShmSpaceError` at once, instead of the
@@ -45,113 +32,36 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import hashlib
+import itertools
 import logging
 import mmap
 import os
-import platform
 import re
 import stat
-import struct
+import threading
+import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgspec
 import torch
 
-from rlix_async.weights.packing import Layout, buckets_of
+from rlix_async.weights.packing import BucketView, Layout, buckets_of
 from rlix_async.weights.ref import CacheRef
+from rlix_async.weights.seqlock import HEADER, read_header
 from rlix_async.weights.sinks import SlotOverwritten, SyncError, WeightSink
 
 log = logging.getLogger(__name__)
 SHM_DIR = Path(os.environ.get("RLIX_SHM_DIR", "/dev/shm"))
-HEADER = 4096  # slot header bytes; data starts here (page aligned)
-# Header: magic at 0, the generation at 8 (8-byte aligned: loaded and stored
-# atomically, never through struct), then data bytes, version (-1: none), layout.
-_MAGIC_FIELD = struct.Struct("<8s")
-_GENERATION_AT = 8
-_FIELDS = struct.Struct("<Qq16s")
-_FIELDS_AT = 16
-_MAGIC = b"RLIXSLOT"
-_NO_VERSION = -1
 _SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 MIB = 1 << 20
 _SPACE_FIX = (
     "give the container more shared memory (docker run --shm-size=...) "
     "or point RLIX_SHM_DIR at a directory with room"
 )
-
-# --- memory ordering for the seqlock (see the module docstring) ----------------------
-
-_SEQ_CST = 5  # memory_order_seq_cst (C11) == __ATOMIC_SEQ_CST (GCC)
-_X86_64 = {"x86_64", "amd64"}  # 32-bit x86 has no single 8-byte move: not accepted
-
-
-class MemoryOrder:
-    """Full fences and single-copy atomic 64-bit loads and stores, from libatomic.
-
-    ``machine`` is ``platform.machine()``; ``libatomic`` the library to load
-    (None: none). Without a usable libatomic only x86-64 is accepted: its
-    hardware keeps loads and stores in order, which is what the seqlock needs.
-    """
-
-    def __init__(self, machine: str, libatomic: str | None) -> None:
-        self.fences = 0  # fences issued so far (tests check the header paths issue them)
-        self._fence_fn: Callable[[int], None] | None = None
-        self._load: Callable[[int, int], int] | None = None
-        self._store: Callable[[int, int, int], None] | None = None
-        lib = _load_library(libatomic)
-        if lib is not None:
-            # getattr: a dotted __name inside a class body would be name-mangled
-            fence = lib.atomic_thread_fence
-            load, store = getattr(lib, "__atomic_load_8"), getattr(lib, "__atomic_store_8")
-            fence.argtypes, fence.restype = [ctypes.c_int], None
-            load.argtypes, load.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_uint64
-            store.argtypes, store.restype = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int], None
-            self._fence_fn, self._load, self._store = fence, load, store
-            self.source = f"{libatomic}: atomic_thread_fence, __atomic_load_8/__atomic_store_8"
-        elif machine.lower() in _X86_64:
-            self.source = f"{machine} hardware order (no libatomic: fences are no-ops)"
-        else:
-            raise ImportError(
-                f"rlix_async.weights.shm: no memory fence on {machine}: the weight cache's "
-                "seqlock needs libatomic (install libatomic1 with apt, libatomic with dnf)"
-            )
-
-    def fence(self) -> None:
-        """A full memory barrier: no load or store moves across it, on any CPU."""
-        self.fences += 1
-        if self._fence_fn is not None:
-            self._fence_fn(_SEQ_CST)
-
-    def load_u64(self, buf: memoryview, offset: int) -> int:
-        """One atomic load of the aligned native-order uint64 at ``buf[offset]``."""
-        if self._load is None:  # ctypes' c_uint64 reads with one aligned 8-byte move
-            return int(ctypes.c_uint64.from_buffer(buf, offset).value)
-        return int(self._load(ctypes.addressof(ctypes.c_char.from_buffer(buf, offset)), _SEQ_CST))
-
-    def store_u64(self, buf: memoryview, offset: int, value: int) -> None:
-        """One atomic store of an aligned native-order uint64 at ``buf[offset]``."""
-        if self._store is None:
-            ctypes.c_uint64.from_buffer(buf, offset).value = value
-            return
-        self._store(ctypes.addressof(ctypes.c_char.from_buffer(buf, offset)), value, _SEQ_CST)
-
-
-def _load_library(name: str | None) -> ctypes.CDLL | None:
-    if name is None:
-        return None
-    try:
-        lib = ctypes.CDLL(name)
-    except OSError:
-        return None
-    # atomic_thread_fence is exported since libatomic 1.2 (GCC 7)
-    return lib if hasattr(lib, "atomic_thread_fence") else None
-
-
-ORDER = MemoryOrder(platform.machine(), "libatomic.so.1")
-
 
 # --- segments ----------------------------------------------------------------------------
 
@@ -253,11 +163,57 @@ class Segment:
         except BaseException:
             if create:
                 self.path.unlink(missing_ok=True)
-            raise
-        finally:
             os.close(fd)
+            raise
+        self._fd = fd  # kept open: leases are flocks on it (see the module docstring)
         self.buf = memoryview(self.mm)
         self._pinned = False
+        self._readers = 0  # this process's shared leases (threads share one flock)
+        self._lease_lock = threading.Lock()
+
+    # --- leases ---------------------------------------------------------------------
+
+    def lock_shared(self, wait_s: float) -> None:
+        """Take a reader's lease: wait while the owner rewrites the slot, at most
+        ``wait_s`` (then :class:`SyncError`). Leases of this process's threads share
+        one flock (released with the last)."""
+        with self._lease_lock:
+            if self._readers == 0 and not _flock_within(self._fd, fcntl.LOCK_SH, wait_s):
+                raise SyncError(
+                    f"{self.name}: still being rewritten by its owner after {wait_s:.0f} s"
+                )
+            self._readers += 1
+
+    def unlock_shared(self) -> None:
+        with self._lease_lock:
+            self._readers -= 1
+            if self._readers == 0:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def read_lease(self, wait_s: float) -> Iterator[None]:
+        self.lock_shared(wait_s)
+        try:
+            yield
+        finally:
+            self.unlock_shared()
+
+    def lock_exclusive(self, wait_s: float) -> bool:
+        """The owner's lease before it rewrites the slot: False if readers still held it
+        after ``wait_s`` (their lease expired: the owner writes anyway, and says who)."""
+        if _flock_within(self._fd, fcntl.LOCK_EX, wait_s):
+            return True
+        log.warning(
+            "%s: still leased by %s after %.0f s; overwriting it (a reader that resumes "
+            "finds its version gone and loads the new one before serving)",
+            self.name,
+            ", ".join(f"pid {p}" for p in lease_holders(self.inode)) or "a reader",
+            wait_s,
+        )
+        return False
+
+    def unlock_exclusive(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     @property
     def pinned(self) -> bool:
@@ -280,10 +236,14 @@ class Segment:
         self._pinned = True
 
     def close(self) -> bool:
-        """Unmap; False while a view (e.g. a frame being sent) still uses the memory."""
+        """Unmap (and drop this process's leases); False while a view (e.g. a frame
+        being sent) still uses the memory."""
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self._ptr)
             self._pinned = False
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         try:
             self.buf.release()
             self.mm.close()
@@ -296,6 +256,41 @@ class Segment:
             self.path.unlink()
 
 
+def _flock_within(fd: int, how: int, wait_s: float) -> bool:
+    """``flock(fd, how)``, retried until it is granted or ``wait_s`` has passed (a
+    blocking flock could not be bounded)."""
+    deadline = time.monotonic() + wait_s
+    for pause in itertools.chain((0.0005, 0.001, 0.002, 0.005), itertools.repeat(0.01)):
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+    return False  # (unreachable: the pauses never end)
+
+
+def lease_holders(inode: int) -> list[int]:
+    """Pids holding a flock on the file with this inode (``/proc/locks``)."""
+    pids = []
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  READ 1234 00:1a:5678 0 EOF" (blocked waiters carry "->")
+        if (
+            len(fields) >= 6
+            and fields[1] == "FLOCK"
+            and fields[2] != "->"
+            and fields[5].rsplit(":", 1)[-1] == str(inode)
+        ):
+            pids.append(int(fields[4]))
+    return sorted(set(pids))
+
+
 def _reserve(fd: int, path: Path, size: int) -> None:
     try:
         os.posix_fallocate(fd, 0, size)
@@ -305,52 +300,6 @@ def _reserve(fd: int, path: Path, size: int) -> None:
         raise ShmSpaceError(
             f"{path.parent}: no room for {path.name} ({size / MIB:.1f} MiB); {_SPACE_FIX}"
         ) from None
-
-
-# --- the slot header: a seqlock ------------------------------------------------------
-
-
-def read_header(buf: memoryview) -> tuple[int, int | None, str]:
-    """(generation, version or None, layout fingerprint) of a slot: the reader's side.
-
-    The header is read as a seqlock too: generation, fields, generation again. A
-    read that raced a write reports the slot as being written (an odd generation,
-    no version): ``struct`` zero-fills fields before writing them, so they may be
-    torn. The generation reads are fenced on both sides, so they also order
-    against the caller's data copies: after every load made before this call (the
-    seqlock's re-read) and before every load made after it (the first read).
-    ``buf`` must be writable (ctypes takes its address).
-    """
-    ORDER.fence()
-    first = ORDER.load_u64(buf, _GENERATION_AT)
-    ORDER.fence()
-    (magic,) = _MAGIC_FIELD.unpack_from(buf, 0)
-    _, version, fp = _FIELDS.unpack_from(buf, _FIELDS_AT)
-    ORDER.fence()
-    gen = ORDER.load_u64(buf, _GENERATION_AT)
-    ORDER.fence()
-    if gen != first or gen % 2:
-        return gen | 1, None, ""
-    if magic != _MAGIC:
-        raise ValueError("not a weight slot")
-    return gen, None if version == _NO_VERSION else version, fp.rstrip(b"\0").decode()
-
-
-def write_header(
-    buf: memoryview, gen: int, data_bytes: int, version: int | None, fingerprint: str
-) -> None:
-    """The writer's side. An odd ``gen`` opens a write: the generation is stored, then
-    a fence, so no reader can see new data under the old generation. An even one
-    publishes: the fields (and the data written before) are fenced before it."""
-    v = _NO_VERSION if version is None else version
-    if gen % 2:
-        ORDER.store_u64(buf, _GENERATION_AT, gen)
-        ORDER.fence()
-    _MAGIC_FIELD.pack_into(buf, 0, _MAGIC)
-    _FIELDS.pack_into(buf, _FIELDS_AT, data_bytes, v, fingerprint.encode()[:16])
-    if not gen % 2:
-        ORDER.fence()
-        ORDER.store_u64(buf, _GENERATION_AT, gen)
 
 
 def remove_pipeline_segments(pipeline: str, shm_dir: Path = SHM_DIR) -> None:
@@ -448,6 +397,69 @@ def current_slot_ref(ref: CacheRef, shm_dir: Path = SHM_DIR) -> CacheRef | None:
     return msgspec.structs.replace(ref, version=version, generation=gen)
 
 
+LEASE_WAIT_S = 120.0  # a reader waits this long at most for the owner to finish a write
+
+
+class SlotRead:
+    """A leased slot, as :func:`read_slot` yields it: the version's tensors as views of
+    the mapped slot (page-locked where this process uses CUDA), valid while the lease
+    is held, and the seqlock check."""
+
+    def __init__(self, ref: CacheRef, layout: Layout, seg: Segment) -> None:
+        self.ref, self.layout, self.seg = ref, layout, seg
+
+    def check(self, when: str) -> None:
+        """Raise :class:`SlotOverwritten` unless the slot still holds ``ref``'s version:
+        before the read, if the owner moved on before the lease was granted; after it,
+        only if the owner broke an expired lease."""
+        gen, version, _ = read_header(self.seg.buf)
+        if gen != self.ref.generation or version != self.ref.version:
+            now = "a version being written" if version is None else f"version {version}"
+            raise SlotOverwritten(
+                f"version {self.ref.version} was overwritten {when} the sync (slot now holds {now})"
+            )
+
+    def current(self) -> CacheRef | None:
+        """The consistent version the slot holds now (None while being written)."""
+        gen, version, _ = read_header(self.seg.buf)
+        if gen % 2 or version is None:
+            return None
+        return msgspec.structs.replace(self.ref, version=version, generation=gen)
+
+    def buckets(self) -> list[BucketView]:
+        return buckets_of(self.layout, self.seg.buf[HEADER : HEADER + self.layout.total_bytes])
+
+    def named(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor of the version, bucket by bucket, as a view (no copy)."""
+        for bucket in self.buckets():
+            yield from bucket.tensors(self.layout)
+
+
+def layout_for(ref: CacheRef, layout: Layout | None, shm_dir: Path = SHM_DIR) -> Layout:
+    """``layout`` if it is the one ``ref`` was packed with, else the published one."""
+    if layout is not None and layout.fingerprint() == ref.fingerprint:
+        return layout
+    try:
+        return read_layout(ref.pipeline, ref.owner, ref.fingerprint, shm_dir)
+    except FileNotFoundError:
+        raise SyncError(f"layout {ref.fingerprint} is not published (owner gone?)") from None
+
+
+@contextlib.contextmanager
+def read_slot(
+    ref: CacheRef,
+    layout: Layout | None = None,
+    shm_dir: Path = SHM_DIR,
+    wait_s: float = LEASE_WAIT_S,
+) -> Iterator[SlotRead]:
+    """Hold the slot of ``ref`` (a reader's lease, see the module docstring) while the
+    block reads it. The caller checks the version (``check``) before and after."""
+    layout = layout_for(ref, layout, shm_dir)
+    seg = mapped_slot(ref.segment, shm_dir)
+    with seg.read_lease(wait_s):
+        yield SlotRead(ref, layout, seg)
+
+
 def sync_local(
     ref: CacheRef,
     sink: WeightSink,
@@ -457,37 +469,23 @@ def sync_local(
 ) -> Layout:
     """Load ``ref`` from the owner's shared memory. Returns the layout (keep it).
 
-    The seqlock's second read follows the last ``sink.load``, so a sink must have
-    finished reading the views it was given when ``load`` returns.
+    The slot is leased for the whole sync; the seqlock's second read follows the last
+    ``sink.load`` (a sink is done with its views when ``load`` returns, see
+    :class:`WeightSink`), and ``finish`` comes only after it.
     """
-    if layout is None or layout.fingerprint() != ref.fingerprint:
+    with read_slot(ref, layout, shm_dir) as slot:
         try:
-            layout = read_layout(ref.pipeline, ref.owner, ref.fingerprint, shm_dir)
-        except FileNotFoundError:
-            raise SyncError(f"layout {ref.fingerprint} is not published (owner gone?)") from None
-    seg = mapped_slot(ref.segment, shm_dir)
-
-    def check(when: str) -> None:
-        gen, version, _ = read_header(seg.buf)
-        if gen != ref.generation or version != ref.version:
-            now = "a version being written" if version is None else f"version {version}"
-            raise SlotOverwritten(
-                f"version {ref.version} was overwritten {when} the sync (slot now holds {now})"
-            )
-
-    try:
-        check("before")
-        sink.start(ref.version, layout)
-        data = seg.buf[HEADER : HEADER + layout.total_bytes]
-        for bucket in buckets_of(layout, data):
-            if checksums is not None and zlib.crc32(bucket.data) != checksums[bucket.index]:
-                raise SyncError(
-                    f"bucket {bucket.index} of version {ref.version}: checksum mismatch"
-                )
-            sink.load(bucket.tensors(layout))
-        check("during")  # seqlock: unchanged generation means nothing was torn
-        sink.finish(ref.version)
-    except BaseException:
-        sink.abort()
-        raise
-    return layout
+            slot.check("before")
+            sink.start(ref.version, slot.layout)
+            for bucket in slot.buckets():
+                if checksums is not None and zlib.crc32(bucket.data) != checksums[bucket.index]:
+                    raise SyncError(
+                        f"bucket {bucket.index} of version {ref.version}: checksum mismatch"
+                    )
+                sink.load(bucket.tensors(slot.layout))
+            slot.check("during")  # only an expired lease lets the owner write meanwhile
+            sink.finish(ref.version)
+        except BaseException:
+            sink.abort()
+            raise
+    return slot.layout

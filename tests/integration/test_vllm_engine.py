@@ -79,6 +79,8 @@ async def test_greedy_matches_hf_across_weight_updates(models) -> None:
     pipeline = f"vt{uuid.uuid4().hex[:6]}"
     cache = WeightCache(pipeline, bucket_bytes=1 << 20)
     try:
+        # no CUDA graphs to capture on CPU (on CUDA they are on: tests/gpu)
+        assert engine.llm.vllm_config.model_config.enforce_eager
         for p in PROMPTS:
             assert await vllm_greedy(engine, p, 12) == hf_greedy(first, p, 12)
 
@@ -86,6 +88,10 @@ async def test_greedy_matches_hf_across_weight_updates(models) -> None:
         v2 = cache.promote(2)
         await engine.load_version(v2)
         assert engine.weight_version == 2
+        # read straight from the owner's leased slot: no private copy of the version
+        (how,) = await engine.last_load()
+        assert how["version"] == 2 and how["staged_bytes"] == 0
+        assert how["path"] == "layerwise" and "CPU build" in how["reload_reason"]
         changed = False
         for p in PROMPTS:
             got = await vllm_greedy(engine, p, 12)

@@ -30,11 +30,9 @@ from rlix_async.security import ipc_endpoint
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.packing import ALIGN, bucket_checksums, buckets_of, layout_of, pack_into
 from rlix_async.weights.ref import CacheRef
+from rlix_async.weights.seqlock import HEADER, ORDER, MemoryOrder, read_header, write_header
 from rlix_async.weights.shm import (
-    HEADER,
-    ORDER,
     SHM_DIR,
-    MemoryOrder,
     Segment,
     ShmSpaceError,
     cleanup_stale,
@@ -42,10 +40,8 @@ from rlix_async.weights.shm import (
     forget_mappings,
     layout_segment_name,
     pipeline_prefix,
-    read_header,
     segment_prefix,
     sync_local,
-    write_header,
 )
 from rlix_async.weights.sinks import SlotOverwritten, SyncError, TensorSink
 from rlix_async.weights.tcp import sync_remote

