@@ -9,6 +9,36 @@ uses vLLM. Shard worker processes load it as a custom engine
 (``engine.kind: custom``, ``engine.custom: tests/helpers/scripted_engine.py:ScriptedEngine``);
 it is not part of rlix_async.
 
+Sleep and wake follow vLLM V1 (0.32) tag by tag, so that a worker path vLLM would
+break on breaks here too:
+
+- A fresh engine is awake, scheduling (``EngineCore.__init__``).
+- ``sleep(level, mode="abort")`` is ``EngineCore.sleep``: it pauses the scheduler
+  first (``pause_scheduler``: ``abort`` ends every request, ``keep`` freezes them),
+  then the executor's ``sleep`` (``v1/executor/abstract.py``
+  ``Executor.sleep``), which returns early while ``weights`` is a sleeping tag
+  ("Executor is already sleeping": a level-2 sleep after a level-1 one discards
+  nothing) and otherwise releases every allocation not already asleep
+  (``device_allocator/cumem.py`` ``CuMemAllocator.sleep`` skips asleep ones):
+  weights offloaded to host memory at level 1, discarded at level 2 (their
+  contents are gone: ``weight_version`` None); the KV cache discarded at both.
+  Both tags are then sleeping.
+- ``wake_up(tags)`` is ``EngineCore.wake_up``: the executor's ``wake_up`` does
+  nothing when nothing sleeps, or when a named tag is not sleeping (the whole call
+  is then a no-op with a warning); otherwise it maps the named tags back (weights
+  restored from host memory after level 1, contents undefined after level 2). The
+  scheduler resumes only once no tag sleeps ("Partial wakes intentionally keep the
+  remaining allocations asleep").
+- ``pause(mode)`` / ``resume()`` are ``AsyncLLM.pause_generation`` /
+  ``resume_generation``, which set the scheduler's pause state whatever sleeps: a
+  resume under a sleeping tag unpauses a scheduler whose memory is unmapped. Here
+  a request that then decodes raises (on CUDA: an illegal memory access that kills
+  the engine), as does a weight load while the weights sleep.
+
+Every transition is recorded in ``transitions`` with the sleeping tags after it
+and the device and host bytes the engine would hold then (``weights_bytes``,
+``kv_bytes``: a level-1 sleep moves the weights to host memory).
+
 Weight updates are real: ``load_version`` pulls the cached version through the
 same path as vLLM (shared memory or tcp) into a byte-counting sink.
 
@@ -23,6 +53,7 @@ never be stopped. ``running_at_sleep`` records how many ran at each sleep.
 ``built_marker``: a file created when the engine is built (to see when it is).
 ``load_error``: ``"refused"`` makes the next weight update fail before any
 weight changes (a SyncError), ``"midway"`` after it began (any other error).
+``load_delay_s``: each weight update takes at least that long.
 
 Adapters (a base group's shard, AdapterEngine): ``load_adapter`` pulls the
 member's version through the same real path into a counting sink, after
@@ -47,6 +78,8 @@ from rlix_async.weights.packing import Layout
 from rlix_async.weights.pull import pull
 from rlix_async.weights.ref import CacheRef
 
+SLEEP_TAGS = frozenset(("weights", "kv_cache"))  # vllm/v1/executor/abstract.py
+
 
 class _CountingSink:
     def __init__(self) -> None:
@@ -65,6 +98,22 @@ class _CountingSink:
         pass
 
 
+@dataclass(frozen=True)
+class Transition:
+    """One sleep/wake/pause/resume/load as the engine saw it, and what it held after."""
+
+    op: str  # "sleep(2)", "wake_up(['weights'])", "pause(keep)", "resume", "load(3)"
+    sleeping: frozenset[str]
+    scheduler_paused: bool
+    device_bytes: int
+    host_bytes: int
+    note: str = ""  # vLLM's warning when the call was a no-op
+
+
+class EngineCrashed(RuntimeError):
+    """What vLLM's engine dies of on CUDA when used with its memory unmapped."""
+
+
 @dataclass
 class ScriptedEngine:
     token_delay_s: float = 0.01
@@ -76,11 +125,16 @@ class ScriptedEngine:
     ignore_pause: bool = False
     stuck: int = 0
     load_error: str = ""
+    load_delay_s: float = 0.0
     built_marker: str = ""
+    weights_bytes: int = 64 << 20
+    kv_bytes: int = 256 << 20
     sleeps: int = 0
     running_at_sleep: list[int] = field(default_factory=list)
-    asleep: bool = True
-    paused: bool = False
+    sleeping: set[str] = field(default_factory=set)  # vLLM's executor.sleeping_tags
+    scheduler_paused: bool = False  # vLLM's scheduler pause state (any mode)
+    host_backup: bool = False  # weights offloaded to host memory by a level-1 sleep
+    transitions: list[Transition] = field(default_factory=list)
     loaded_bytes: int = 0
     adapter_versions: dict[str, int] = field(default_factory=dict)
     adapter_bytes: dict[str, int] = field(default_factory=dict)
@@ -97,6 +151,28 @@ class ScriptedEngine:
         if self.built_marker:
             with open(self.built_marker, "w") as fh:
                 fh.write("built\n")
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self.sleeping)
+
+    @property
+    def device_bytes(self) -> int:
+        return (self.weights_bytes if "weights" not in self.sleeping else 0) + (
+            self.kv_bytes if "kv_cache" not in self.sleeping else 0
+        )
+
+    def _record(self, op: str, note: str = "") -> None:
+        self.transitions.append(
+            Transition(
+                op,
+                frozenset(self.sleeping),
+                self.scheduler_paused,
+                self.device_bytes,
+                self.weights_bytes if self.host_backup else 0,
+                note,
+            )
+        )
 
     async def generate(
         self,
@@ -116,11 +192,16 @@ class ScriptedEngine:
         tokens: list[int] = []
         try:
             for i in range(max_tokens):
-                while self.paused and not self.ignore_pause and not cancelled.is_set():  # noqa: ASYNC110
+                while self.scheduler_paused and not self.ignore_pause and not cancelled.is_set():  # noqa: ASYNC110
                     await asyncio.sleep(0.001)  # an abort must end a paused request too
                 if cancelled.is_set():
                     yield GenerationChunk(tokens, [0.0] * len(tokens), True, version)
                     return
+                if self.sleeping and not self.scheduler_paused:
+                    raise EngineCrashed(
+                        f"decoding with {sorted(self.sleeping)} asleep (the scheduler was "
+                        "resumed under a sleeping tag)"
+                    )
                 await asyncio.sleep(self.token_delay_s)
                 tokens.append((base + i) % self.vocab)
                 # as vLLM reports it: "stop" at a stop token, "length" at max_tokens
@@ -148,16 +229,23 @@ class ScriptedEngine:
     def num_running(self) -> int:
         return len(self._running) + self.stuck
 
+    def _pause_scheduler(self, mode: str) -> None:
+        # EngineCore.pause_scheduler: abort ends every request; both modes pause
+        if mode == "abort" and not self.ignore_abort:
+            for ev in self._running.values():
+                ev.set()
+        self.scheduler_paused = True
+
     async def pause(self, mode: str = "abort") -> None:
         self.pauses += 1
-        if mode == "abort":
-            await self.abort_all()
-        self.paused = mode != "abort"
+        self._pause_scheduler(mode)
+        self._record(f"pause({mode})")
 
     async def resume(self) -> None:
-        self.paused = False
+        self.scheduler_paused = False  # resume_scheduler: whatever sleeps
+        self._record("resume")
 
-    async def sleep(self, level: int = 2) -> None:
+    async def sleep(self, level: int = 2, mode: str = "abort") -> None:
         self.running_at_sleep.append(self.num_running())
         self.sleeps += 1
         if self.sleeps > 1:  # the first is the worker's start-up sleep
@@ -165,25 +253,49 @@ class ScriptedEngine:
             if self.sleep_failures:
                 self.sleep_failures -= 1
                 raise RuntimeError("scripted sleep failure")
-        self.asleep = True
+        self._pause_scheduler(mode)
+        if "weights" in self.sleeping:  # Executor.sleep returns early
+            self._record(f"sleep({level})", "Executor is already sleeping.")
+            return
+        # CuMemAllocator.sleep: what is awake goes (a KV cache already asleep is skipped)
+        self.host_backup = level == 1
         if level >= 2:
-            self.weight_version = None
+            self.weight_version = None  # discarded: the contents are gone
+        self.sleeping |= SLEEP_TAGS
+        self._record(f"sleep({level})")
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        self.asleep = False
+        note = ""
+        if not self.sleeping:
+            note = "Executor is not sleeping."
+        elif tags and any(tag not in self.sleeping for tag in tags):
+            note = f"Tag {tags} is not in sleeping tags {sorted(self.sleeping)}"
+        else:
+            woken = set(tags) if tags else set(self.sleeping)
+            if "weights" in woken:
+                self.host_backup = False  # restored from host memory, or left undefined
+            self.sleeping -= woken
+        if not self.sleeping:  # EngineCore.wake_up: fully awake resumes scheduling
+            self.scheduler_paused = False
+        self._record(f"wake_up({tags})", note)
 
     async def load_version(self, ref: CacheRef) -> None:
+        if "weights" in self.sleeping:
+            raise EngineCrashed(f"version {ref.version}: loading weights while they sleep")
         error, self.load_error = self.load_error, ""
         if error == "refused":
             from rlix_async.weights.sinks import SyncError
 
             raise SyncError(f"version {ref.version}: scripted refusal")
         if error == "midway":
+            self.weight_version = None  # half loaded: the contents are unknown
             raise RuntimeError(f"version {ref.version}: scripted failure mid-load")
+        await asyncio.sleep(self.load_delay_s)
         sink = _CountingSink()
         self._layout = await pull(ref, sink, self._layout)
         self.loaded_bytes = sink.bytes
         self.weight_version = ref.version
+        self._record(f"load({ref.version})")
 
     async def load_adapter(self, name: str, ref: CacheRef) -> None:
         await asyncio.sleep(self.adapter_delay_s)

@@ -179,7 +179,7 @@ async def test_a_shard_sleeps_before_its_hello_and_reports_memory(ipc_ep: str) -
     async with Coordinator(ipc_ep, ClusterShape(1, 2)) as co:
         driver = await joined_pipeline(co.endpoint, "P", TOPO)
         engine = ScriptedEngine()
-        engine.asleep = False  # as a freshly loaded engine is
+        assert not engine.asleep  # as a freshly loaded engine is
         worker = await ShardWorker(engine, co.endpoint, "P", 0, devices=[0]).start()
         try:
             assert engine.asleep and engine.sleeps == 1  # before the coordinator heard of it

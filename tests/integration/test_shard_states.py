@@ -213,7 +213,7 @@ async def test_a_shard_loads_only_its_own_pipelines_weights(ipc_ep: str) -> None
         try:
             cache.build(0, {"w": torch.ones(64, 64)})
             ref = cache.promote(0)
-            await worker.sync(ref)
+            await worker.wake(ref)
             assert worker.synced_version == 0
             cache.build(1, {"w": torch.zeros(64, 64)})
             theirs = msgspec.structs.replace(cache.promote(1), pipeline="Q")
@@ -223,3 +223,96 @@ async def test_a_shard_loads_only_its_own_pipelines_weights(ipc_ep: str) -> None
         finally:
             await worker.close()
             cache.close()
+
+
+# --- the worker's shrink/wake paths against vLLM's per-tag sleep semantics -------------
+# (tests/helpers/shard_cycles.py; the GPU tier runs the same sequences on real vLLM)
+
+
+async def test_wake_without_weights_then_shrink_holds_what_vllm_would(ipc_ep: str) -> None:
+    from helpers.shard_cycles import wake_without_weights_then_shrink
+
+    cache = WeightCache("P", f"st{uuid.uuid4().hex[:6]}", bucket_bytes=16 << 10)
+    engine = ScriptedEngine(weights_bytes=10, kv_bytes=100)
+    async with Coordinator(ipc_ep, ClusterShape(1, 1)) as co:
+        worker = await ShardWorker(engine, co.endpoint, "P", 0, sleep_level=2).start()
+        try:
+            seen = await wake_without_weights_then_shrink(
+                worker, cache, {"w": torch.ones(64, 64)}, 0
+            )
+        finally:
+            await worker.close()
+            cache.close()
+    states = [(s.step, s.state, s.weights_valid) for s in seen]
+    assert states == [
+        ("asleep", ShardState.ASLEEP, False),
+        ("woken without weights", ShardState.WAKING, False),
+        ("shrunk", ShardState.ASLEEP, False),
+        ("woken with weights", ShardState.ACTIVE, True),
+        ("shrunk again", ShardState.ASLEEP, False),
+    ]
+    tags = [(t.op, set(t.sleeping), t.device_bytes) for t in engine.transitions]
+    W, KV = "weights", "kv_cache"
+    assert tags == [
+        ("sleep(2)", {W, KV}, 0),  # the worker's start-up sleep
+        ("wake_up(['weights'])", {KV}, 10),  # weights held, KV cache asleep, not scheduling
+        ("pause(keep)", {KV}, 10),
+        ("sleep(2)", {W, KV}, 0),  # the executor sleeps the weights, skips the KV cache
+        ("wake_up(['weights'])", {KV}, 10),
+        ("load(0)", {KV}, 10),
+        ("wake_up(['kv_cache'])", set(), 110),  # fully awake: the scheduler runs again
+        ("resume", set(), 110),
+        ("pause(keep)", set(), 110),
+        ("sleep(2)", {W, KV}, 0),
+    ]
+    assert not any(t.note for t in engine.transitions)  # no call vLLM would ignore
+
+
+async def test_a_failed_load_at_wake_leaves_both_tags_asleep(ipc_ep: str) -> None:
+    from helpers.shard_cycles import failed_load_then_wake
+
+    cache = WeightCache("P", f"st{uuid.uuid4().hex[:6]}", bucket_bytes=16 << 10)
+    engine = ScriptedEngine(weights_bytes=10, kv_bytes=100)
+    async with Coordinator(ipc_ep, ClusterShape(1, 1)) as co:
+        worker = await ShardWorker(engine, co.endpoint, "P", 0, sleep_level=2).start()
+        try:
+            cache.build(0, {"w": torch.ones(64, 64)})
+            good = cache.promote(0)
+            engine.load_error = "midway"
+            seen, error = await failed_load_then_wake(worker, good, good)
+        finally:
+            await worker.close()
+            cache.close()
+    assert isinstance(error, RuntimeError) and "mid-load" in str(error)
+    failed = seen[1]
+    assert failed.state == ShardState.ASLEEP and not failed.weights_valid
+    after_failure = engine.transitions[2]  # after the start-up sleep and the wake
+    assert after_failure.op == "sleep(2)" and set(after_failure.sleeping) == {"weights", "kv_cache"}
+    assert after_failure.device_bytes == 0 and not after_failure.note
+    assert seen[2].state == ShardState.ACTIVE and seen[2].version == 0
+
+
+async def test_a_sleep_during_a_sync_runs_after_it(ipc_ep: str) -> None:
+    from helpers.shard_cycles import command, sleep_during_a_sync
+
+    cache = WeightCache("P", f"st{uuid.uuid4().hex[:6]}", bucket_bytes=16 << 10)
+    engine = ScriptedEngine(weights_bytes=10, kv_bytes=100, load_delay_s=0.2)
+    async with Coordinator(ipc_ep, ClusterShape(1, 1)) as co:
+        worker = await ShardWorker(engine, co.endpoint, "P", 0, sleep_level=1).start()
+        try:
+            cache.build(0, {"w": torch.ones(64, 64)})
+            await command(worker, "wake", cache.promote(0))
+            cache.build(1, {"w": torch.zeros(64, 64)})
+            seen = await sleep_during_a_sync(worker, cache.promote(1))
+        finally:
+            await worker.close()
+            cache.close()
+    assert [(s.step, s.state, s.version) for s in seen] == [
+        ("awake", ShardState.ACTIVE, 0),
+        ("synced", ShardState.ACTIVE, 1),
+        ("slept", ShardState.ASLEEP, 1),  # level 1: the version is kept
+    ]
+    ops = [t.op for t in engine.transitions]
+    assert ops.index("load(1)") < len(ops) - 1 - ops[::-1].index("sleep(1)")
+    last = engine.transitions[-1]
+    assert set(last.sleeping) == {"weights", "kv_cache"} and last.host_bytes == 10

@@ -1,0 +1,102 @@
+"""The Megatron-core trainer on a CUDA device (tests/integration/test_megatron.py is the
+host's share): a step on the device (Megatron's CUDA RNG tracker seeded: attention
+forks it around dropout), offload that empties the device and a reload that restores
+the state bit for bit, and the exported weights an HF model loads with the same
+logits. Needs megatron-core (scripts/gpu-wheels carries it): missing, these fail."""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+import torch
+from helpers.trainer import assert_same_state, mass_below_8, sample_batch, state_snapshot
+
+from rlix_async.config import ModelConfig, TrainConfig
+from rlix_async.models.tiny import tiny_llama
+from rlix_async.train.buffer import Group
+
+SMALL = {"vocab_size": 64, "layers": 1, "hidden": 64}
+MEDIUM = {"vocab_size": 8192, "layers": 4, "hidden": 512}
+MiB = 1 << 20
+BATCH = [Group([1, 2], [[3, 4, 5], [6, 7, 8]], [[-4.0] * 3] * 2, [[0] * 3] * 2, [1.0, 0.0])] * 2
+
+
+def _trainer(shape: dict[str, int], **train: object):  # type: ignore[no-untyped-def]
+    from rlix_async.train.megatron import MegatronTrainer
+
+    return MegatronTrainer(TrainConfig(backend="megatron", **train), ModelConfig(**shape), seed=0)  # type: ignore[arg-type]
+
+
+class _Hf:
+    """sample_batch/mass_below_8 read ``.model`` as an HF model: the exported weights."""
+
+    def __init__(self, shape: dict[str, int]) -> None:
+        self.model = tiny_llama(0, **shape).eval().cuda()
+
+
+def test_megatron_steps_on_the_device_learn_with_a_seeded_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    t = _trainer(SMALL, lr=1e-2)
+    assert {p.device.type for p in t.model.parameters()} == {"cuda"}
+    view = _Hf(SMALL)
+    view.model.load_state_dict(t.weights_for_cache())
+    gen = torch.Generator().manual_seed(0)
+    before = mass_below_8(view)  # type: ignore[arg-type]
+    for _ in range(8):
+        stats = t.train_step(sample_batch(view, gen))  # type: ignore[arg-type]
+        assert math.isfinite(stats["loss"])
+        view.model.load_state_dict(t.weights_for_cache())
+    assert get_cuda_rng_tracker().is_initialized()
+    assert "model-parallel-rng" in get_cuda_rng_tracker().get_states()
+    assert mass_below_8(view) > 2 * before  # type: ignore[arg-type]
+
+
+def test_megatron_offload_empties_the_device_and_reload_restores_it() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    allocated0 = torch.cuda.memory_allocated()
+    t = _trainer(MEDIUM, dtype="float32")
+    t.train_step(BATCH)  # the optimizer state exists from here on
+    for i in range(5):
+        before = state_snapshot(t) if i in (0, 4) else None
+        t.offload()
+        assert torch.cuda.memory_allocated() - allocated0 < MiB
+        t.reload()
+        if before is not None:
+            assert_same_state(state_snapshot(t), before)
+        assert math.isfinite(t.train_step(BATCH)["loss"])
+
+
+def test_megatron_exports_weights_an_hf_model_runs_with_the_same_logits() -> None:
+    t = _trainer(SMALL, dtype="float32")
+    t.train_step(BATCH)
+    hf = tiny_llama(0, **SMALL).eval().cuda()
+    hf.load_state_dict(t.weights_for_cache(), strict=True)
+    ids = torch.tensor([[5, 17, 30, 2, 9]], device="cuda")
+    t._parallel_state(None)
+    try:
+        with torch.no_grad():
+            mg = t.forward_logits(t.model.eval(), ids).float()
+            ref = hf(input_ids=ids).logits.float()
+    finally:
+        t.destroy_group()
+    assert torch.allclose(mg, ref, atol=1e-4, rtol=1e-4), (mg - ref).abs().max()
+
+
+def test_a_bf16_megatron_step_on_the_device_is_finite_and_moves_the_weights() -> None:
+    t = _trainer(SMALL, dtype="bfloat16", lr=1e-3)
+    start = {k: v.detach().float().clone() for k, v in t.weights_for_cache().items()}
+    stats = t.train_step(BATCH)
+    assert math.isfinite(stats["loss"])
+    after = t.weights_for_cache()
+    assert any(not torch.equal(after[k].float(), v) for k, v in start.items())
+
+
+@pytest.mark.gpu2
+def test_twenty_megatron_cycles_on_two_devices(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from helpers.trainer import run_cycles
+
+    run_cycles(tmp_path, "megatron", cuda=True)
