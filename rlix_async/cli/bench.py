@@ -80,7 +80,7 @@ def _weights_vllm(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays JSON
     from rlix_async.bench.weights import run_vllm_weights_bench
 
-    r = run_vllm_weights_bench(args.size_mb or 256, args.bucket_mb, args.rounds or 3)
+    r = run_vllm_weights_bench(args.size_mb or 256, args.bucket_mb, args.rounds or 5)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
@@ -88,13 +88,18 @@ def _weights_vllm(args: argparse.Namespace) -> int:
         f"vLLM engine ({r['device']}), random Llama of {r['size_mb']} MiB "
         f"({r['tensors']} tensors), {r['bucket_mb']} MiB buckets, best of {r['rounds']} syncs"
     )
-    for key in ("vllm_gibps", "plain_tensors_gibps", "memcpy_gibps"):
+    for key in ("vllm_gibps", "vllm_inmemory_gibps", "plain_tensors_gibps", "memcpy_gibps"):
         print(f"  {key:20s} {r[key]:6.2f} GiB/s")
+    print(
+        f"  vllm_vs_inmemory     {r['vllm_vs_inmemory']:6.2f}  (median sync against vLLM's "
+        f"own reload from memory; path: {r['load_path']}"
+        + (f", {r['reload_reason']})" if r["reload_reason"] else ")")
+    )
     print(
         f"  engine_extra_mb      {r['engine_extra_mb']:6.1f} MiB "
         f"({r['engine_extra_per_model']:.2f} x the model): the engine's processes' peak "
         f"private memory during syncs over before the first; {r['engine_retained_mb']:.1f} "
-        "MiB still held after the last"
+        "MiB held at most after a sync"
     )
     return 0
 
@@ -314,7 +319,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--bucket-mb", type=positive_int, default=64)
     p.add_argument("--credits", type=positive_int, help="tensors: buckets in flight (default 2)")
-    p.add_argument("--rounds", type=positive_int, help="vllm: timed syncs (default 3)")
+    p.add_argument("--rounds", type=positive_int, help="vllm: timed syncs (default 5)")
     _json_flag(p)
     p.set_defaults(func=_weights)
     p = bsub.add_parser(
