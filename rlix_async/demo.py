@@ -43,11 +43,11 @@ def demo_config(
 ) -> LaunchConfig:
     """The packaged demo config (or ``recipe``'s, with its data written and its model
     converted), writing to ``out``, every pipeline running ``steps``."""
-    import yaml
+    from rlix_async.config.loading import read_yaml
 
     if recipe is None:
         source = "rlix_async/demo.yaml"
-        raw = yaml.safe_load(files("rlix_async").joinpath("demo.yaml").read_text())
+        raw = read_yaml(files("rlix_async").joinpath("demo.yaml").read_text())
         raw["out"] = out
     else:
         from rlix_async.recipes import RECIPES, prepare_recipe

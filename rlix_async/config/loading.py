@@ -23,12 +23,53 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message is one line: ``FILE: field: problem``."""
 
 
+# YAML 1.2's float (core schema): ``1e-6`` and ``1e-05`` are numbers. PyYAML reads
+# YAML 1.1, where an exponent needs a dot in the mantissa ("1.0e-6"), so the learning
+# rates every verl or NeMo RL config writes, and ``json.dumps(1e-5)``, were strings.
+_FLOAT_12 = re.compile(
+    r"""^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+_loader: Any = None
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML (or JSON) as users write configs: PyYAML's safe loader (YAML 1.1
+    booleans, ``yes``/``on`` included, as before) with YAML 1.2 floats."""
+    global _loader
+    import yaml
+
+    if _loader is None:
+
+        class Loader(yaml.SafeLoader):
+            pass
+
+        # resolvers are looked up by first character: an exponent float may start
+        # with a digit, a sign or a dot (the YAML 1.1 ones stay, ints first)
+        Loader.yaml_implicit_resolvers = {
+            k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+        }
+        for first in "-+.0123456789":
+            resolvers = Loader.yaml_implicit_resolvers.setdefault(first, [])
+            ints = [r for r in resolvers if r[0] == "tag:yaml.org,2002:int"]
+            rest = [r for r in resolvers if r[0] != "tag:yaml.org,2002:int"]
+            Loader.yaml_implicit_resolvers[first] = [
+                *ints,
+                ("tag:yaml.org,2002:float", _FLOAT_12),
+                *rest,
+            ]
+        _loader = Loader
+    return yaml.load(text, Loader=_loader)
+
+
 def load_config(path: str | Path, kind: type[T], overrides: Sequence[str] = ()) -> T:
     """Read a YAML/JSON file as ``kind``, with ``key.path=value`` overrides applied."""
     import yaml
 
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        raw = read_yaml(Path(path).read_text())
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
@@ -84,7 +125,7 @@ def apply_override(
         if not sep:
             raise ValueError(item)
         parts = _path_parts(key.strip())
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = read_yaml(value) if value.strip() else None
     except (ValueError, yaml.YAMLError):
         raise ConfigError(f"override {item!r}: expected KEY.PATH=VALUE") from None
     node: Any = raw

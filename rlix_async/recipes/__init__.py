@@ -53,10 +53,10 @@ RECIPES: dict[str, tuple[str, str, Callable[[Path], None]]] = {
 
 def recipe_raw(name: str) -> dict[str, Any]:
     """The recipe's YAML as a plain dict (KeyError for an unknown name)."""
-    import yaml
+    from rlix_async.config.loading import read_yaml
 
     yaml_name = RECIPES[name][0]
-    raw: dict[str, Any] = yaml.safe_load(files(__name__).joinpath(yaml_name).read_text())
+    raw: dict[str, Any] = read_yaml(files(__name__).joinpath(yaml_name).read_text())
     return raw
 
 

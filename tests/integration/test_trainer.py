@@ -281,17 +281,40 @@ def _uneven_batch() -> list[Group]:
     ]
 
 
+def _gradients_at_the_update(t: TorchTrainer) -> list[dict[str, torch.Tensor]]:
+    """The accumulated gradients each optimizer step is taken with (the step runs)."""
+    seen: list[dict[str, torch.Tensor]] = []
+    step = t.optim.step
+
+    def recording(*args: object, **kwargs: object) -> object:
+        seen.append(
+            {n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}
+        )
+        return step(*args, **kwargs)  # type: ignore[arg-type]
+
+    t.optim.step = recording  # type: ignore[method-assign]
+    return seen
+
+
 def test_micro_batches_add_up_to_the_same_update() -> None:
+    """What the rule is about: the gradients accumulated over micro-batches are the
+    minibatch's. (Not the weights after AdamW: its first step scales every component
+    to about +-lr, so a component near zero turns summation-order noise into a
+    difference of lr.) fp32 sums in another order differ by a few ulps of the terms:
+    the tolerance is 1e-5 of the largest component."""
     a = TorchTrainer(TrainConfig(minibatches=1), ModelConfig(vocab_size=64, layers=1, hidden=64))
     b = TorchTrainer(
         TrainConfig(minibatches=1, micro_batch_size=1),
         ModelConfig(vocab_size=64, layers=1, hidden=64),
     )
+    ga, gb = _gradients_at_the_update(a), _gradients_at_the_update(b)
     sa, sb = a.train_step(_uneven_batch()), b.train_step(_uneven_batch())
-    assert abs(sa["grad_norm"] - sb["grad_norm"]) < 1e-6 * sa["grad_norm"]
+    assert abs(sa["grad_norm"] - sb["grad_norm"]) < 1e-5 * sa["grad_norm"]
     assert abs(sa["loss"] - sb["loss"]) < 1e-6
-    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
-        assert torch.allclose(pa, pb, atol=1e-6), name
+    assert len(ga) == len(gb) == 1 and ga[0].keys() == gb[0].keys()
+    scale = max(float(g.abs().max()) for g in ga[0].values())
+    for name, g in ga[0].items():
+        assert torch.allclose(g, gb[0][name], rtol=1e-4, atol=1e-5 * scale), name
 
 
 def test_the_reference_model_stays_at_the_start_and_the_kl_grows() -> None:

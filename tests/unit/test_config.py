@@ -334,3 +334,39 @@ def test_the_launcher_resolves_recipe_paths_and_fills_max_prompt_tokens(
     cfg = convert({"pipelines": [_pipeline(**env)]}, LaunchConfig, "f")
     (c,) = resolve_recipes(cfg).pipelines
     assert c.env == f"{tmp_path / 'envs/game.py'}:Game"  # SLURM steps run from elsewhere
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "pipelines: [{id: p, clusters: {actor_train: {tp: 1, devices: [0]}, "
+        "actor_infer: {tp: 1, devices: [0]}}, train: {lr: 1e-6}}]",
+        '{"pipelines": [{"id": "p", "clusters": {"actor_train": {"tp": 1, "devices": [0]}, '
+        '"actor_infer": {"tp": 1, "devices": [0]}}, "train": {"lr": 1e-05}}]}',
+        "pipelines: [{id: p, clusters: {actor_train: {tp: 1, devices: [0]}, "
+        "actor_infer: {tp: 1, devices: [0]}}, train: {lr: 5E-7}}]",
+    ],
+)
+def test_learning_rates_as_users_write_them_are_numbers(tmp_path: Path, text: str) -> None:
+    """YAML 1.2 floats: the exponent spellings verl and NeMo RL configs use, and what
+    json.dumps writes, were strings to YAML 1.1 ('expected float, got str')."""
+    path = tmp_path / ("c.json" if text.startswith("{") else "c.yaml")
+    path.write_text(text)
+    lr = load_config(path, LaunchConfig).pipelines[0].train.lr
+    assert lr in (1e-6, 1e-5, 5e-7)
+    again = load_config(path, LaunchConfig, ["pipelines[0].train.lr=3e-6"])
+    assert again.pipelines[0].train.lr == 3e-6
+
+
+def test_yaml_booleans_and_integers_read_as_before() -> None:
+    from rlix_async.config.loading import read_yaml
+
+    assert read_yaml("{a: yes, b: off, c: 3, d: 010, e: 1_000, f: 1e3, g: 1e}") == {
+        "a": True,
+        "b": False,
+        "c": 3,
+        "d": 8,
+        "e": 1000,
+        "f": 1000.0,
+        "g": "1e",
+    }
