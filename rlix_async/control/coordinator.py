@@ -2,9 +2,16 @@
 
 Handlers mutate the :class:`Registry` and wake the scheduler loop. The loop
 plans (pure planner), refuses any plan that breaks an invariant, records the
-plan's outcome in the registry and the journal, then realises it in background
-tasks (:mod:`rlix_async.control.realise`: shrinks first; a grant or an expand
-waits only for the shrinks on its own devices; every command has a timeout).
+plan's outcome in the registry and the journal, then carries it out in
+background tasks (:mod:`rlix_async.control.plan_execution`: shrinks first; a
+grant or an expand waits only for the shrinks on its own devices; every command
+has a timeout).
+
+It is built from parts, each with its own state: the :class:`Registry` (who
+holds what), the :class:`Journal`, the :class:`PlanExecutor` (commands to shards,
+notifications to drivers, the shard tables and fences) and the
+:class:`LeaseKeeper` (workers and drivers coming and going). The coordinator
+holds them, authorizes calls, runs the scheduler loop and answers the handlers.
 
 Fault isolation: a driver that stops heartbeating keeps its leases for
 ``lease_timeout_s`` (it may be reconnecting), then loses them; nobody else is
@@ -23,16 +30,16 @@ from pathlib import Path
 
 import msgspec
 
-from rlix_async.aio import Supervisor, TurnPacer
+from rlix_async.aio import Supervisor
 from rlix_async.config import SchedulerConfig
 from rlix_async.control import journal as ev
 from rlix_async.control import messages as m
 from rlix_async.control.cadence import PlanCadence, progress_is_urgent
 from rlix_async.control.journal import GroupSync, Journal, JournalWriteError, open_journal
-from rlix_async.control.peers import PeerWatcher
+from rlix_async.control.leases import LeaseKeeper
+from rlix_async.control.plan_execution import PlanExecutor
 from rlix_async.control.planner import check_plan, idle_after, plan
 from rlix_async.control.planner_proc import PlannerProcess
-from rlix_async.control.realise import STEPS_PER_TURN
 from rlix_async.control.registry import Registry, RegistryError
 from rlix_async.control.snapshot import Plan, RankChange, Snapshot
 from rlix_async.control.topology import (
@@ -44,7 +51,6 @@ from rlix_async.control.topology import (
 from rlix_async.protocol import ErrorCode, Ok
 from rlix_async.security import ServerKeys
 from rlix_async.transport import CallContext, Deferred, RpcServer, TransportConfig
-from rlix_async.weights.ref import CacheRef
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +58,7 @@ CRITICAL_SCHEDULER = "scheduler"
 CRITICAL_LEASES = "leases"
 
 
-class Coordinator(PeerWatcher):
+class Coordinator:
     def __init__(
         self,
         endpoint: str,
@@ -70,16 +76,17 @@ class Coordinator(PeerWatcher):
         self.registry = Registry(shape, self.cfg.policy)
         self.journal_path = journal
         self.journal = Journal(None)
-        self.server = RpcServer(
-            endpoint,
-            keys=keys,
-            config=transport,
-            name="coordinator",
-            on_peer_joined=self._peer_joined,
-            on_peer_lost=self._peer_lost,
-        )
-        self.server.admit_peer = self._admit_peer
+        self.server = RpcServer(endpoint, keys=keys, config=transport, name="coordinator")
         self.tasks = Supervisor("coordinator", on_failure=self._task_failed)
+        self.executor = PlanExecutor(
+            self.server, self.registry, lambda: self.journal, self.cfg, self.tasks, self.kick
+        )
+        self.leases = LeaseKeeper(
+            self.server, self.registry, lambda: self.journal, self.cfg, self.executor, self.kick
+        )
+        self.server.on_peer_joined = self.leases.peer_joined
+        self.server.on_peer_lost = self.leases.peer_lost
+        self.server.admit_peer = self.leases.admit_peer
         # Set when a loop the coordinator cannot work without died: serve() exits
         # non-zero so the launcher restarts it on its journal, instead of a process
         # that answers calls but never schedules or expires a lease again.
@@ -88,18 +95,7 @@ class Coordinator(PeerWatcher):
         self.cadence = PlanCadence(
             self.cfg.plan_interval_s, self.cfg.progress_interval_s, self.cfg.rebalance_s
         )
-        self._fence_lifted: dict[tuple[str, int], asyncio.Event] = {}
-        self._journal_sync_due = False
-        self.pacer = TurnPacer(STEPS_PER_TURN)
         self.group_sync = GroupSync(lambda: self.journal)  # (start() may reopen it)
-        self._journaled_fences: set[tuple[str, int]] = set()
-        self._sleeping: set[tuple[str, int]] = set()
-        self.weights: dict[str, CacheRef] = {}  # latest promoted version per pipeline
-        self.shard_versions: dict[tuple[str, int], int | None] = {}  # acked by workers
-        self.adapter_versions: dict[tuple[str, int], dict[str, int]] = {}
-        self.shard_endpoints: dict[tuple[str, int], str] = {}  # data planes, for routers
-        self.shard_data_keys: dict[tuple[str, int], str] = {}  # their public keys (tcp)
-        self.shard_memory: dict[tuple[str, int], int] = {}  # bytes in use, last acked
         self.plans = 0
         self.rejected_plans = 0
         self.stale_plans = 0  # planned in the thread, out of date when back: planned again
@@ -148,7 +144,7 @@ class Coordinator(PeerWatcher):
             # lost until their drivers return (a base group has none: it lives by its members)
             for p in [q for q in self.registry.pipelines.values() if not q.members]:
                 p.connected, p.lost_at = False, now
-            self._journaled_fences = set(self.registry.fences)
+            self.executor.journaled_fences = set(self.registry.fences)
             self.registry.fences.take_changed()  # replayed: journaled already
             if n:
                 log.info(
@@ -162,11 +158,11 @@ class Coordinator(PeerWatcher):
         if self.planner_process is not None:
             self.planner_process.start()
         for pid, rank in list(self.registry.fences):  # replayed: lifted by their workers'
-            self.tasks.spawn(self._sleep_rank(pid, rank), "sleep-replayed")  # return (or now)
+            self.tasks.spawn(self.executor.sleep_rank(pid, rank), "sleep-replayed")  # return
         self.tasks.spawn(self._scheduler_loop(), CRITICAL_SCHEDULER)
-        self.tasks.spawn(self._lease_loop(), CRITICAL_LEASES)
+        self.tasks.spawn(self.leases.lease_loop(), CRITICAL_LEASES)
         if self.registry.pipelines:  # replayed: awake ranks whose worker never returns
-            self.tasks.spawn(self._expire_phantom_ranks(), "phantom-ranks")
+            self.tasks.spawn(self.leases.expire_phantom_ranks(), "phantom-ranks")
         return self
 
     def _journal_failed(self, exc: JournalWriteError) -> None:
@@ -244,13 +240,13 @@ class Coordinator(PeerWatcher):
                 f"{msg.pipeline_id} is registered and its driver is connected: "
                 "unregister it first (rlix-async kill)",
             )
-        self._check_group_workers(msg.pipeline_id, msg.group)
+        self.leases.check_group_workers(msg.pipeline_id, msg.group)
         p = self.registry.register(msg.pipeline_id, dict(msg.clusters), msg.weight, msg.group)
         p.connected, p.lost_at = True, None
         self.journal.record(
             ev.Registered(pipeline=p.id, clusters=p.clusters, weight=p.weight, group=p.group)
         )
-        self._check_bound_workers(p.group or p.id)
+        self.leases.check_bound_workers(p.group or p.id)
         if restarted:
             # A new driver process for a known pipeline (it was restarted, e.g. with
             # --resume): it holds no stage and waits for nothing the old one asked;
@@ -259,7 +255,7 @@ class Coordinator(PeerWatcher):
                 del p.held[cluster]
                 self.journal.record(ev.Released(pipeline=p.id, cluster=cluster))
             p.requests.clear()
-            self.tasks.spawn(self._notify_ranks(p.id), "ranks")
+            self.tasks.spawn(self.executor.notify_ranks(p.id), "ranks")
             self.kick()
         return Ok()
 
@@ -275,7 +271,7 @@ class Coordinator(PeerWatcher):
         p = self.registry.get(msg.pipeline_id)
         if p.held.get(msg.cluster) == Priority[msg.priority]:
             # Already granted, the notification was lost (e.g. across a restart): repeat it.
-            self._regrant(p.id, msg.cluster)
+            self.executor.regrant(p.id, msg.cluster)
             return Ok()
         req = self.registry.request(
             msg.pipeline_id, msg.cluster, Priority[msg.priority], msg.step_target_estimate
@@ -321,8 +317,8 @@ class Coordinator(PeerWatcher):
             del p.requests[INFER]
         if p.active:
             shrink = Plan(shrink=[RankChange(p.id, INFER, sorted(p.active))])
-            self._apply(shrink)
-            await self._realise(shrink, [])
+            self.executor.apply(shrink)
+            await self.executor.execute(shrink, [])
         self.kick()
         return Ok()
 
@@ -359,14 +355,14 @@ class Coordinator(PeerWatcher):
                 f"{msg.pipeline_id} may not publish weights of pipeline {msg.ref.pipeline!r}",
             )
         p = self.registry.get(msg.pipeline_id)
-        self.weights[p.id] = msg.ref
+        self.executor.shards.weights[p.id] = msg.ref
         self.journal.record(ev.WeightsPublished(pipeline=p.id, version=msg.ref.version))
-        self._sync_stale(p, msg.ref.version)
+        self.executor.sync_stale(p, msg.ref.version)
         return Ok()
 
     def _unregister(self, msg: m.Unregister, ctx: CallContext) -> Ok:
         self._authorize(ctx, msg.pipeline_id)
-        self._drop_pipeline(msg.pipeline_id, "unregistered")
+        self.leases.drop_pipeline(msg.pipeline_id, "unregistered")
         return Ok()
 
     def _resume(self, msg: m.Resume, ctx: CallContext) -> Ok:
@@ -398,13 +394,13 @@ class Coordinator(PeerWatcher):
                     "nothing of this resume was applied",
                 )
         reweighted = known and self.registry.pipelines[pid].weight != msg.weight
-        self._check_group_workers(pid, msg.group)
+        self.leases.check_group_workers(pid, msg.group)
         p = self.registry.register(pid, dict(msg.clusters), msg.weight, msg.group)
         if not known or reweighted:
             self.journal.record(
                 ev.Registered(pipeline=pid, clusters=p.clusters, weight=p.weight, group=p.group)
             )
-        self._check_bound_workers(p.group or pid)
+        self.leases.check_bound_workers(p.group or pid)
         p.connected, p.lost_at = True, None
         if msg.admitted and not p.admitted:
             self.registry.admit(pid)
@@ -423,14 +419,14 @@ class Coordinator(PeerWatcher):
         waiting_for = {r.cluster: r.priority for r in msg.requests}
         for cluster in [c for c in p.held if c not in msg.held]:
             if waiting_for.get(cluster) == p.held[cluster].name:
-                self._regrant(pid, cluster)  # granted, but the driver never heard
+                self.executor.regrant(pid, cluster)  # granted, but the driver never heard
                 continue
             del p.held[cluster]
             self.journal.record(ev.Released(pipeline=pid, cluster=cluster))
         for r in msg.requests:
             if r.cluster not in p.held:
                 self.registry.request(pid, r.cluster, Priority[r.priority], r.step_target_estimate)
-        self.tasks.spawn(self._notify_ranks(pid), "ranks")
+        self.tasks.spawn(self.executor.notify_ranks(pid), "ranks")
         self.kick()
         return Ok()
 
@@ -443,7 +439,7 @@ class Coordinator(PeerWatcher):
 
     def status(self) -> m.StatusReply:
         memory: dict[str, dict[int, int]] = {}
-        for (pid, rank), used in self.shard_memory.items():
+        for (pid, rank), used in self.executor.shards.memory.items():
             memory.setdefault(pid, {})[rank] = used
         pipes = [
             m.PipelineStatus(
@@ -556,7 +552,7 @@ class Coordinator(PeerWatcher):
         changes = bool(result.grants or result.shrink or result.expand)
         # apply() also answers GENERATION requests of pipelines already rolling out.
         try:
-            answered = self._apply(result)
+            answered = self.executor.apply(result)
         except JournalWriteError as exc:  # not carried out: we exit (see _journal_failed)
             log.error("plan not carried out: its journal write failed: %s", exc)
             return None
@@ -564,7 +560,7 @@ class Coordinator(PeerWatcher):
             return result
         self.plans += changes
         self._tell_status()
-        self.tasks.spawn(self._realise(result, answered), "realise")
+        self.tasks.spawn(self.executor.execute(result, answered), "execute")
         return result
 
     def _tell_status(self) -> None:

@@ -122,13 +122,13 @@ async def test_a_driver_acts_only_for_its_own_pipeline(keys: Path) -> None:
             await a.notify(m.ClearProgress(pipeline_id="b", stream=None))
             await a.call(m.StatusRequest(), timeout=5)  # served after both (one socket)
             assert co.registry.pipelines["b"].remaining() == 30
-            assert "b" not in co.weights
+            assert "b" not in co.executor.shards.weights
         # b's own driver may not publish a version naming another pipeline: b's shards
         # would pull it (and authenticate its server) as that pipeline's
         theirs = msgspec.structs.replace(FAKE_REF, pipeline="a")
         with pytest.raises(RpcError, match="may not publish weights of pipeline 'a'"):
             await b.publish_weights(theirs)
-        assert "b" not in co.weights
+        assert "b" not in co.executor.shards.weights
         # b's lease is untouched by any of it
         assert co.registry.pipelines["b"].held
         assert co.registry.pipelines["b"].admitted

@@ -136,7 +136,7 @@ async def test_one_set_of_shards_serves_both_members_each_with_its_own_adapter(
         assert g.engine(0).adapter_bytes == {"a": ADAPTER_BYTES, "b": ADAPTER_BYTES}
         # the coordinator records the versions when the acks arrive, after the
         # workers already serve them
-        await until(lambda: g.co.adapter_versions == {("g", 0): held, ("g", 1): held})
+        await until(lambda: g.co.executor.shards.adapters == {("g", 0): held, ("g", 1): held})
         # a group's shard is planned once, not per member
         assert {ch.pipeline for ch in g.events(ev.Expanded)} == {"g"}
 
@@ -283,11 +283,11 @@ async def test_the_last_member_gone_puts_the_groups_shards_to_sleep(
         await g.drivers["a"].unregister()
         await asyncio.sleep(0.3)
         assert all(w.state == ShardState.ACTIVE for w in g.workers)  # b still uses them
-        assert all("a" not in held for held in g.co.adapter_versions.values())
+        assert all("a" not in held for held in g.co.executor.shards.adapters.values())
         await g.drivers["b"].unregister()
         await until(lambda: all(w.state == ShardState.ASLEEP for w in g.workers))
         await until(lambda: not g.co.registry.fences)  # confirmed asleep: devices free
-        assert "g" not in g.co.registry.pipelines and not g.co.adapter_versions
+        assert "g" not in g.co.registry.pipelines and not g.co.executor.shards.adapters
         shrunk = [e for e in g.events(ev.Shrunk) if e.pipeline == "g"]
         assert sorted(r for e in shrunk for r in e.ranks) == [0, 1]
 

@@ -148,7 +148,7 @@ async def test_restart_from_journal_keeps_leases(ipc_ep: str, tmp_path: Path) ->
         waiting = asyncio.ensure_future(b.request("actor_train", "ACTOR_TRAINING", timeout=10))
         await asyncio.sleep(0.3)
         assert not waiting.done()  # A's lease survived the restart
-        co2._drop_pipeline("A", "test")
+        co2.leases.drop_pipeline("A", "test")
         assert await waiting == [0, 1]
         await b.close()
     assert '"ev":"unregister"' in journal.read_text()
@@ -339,11 +339,11 @@ async def test_lifted_fences_are_fsynced_together_soon(ipc_ep: str, tmp_path: Pa
         co.journal.sync = counted  # type: ignore[method-assign]
         for rank in range(4):
             co.registry.fence("A", rank, (rank,), "test")
-        co._journal_fences()  # Fenced: lease events, fsynced each
+        co.executor.journal_fences()  # Fenced: lease events, fsynced each
         syncs.clear()
         for rank in range(4):  # confirmed one by one, as acknowledgements arrive
             co.registry.confirm_asleep("A", rank, None)
-            co._journal_fences()
+            co.executor.journal_fences()
         assert syncs == []  # not yet: the lines are written, their fsync is pending
         await asyncio.sleep(0.2)
         assert len(syncs) == 1

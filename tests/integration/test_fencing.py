@@ -185,8 +185,8 @@ async def test_a_shard_sleeps_before_its_hello_and_reports_memory(ipc_ep: str) -
             assert engine.asleep and engine.sleeps == 1  # before the coordinator heard of it
             await driver.report_progress(8, 0, force=True)
             await driver.request("actor_infer", "GENERATION", timeout=10)
-            await until(lambda: ("P", 0) in co.shard_memory)  # recorded when the ack arrives
-            assert co.shard_memory[("P", 0)] > 10 << 20  # this process's RSS, on CPU
+            await until(lambda: ("P", 0) in co.executor.shards.memory)  # recorded when the ack arrives
+            assert co.executor.shards.memory[("P", 0)] > 10 << 20  # this process's RSS, on CPU
         finally:
             await worker.close()
             await driver.close()
@@ -279,9 +279,9 @@ async def test_a_wake_that_waited_its_turn_is_not_sent_once_its_rank_was_shrunk(
 
         co.server.call = spy  # type: ignore[method-assign]
         gated = GatedPacer()
-        co.pacer = gated  # type: ignore[assignment]
+        co.executor.pacer = gated  # type: ignore[assignment]
         spec = co.registry.pipelines["P"].clusters["actor_infer"]
-        wake = asyncio.ensure_future(co._wake_rank("P", 1, spec.bundle(1)))
+        wake = asyncio.ensure_future(co.executor._wake_rank("P", 1, spec.bundle(1)))
         await until(lambda: gated.waiting >= 1, timeout=5)
         co.registry.apply(Plan(shrink=[RankChange("P", "actor_infer", [1])]), fence=True)
         gated.gate.set()

@@ -76,7 +76,7 @@ async def test_wake_syncs_active_stale_shards_sync_sleeping_ones_wait(ipc_ep: st
             await driver.report_progress(100, 0, force=True)
             await until(lambda: all(w.state == ShardState.ACTIVE for w in workers))
             await until(lambda: all(w.synced_version == 2 for w in workers))
-            await until(lambda: co.shard_versions.get((pid, 0)) == 2)  # once the ack is in
+            await until(lambda: co.executor.shards.versions.get((pid, 0)) == 2)  # once the ack is in
         finally:
             for w in workers:
                 await w.close()

@@ -177,16 +177,16 @@ async def test_a_dropped_pipeline_leaves_nothing_behind(ipc_ep: str) -> None:
             co.endpoint, "a/infer/0", info={"data_endpoint": "ipc:///x", "data_key": "k"}
         )
         await worker.connect()
-        assert co.shard_endpoints and co.shard_data_keys
+        assert co.executor.shards.endpoints and co.executor.shards.data_keys
         await a.unregister()
-        assert not co.shard_versions and not co.weights
+        assert not co.executor.shards.versions and not co.executor.shards.weights
         # its worker is still connected and says hello only once: a returning pipeline
         # (a trainer resumed elsewhere) must still find its data plane
-        assert co.shard_endpoints == {("a", 0): "ipc:///x"}
-        assert co.shard_data_keys == {("a", 0): "k"}
+        assert co.executor.shards.endpoints == {("a", 0): "ipc:///x"}
+        assert co.executor.shards.data_keys == {("a", 0): "k"}
         await worker.close()
         async with asyncio.timeout(5):
-            while co.shard_endpoints or co.shard_data_keys:  # noqa: ASYNC110 (polls state)
+            while co.executor.shards.endpoints or co.executor.shards.data_keys:  # noqa: ASYNC110 (polls state)
                 await asyncio.sleep(0.05)
         await a.close()
         # an id handed out but never registered is reaped after lease_timeout_s

@@ -4,7 +4,7 @@ dropped, no device is ever handed to anyone while a worker process may still hol
 
 The registry and planner are the coordinator's own; the world around them (which
 process holds memory on which device) is modelled here, and the coordinator's
-reactions (rlix_async/control/realise.py and coordinator.py) are mirrored call for
+reactions (rlix_async/control/plan_execution.py, leases.py and coordinator.py) are mirrored call for
 call: ``apply(plan, fence=True)``, ``confirm_asleep`` after a sleep acknowledged by
 the holder, ``worker_joined`` at every hello, ``remove(fence=True)`` on a drop,
 ``fences.covering`` before a grant or wake is delivered.

@@ -5,8 +5,12 @@ Sleeps start at once; a grant or a wake waits until no fence covers its devices
 (a shard's devices are fenced from the moment it leaves the plan until its
 worker confirms the sleep or is replaced: docs/SCHEDULING.md, "Fenced leases").
 Every command has a timeout (``command_timeout_s``; a sync gets
-``sync_timeout_s``); a shard that cannot wake or sync leaves the plan, fenced. A part of :class:`~rlix_async.control.coordinator.Coordinator`
-(which inherits it): the state it reads and writes is the coordinator's.
+``sync_timeout_s``); a shard that cannot wake or sync leaves the plan, fenced.
+
+:class:`PlanExecutor` is one part of the coordinator
+(:class:`~rlix_async.control.coordinator.Coordinator` holds it): it owns the
+shard tables (:class:`ShardTables`: versions, adapters, endpoints, memory) and
+the journaling of fences, and reads the registry and the journal it is given.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from rlix_async.aio import Supervisor, TurnPacer
 from rlix_async.config import SchedulerConfig
@@ -37,43 +42,86 @@ from rlix_async.weights.ref import CacheRef
 log = logging.getLogger("rlix_async.control.coordinator")
 
 UNFENCE_SYNC_S = 0.05  # lifted fences are fsynced together, this long after the first
-# Realisation steps (a command sent, an acknowledgement acted on, a driver notified) pass
+# Execution steps (a command sent, an acknowledgement acted on, a driver notified) pass
 # the pacer about this many per turn of the loop (aio.TurnPacer says why and how
 # exactly): a few ms of CPU.
 STEPS_PER_TURN = 32
+
+Rank = tuple[str, int]  # (pipeline, rank) of a rollout shard
 
 
 def devices_of(spec: ClusterSpec, ranks: Iterable[int]) -> list[int]:
     return sorted(d for r in ranks for d in spec.bundle(r))
 
 
-class PlanRealiser:
-    server: RpcServer
-    registry: Registry
-    journal: Journal
-    cfg: SchedulerConfig
-    tasks: Supervisor
-    pacer: TurnPacer
-    kick: Callable[[], None]
-    weights: dict[str, CacheRef]  # latest promoted version per pipeline
-    shard_versions: dict[tuple[str, int], int | None]  # acked by workers
-    adapter_versions: dict[tuple[str, int], dict[str, int]]  # base groups' shards: acked
-    shard_endpoints: dict[tuple[str, int], str]  # data planes, for routers
-    shard_data_keys: dict[tuple[str, int], str]  # their CURVE public keys (tcp)
-    shard_memory: dict[tuple[str, int], int]  # bytes in use, as last acknowledged
-    _journaled_fences: set[tuple[str, int]]
-    _fence_lifted: dict[tuple[str, int], asyncio.Event]  # set when that fence is lifted
-    _journal_sync_due: bool  # an fsync of lifted fences is scheduled
-    _sleeping: set[tuple[str, int]]  # ranks with a sleep (or its retries) under way
+@dataclass
+class ShardTables:
+    """What the coordinator knows of each shard besides the plan: the newest version
+    each pipeline published, and what each shard acknowledged or announced."""
 
-    def _apply(self, result: Plan) -> list[str]:
+    weights: dict[str, CacheRef] = field(default_factory=dict)  # newest per pipeline
+    versions: dict[Rank, int | None] = field(default_factory=dict)  # acked by workers
+    adapters: dict[Rank, dict[str, int]] = field(default_factory=dict)  # base groups' shards
+    endpoints: dict[Rank, str] = field(default_factory=dict)  # data planes, for routers
+    data_keys: dict[Rank, str] = field(default_factory=dict)  # their CURVE public keys (tcp)
+    memory: dict[Rank, int] = field(default_factory=dict)  # bytes in use, last acked
+
+    def worker_gone(self, key: Rank) -> None:
+        """A lost worker's entries (a replacement says hello with its own)."""
+        for table in (self.versions, self.adapters, self.endpoints, self.data_keys):
+            table.pop(key, None)
+
+    def forget(self, pid: str, connected: Callable[[Rank], bool]) -> None:
+        """Everything keyed by a dropped pipeline (a long-lived coordinator sees
+        thousands come and go). A worker still connected keeps its data plane's
+        address and key: when the pipeline returns (a trainer resumed on another
+        node) its router needs them, and the worker says hello only once."""
+        self.weights.pop(pid, None)
+        for table in (self.versions, self.memory, self.adapters):
+            for key in [k for k in table if k[0] == pid]:
+                del table[key]
+        for where in (self.endpoints, self.data_keys):
+            for key in [k for k in where if k[0] == pid and not connected(k)]:
+                del where[key]
+
+
+class PlanExecutor:
+    """Carries out plans on the coordinator's server (see the module docstring)."""
+
+    def __init__(
+        self,
+        server: RpcServer,
+        registry: Registry,
+        journal: Callable[[], Journal],
+        cfg: SchedulerConfig,
+        tasks: Supervisor,
+        kick: Callable[[], None],
+    ) -> None:
+        self.server = server
+        self.registry = registry
+        self._journal = journal  # the coordinator's current one (start() may reopen it)
+        self.cfg = cfg
+        self.tasks = tasks
+        self.kick = kick
+        self.pacer = TurnPacer(STEPS_PER_TURN)
+        self.shards = ShardTables()
+        self.journaled_fences: set[Rank] = set()
+        self._fence_lifted: dict[Rank, asyncio.Event] = {}  # set when that fence is lifted
+        self._journal_sync_due = False  # an fsync of lifted fences is scheduled
+        self._sleeping: set[Rank] = set()  # ranks with a sleep (or its retries) under way
+
+    @property
+    def journal(self) -> Journal:
+        return self._journal()
+
+    def apply(self, result: Plan) -> list[str]:
         """Record a plan in the registry (shrunk ranks fenced) and the journal."""
         with self.journal.batch():  # one fsync for the plan, before any command goes out
             answered = self.registry.apply(result, fence=True)
             self._journal_plan(result)
         return answered
 
-    def _journal_fences(self) -> None:
+    def journal_fences(self) -> None:
         """Journal fences set or lifted since the last call, and wake their waiters.
         Only the keys the registry changed are looked at (hundreds of fences stand at
         once at scale, and sleeps are confirmed one by one)."""
@@ -81,7 +129,7 @@ class PlanRealiser:
         changed = sorted(fences.take_changed())
         for key in changed:
             f = fences.get(key)
-            if f is not None and key not in self._journaled_fences:
+            if f is not None and key not in self.journaled_fences:
                 self.journal.record(
                     ev.Fenced(
                         pipeline=f.pipeline,
@@ -91,11 +139,11 @@ class PlanRealiser:
                         reason=f.reason,
                     )
                 )
-                self._journaled_fences.add(key)
-        lifted = [k for k in changed if k not in fences and k in self._journaled_fences]
+                self.journaled_fences.add(key)
+        lifted = [k for k in changed if k not in fences and k in self.journaled_fences]
         for key in lifted:
             self.journal.record(ev.Unfenced(pipeline=key[0], rank=key[1]))
-            self._journaled_fences.discard(key)
+            self.journaled_fences.discard(key)
         for key in lifted:  # wake only those waiting for this fence: hundreds of sleeps
             waiters = self._fence_lifted.pop(key, None)  # are confirmed in one burst
             if waiters is not None:
@@ -131,7 +179,7 @@ class PlanRealiser:
             )
         for ch in result.expand:
             self.journal.record(self._rank_event(ev.Expanded, ch))
-        self._journal_fences()
+        self.journal_fences()
 
     def _rank_event(
         self, kind: type[ev.Shrunk] | type[ev.Expanded], ch: RankChange
@@ -144,13 +192,13 @@ class PlanRealiser:
         p = self.registry.pipelines.get(pid)
         return p.clusters.get(INFER) if p else None
 
-    async def _realise(self, result: Plan, answered: list[str]) -> None:
+    async def execute(self, result: Plan, answered: list[str]) -> None:
         """Sleeps now; each grant or wake waits until no fence covers its devices. Each
         pipeline hears of its ranks as soon as its own wakes are done: a wake held up
         by a fence delays nobody else's notification."""
         # (a sleep's first attempt is awaited: ShrinkAll answers once its shards slept;
         # retries of a failed one run on their own)
-        steps = [self._sleep_rank(ch.pipeline, r) for ch in result.shrink for r in ch.ranks]
+        steps = [self.sleep_rank(ch.pipeline, r) for ch in result.shrink for r in ch.ranks]
         steps += [self._grant(g.pipeline, g.cluster, g.priority, g.devices) for g in result.grants]
         woken: dict[str, list[int]] = {}
         for ch in result.expand:
@@ -164,7 +212,7 @@ class PlanRealiser:
         spec = self._infer_spec(pid)
         if ranks and spec is not None:
             await self._expand(pid, ranks, spec)
-        await self._notify_ranks(pid)
+        await self.notify_ranks(pid)
         p = self.registry.pipelines.get(pid)
         if answered and p is not None:
             serving = self._serving(p)
@@ -183,7 +231,7 @@ class PlanRealiser:
         info = self.server.peers.get(m.worker_identity(pid, rank))
         return f"{info.host}:{info.pid}" if info is not None else None
 
-    async def _sleep_rank(self, pid: str, rank: int) -> None:
+    async def sleep_rank(self, pid: str, rank: int) -> None:
         """Put a shard to sleep and lift its fence once it confirms. If it cannot
         confirm, the fence stays and the sleep is retried in the background every
         ``command_timeout_s`` while the worker is connected; a worker that is gone
@@ -205,13 +253,13 @@ class PlanRealiser:
                 return False  # its worker is gone: only a replacement's hello proves it dead
             # No worker ever ran this rank (its pipeline drives its engines itself).
             self.registry.confirm_asleep(pid, rank, None)
-            self._journal_fences()
+            self.journal_fences()
             return True
         ack = await self._command(pid, rank, "sleep")
         if ack is None or ack.state != m.ShardState.ASLEEP:
             return False
         self.registry.confirm_asleep(pid, rank, holder)
-        self._journal_fences()
+        self.journal_fences()
         return (pid, rank) not in self.registry.fences
 
     async def _retry_sleep(self, pid: str, rank: int) -> None:
@@ -267,7 +315,7 @@ class PlanRealiser:
                 m.Granted(cluster=cluster, priority=priority, devices=devices),
             )
 
-    def _regrant(self, pid: str, cluster: ClusterName) -> None:
+    def regrant(self, pid: str, cluster: ClusterName) -> None:
         """Repeat a grant whose notification was lost; like the first one, it goes out
         only once no fence covers its devices."""
         p = self.registry.pipelines[pid]
@@ -276,18 +324,18 @@ class PlanRealiser:
             self._grant(pid, cluster, priority_name(p.held[cluster]), devices), "regrant"
         )
 
-    def _sync_stale(self, p: PipelineState, version: int) -> None:
+    def sync_stale(self, p: PipelineState, version: int) -> None:
         """Selective sync of a new version: only ``p``'s awake shards that hold another
         are told to pull it (a member's: its base group's shards, about its adapter);
         sleeping ones catch up when they wake."""
         if p.group is not None:
             base = self.registry.pipelines[p.group]
             for rank in sorted(base.active):
-                if self.adapter_versions.get((base.id, rank), {}).get(p.id) != version:
+                if self.shards.adapters.get((base.id, rank), {}).get(p.id) != version:
                     self.tasks.spawn(self._sync_rank(base.id, rank), "sync")
             return
         for rank in sorted(p.active):
-            if self.shard_versions.get((p.id, rank)) != version:
+            if self.shards.versions.get((p.id, rank)) != version:
                 self.tasks.spawn(self._sync_rank(p.id, rank), "sync")
 
     async def _expand(self, pid: str, ranks: list[int], spec: ClusterSpec) -> None:
@@ -305,21 +353,21 @@ class PlanRealiser:
         if not await self._wait_unfenced(bundle, f"wake of {pid}/{INFER}[{rank}]", still_active):
             return
         if await self._command(pid, rank, "wake") is None:
-            self._give_up_rank(pid, rank, "wake failed")
+            self.give_up_rank(pid, rank, "wake failed")
 
-    async def _expand_joined(self, pid: str, rank: int) -> None:
+    async def expand_joined(self, pid: str, rank: int) -> None:
         """A worker said hello while its rank is awake in the plan: wake it to match."""
         spec = self._infer_spec(pid)
         if spec is not None:
             await self._wake_rank(pid, rank, spec.bundle(rank))
-            await self._notify_ranks(pid)
+            await self.notify_ranks(pid)
 
     async def _sync_rank(self, pid: str, rank: int) -> None:
         await self.pacer.turn()
         if await self._command(pid, rank, "sync") is None:
-            self._give_up_rank(pid, rank, "sync failed")
+            self.give_up_rank(pid, rank, "sync failed")
 
-    def _give_up_rank(self, pid: str, rank: int, why: str) -> None:
+    def give_up_rank(self, pid: str, rank: int, why: str) -> None:
         """A shard that could not wake or sync (or was lost) is not serving: take it
         out of the plan; its devices stay fenced until it is confirmed asleep or dead."""
         p = self.registry.pipelines.get(pid)
@@ -329,10 +377,10 @@ class PlanRealiser:
         self.registry.apply(lost)
         self.registry.fence(pid, rank, p.clusters[INFER].bundle(rank), why)
         self._journal_plan(lost)
-        self.shard_versions.pop((pid, rank), None)
-        self.adapter_versions.pop((pid, rank), None)
-        self.tasks.spawn(self._sleep_rank(pid, rank), "sleep-failed")
-        self.tasks.spawn(self._notify_ranks(pid), "ranks")
+        self.shards.versions.pop((pid, rank), None)
+        self.shards.adapters.pop((pid, rank), None)
+        self.tasks.spawn(self.sleep_rank(pid, rank), "sleep-failed")
+        self.tasks.spawn(self.notify_ranks(pid), "ranks")
         self.kick()
 
     async def _command(self, pid: str, rank: int, action: m.ShardAction) -> m.ShardAck | None:
@@ -348,11 +396,11 @@ class PlanRealiser:
                 return m.ShardAck(state=m.ShardState.ACTIVE)
             log.error("%s of %s: the worker is not connected", action, ident)
             return None
-        weights = self.weights.get(pid) if action != "sleep" else None
+        weights = self.shards.weights.get(pid) if action != "sleep" else None
         adapters = self._adapters(pid) if action != "sleep" else {}
-        held = self.adapter_versions.get((pid, rank), {})
+        held = self.shards.adapters.get((pid, rank), {})
         timeout = self.cfg.command_timeout_s
-        if (weights is not None and self.shard_versions.get((pid, rank)) != weights.version) or any(
+        if (weights is not None and self.shards.versions.get((pid, rank)) != weights.version) or any(
             held.get(member) != ref.version for member, ref in adapters.items()
         ):
             # a sync gets its own budget; a wake that syncs gets both
@@ -367,11 +415,11 @@ class PlanRealiser:
             log.error("%s of %s: unexpected reply %s", action, ident, type(ack).__name__)
             return None
         if pid in self.registry.pipelines:  # (a dropped one's last sleep leaves nothing)
-            self.shard_versions[(pid, rank)] = ack.weight_version
+            self.shards.versions[(pid, rank)] = ack.weight_version
             if adapters or ack.adapter_versions:
-                self.adapter_versions[(pid, rank)] = dict(ack.adapter_versions)
+                self.shards.adapters[(pid, rank)] = dict(ack.adapter_versions)
         if ack.memory_bytes is not None:
-            self.shard_memory[(pid, rank)] = ack.memory_bytes
+            self.shards.memory[(pid, rank)] = ack.memory_bytes
         log.info(
             "%s of %s: %s, version %s, %s MiB in use",
             action,
@@ -399,9 +447,9 @@ class PlanRealiser:
         p = self.registry.pipelines.get(pid)
         if p is None or not p.members:
             return {}
-        return {member: self.weights[member] for member in p.members if member in self.weights}
+        return {member: self.shards.weights[member] for member in p.members if member in self.shards.weights}
 
-    async def _notify_ranks(self, pid: str) -> None:
+    async def notify_ranks(self, pid: str) -> None:
         """Tell ``pid``'s driver which shards serve it now; for a base group, every
         member's driver (the group has none)."""
         await self.pacer.turn()
@@ -412,14 +460,14 @@ class PlanRealiser:
         serving = self._serving(p)
         sid = serving.id
         endpoints = {
-            r: self.shard_endpoints[(sid, r)]
+            r: self.shards.endpoints[(sid, r)]
             for r in serving.active
-            if (sid, r) in self.shard_endpoints
+            if (sid, r) in self.shards.endpoints
         }
         data_keys = {
-            r: self.shard_data_keys[(sid, r)]
+            r: self.shards.data_keys[(sid, r)]
             for r in serving.active
-            if (sid, r) in self.shard_data_keys
+            if (sid, r) in self.shards.data_keys
         }
         ranks = m.ActiveRanks(
             cluster=INFER, ranks=sorted(serving.active), endpoints=endpoints, data_keys=data_keys

@@ -5,28 +5,55 @@ A shard worker is checked against its rank's devices at hello, its incarnation i
 journaled, and a lost one leaves the plan fenced until a replacement says hello. A
 driver that goes silent keeps its leases for ``lease_timeout_s``; after a restart,
 ranks the journal says are awake whose worker never returns are fenced. Dropping a
-pipeline reaps everything keyed by it. A part of
-:class:`~rlix_async.control.coordinator.Coordinator` (which inherits it), like
-:mod:`~rlix_async.control.realise`.
+pipeline reaps everything keyed by it.
+
+:class:`LeaseKeeper` is one part of the coordinator
+(:class:`~rlix_async.control.coordinator.Coordinator` holds it, and wires its
+``admit_peer``, ``peer_joined`` and ``peer_lost`` to the server); what the coming
+and going changes in the plan it has the
+:class:`~rlix_async.control.plan_execution.PlanExecutor` carry out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
+from rlix_async.config import SchedulerConfig
 from rlix_async.control import journal as ev
 from rlix_async.control import messages as m
-from rlix_async.control.realise import PlanRealiser, devices_of, log
-from rlix_async.control.registry import RegistryError
+from rlix_async.control.journal import Journal
+from rlix_async.control.plan_execution import PlanExecutor, devices_of, log
+from rlix_async.control.registry import Registry, RegistryError
 from rlix_async.control.topology import INFER
-from rlix_async.transport import PeerInfo
+from rlix_async.transport import PeerInfo, RpcServer
 
 
-class PeerWatcher(PlanRealiser):
-    _closed: bool
+class LeaseKeeper:
+    """Workers and drivers coming and going (see the module docstring)."""
 
-    def _admit_peer(self, identity: str, info: dict[str, object]) -> None:
+    def __init__(
+        self,
+        server: RpcServer,
+        registry: Registry,
+        journal: Callable[[], Journal],
+        cfg: SchedulerConfig,
+        executor: PlanExecutor,
+        kick: Callable[[], None],
+    ) -> None:
+        self.server = server
+        self.registry = registry
+        self._journal = journal
+        self.cfg = cfg
+        self.executor = executor
+        self.kick = kick
+
+    @property
+    def journal(self) -> Journal:
+        return self._journal()
+
+    def admit_peer(self, identity: str, info: dict[str, object]) -> None:
         """Refuse (at hello) a shard worker bound to devices that are not its rank's."""
         shard = m.shard_rank(identity)
         devices = info.get("devices")
@@ -45,7 +72,7 @@ class PeerWatcher(PlanRealiser):
                 f"{pid}/{INFER} has devices {expected}",
             )
 
-    def _check_bound_workers(self, pid: str) -> None:
+    def check_bound_workers(self, pid: str) -> None:
         """Shard workers usually say hello before their pipeline registers, when their
         devices cannot be checked yet: check them now. A misbound one is disconnected
         (its hello is refused from now on) and its rank never started."""
@@ -55,13 +82,13 @@ class PeerWatcher(PlanRealiser):
             if not ident.startswith(prefix) or (shard := m.shard_rank(ident)) is None:
                 continue
             try:
-                self._admit_peer(ident, info.info)
+                self.admit_peer(ident, info.info)
             except RegistryError as exc:
                 log.error("%s; rank %s will not be started", exc.detail, shard[1])
                 p.offline.add(shard[1])
                 self.server.drop_peer(ident)
 
-    def _peer_joined(self, info: PeerInfo) -> None:
+    def peer_joined(self, info: PeerInfo) -> None:
         shard = m.shard_rank(info.identity)
         if shard is not None:
             pid, rank = shard
@@ -80,26 +107,26 @@ class PeerWatcher(PlanRealiser):
                     lifted.holder,
                     list(lifted.devices),
                 )
-                self._journal_fences()
+                self.executor.journal_fences()
             elif (pid, rank) in self.registry.fences:
                 # the same process is back (a blip): it must confirm its sleep
-                self.tasks.spawn(self._sleep_rank(pid, rank), "sleep-rejoined")
+                self.executor.tasks.spawn(self.executor.sleep_rank(pid, rank), "sleep-rejoined")
             if info.info.get("data_endpoint"):
-                self.shard_endpoints[(pid, rank)] = str(info.info["data_endpoint"])
+                self.executor.shards.endpoints[(pid, rank)] = str(info.info["data_endpoint"])
             if info.info.get("data_key"):
-                self.shard_data_keys[(pid, rank)] = str(info.info["data_key"])
+                self.executor.shards.data_keys[(pid, rank)] = str(info.info["data_key"])
             if p is not None and rank in p.offline:
                 p.offline.discard(rank)  # back: it may be started again
                 self.kick()
             if p is not None and rank in p.active:
                 # its rank was already awake in the plan (it started late, or we
                 # restarted): make the worker match; wake is idempotent
-                self.tasks.spawn(self._expand_joined(pid, rank), "wake-joined")
+                self.executor.tasks.spawn(self.executor.expand_joined(pid, rank), "wake-joined")
         driver_of = m.driver_pipeline(info.identity)
         if driver_of is not None and (d := self.registry.pipelines.get(driver_of)) is not None:
             d.connected, d.lost_at = True, None
 
-    def _peer_lost(self, info: PeerInfo) -> None:
+    def peer_lost(self, info: PeerInfo) -> None:
         shard = m.shard_rank(info.identity)
         if shard is not None:
             # A lost worker may still hold its devices (silent is not dead): its rank
@@ -110,13 +137,11 @@ class PeerWatcher(PlanRealiser):
                 if rank in p.active:
                     log.warning("shard worker %s lost: rank %s fenced", info.identity, rank)
                 p.offline.add(rank)  # not started again until its worker returns
-                self._give_up_rank(pid, rank, "worker lost")
+                self.executor.give_up_rank(pid, rank, "worker lost")
             f = self.registry.fences.get((pid, rank))
             if f is not None and not f.reason.startswith("worker lost"):
                 f.reason = f"worker lost ({f.reason})"
-            self.adapter_versions.pop((pid, rank), None)
-            for table in (self.shard_versions, self.shard_endpoints, self.shard_data_keys):
-                table.pop((pid, rank), None)  # a replacement says hello with its own
+            self.executor.shards.worker_gone((pid, rank))
             return
         driver_of = m.driver_pipeline(info.identity)
         if driver_of is not None and (d := self.registry.pipelines.get(driver_of)) is not None:
@@ -127,18 +152,18 @@ class PeerWatcher(PlanRealiser):
                 self.cfg.lease_timeout_s,
             )
 
-    async def _lease_loop(self) -> None:
-        while not self._closed:
+    async def lease_loop(self) -> None:
+        while True:  # until the coordinator's supervisor cancels it
             await asyncio.sleep(min(0.5, self.cfg.lease_timeout_s / 4))
             now = time.monotonic()
             for p in list(self.registry.pipelines.values()):
                 if p.lost_at is not None and now - p.lost_at > self.cfg.lease_timeout_s:
-                    self._drop_pipeline(p.id, "lease expired")
+                    self.drop_pipeline(p.id, "lease expired")
             # a long-lived coordinator's journal is folded into one snapshot now and
             # then, so a restart never replays its whole history
             self.journal.maybe_compact(self.registry)
 
-    def _drop_pipeline(self, pid: str, reason: str) -> None:
+    def drop_pipeline(self, pid: str, reason: str) -> None:
         """Drop a pipeline: its stages released, its shards put to sleep (fenced until
         they confirm), everything keyed by it forgotten. A base group's last member
         takes the group with it, and the group's shards likewise."""
@@ -149,9 +174,9 @@ class PeerWatcher(PlanRealiser):
             return
         dropped = [p] if base is None or base.id in self.registry.pipelines else [p, base]
         for q in dropped:
-            self._forget(q.id)
+            self.executor.shards.forget(q.id, self._connected)
         if base is not None:  # a member's adapter versions on the group's shards
-            for held in self.adapter_versions.values():
+            for held in self.executor.shards.adapters.values():
                 held.pop(pid, None)
         log.warning(
             "pipeline %s dropped (%s): releasing %s and %d rollout ranks",
@@ -173,27 +198,15 @@ class PeerWatcher(PlanRealiser):
                     )
                 )
             for r in q.active:  # put its shards to sleep: fenced until they confirm
-                self.tasks.spawn(self._sleep_rank(q.id, r), "sleep-dropped")
+                self.executor.tasks.spawn(self.executor.sleep_rank(q.id, r), "sleep-dropped")
         self.journal.record(ev.Unregistered(pipeline=pid, reason=reason))
-        self._journal_fences()
+        self.executor.journal_fences()
         self.kick()
 
-    def _forget(self, pid: str) -> None:
-        """Everything else keyed by a dropped pipeline (a long-lived coordinator sees
-        thousands come and go)."""
-        self.weights.pop(pid, None)
-        for table in (self.shard_versions, self.shard_memory, self.adapter_versions):
-            for key in [k for k in table if k[0] == pid]:
-                del table[key]
-        # A worker still connected keeps its data plane's address and key: when the
-        # pipeline returns (a trainer resumed on another node) its router needs them,
-        # and the worker says hello only once. They go when the worker does.
-        for where in (self.shard_endpoints, self.shard_data_keys):
-            for key in [k for k in where if k[0] == pid]:
-                if m.worker_identity(*key) not in self.server.peers:
-                    del where[key]
+    def _connected(self, key: tuple[str, int]) -> bool:
+        return m.worker_identity(*key) in self.server.peers
 
-    def _check_group_workers(self, pid: str, group: str | None) -> None:
+    def check_group_workers(self, pid: str, group: str | None) -> None:
         """A base group's shard workers serve the members they were started with: a
         pipeline joining a group whose connected workers do not list it is refused."""
         if group is None:
@@ -207,7 +220,7 @@ class PeerWatcher(PlanRealiser):
                     f"pipeline {pid}: the shards of base group {group} serve {members} only",
                 )
 
-    async def _expire_phantom_ranks(self) -> None:
+    async def expire_phantom_ranks(self) -> None:
         """Ranks the journal says are awake, whose worker has not said hello within
         ``lease_timeout_s`` of the restart, leave the plan fenced (the worker may be
         alive and holding memory; it is lifted when a worker for the rank returns)."""
@@ -226,4 +239,4 @@ class PeerWatcher(PlanRealiser):
                     self.cfg.lease_timeout_s,
                 )
                 p.offline.add(rank)
-                self._give_up_rank(p.id, rank, "worker never returned after a restart")
+                self.executor.give_up_rank(p.id, rank, "worker never returned after a restart")
