@@ -15,8 +15,8 @@ __version__ = "0.1.0"
 # name -> module that defines it
 _EXPORTS = {
     # configuration (torch-free)
-    "ClusterShape": "rlix_async.control.topology",
-    "ClusterSpec": "rlix_async.control.topology",
+    "ClusterShape": "rlix_async.protocols.topology",
+    "ClusterSpec": "rlix_async.protocols.topology",
     "ConfigError": "rlix_async.config",
     "EngineConfig": "rlix_async.config",
     "LaunchConfig": "rlix_async.config",
@@ -27,16 +27,16 @@ _EXPORTS = {
     # joining a cluster from your own loop
     "ClusterHooks": "rlix_async.hooks",
     "NoHooks": "rlix_async.hooks",
-    "PipelineHooks": "rlix_async.hooks",
+    "PipelineHooks": "rlix_async.protocols.hooks",
     "PipelineClient": "rlix_async.control.client",
     "Router": "rlix_async.shards.router",
     "Trajectory": "rlix_async.shards.router",
     "WeightCache": "rlix_async.weights.cache",
-    "CacheRef": "rlix_async.weights.ref",
+    "CacheRef": "rlix_async.protocols.cache_ref",
     # running the pieces in-process
     "Coordinator": "rlix_async.control.coordinator",
     "ShardWorker": "rlix_async.shards.worker",
-    "ShardEngine": "rlix_async.shards.engine",
+    "ShardEngine": "rlix_async.protocols.engine",
     # the GRPO recipe's parts
     "Group": "rlix_async.train.buffer",
     "ReplayBuffer": "rlix_async.train.buffer",
@@ -135,14 +135,16 @@ if TYPE_CHECKING:
     )
     from rlix_async.control.client import PipelineClient
     from rlix_async.control.coordinator import Coordinator
-    from rlix_async.control.topology import ClusterShape, ClusterSpec
-    from rlix_async.hooks import ClusterHooks, NoHooks, PipelineHooks
+    from rlix_async.hooks import ClusterHooks, NoHooks
     from rlix_async.protocol import PROTOCOL_VERSION, Message, RpcError
+    from rlix_async.protocols.cache_ref import CacheRef
+    from rlix_async.protocols.engine import ShardEngine
+    from rlix_async.protocols.hooks import PipelineHooks
+    from rlix_async.protocols.topology import ClusterShape, ClusterSpec
     from rlix_async.rollout.agents import AgentClient, EpisodeOver
     from rlix_async.rollout.episodes import StepResult
     from rlix_async.rollout.tasks import copy_first, target_tokens
     from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
-    from rlix_async.shards.engine import ShardEngine
     from rlix_async.shards.router import Router, Trajectory
     from rlix_async.shards.worker import ShardWorker
     from rlix_async.train.buffer import Group, ReplayBuffer
@@ -158,4 +160,3 @@ if TYPE_CHECKING:
         TransportConfig,
     )
     from rlix_async.weights.cache import WeightCache
-    from rlix_async.weights.ref import CacheRef

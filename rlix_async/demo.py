@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rlix_async.config import LaunchConfig, convert
-from rlix_async.config.lora import base_groups
+from rlix_async.config.launch_rules import base_groups
 from rlix_async.control.journal import Expanded, ShardSynced, Shrunk, read_journal
 from rlix_async.launch import Launcher
 from rlix_async.rollout.ledger import LEDGER, tally

@@ -18,23 +18,15 @@ a loop running alone; ``ClusterHooks`` talks to a coordinator::
 from __future__ import annotations
 
 import logging
-from typing import Protocol
 
 from rlix_async.control.client import PipelineClient
-from rlix_async.control.topology import TRAIN, ClusterName, ClusterSpec
+from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.protocols.topology import TRAIN, ClusterName, ClusterSpec
 from rlix_async.security import ClientKeys
 from rlix_async.shards.router import Router
 from rlix_async.transport import TransportConfig
-from rlix_async.weights.ref import CacheRef
 
 log = logging.getLogger(__name__)
-
-
-class PipelineHooks(Protocol):
-    async def before_training(self, step: int) -> None: ...
-    async def after_training(self, step: int, weights: CacheRef | None) -> None: ...
-    async def report_progress(self, target: int, completed: int) -> None: ...
-    async def clear_progress(self) -> None: ...
 
 
 class NoHooks:

@@ -30,8 +30,8 @@ from typing import Any, Literal
 import msgspec
 
 from rlix_async.config import CoordinatorConfig, LaunchConfig, PipelineConfig, ShardConfig
-from rlix_async.config.lora import base_groups
-from rlix_async.control.topology import INFER, TRAIN
+from rlix_async.config.launch_rules import base_groups
+from rlix_async.protocols.topology import INFER, TRAIN
 
 Role = Literal["coordinator", "shard", "trainer"]
 

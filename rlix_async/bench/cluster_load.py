@@ -2,7 +2,7 @@
 
 ``python -m rlix_async.bench.cluster_load ROLE SPEC.json [INDEX]``:
 
-- ``coordinator``: the real coordinator (``control.coordinator_main.serve``, the code
+- ``coordinator``: the real coordinator (``coordinator_main.serve``, the code
   ``rlix-async coordinator`` runs) with timers around the scheduling step
   (snapshot, plan in the planner thread, check and apply on the loop) and a probe of the event loop's lag; the samples are
   written to ``STATS`` when it is stopped. The timers are wrapped around the
@@ -42,9 +42,7 @@ from typing import Any, cast
 import zmq
 
 from rlix_async.aio import run, until_signalled
-from rlix_async.control import messages as m
 from rlix_async.control.client import PipelineClient
-from rlix_async.control.topology import TRAIN, ClusterName, ClusterSpec
 from rlix_async.protocol import (
     Error,
     ErrorCode,
@@ -58,7 +56,9 @@ from rlix_async.protocol import (
     encode,
     hello,
 )
-from rlix_async.weights.ref import CacheRef
+from rlix_async.protocols import messages as m
+from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.protocols.topology import TRAIN, ClusterName, ClusterSpec
 
 _POLLIN, _EVENTS, _NOBLOCK = int(zmq.POLLIN), int(zmq.EVENTS), int(zmq.NOBLOCK)
 TARGET = 256  # trajectories per step: progress moves in 2% buckets of it
@@ -202,10 +202,10 @@ def _entered(
 def serve_coordinator(spec: dict[str, Any]) -> None:
     from rlix_async.config import CoordinatorConfig, load_config
     from rlix_async.control import coordinator as co
-    from rlix_async.control import coordinator_main
     from rlix_async.control.journal import Journal
     from rlix_async.control.planner_proc import PlannerProcess
     from rlix_async.control.registry import Registry
+    from rlix_async.coordinator_main import serve as serve_real_coordinator
 
     raise_fd_limit()
     logging.basicConfig(  # as `rlix-async coordinator` logs (rlix_async/cli/__init__.py)
@@ -252,7 +252,7 @@ def serve_coordinator(spec: dict[str, Any]) -> None:
             loop.slow_callback_duration = spec["slow_callback_ms"] / 1000
         probe = asyncio.ensure_future(_lag_probe(lag))
         try:
-            await coordinator_main.serve(cfg)
+            await serve_real_coordinator(cfg)
         finally:
             probe.cancel()
 

@@ -237,7 +237,7 @@ async def _measure(
     """Start the drivers' cycles, then sample the window: CPU, RSS, status."""
     import psutil
 
-    from rlix_async.control import messages as m
+    from rlix_async.protocols import messages as m
     from rlix_async.transport import RpcClient
 
     groups = {

@@ -26,8 +26,8 @@ from typing import Any
 
 from rlix_async.control.client import PipelineClient
 from rlix_async.control.coordinator import Coordinator
-from rlix_async.control.messages import driver_identity
-from rlix_async.control.topology import ClusterName, ClusterShape, ClusterSpec
+from rlix_async.protocols.messages import driver_identity
+from rlix_async.protocols.topology import ClusterName, ClusterShape, ClusterSpec
 from rlix_async.rollout.chat import ChatTurns
 from rlix_async.rollout.episodes import Env, EpisodeRunner, StepResult
 from rlix_async.security import ipc_endpoint

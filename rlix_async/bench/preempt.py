@@ -34,8 +34,8 @@ from typing import Any
 
 from rlix_async.control.client import PipelineClient
 from rlix_async.control.coordinator import Coordinator
-from rlix_async.control.messages import ShardState
-from rlix_async.control.topology import ClusterName, ClusterShape, ClusterSpec
+from rlix_async.protocols.messages import ShardState
+from rlix_async.protocols.topology import ClusterName, ClusterShape, ClusterSpec
 from rlix_async.security import ipc_endpoint
 from rlix_async.shards.router import Router, Trajectory
 from rlix_async.shards.worker import ShardWorker

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import random
 
-from rlix_async.control.snapshot import PipelineIn, ProgressIn, RequestIn, Snapshot
-from rlix_async.control.topology import INFER, ClusterShape, ClusterSpec, Priority, priority_name
+from rlix_async.protocols.snapshot import PipelineIn, ProgressIn, RequestIn, Snapshot
+from rlix_async.protocols.topology import INFER, ClusterShape, ClusterSpec, Priority, priority_name
 
 GANG_PRIORITIES = [priority_name(p) for p in Priority if p is not Priority.GENERATION]
 

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from rlix_async.aio import run as aio_run
+from rlix_async.protocols.cache_ref import CacheRef
 from rlix_async.security import ClientKeys, ServerKeys, keygen
 from rlix_async.weights.cache import WeightCache
-from rlix_async.weights.ref import CacheRef
 from rlix_async.weights.shm import sync_local
 from rlix_async.weights.sinks import TensorSink
 from rlix_async.weights.tcp import WeightServer, sync_remote

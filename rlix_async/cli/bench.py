@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from rlix_async.cli import UsageError, positive_int
+from rlix_async.cli.args import UsageError, positive_int
 
 
 def _rpc(args: argparse.Namespace) -> int:
@@ -184,7 +184,7 @@ def _episodes(args: argparse.Namespace) -> int:
 def _transparency(args: argparse.Namespace) -> int:
     import sys
 
-    from rlix_async.cli import check_output
+    from rlix_async.cli.args import check_output
 
     check_output(args.out, directory=True)
     from rlix_async.bench.transparency import (

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlix_async.cli import UsageError, check_output, endpoint_arg
+from rlix_async.cli.args import UsageError, check_output, endpoint_arg
 
 if TYPE_CHECKING:
     from rlix_async.security import ClientKeys
@@ -41,8 +41,8 @@ def _kill(args: argparse.Namespace) -> int:
     import uuid
 
     from rlix_async.aio import run
-    from rlix_async.control.messages import Unregister
     from rlix_async.observe.status import fetch
+    from rlix_async.protocols.messages import Unregister
     from rlix_async.transport import RpcClient
 
     endpoint, keys = _coordinator(args)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlix_async.cli import (
+from rlix_async.cli.args import (
     UsageError,
     add_overrides,
     check_endpoints,
@@ -34,7 +34,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         check_output(cfg.journal, parents=True)  # the coordinator creates its directory
 
     from rlix_async.aio import run  # the process's imports after its input is checked
-    from rlix_async.control.coordinator_main import serve
+    from rlix_async.coordinator_main import serve
 
     run(serve(cfg))
     return 0

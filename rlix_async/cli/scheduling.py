@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlix_async.cli import UsageError, add_overrides, check_output
+from rlix_async.cli.args import UsageError, add_overrides, check_output
 
 if TYPE_CHECKING:
     from rlix_async.config import Scenario
@@ -18,7 +18,7 @@ def _plan(args: argparse.Namespace) -> int:
     import msgspec
 
     from rlix_async.control.planner import check_plan, plan
-    from rlix_async.control.snapshot import SnapshotError, decode_snapshot
+    from rlix_async.protocols.snapshot import SnapshotError, decode_snapshot
 
     try:
         snap = decode_snapshot(Path(args.snapshot).read_bytes())

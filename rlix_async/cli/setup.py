@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from rlix_async.cli import UsageError, add_overrides, check_output, load_for
+from rlix_async.cli.args import UsageError, add_overrides, check_output, load_for
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -52,7 +52,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from rlix_async.models.export import ExportError, export_checkpoint
+    from rlix_async.train.export import ExportError, export_checkpoint
 
     try:
         path = export_checkpoint(args.checkpoint, args.hf, config=args.config)

@@ -1,7 +1,8 @@
 """Every user-facing configuration, torch-free (msgspec only).
 
-One struct per concept (:mod:`~rlix_async.config.schema`), each field with
-its bounds and a description (``rlix-async config reference`` prints them
+One struct per concept (``scheduler.py``, ``engine.py``, ``pipeline.py``,
+``launch.py``, ``training.py``, ``lora.py``, ``recipe.py``, ``scenario.py``),
+each field with its bounds and a description (``rlix-async config reference`` prints them
 all; docs/CONFIG.md is that output). Processes each read one file:
 
 - :class:`LaunchConfig`: ``rlix-async launch`` (cluster, engine, scheduler,
@@ -14,26 +15,18 @@ all; docs/CONFIG.md is that output). Processes each read one file:
 :func:`load_config` (:mod:`~rlix_async.config.loading`) reads YAML or JSON,
 applies ``key.path=value`` overrides (as verl and Hydra users write them) and
 turns every validation error into one line, ``FILE: field: what is wrong``.
-New keys (data, reward, env, lora) land in the schema.
+Rules across configs live in ``launch_rules.py``.
 """
 
+from rlix_async.config.engine import EngineConfig, ShardConfig, resolve_dtype
+from rlix_async.config.launch import LaunchConfig
 from rlix_async.config.loading import ConfigError, convert, dump, load_config
+from rlix_async.config.pipeline import ModelConfig, PipelineConfig, RolloutConfig
 from rlix_async.config.recipe import CopyFirstTask, TargetTokensTask, TaskConfig
 from rlix_async.config.scenario import RolloutTimes, Scenario, ScenarioPipeline, SwitchCosts
-from rlix_async.config.schema import (
-    ClusterShape,
-    ClusterSpec,
-    CoordinatorConfig,
-    EngineConfig,
-    LaunchConfig,
-    ModelConfig,
-    PipelineConfig,
-    RolloutConfig,
-    SchedulerConfig,
-    ShardConfig,
-    resolve_dtype,
-)
+from rlix_async.config.scheduler import CoordinatorConfig, SchedulerConfig
 from rlix_async.config.training import LossConfig, TrainConfig
+from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 
 __all__ = [
     "ClusterShape",

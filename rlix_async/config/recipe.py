@@ -8,14 +8,11 @@ template, scored by a function of the user's (``rollout/rewards.py``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import msgspec
 
 from rlix_async.config.schema_base import Config, doc, invalid
-
-if TYPE_CHECKING:
-    from rlix_async.config.schema import PipelineConfig
 
 
 class DataConfig(Config, frozen=True):
@@ -91,39 +88,3 @@ class CopyFirstTask(TokenTask, frozen=True, tag="copy_first"):
 
 
 TaskConfig = TargetTokensTask | CopyFirstTask
-
-
-def check_recipe(p: PipelineConfig) -> None:
-    """What a pipeline trains on, checked whole: a token task, or data with exactly one
-    of reward, env and agent (and the keys each needs)."""
-    scorers = {k: v for k, v in (("reward", p.reward), ("env", p.env), ("agent", p.agent)) if v}
-    if p.data is None:
-        text_only = {**scorers, "eval_every": p.eval_every, "rollout.stop": p.rollout.stop}
-        for key, value in text_only.items():
-            if value:
-                raise invalid(key, "needs data (a text recipe); token-id tasks score themselves")
-        task = p.token_task
-        assert task is not None
-        if p.model.path is None and task.vocab > p.model.vocab_size:
-            raise invalid(
-                "task.vocab", f"{task.vocab} exceeds the model's vocab_size {p.model.vocab_size}"
-            )
-        return
-    if p.task is not None:
-        raise invalid("task", "a pipeline trains on a token-id task or on data, not both")
-    if p.model.path is None:
-        raise invalid("model.path", "data needs a model directory with a tokenizer")
-    if len(scorers) > 1:
-        names = " and ".join(scorers)
-        raise invalid(list(scorers)[-1], f"{names}: name one (an env or agent scores its own)")
-    for key, owner in (("env_args", p.env), ("env_workers", p.env), ("agent_args", p.agent)):
-        if getattr(p, key) and owner is None:
-            raise invalid(key, f"needs {key.split('_')[0]} (what they are for)")
-    if not scorers:
-        raise invalid(
-            "reward",
-            "data needs a reward ('module:function', 'file.py:function' or a built-in), "
-            "an env or an agent",
-        )
-    if p.eval_every and p.data.eval is None:
-        raise invalid("eval_every", "needs data.eval (the evaluation prompts)")

@@ -1,7 +1,7 @@
 """The simulator's scenario: a cluster, pipelines with stage times, and switch costs.
 
 ``rlix-async simulate SCENARIO.yaml`` reads a :class:`Scenario`; its pipelines
-use the same topology rules as the real ones (``config/schema.py``).
+use the same topology rules as the real ones (``config/launch_rules.py``).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Annotated, Literal
 import msgspec
 
 from rlix_async.config.launch_rules import check_topology
-from rlix_async.config.schema import Config, doc, invalid
-from rlix_async.control.cadence import PLAN_INTERVAL_S, PROGRESS_INTERVAL_S
-from rlix_async.control.topology import (
+from rlix_async.config.schema_base import Config, doc, invalid
+from rlix_async.protocols.cadence import PLAN_INTERVAL_S, PROGRESS_INTERVAL_S
+from rlix_async.protocols.topology import (
     ClusterName,
     ClusterShape,
     ClusterSpec,

@@ -22,9 +22,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from rlix_async.control import messages as m
-from rlix_async.control.cadence import progress_bucket
-from rlix_async.control.topology import (
+from rlix_async.protocol import Message, RpcError
+from rlix_async.protocols import messages as m
+from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.protocols.cadence import progress_bucket
+from rlix_async.protocols.topology import (
     INFER,
     ClusterName,
     ClusterSpec,
@@ -32,10 +34,8 @@ from rlix_async.control.topology import (
     PriorityName,
     priority_name,
 )
-from rlix_async.protocol import Message, RpcError
 from rlix_async.security import ClientKeys
 from rlix_async.transport import CallContext, ConnectionLost, RpcClient, TransportConfig
-from rlix_async.weights.ref import CacheRef
 
 log = logging.getLogger(__name__)
 GRANT_TIMEOUT_S = 6 * 3600.0  # a stage may wait behind others' training, never forever

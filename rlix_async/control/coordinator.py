@@ -33,22 +33,22 @@ import msgspec
 from rlix_async.aio import Supervisor
 from rlix_async.config import SchedulerConfig
 from rlix_async.control import journal as ev
-from rlix_async.control import messages as m
-from rlix_async.control.cadence import PlanCadence, progress_is_urgent
 from rlix_async.control.journal import GroupSync, Journal, JournalWriteError, open_journal
 from rlix_async.control.leases import LeaseKeeper
 from rlix_async.control.plan_execution import PlanExecutor
 from rlix_async.control.planner import check_plan, idle_after, plan
 from rlix_async.control.planner_proc import PlannerProcess
 from rlix_async.control.registry import Registry, RegistryError
-from rlix_async.control.snapshot import Plan, RankChange, Snapshot
-from rlix_async.control.topology import (
+from rlix_async.protocol import ErrorCode, Ok
+from rlix_async.protocols import messages as m
+from rlix_async.protocols.cadence import PlanCadence, progress_is_urgent
+from rlix_async.protocols.snapshot import Plan, RankChange, Snapshot
+from rlix_async.protocols.topology import (
     INFER,
     ClusterShape,
     Priority,
     priority_name,
 )
-from rlix_async.protocol import ErrorCode, Ok
 from rlix_async.security import ServerKeys
 from rlix_async.transport import CallContext, Deferred, RpcServer, TransportConfig
 

@@ -16,8 +16,8 @@ import msgspec
 
 from rlix_async.control.fences import Fence
 from rlix_async.control.registry import PipelineState, Registry
-from rlix_async.control.snapshot import ProgressIn
-from rlix_async.control.topology import (
+from rlix_async.protocols.snapshot import ProgressIn
+from rlix_async.protocols.topology import (
     INFER,
     ClusterName,
     ClusterSpec,

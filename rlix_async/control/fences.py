@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from rlix_async.control.topology import INFER
+from rlix_async.protocols.topology import INFER
 
 FenceKey = tuple[str, int]  # (pipeline, rank)
 

@@ -22,11 +22,11 @@ from collections.abc import Callable
 
 from rlix_async.config import SchedulerConfig
 from rlix_async.control import journal as ev
-from rlix_async.control import messages as m
 from rlix_async.control.journal import Journal
 from rlix_async.control.plan_execution import PlanExecutor, devices_of, log
 from rlix_async.control.registry import Registry, RegistryError
-from rlix_async.control.topology import INFER
+from rlix_async.protocols import messages as m
+from rlix_async.protocols.topology import INFER
 from rlix_async.transport import PeerInfo, RpcServer
 
 

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from rlix_async.aio import Supervisor, TurnPacer
 from rlix_async.config import SchedulerConfig
 from rlix_async.control import journal as ev
-from rlix_async.control import messages as m
 from rlix_async.control.journal import Journal, JournalWriteError
 from rlix_async.control.registry import PipelineState, Registry
-from rlix_async.control.snapshot import Plan, RankChange
-from rlix_async.control.topology import (
+from rlix_async.protocols import messages as m
+from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.protocols.snapshot import Plan, RankChange
+from rlix_async.protocols.topology import (
     INFER,
     ClusterName,
     ClusterSpec,
@@ -37,7 +38,6 @@ from rlix_async.control.topology import (
     priority_name,
 )
 from rlix_async.transport import RpcServer
-from rlix_async.weights.ref import CacheRef
 
 log = logging.getLogger("rlix_async.control.coordinator")
 
@@ -400,9 +400,9 @@ class PlanExecutor:
         adapters = self._adapters(pid) if action != "sleep" else {}
         held = self.shards.adapters.get((pid, rank), {})
         timeout = self.cfg.command_timeout_s
-        if (weights is not None and self.shards.versions.get((pid, rank)) != weights.version) or any(
-            held.get(member) != ref.version for member, ref in adapters.items()
-        ):
+        if (
+            weights is not None and self.shards.versions.get((pid, rank)) != weights.version
+        ) or any(held.get(member) != ref.version for member, ref in adapters.items()):
             # a sync gets its own budget; a wake that syncs gets both
             timeout = (timeout if action == "wake" else 0.0) + self.cfg.sync_timeout_s
         command = m.ShardCommand(action=action, weights=weights, adapters=adapters)
@@ -447,7 +447,11 @@ class PlanExecutor:
         p = self.registry.pipelines.get(pid)
         if p is None or not p.members:
             return {}
-        return {member: self.shards.weights[member] for member in p.members if member in self.shards.weights}
+        return {
+            member: self.shards.weights[member]
+            for member in p.members
+            if member in self.shards.weights
+        }
 
     async def notify_ranks(self, pid: str) -> None:
         """Tell ``pid``'s driver which shards serve it now; for a base group, every

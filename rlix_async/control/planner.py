@@ -39,7 +39,7 @@ from itertools import chain
 
 from rlix_async.control.planner_bits import FRAMES, Counts, Devices, Frame, frame_of, new_frame
 from rlix_async.control.planner_fill import bundle_targets, guaranteed_floors, water_fill
-from rlix_async.control.snapshot import (
+from rlix_async.protocols.snapshot import (
     Grant,
     PipelineIn,
     Plan,
@@ -49,7 +49,7 @@ from rlix_async.control.snapshot import (
     Snapshot,
     Waiting,
 )
-from rlix_async.control.topology import INFER, ClusterShape, Priority
+from rlix_async.protocols.topology import INFER, ClusterShape, Priority
 
 # --- planning ----------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from functools import lru_cache
 from itertools import chain, compress
 from typing import Any
 
-from rlix_async.control.topology import ClusterSpec
+from rlix_async.protocols.topology import ClusterSpec
 
 _BIT = bytes.maketrans(b"01", b"\x00\x01")
 

@@ -32,7 +32,7 @@ from typing import IO
 import msgspec
 
 from rlix_async.control.planner import plan
-from rlix_async.control.snapshot import Plan, Snapshot
+from rlix_async.protocols.snapshot import Plan, Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,9 @@ import time
 from dataclasses import dataclass, field
 
 from rlix_async.control.fences import Fence, FenceTable
-from rlix_async.control.messages import DeviceOwner
-from rlix_async.control.snapshot import (
+from rlix_async.protocol import RpcError
+from rlix_async.protocols.messages import DeviceOwner
+from rlix_async.protocols.snapshot import (
     PipelineIn,
     Plan,
     Policy,
@@ -30,7 +31,7 @@ from rlix_async.control.snapshot import (
     RequestIn,
     Snapshot,
 )
-from rlix_async.control.topology import (
+from rlix_async.protocols.topology import (
     INFER,
     ClusterName,
     ClusterShape,
@@ -40,7 +41,6 @@ from rlix_async.control.topology import (
     priority_name,
     validate_topology,
 )
-from rlix_async.protocol import RpcError
 
 
 class RegistryError(RpcError):

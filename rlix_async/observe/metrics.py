@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from rlix_async.control.messages import StatusReply
+from rlix_async.protocols.messages import StatusReply
 
 
 class Metrics:

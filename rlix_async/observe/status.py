@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from rlix_async.control import messages as m
+from rlix_async.protocols import messages as m
 from rlix_async.security import ClientKeys, ipc_endpoint
 from rlix_async.transport import RpcClient
 

@@ -23,7 +23,7 @@ from rlix_async.control.journal import (
     Unregistered,
     read_journal,
 )
-from rlix_async.control.topology import ClusterSpec
+from rlix_async.protocols.topology import ClusterSpec
 
 GENERATION = "GENERATION"  # the stage of a rollout rank (Priority.GENERATION's name)
 HATCH = {

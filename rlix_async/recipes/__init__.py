@@ -3,26 +3,10 @@ that writes its dataset. ``rlix-async demo --recipe NAME`` runs one end to end."
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
-
-
-def write_splits(
-    out: Path, train: Iterable[dict[str, Any]], held_out: Iterable[dict[str, Any]]
-) -> tuple[Path, Path]:
-    """``out/train.jsonl`` and ``out/eval.jsonl``, one JSON row a line; returns their paths."""
-    out.mkdir(parents=True, exist_ok=True)
-    paths = out / "train.jsonl", out / "eval.jsonl"
-    for path, rows in zip(paths, (train, held_out), strict=True):
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "w") as fh:
-            for row in rows:
-                fh.write(json.dumps(row) + "\n")
-        tmp.replace(path)  # a reader never sees half a file
-    return paths
 
 
 def _arithmetic_data(out: Path) -> None:

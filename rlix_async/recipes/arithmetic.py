@@ -16,7 +16,7 @@ import argparse
 import random
 from pathlib import Path
 
-from rlix_async.recipes import write_splits
+from rlix_async.rollout.dataset import write_splits
 
 QUESTION = "What is {a} + {b}? Answer with just the number."
 DIGITS = (1, 1)

@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from rlix_async.recipes import write_splits
+from rlix_async.rollout.dataset import write_splits
 from rlix_async.rollout.episodes import StepResult
 from rlix_async.rollout.rewards import answers_equal, final_answer
 

@@ -20,7 +20,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from rlix_async.recipes import write_splits
+from rlix_async.rollout.dataset import write_splits
 from rlix_async.rollout.episodes import StepResult
 from rlix_async.rollout.rewards import final_answer
 

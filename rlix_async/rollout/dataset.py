@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -350,3 +351,18 @@ def _tokenize(
         encoded = tokenizer(batch, add_special_tokens=add_special_tokens)["input_ids"]
         ids.extend(list(row_ids) for row_ids in encoded)
     return ids
+
+
+def write_splits(
+    out: Path, train: Iterable[dict[str, Any]], held_out: Iterable[dict[str, Any]]
+) -> tuple[Path, Path]:
+    """``out/train.jsonl`` and ``out/eval.jsonl``, one JSON row a line; returns their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = out / "train.jsonl", out / "eval.jsonl"
+    for path, rows in zip(paths, (train, held_out), strict=True):
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w") as fh:
+            for row in rows:
+                fh.write(json.dumps(row) + "\n")
+        tmp.replace(path)  # a reader never sees half a file
+    return paths

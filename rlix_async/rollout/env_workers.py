@@ -38,7 +38,7 @@ def _in_worker(spec: str, env_args: dict[str, Any], episode: int, method: str, a
     """One env call, in a worker process."""
     global _LOOP
     if method == "__init__":
-        from rlix_async.loading import load_object
+        from rlix_async.user_code import load_object
 
         _ENVS[episode] = load_object(spec)(arg, **env_args)
         return None

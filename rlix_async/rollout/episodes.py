@@ -36,11 +36,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlix_async.loading import LoadError, load_object
 from rlix_async.rollout.chat import ChatError, ChatTurns, Messages
 from rlix_async.rollout.env_workers import EnvProcesses, RemoteEnv
 from rlix_async.rollout.threads import BoundedThreads, NoFreeThread
 from rlix_async.shards.router import Trajectory
+from rlix_async.user_code import LoadError, load_object
 
 log = logging.getLogger("rlix_async.episodes")
 ROW_REPR_LIMIT = 300
@@ -77,7 +77,7 @@ class Env:
 
 
 def load_user_object(spec: str, what: str) -> Any:
-    """The object ``spec`` names (``rlix_async.loading``); EnvError (one line) if it does
+    """The object ``spec`` names (``rlix_async.user_code``); EnvError (one line) if it does
     not load, a module failing while it imports included."""
     try:
         return load_object(spec)

@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlix_async.loading import LoadError, load_object
 from rlix_async.rollout.threads import BoundedThreads
+from rlix_async.user_code import LoadError, load_object
 
 logger = logging.getLogger("rlix_async.rewards")
 
@@ -202,7 +202,7 @@ def load_reward(spec: str, reward_args: Mapping[str, Any] | None = None) -> Rewa
     **reward_args)``; RewardError (one line) when it cannot be used.
 
     ``spec`` is a built-in's bare name or ``package.module:function`` /
-    ``path/to/file.py:function`` (see ``rlix_async.loading``).
+    ``path/to/file.py:function`` (see ``rlix_async.user_code``).
     """
     args = dict(reward_args or {})
     if ":" not in spec:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from rlix_async.shards.engine import AdapterEngine, GenerationChunk, PauseMode, ShardEngine
-from rlix_async.weights.ref import CacheRef
+from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.protocols.engine import AdapterEngine, GenerationChunk, PauseMode, ShardEngine
 
 
 class LoadOnWake:

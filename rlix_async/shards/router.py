@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from rlix_async.aio import Supervisor
 from rlix_async.control.client import PipelineClient
 from rlix_async.protocol import RpcError
+from rlix_async.protocols.generation import Cancel, Generate, GenerateResult, ShardRefusal
 from rlix_async.security import ClientKeys
-from rlix_async.shards.messages import Cancel, Generate, GenerateResult, ShardRefusal
 from rlix_async.transport import CallTimeout, ConnectionLost, RpcClient, TransportConfig
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ import zlib
 
 from rlix_async.aio import stop_signals
 from rlix_async.config import EngineConfig, ShardConfig
+from rlix_async.protocols.engine import ShardEngine
 from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
 from rlix_async.shards.devices import DeviceBindingError, check_binding, cuda_device_count
-from rlix_async.shards.engine import ShardEngine
 from rlix_async.shards.lazy_engine import LoadOnWake, shutdown_engine
 from rlix_async.shards.worker import ShardWorker
 from rlix_async.transport import TransportConfig
@@ -33,7 +33,7 @@ def build_engine(
 ) -> ShardEngine:
     """The shard's engine; ``adapters``: a base group's, serving LoRA adapters."""
     if engine.kind == "custom":
-        from rlix_async.loading import load_object
+        from rlix_async.user_code import load_object
 
         assert engine.custom is not None  # the config refuses custom without it
         return load_object(engine.custom)(**engine.custom_args)  # type: ignore[no-any-return]

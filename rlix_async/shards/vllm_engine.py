@@ -17,7 +17,7 @@ fraction. The sleep-mode path has never run on a GPU in this project (no vLLM
 on the GPU machines it was tested on): tests/gpu/test_vllm_sleep_gpu.py is the check.
 
 Started with ``lora`` (a base group's shard) it is an
-:class:`~rlix_async.shards.engine.AdapterEngine`: vLLM's LoRA support, adapters
+:class:`~rlix_async.protocols.engine.AdapterEngine`: vLLM's LoRA support, adapters
 loaded from the weight cache in memory (:mod:`rlix_async.shards.vllm_lora`).
 """
 
@@ -34,13 +34,13 @@ import msgspec
 
 from rlix_async.config import EngineConfig
 from rlix_async.config.lora import EngineLoraConfig
-from rlix_async.shards.engine import GenerationChunk, PauseMode
+from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.protocols.engine import GenerationChunk, PauseMode
+from rlix_async.protocols.sinks import SyncError
 from rlix_async.shards.vllm_lora import AdapterError, Adapters, Served, engine_args
 from rlix_async.shards.vllm_plugin import BACKEND
 from rlix_async.shards.vllm_worker import EXTENSION
-from rlix_async.weights.ref import CacheRef
 from rlix_async.weights.shm import SHM_DIR
-from rlix_async.weights.sinks import SyncError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 

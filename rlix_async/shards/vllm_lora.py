@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from rlix_async.config.lora import LORA_TARGETS, EngineLoraConfig
-from rlix_async.weights.ref import CacheRef
+from rlix_async.protocols.cache_ref import CacheRef
 
 if TYPE_CHECKING:
     import torch

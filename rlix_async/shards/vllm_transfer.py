@@ -1,7 +1,7 @@
 """Our weight-transfer backend for vLLM (``WeightTransferConfig(backend="rlix_shm")``).
 
 It runs inside vLLM's worker process (each tensor-parallel rank its own). The
-update info is a :class:`~rlix_async.weights.ref.CacheRef`, and a version reaches
+update info is a :class:`~rlix_async.protocols.cache_ref.CacheRef`, and a version reaches
 the model one of two ways:
 
 - **On the owner's node** the worker maps the owner's shared-memory slot once
@@ -36,13 +36,12 @@ from pathlib import Path
 import msgspec
 import torch
 
+from rlix_async.protocols.cache_ref import CacheRef, Layout
+from rlix_async.protocols.sinks import SlotOverwritten, SyncError
 from rlix_async.security import ClientKeys
 from rlix_async.shards import vllm_api
-from rlix_async.weights.packing import Layout
 from rlix_async.weights.pull import on_owner_node, pull_blocking
-from rlix_async.weights.ref import CacheRef
 from rlix_async.weights.shm import SHM_DIR, current_slot_ref, forget_mappings, read_slot
-from rlix_async.weights.sinks import SlotOverwritten, SyncError
 
 logger = logging.getLogger(__name__)
 MAX_ATTEMPTS = 20

@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
+from rlix_async.protocols.cache_ref import CacheRef
 from rlix_async.shards.vllm_lora import RlixLoraWorker
-from rlix_async.weights.ref import CacheRef
 
 EXTENSION = "rlix_async.shards.vllm_worker.RlixWorker"
 

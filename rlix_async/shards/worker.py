@@ -45,18 +45,18 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from rlix_async.control import messages as m
-from rlix_async.control.messages import ShardState
 from rlix_async.protocol import ErrorCode, RpcError
+from rlix_async.protocols import messages as m
+from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.protocols.engine import AdapterEngine, ShardEngine
+from rlix_async.protocols.generation import Cancel, Generate, GenerateResult, ShardRefusal
+from rlix_async.protocols.messages import ShardState
+from rlix_async.protocols.sinks import SyncError
 from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
 from rlix_async.shards.devices import (
     memory_in_use,
 )
-from rlix_async.shards.engine import AdapterEngine, ShardEngine
-from rlix_async.shards.messages import Cancel, Generate, GenerateResult, ShardRefusal
 from rlix_async.transport import CallContext, RpcClient, RpcServer, TransportConfig
-from rlix_async.weights.ref import CacheRef
-from rlix_async.weights.sinks import SyncError
 
 log = logging.getLogger(__name__)
 # Cancels that arrived before their request started (both come in one read batch);

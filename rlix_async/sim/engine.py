@@ -42,10 +42,10 @@ from typing import Any
 from rlix_async.config import RolloutTimes, Scenario, ScenarioPipeline
 from rlix_async.control import journal as ev
 from rlix_async.control import planner
-from rlix_async.control.cadence import PlanCadence, progress_bucket, progress_is_urgent
 from rlix_async.control.registry import Registry
-from rlix_async.control.snapshot import RankChange
-from rlix_async.control.topology import INFER, TRAIN, Priority
+from rlix_async.protocols.cadence import PlanCadence, progress_bucket, progress_is_urgent
+from rlix_async.protocols.snapshot import RankChange
+from rlix_async.protocols.topology import INFER, TRAIN, Priority
 from rlix_async.sim.groups import Server, servers_of
 
 

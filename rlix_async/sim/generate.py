@@ -15,7 +15,7 @@ import random
 
 from rlix_async.config import RolloutTimes, Scenario, ScenarioPipeline
 from rlix_async.config.scenario import SwitchCosts
-from rlix_async.control.topology import ClusterShape, ClusterSpec
+from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 
 FAMILIES = ("agentic",)
 

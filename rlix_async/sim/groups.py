@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlix_async.control.topology import ClusterSpec
+from rlix_async.protocols.topology import ClusterSpec
 
 
 @dataclass

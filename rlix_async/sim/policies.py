@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 
 from rlix_async.config import ConfigError, Scenario, ScenarioPipeline
-from rlix_async.control.topology import ClusterSpec, validate_topology
+from rlix_async.protocols.topology import ClusterSpec, validate_topology
 from rlix_async.sim.engine import Simulation
 
 POLICIES = ("exclusive", "static", "timeshare")

@@ -180,7 +180,7 @@ def merged_model(
 ) -> torch.nn.Module:
     """The model of the directory ``base`` with the adapter ``state`` merged into its
     weights: a plain HF model in the trainer's dtype (merged in float32, rounded once)."""
-    from rlix_async.train.trainer import load_hf_model  # here: the trainer imports this module
+    from rlix_async.models.hf import load_hf_model
 
     dtype_name = rec.get("dtype")
     if dtype_name not in DTYPE_NAMES:

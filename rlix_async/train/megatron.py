@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from rlix_async.config import ModelConfig
+from rlix_async.models.hf import load_hf_model
 from rlix_async.train.buffer import Group
-from rlix_async.train.trainer import TorchTrainer, cast_floats, cast_parameters, load_hf_model
+from rlix_async.train.trainer import TorchTrainer, cast_floats, cast_parameters
 
 
 class MegatronModelError(ValueError):

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from rlix_async.config import ModelConfig, TrainConfig, resolve_dtype
+from rlix_async.models.hf import load_hf_model
 from rlix_async.train import lora as lora_utils
 from rlix_async.train.algo import (
     entropy,
@@ -137,19 +138,6 @@ class PinnedHostBuffers:
                 )
             pinned.append(raw)
             self.views[key] = raw.view(dtype).view(shape)
-
-
-def load_hf_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
-    """An HF causal-LM directory's model, its parameters in ``dtype``."""
-    import transformers
-    from packaging.version import Version
-
-    # transformers 4.56 renamed torch_dtype (kept, with a warning, in 5.x)
-    new = Version(transformers.__version__) >= Version("4.56")
-    model: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(
-        path, **{"dtype" if new else "torch_dtype": dtype}
-    )
-    return model
 
 
 class TorchTrainer:

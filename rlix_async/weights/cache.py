@@ -30,8 +30,8 @@ from typing import Protocol
 
 import torch
 
-from rlix_async.weights.packing import Layout, layout_of, pack_into
-from rlix_async.weights.ref import CacheRef
+from rlix_async.protocols.cache_ref import CacheRef, Layout
+from rlix_async.weights.packing import layout_of, pack_into
 from rlix_async.weights.seqlock import HEADER, write_header
 from rlix_async.weights.shm import (
     SHM_DIR,

@@ -9,13 +9,13 @@ A tensor larger than the bucket size gets a bucket of its own.
 
 from __future__ import annotations
 
-import hashlib
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-import msgspec
 import torch
+
+from rlix_async.protocols.cache_ref import Entry, Layout
 
 ALIGN = 512
 
@@ -43,41 +43,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-class Entry(msgspec.Struct, frozen=True, array_like=True):
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    bucket: int
-    offset: int
-    nbytes: int
-
-
-class Layout(msgspec.Struct, frozen=True):
-    entries: tuple[Entry, ...]
-    bucket_sizes: tuple[int, ...]  # bytes used per bucket (multiple of ALIGN)
-    bucket_bytes: int  # the configured bucket size
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bucket_sizes)
-
-    @property
-    def bucket_offsets(self) -> list[int]:
-        """Offset of each bucket when all buckets sit back to back in one segment."""
-        out, pos = [], 0
-        for size in self.bucket_sizes:
-            out.append(pos)
-            pos += size
-        return out
-
-    def fingerprint(self) -> str:
-        """Identifies the model layout: same names, dtypes, shapes and bucketing."""
-        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
-
-    def in_bucket(self, bucket: int) -> list[Entry]:
-        return [e for e in self.entries if e.bucket == bucket]
 
 
 def plan_layout(

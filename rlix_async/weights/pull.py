@@ -6,11 +6,10 @@ import asyncio
 import socket
 from pathlib import Path
 
+from rlix_async.protocols.cache_ref import CacheRef, Layout
+from rlix_async.protocols.sinks import SyncError, WeightSink
 from rlix_async.security import ClientKeys
-from rlix_async.weights.packing import Layout
-from rlix_async.weights.ref import CacheRef
 from rlix_async.weights.shm import SHM_DIR, sync_local
-from rlix_async.weights.sinks import SyncError, WeightSink
 from rlix_async.weights.tcp import sync_remote
 
 

@@ -49,10 +49,10 @@ from pathlib import Path
 import msgspec
 import torch
 
-from rlix_async.weights.packing import BucketView, Layout, buckets_of
-from rlix_async.weights.ref import CacheRef
+from rlix_async.protocols.cache_ref import CacheRef, Layout
+from rlix_async.protocols.sinks import SlotOverwritten, SyncError, WeightSink
+from rlix_async.weights.packing import BucketView, buckets_of
 from rlix_async.weights.seqlock import HEADER, read_header
-from rlix_async.weights.sinks import SlotOverwritten, SyncError, WeightSink
 
 log = logging.getLogger(__name__)
 SHM_DIR = Path(os.environ.get("RLIX_SHM_DIR", "/dev/shm"))

@@ -1,37 +1,14 @@
-"""Where synced weights land: the sink interface, a copy-into-tensors sink, sync errors."""
+"""A sink that copies synced weights into existing tensors (the interface is
+:class:`~rlix_async.protocols.sinks.WeightSink`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
 
 import torch
 
-from rlix_async.weights.packing import Layout
-
-
-class SyncError(RuntimeError):
-    """The sync did not complete; the sink was aborted and kept its old weights."""
-
-
-class SlotOverwritten(SyncError):
-    """The owner rewrote the slot mid-sync (it promoted two newer versions meanwhile)."""
-
-
-class WeightSink(Protocol):
-    """A sync calls ``start``, ``load`` once per bucket, then ``finish``; on any
-    failure ``abort``, after which the sink must still hold its old weights.
-
-    The tensors ``load`` gets are views of the owner's memory, valid only during
-    the call: ``load`` copies what it keeps and has finished reading when it
-    returns (no ``non_blocking`` copies to a device), because a same-node sync
-    checks the slot was not rewritten right after the last ``load``.
-    """
-
-    def start(self, version: int, layout: Layout) -> None: ...
-    def load(self, named: list[tuple[str, torch.Tensor]]) -> None: ...
-    def finish(self, version: int) -> None: ...
-    def abort(self) -> None: ...
+from rlix_async.protocols.cache_ref import Layout
+from rlix_async.protocols.sinks import SyncError
 
 
 class TensorSink:

@@ -50,9 +50,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from rlix_async.aio import Supervisor
 from rlix_async.protocol import Message, RpcError
+from rlix_async.protocols.cache_ref import Layout
+from rlix_async.protocols.sinks import SyncError
 from rlix_async.weights.cache import WeightCache
-from rlix_async.weights.packing import Layout
-from rlix_async.weights.sinks import SyncError
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,12 @@ import uuid
 import zlib
 
 from rlix_async.protocol import ErrorCode, Message, RpcError
+from rlix_async.protocols.cache_ref import CacheRef, Layout
+from rlix_async.protocols.sinks import SyncError, WeightSink
 from rlix_async.security import ClientKeys, ServerKeys
 from rlix_async.transport import CallContext, Reply, RpcClient, RpcServer, TransportConfig
 from rlix_async.weights.cache import WeightCache
-from rlix_async.weights.packing import BucketView, Layout
-from rlix_async.weights.ref import CacheRef
-from rlix_async.weights.sinks import SyncError, WeightSink
+from rlix_async.weights.packing import BucketView
 from rlix_async.weights.stream import (
     OpenStream,
     SealedStreamer,

@@ -29,9 +29,9 @@ from helpers.shard_cycles import (
 
 from rlix_async.config import EngineConfig
 from rlix_async.control.coordinator import Coordinator
-from rlix_async.control.messages import ShardState
-from rlix_async.control.topology import ClusterShape
 from rlix_async.models.tiny import save_tiny_llama, tiny_llama
+from rlix_async.protocols.messages import ShardState
+from rlix_async.protocols.topology import ClusterShape
 from rlix_async.security import ipc_endpoint
 from rlix_async.shards.worker import ShardWorker
 from rlix_async.weights.cache import WeightCache

@@ -17,10 +17,10 @@ import torch
 from helpers.weights_owner import state
 
 from rlix_async.bench.gpu import best_seconds, device_tensors, pinned_copy_seconds
+from rlix_async.protocols.cache_ref import CacheRef
 from rlix_async.security import ipc_endpoint
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.packing import layout_of, pack_into
-from rlix_async.weights.ref import CacheRef
 from rlix_async.weights.shm import forget_mappings, mapped_slot, sync_local
 from rlix_async.weights.sinks import TensorSink
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
 from rlix_async.aio import run
 from rlix_async.control.client import PipelineClient
-from rlix_async.control.topology import ClusterSpec
+from rlix_async.protocols.topology import ClusterSpec
 from rlix_async.transport import TransportConfig
 
 

@@ -1,6 +1,6 @@
 """A scripted engine for control-plane tests that need many shards.
 
-TEST DOUBLE: it implements the engine protocol (``rlix_async.shards.engine``:
+TEST DOUBLE: it implements the engine protocol (``rlix_async.protocols.engine``:
 generate, abort, running count, pause/resume, sleep/wake, weight updates)
 without a model: token ``i`` of a request is ``(sum(prompt) + i) % vocab``,
 one per ``token_delay_s``. Use it only where a real engine cannot run (dozens
@@ -73,10 +73,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlix_async.shards.engine import GenerationChunk
-from rlix_async.weights.packing import Layout
+from rlix_async.protocols.cache_ref import CacheRef, Layout
+from rlix_async.protocols.engine import GenerationChunk
 from rlix_async.weights.pull import pull
-from rlix_async.weights.ref import CacheRef
 
 SLEEP_TAGS = frozenset(("weights", "kv_cache"))  # vllm/v1/executor/abstract.py
 
@@ -284,7 +283,7 @@ class ScriptedEngine:
             raise EngineCrashed(f"version {ref.version}: loading weights while they sleep")
         error, self.load_error = self.load_error, ""
         if error == "refused":
-            from rlix_async.weights.sinks import SyncError
+            from rlix_async.protocols.sinks import SyncError
 
             raise SyncError(f"version {ref.version}: scripted refusal")
         if error == "midway":

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from rlix_async.control import messages as m
-from rlix_async.control.messages import ShardState
+from rlix_async.protocols import messages as m
+from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.protocols.messages import ShardState
 from rlix_async.shards.worker import ShardWorker
 from rlix_async.weights.cache import WeightCache
-from rlix_async.weights.ref import CacheRef
 
 
 @dataclass(frozen=True)

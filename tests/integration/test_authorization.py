@@ -16,10 +16,8 @@ import zmq
 import zmq.asyncio
 from helpers.scripted_engine import ScriptedEngine
 
-from rlix_async.control import messages as m
 from rlix_async.control.client import PipelineClient, ResumeRefused
 from rlix_async.control.coordinator import Coordinator
-from rlix_async.control.topology import ClusterShape, ClusterSpec
 from rlix_async.protocol import (
     Envelope,
     ErrorCode,
@@ -30,11 +28,13 @@ from rlix_async.protocol import (
     encode,
     hello,
 )
+from rlix_async.protocols import messages as m
+from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 from rlix_async.security import ClientKeys, ServerKeys, keygen
 from rlix_async.shards.router import Router
 from rlix_async.shards.worker import ShardWorker
 from rlix_async.transport import CallTimeout, RpcClient, RpcServer, TransportConfig
-from rlix_async.weights.ref import CacheRef
 
 SHAPE = ClusterShape(nodes=1, gpus_per_node=4)
 TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (1,))}

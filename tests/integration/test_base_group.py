@@ -26,10 +26,10 @@ from rlix_async.control import journal as ev
 from rlix_async.control.client import PipelineClient
 from rlix_async.control.coordinator import Coordinator
 from rlix_async.control.journal import read_journal
-from rlix_async.control.messages import ShardState
-from rlix_async.control.topology import ClusterShape, ClusterSpec
 from rlix_async.protocol import RpcError
-from rlix_async.shards.messages import Cancel, Generate
+from rlix_async.protocols.generation import Cancel, Generate
+from rlix_async.protocols.messages import ShardState
+from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 from rlix_async.shards.router import Router
 from rlix_async.shards.worker import ShardWorker
 from rlix_async.transport import RpcClient

@@ -215,7 +215,7 @@ async def test_trace_of_a_coordinators_journal(ipc_ep: str, tmp_path: Path) -> N
     import asyncio
 
     from rlix_async.control.coordinator import Coordinator
-    from rlix_async.control.topology import ClusterShape, ClusterSpec
+    from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 
     journal = tmp_path / "journal.jsonl"
     topo = {"actor_train": ClusterSpec(1, (0, 1)), "actor_infer": ClusterSpec(1, (0, 1, 2, 3))}

@@ -202,13 +202,13 @@ def test_main_prints_one_line_and_with_debug_the_traceback(
     ],
 )
 def test_endpoint_forms(endpoint: str, ok: bool) -> None:
-    from rlix_async.cli import endpoint_problem
+    from rlix_async.cli.args import endpoint_problem
 
     assert (endpoint_problem(endpoint) is None) == ok
 
 
 def test_check_output(tmp_path: Path) -> None:
-    from rlix_async.cli import UsageError, check_output
+    from rlix_async.cli.args import UsageError, check_output
 
     afile = tmp_path / "afile"
     afile.write_text("")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rlix_async.control import messages as m
+from rlix_async.protocols import messages as m
 from rlix_async.security import ipc_endpoint
 from rlix_async.transport import RpcClient
 

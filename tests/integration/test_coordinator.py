@@ -15,12 +15,12 @@ from rlix_async.config import SchedulerConfig
 from rlix_async.control import coordinator as coord_mod
 from rlix_async.control.client import PipelineClient
 from rlix_async.control.coordinator import Coordinator
-from rlix_async.control.messages import DeviceOwner, StatusReply, StatusRequest
 from rlix_async.control.registry import Registry, RegistryError
-from rlix_async.control.snapshot import Grant, Plan
-from rlix_async.control.topology import ClusterShape, ClusterSpec, Priority
 from rlix_async.observe.status import render
 from rlix_async.protocol import RpcError
+from rlix_async.protocols.messages import DeviceOwner, StatusReply, StatusRequest
+from rlix_async.protocols.snapshot import Grant, Plan
+from rlix_async.protocols.topology import ClusterShape, ClusterSpec, Priority
 
 SHAPE = ClusterShape(nodes=1, gpus_per_node=4)
 TOPO = {"actor_train": ClusterSpec(1, (0, 1)), "actor_infer": ClusterSpec(1, (0, 1, 2, 3))}
@@ -302,7 +302,7 @@ async def test_metrics_and_status_table(ipc_ep: str) -> None:
 
 
 async def test_dead_shard_worker_frees_its_rank(ipc_ep: str) -> None:
-    from rlix_async.control import messages as m
+    from rlix_async.protocols import messages as m
     from rlix_async.transport import RpcClient, TransportConfig
 
     fast = TransportConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.25)
@@ -354,7 +354,7 @@ async def test_lifted_fences_are_fsynced_together_soon(ipc_ep: str, tmp_path: Pa
 async def test_a_release_replies_only_after_its_event_is_fsynced(ipc_ep, tmp_path: Path) -> None:
     """Group commit: the release acts at once, but its reply is a Deferred answered
     by the next turn's shared fsync, never before the Released event is durable."""
-    from rlix_async.control import messages as m
+    from rlix_async.protocols import messages as m
     from rlix_async.transport import CallContext, Deferred
 
     async with Coordinator(ipc_ep, SHAPE, journal=tmp_path / "j.jsonl") as co:

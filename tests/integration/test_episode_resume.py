@@ -17,8 +17,8 @@ from helpers.scripted_engine import ScriptedEngine
 from helpers.tiny_text import tiny_tokenizer
 
 from rlix_async.control.coordinator import Coordinator
-from rlix_async.control.messages import ShardState
-from rlix_async.control.topology import ClusterShape, ClusterSpec
+from rlix_async.protocols.messages import ShardState
+from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 from rlix_async.rollout.chat import ChatTurns
 from rlix_async.rollout.episodes import EpisodeRunner, StepResult, load_env
 from rlix_async.shards.router import Router

@@ -17,7 +17,7 @@ import pytest
 from helpers.scripted_engine import ScriptedEngine
 
 from rlix_async.control.coordinator import Coordinator
-from rlix_async.control.topology import ClusterShape
+from rlix_async.protocols.topology import ClusterShape
 from rlix_async.shards.router import Trajectory
 from rlix_async.shards.worker import ShardWorker
 

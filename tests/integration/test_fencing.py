@@ -24,10 +24,10 @@ from helpers.cluster import SCRIPTED_ENGINE, joined_pipeline
 from helpers.waits import until
 
 from rlix_async.config import SchedulerConfig
-from rlix_async.control import messages as m
 from rlix_async.control.client import PipelineClient
 from rlix_async.control.coordinator import Coordinator
-from rlix_async.control.topology import ClusterShape, ClusterSpec
+from rlix_async.protocols import messages as m
+from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 from rlix_async.shards.worker import ShardWorker
 from rlix_async.transport import TransportConfig
 
@@ -185,7 +185,9 @@ async def test_a_shard_sleeps_before_its_hello_and_reports_memory(ipc_ep: str) -
             assert engine.asleep and engine.sleeps == 1  # before the coordinator heard of it
             await driver.report_progress(8, 0, force=True)
             await driver.request("actor_infer", "GENERATION", timeout=10)
-            await until(lambda: ("P", 0) in co.executor.shards.memory)  # recorded when the ack arrives
+            await until(
+                lambda: ("P", 0) in co.executor.shards.memory
+            )  # recorded when the ack arrives
             assert co.executor.shards.memory[("P", 0)] > 10 << 20  # this process's RSS, on CPU
         finally:
             await worker.close()
@@ -266,7 +268,7 @@ async def test_a_wake_that_waited_its_turn_is_not_sent_once_its_rank_was_shrunk(
     the plan after the wait, not before: a shrink meanwhile must not be followed by
     the stale wake (once the sleep is confirmed and the fence lifted, the shard would
     be awake on devices the plan gives to others)."""
-    from rlix_async.control.snapshot import Plan, RankChange
+    from rlix_async.protocols.snapshot import Plan, RankChange
 
     async with cluster(ipc_ep) as (co, _, _procs):
         sent: list[tuple[str, str]] = []

@@ -18,10 +18,10 @@ from helpers.cluster import joined_pipeline
 
 from rlix_async.config import SchedulerConfig
 from rlix_async.control import journal as ev
-from rlix_async.control import messages as m
 from rlix_async.control.coordinator import Coordinator
-from rlix_async.control.messages import DeviceOwner
-from rlix_async.control.topology import ClusterShape, ClusterSpec
+from rlix_async.protocols import messages as m
+from rlix_async.protocols.messages import DeviceOwner
+from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 from rlix_async.security import ipc_endpoint
 from rlix_async.transport import RpcClient
 

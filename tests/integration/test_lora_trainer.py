@@ -26,12 +26,13 @@ from helpers.tiny_text import save_tiny_model  # noqa: E402
 
 from rlix_async.config import LossConfig, ModelConfig, TrainConfig  # noqa: E402
 from rlix_async.config.lora import LORA_TARGETS, LoraConfig  # noqa: E402
-from rlix_async.models.export import ExportError, export_checkpoint  # noqa: E402
+from rlix_async.models.hf import load_hf_model  # noqa: E402
 from rlix_async.models.tiny import save_tiny_llama  # noqa: E402
 from rlix_async.train import trainer as trainer_module  # noqa: E402
 from rlix_async.train.algo import policy_loss  # noqa: E402
 from rlix_async.train.buffer import Group  # noqa: E402
-from rlix_async.train.trainer import TorchTrainer, load_hf_model  # noqa: E402
+from rlix_async.train.export import ExportError, export_checkpoint  # noqa: E402
+from rlix_async.train.trainer import TorchTrainer  # noqa: E402
 
 # alpha / rank = 4: a cache or merge that forgot the scale is off by a factor of 4
 LORA = LoraConfig(rank=2, alpha=8.0)

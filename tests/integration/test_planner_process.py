@@ -17,8 +17,8 @@ from rlix_async.bench.snapshots import random_snapshot
 from rlix_async.control.coordinator import Coordinator
 from rlix_async.control.planner import plan
 from rlix_async.control.planner_proc import PlannerError, PlannerProcess, PlannerTimeout
-from rlix_async.control.snapshot import PipelineIn, RequestIn, Snapshot
-from rlix_async.control.topology import ClusterShape, ClusterSpec
+from rlix_async.protocols.snapshot import PipelineIn, RequestIn, Snapshot
+from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 
 
 def test_same_plans_as_the_function_restarted_when_killed_errors_reported() -> None:

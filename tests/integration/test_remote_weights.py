@@ -19,11 +19,11 @@ from helpers.remote_weights import fresh, make_cache, make_keys, serving
 from helpers.weights_owner import state
 
 from rlix_async.protocol import RpcError
+from rlix_async.protocols.sinks import SyncError
 from rlix_async.security import ClientKeys, ServerKeys
 from rlix_async.transport import CallContext, Reply
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.pull import pull
-from rlix_async.weights.sinks import SyncError
 from rlix_async.weights.stream import SealedStreamer
 from rlix_async.weights.tcp import BucketMeta, FetchBucket, WeightServer, sync_remote
 

@@ -22,12 +22,13 @@ from helpers.remote_weights import fresh, make_cache, make_keys, serving
 from helpers.weights_owner import state
 from msgspec.structs import replace
 
+from rlix_async.protocols.cache_ref import Layout
+from rlix_async.protocols.sinks import SyncError
 from rlix_async.security import ClientKeys
 from rlix_async.transport import RpcClient
 from rlix_async.weights.cache import WeightCache
-from rlix_async.weights.packing import Layout
 from rlix_async.weights.pull import pull
-from rlix_async.weights.sinks import SyncError, TensorSink
+from rlix_async.weights.sinks import TensorSink
 from rlix_async.weights.stream import (
     MAGIC,
     TAG,

@@ -18,14 +18,14 @@ from helpers.scripted_engine import ScriptedEngine
 from helpers.waits import until
 
 from rlix_async.control.coordinator import Coordinator
-from rlix_async.control.messages import ShardState
-from rlix_async.control.topology import ClusterShape, ClusterSpec
 from rlix_async.protocol import RpcError
-from rlix_async.shards.messages import Generate, GenerateResult, ShardRefusal
+from rlix_async.protocols.generation import Generate, GenerateResult, ShardRefusal
+from rlix_async.protocols.messages import ShardState
+from rlix_async.protocols.sinks import SyncError
+from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 from rlix_async.shards.worker import ShardWorker
 from rlix_async.transport import RpcClient
 from rlix_async.weights.cache import WeightCache
-from rlix_async.weights.sinks import SyncError
 
 TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0,))}
 

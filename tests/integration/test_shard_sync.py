@@ -14,8 +14,8 @@ from helpers.scripted_engine import ScriptedEngine
 from helpers.waits import until
 
 from rlix_async.control.coordinator import Coordinator
-from rlix_async.control.messages import ShardState
-from rlix_async.control.topology import ClusterShape, ClusterSpec
+from rlix_async.protocols.messages import ShardState
+from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 from rlix_async.shards.worker import ShardWorker
 from rlix_async.weights.cache import WeightCache
 
@@ -76,7 +76,9 @@ async def test_wake_syncs_active_stale_shards_sync_sleeping_ones_wait(ipc_ep: st
             await driver.report_progress(100, 0, force=True)
             await until(lambda: all(w.state == ShardState.ACTIVE for w in workers))
             await until(lambda: all(w.synced_version == 2 for w in workers))
-            await until(lambda: co.executor.shards.versions.get((pid, 0)) == 2)  # once the ack is in
+            await until(
+                lambda: co.executor.shards.versions.get((pid, 0)) == 2
+            )  # once the ack is in
         finally:
             for w in workers:
                 await w.close()

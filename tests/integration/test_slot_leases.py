@@ -20,14 +20,14 @@ import pytest
 import torch
 from helpers.weights_owner import state
 
+from rlix_async.protocols.cache_ref import CacheRef
 from rlix_async.weights.cache import WeightCache
-from rlix_async.weights.ref import CacheRef
 
 READER = r"""
 import sys, msgspec
-from rlix_async.weights.ref import CacheRef
+from rlix_async.protocols.cache_ref import CacheRef
 from rlix_async.weights.shm import read_slot
-from rlix_async.weights.sinks import SlotOverwritten
+from rlix_async.protocols.sinks import SlotOverwritten
 ref = msgspec.json.decode(sys.argv[1], type=CacheRef)
 with read_slot(ref) as slot:
     slot.check("before")

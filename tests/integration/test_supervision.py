@@ -19,8 +19,8 @@ from rlix_async.config import LaunchConfig, SchedulerConfig, convert
 from rlix_async.control import journal as ev
 from rlix_async.control.coordinator import Coordinator
 from rlix_async.control.journal import Journal
-from rlix_async.control.topology import ClusterShape, ClusterSpec
 from rlix_async.protocol import RpcError
+from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 from rlix_async.transport import RpcClient
 
 SHAPE = ClusterShape(nodes=1, gpus_per_node=4)
@@ -191,7 +191,7 @@ async def test_a_dropped_pipeline_leaves_nothing_behind(ipc_ep: str) -> None:
         await a.close()
         # an id handed out but never registered is reaped after lease_timeout_s
         async with RpcClient(co.endpoint, "admin-1/cli/0") as cli:
-            from rlix_async.control import messages as m
+            from rlix_async.protocols import messages as m
 
             reply = await cli.call(m.AllocatePipelineId(kind="ft"))
             assert isinstance(reply, m.PipelineIdReply)

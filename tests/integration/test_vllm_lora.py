@@ -36,11 +36,11 @@ from helpers.tiny_text import save_tiny_model  # noqa: E402
 
 from rlix_async.config import EngineConfig  # noqa: E402
 from rlix_async.config.lora import LORA_TARGETS, EngineLoraConfig  # noqa: E402
-from rlix_async.shards.engine import GenerationChunk  # noqa: E402
+from rlix_async.protocols.cache_ref import CacheRef  # noqa: E402
+from rlix_async.protocols.engine import GenerationChunk  # noqa: E402
 from rlix_async.shards.vllm_engine import VllmEngine  # noqa: E402
 from rlix_async.shards.vllm_lora import AdapterError  # noqa: E402
 from rlix_async.weights.cache import SHM_DIR, WeightCache  # noqa: E402
-from rlix_async.weights.ref import CacheRef  # noqa: E402
 from rlix_async.weights.shm import pipeline_prefix  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
@@ -305,7 +305,7 @@ async def test_the_trainers_adapter_serves_as_its_merged_export(
     (``lora.layers``) serves too: the engine adapts no other layer."""
     from rlix_async.config import ModelConfig, TrainConfig
     from rlix_async.config.lora import LoraConfig
-    from rlix_async.models.export import export_checkpoint
+    from rlix_async.train.export import export_checkpoint
     from rlix_async.train.trainer import TorchTrainer
 
     trainer = TorchTrainer(

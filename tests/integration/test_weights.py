@@ -26,10 +26,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlix_async.aio import run
+from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.protocols.sinks import SlotOverwritten, SyncError
 from rlix_async.security import ipc_endpoint
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.packing import ALIGN, bucket_checksums, buckets_of, layout_of, pack_into
-from rlix_async.weights.ref import CacheRef
 from rlix_async.weights.seqlock import HEADER, ORDER, MemoryOrder, read_header, write_header
 from rlix_async.weights.shm import (
     SHM_DIR,
@@ -43,7 +44,7 @@ from rlix_async.weights.shm import (
     segment_prefix,
     sync_local,
 )
-from rlix_async.weights.sinks import SlotOverwritten, SyncError, TensorSink
+from rlix_async.weights.sinks import TensorSink
 from rlix_async.weights.tcp import sync_remote
 
 OWNER = Path(__file__).parents[1] / "helpers" / "weights_owner.py"

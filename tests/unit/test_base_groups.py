@@ -10,8 +10,8 @@ import pytest
 
 from rlix_async.control.planner import check_plan, plan
 from rlix_async.control.registry import Registry, RegistryError
-from rlix_async.control.snapshot import SnapshotError, decode_snapshot, validate_snapshot
-from rlix_async.control.topology import INFER, TRAIN, ClusterShape, ClusterSpec, Priority
+from rlix_async.protocols.snapshot import SnapshotError, decode_snapshot, validate_snapshot
+from rlix_async.protocols.topology import INFER, TRAIN, ClusterShape, ClusterSpec, Priority
 
 SHAPE = ClusterShape(nodes=1, gpus_per_node=8)
 SHARED = ClusterSpec(1, tuple(range(8)))

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlix_async.control.cadence import (
+from rlix_async.protocols.cadence import (
     PROGRESS_BUCKETS,
     PlanCadence,
     progress_bucket,

@@ -234,8 +234,8 @@ def test_configs_are_immutable_and_refuse_unknown_keys_everywhere() -> None:
 def test_the_status_table_shows_fenced_devices() -> None:
     from rich.console import Console
 
-    from rlix_async.control import messages as m
     from rlix_async.observe.status import render
+    from rlix_async.protocols import messages as m
 
     reply = m.StatusReply(
         devices=3,
@@ -260,8 +260,8 @@ def test_the_status_table_shows_fenced_devices() -> None:
 def test_the_status_table_names_base_groups_and_their_members() -> None:
     from rich.console import Console
 
-    from rlix_async.control import messages as m
     from rlix_async.observe.status import render
+    from rlix_async.protocols import messages as m
 
     def pipe(pid: str, **keys: object) -> m.PipelineStatus:
         return m.PipelineStatus(pid, True, True, {}, [], None, {}, **keys)  # type: ignore[arg-type]

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from rlix_async.control.planner import check_plan, plan
 from rlix_async.control.registry import Registry
-from rlix_async.control.snapshot import Plan, RankChange
-from rlix_async.control.topology import INFER, TRAIN, ClusterShape, ClusterSpec, Priority
+from rlix_async.protocols.snapshot import Plan, RankChange
+from rlix_async.protocols.topology import INFER, TRAIN, ClusterShape, ClusterSpec, Priority
 
 PIPES = {
     "a": {TRAIN: ClusterSpec(1, (0, 1)), INFER: ClusterSpec(1, (0, 1, 2, 3))},

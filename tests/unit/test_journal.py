@@ -13,8 +13,8 @@ import pytest
 
 from rlix_async.control import journal as ev
 from rlix_async.control.registry import Registry
-from rlix_async.control.topology import ClusterShape, ClusterSpec, Priority
 from rlix_async.observe.timeline import spans
+from rlix_async.protocols.topology import ClusterShape, ClusterSpec, Priority
 
 TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0, 1, 2))}
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from rlix_async.control import journal as ev
 from rlix_async.control.registry import Registry
-from rlix_async.control.topology import INFER, TRAIN, ClusterShape, ClusterSpec
+from rlix_async.protocols.topology import INFER, TRAIN, ClusterShape, ClusterSpec
 
 SHAPE = ClusterShape(1, 4)
 PIPES = {

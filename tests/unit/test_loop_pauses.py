@@ -85,7 +85,7 @@ def test_the_coordinator_freezes_its_startup_heap_and_collects_fully_less_often(
             sys.executable,
             "-c",
             "import gc\n"
-            "from rlix_async.control.coordinator_main import FULL_GC_EVERY, quiet_gc\n"
+            "from rlix_async.coordinator_main import FULL_GC_EVERY, quiet_gc\n"
             "before = gc.get_threshold()\n"
             "quiet_gc()\n"
             "import sys\n"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from rlix_async.config import ConfigError, LaunchConfig, convert
-from rlix_async.config.lora import base_groups
+from rlix_async.config.launch_rules import base_groups
 
 
 def _pipe(pid: str, path: str = "/models/smollm2", **keys: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from rlix_async.bench.snapshots import random_snapshot
 from rlix_async.control.planner import check_plan, idle_after, plan, water_fill
-from rlix_async.control.snapshot import (
+from rlix_async.protocols.snapshot import (
     Grant,
     PipelineIn,
     Plan,
@@ -23,7 +23,7 @@ from rlix_async.control.snapshot import (
     SnapshotError,
     decode_snapshot,
 )
-from rlix_async.control.topology import (
+from rlix_async.protocols.topology import (
     INFER,
     ClusterShape,
     ClusterSpec,

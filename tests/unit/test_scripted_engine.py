@@ -107,7 +107,7 @@ async def test_a_paused_scheduler_runs_nothing_and_an_abort_pause_ends_requests(
 
 
 async def test_loading_weights_that_sleep_crashes() -> None:
-    from rlix_async.weights.ref import CacheRef
+    from rlix_async.protocols.cache_ref import CacheRef
 
     engine = ScriptedEngine()
     await engine.sleep(2)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from rlix_async.config import ConfigError, Scenario, ScenarioPipeline
-from rlix_async.control.topology import ClusterShape, ClusterSpec
+from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 from rlix_async.sim import generate
 from rlix_async.sim.policies import POLICIES, compare, sharing_slowdowns, simulate, static_split
 

@@ -13,7 +13,6 @@ import pytest
 
 from rlix_async.config import Scenario, load_config
 from rlix_async.control import journal as ev
-from rlix_async.control.topology import ClusterSpec
 from rlix_async.observe.timeline import spans
 from rlix_async.observe.trace import (
     DEVICES_PID,
@@ -22,6 +21,7 @@ from rlix_async.observe.trace import (
     trace_problems,
     write_trace,
 )
+from rlix_async.protocols.topology import ClusterSpec
 from rlix_async.sim.policies import simulate
 
 SCENARIOS = Path(__file__).parents[2] / "scenarios"

@@ -7,9 +7,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from rlix_async.control.topology import ClusterName, ClusterSpec, PipelineId, PriorityName
 from rlix_async.protocol import Message
-from rlix_async.weights.ref import CacheRef
+from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.protocols.topology import ClusterName, ClusterSpec, PipelineId, PriorityName
 
 
 def driver_identity(pipeline_id: str) -> str:

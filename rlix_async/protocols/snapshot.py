@@ -12,7 +12,7 @@ from typing import Annotated
 
 import msgspec
 
-from rlix_async.control.topology import (
+from rlix_async.protocols.topology import (
     INFER,
     ClusterName,
     ClusterShape,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlix_async.loading import LoadError, load_object
+from rlix_async.user_code import LoadError, load_object
 
 
 def test_module_and_file_paths(tmp_path: Path) -> None:

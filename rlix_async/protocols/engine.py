@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from rlix_async.weights.ref import CacheRef
+from rlix_async.protocols.cache_ref import CacheRef
 
 PauseMode = Literal["abort", "keep"]
 

@@ -1,0 +1,171 @@
+"""A shard worker's configuration: its inference engine, and the process's own file."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from rlix_async.config.lora import EngineLoraConfig
+from rlix_async.config.schema_base import Config, Endpoint, doc, invalid
+from rlix_async.protocols.topology import PipelineId
+
+
+class EngineConfig(Config, frozen=True):
+    kind: Annotated[
+        Literal["vllm", "custom"],
+        doc("vllm (AsyncLLM in the worker), or custom: your own ShardEngine class."),
+    ] = "vllm"
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        doc(
+            "Weights and activations of the engine. auto: bfloat16 on CUDA, float32 on CPU "
+            "(where bf16 matmuls are slow). The cache holds the trainer's dtype; vLLM casts."
+        ),
+    ] = "auto"
+    max_model_len: Annotated[
+        int, doc("Longest prompt + response, in tokens (the default fits the CPU demo).", ge=16)
+    ] = 256
+    kv_cache_mb: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        doc(
+            "KV cache size in MiB. Unset: 64 on CPU; on CUDA vLLM sizes it from "
+            "gpu_memory_utilization."
+        ),
+    ] = None
+    gpu_memory_utilization: Annotated[
+        float,
+        doc("CUDA: fraction of each device vLLM may use when kv_cache_mb is unset.", gt=0, le=1),
+    ] = 0.8
+    sleep_level: Annotated[
+        Literal[1, 2],
+        doc(
+            "How a shard sleeps on CUDA (vLLM sleep mode is always on there). 1: weights "
+            "move to host memory (a wake copies them back, no resync if the version is "
+            "current; costs the model's size in host RAM per shard). 2: weights and KV "
+            "cache are discarded (no host RAM; every wake resyncs from the weight cache)."
+        ),
+    ] = 2
+    load: Annotated[
+        Literal["auto", "start", "first_wake"],
+        doc(
+            "When a shard builds its engine. start: when the worker starts (it then sleeps "
+            "before saying hello). first_wake: when the coordinator first wakes the shard, "
+            "so its devices are its own: shards sharing a GPU never load at once and a "
+            "replacement never loads onto a device a trainer holds; the first wake then "
+            "takes the engine's start-up time (command_timeout_s must cover it). auto: "
+            "first_wake on CUDA, start on CPU."
+        ),
+    ] = "auto"
+    vllm_args: Annotated[
+        dict[str, Any],
+        doc(
+            "More vLLM AsyncEngineArgs, passed as they are (kind vllm), e.g. "
+            "{enforce_eager: true} to run without CUDA graphs (they are on by default on "
+            "CUDA). What rlix sets itself (tensor_parallel_size, enable_sleep_mode, "
+            "logprobs_mode, skip_tokenizer_init, weight_transfer_config, "
+            "worker_extension_cls) is refused here."
+        ),
+    ] = {}
+    custom: Annotated[
+        str | None,
+        doc(
+            "kind custom: 'package.module:Class' or 'path/to/file.py:Class', a ShardEngine "
+            "(rlix_async/protocols/engine.py) built as Class(**custom_args)."
+        ),
+    ] = None
+    custom_args: Annotated[dict[str, Any], doc("kind custom: keyword arguments.")] = {}
+    lora: Annotated[
+        EngineLoraConfig, doc("Serving adapters, for base groups (pipelines with lora).")
+    ] = EngineLoraConfig()
+
+    def __post_init__(self) -> None:
+        if self.kind == "custom" and not self.custom:
+            raise invalid("custom", "kind custom needs the engine class ('module:Class')")
+        if self.kind == "vllm" and self.custom:
+            raise invalid("custom", "set kind: custom to use an engine of your own")
+        rlix_sets = {"tensor_parallel_size", "enable_sleep_mode", "logprobs_mode"}
+        rlix_sets |= {"skip_tokenizer_init", "weight_transfer_config", "worker_extension_cls"}
+        owned = sorted(rlix_sets & set(self.vllm_args))
+        if owned:
+            raise invalid(
+                "vllm_args",
+                f"{', '.join(owned)}: set by rlix (actor_infer.tp; sleep mode is on with "
+                "CUDA; log-probs of the sampling distribution, which the trainer matches; "
+                "the tokenizer is on when the model directory has one; weights load "
+                "through rlix's own transfer backend and worker extension)",
+            )
+
+    def for_device(self, cuda: bool) -> EngineConfig:
+        """``auto`` and unset values resolved for the device the engine runs on."""
+        load = self.load if self.load != "auto" else ("first_wake" if cuda else "start")
+        return msgspec.structs.replace(
+            self,
+            dtype=resolve_dtype(self.dtype, cuda),
+            kv_cache_mb=self.kv_cache_mb if cuda or self.kv_cache_mb else 64,
+            load=load,
+        )
+
+
+def resolve_dtype(dtype: str, cuda: bool) -> str:
+    """``auto``: bfloat16 on CUDA, float32 on CPU (bf16 matmuls are slow on CPUs)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if cuda else "float32"
+
+
+class ShardConfig(Config, frozen=True):
+    pipeline: PipelineId
+    rank: Annotated[int, doc("Data-parallel rank of the shard in actor_infer.", ge=0)]
+    devices: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=0)], ...],
+        doc(
+            "Global ids of the devices of this rank's bundle (set by the launcher). The "
+            "worker checks it sees exactly this many and reports them in its hello; the "
+            "coordinator refuses a shard whose devices are not its rank's."
+        ),
+    ] = ()
+    tensor_parallel_size: Annotated[
+        int, doc("vLLM tensor_parallel_size: devices per shard (actor_infer.tp).", ge=1)
+    ] = 1
+    model: Annotated[str | None, doc("Hugging Face model directory the engine serves.")] = None
+    coordinator: Annotated[Endpoint | None, doc("Coordinator endpoint. Default: local ipc.")] = None
+    keys: Annotated[str | None, doc("CURVE key directory, for tcp endpoints.")] = None
+    data_endpoint: Annotated[
+        Endpoint | None, doc("Where the pipeline's router reaches this shard. Default: ipc.")
+    ] = None
+    heartbeat_interval_s: Annotated[float, doc("Heartbeat period (seconds).", gt=0)] = 1.0
+    drain_timeout_s: Annotated[
+        float, doc("Longest wait for aborted requests to leave the engine on a shrink.", gt=0)
+    ] = 30.0
+    sleep_timeout_s: Annotated[
+        float,
+        doc(
+            "A sleep that takes longer makes the worker exit (code 3) so its supervisor "
+            "replaces it: a hung sleep would keep its devices fenced.",
+            gt=0,
+        ),
+    ] = 300.0
+    engine: Annotated[EngineConfig, doc("The inference engine.")] = EngineConfig()
+    members: Annotated[
+        list[PipelineId],
+        doc(
+            "A base group's shard (pipeline is then the group's id, set by the launcher): "
+            "the LoRA pipelines it serves, each request with its caller's adapter."
+        ),
+    ] = []
+
+    def __post_init__(self) -> None:
+        if self.members and self.engine.sleep_level != 1:
+            raise invalid(
+                "engine.sleep_level",
+                "a base group's shard sleeps at level 1: its frozen base is never synced",
+            )
+        if self.engine.kind == "vllm" and not self.model:
+            raise invalid("model", "a vllm engine needs a model directory")
+        if self.devices and len(self.devices) != self.tensor_parallel_size:
+            raise invalid(
+                "devices",
+                f"{len(self.devices)} devices for tensor_parallel_size "
+                f"{self.tensor_parallel_size}: a shard has exactly tp devices",
+            )

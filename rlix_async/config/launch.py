@@ -1,0 +1,30 @@
+"""The configuration of a whole launch: its pipelines, cluster, engine and scheduler,
+checked together (config/launch_rules.py) before any process starts."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from rlix_async.config.engine import EngineConfig
+from rlix_async.config.launch_rules import check_launch
+from rlix_async.config.pipeline import PipelineConfig
+from rlix_async.config.scheduler import SchedulerConfig
+from rlix_async.config.schema_base import Config, doc
+from rlix_async.protocols.topology import ClusterShape
+
+
+class LaunchConfig(Config, frozen=True):
+    pipelines: Annotated[list[PipelineConfig], doc("The pipelines to run.", min_length=1)]
+    out: Annotated[str, doc("Output directory: journal, logs, one directory per pipeline.")] = (
+        "rlix-out"
+    )
+    cluster: Annotated[ClusterShape, doc("Nodes and devices per node.")] = ClusterShape(
+        nodes=1, gpus_per_node=4
+    )
+    engine: Annotated[EngineConfig, doc("Every shard worker's inference engine.")] = EngineConfig()
+    scheduler: Annotated[SchedulerConfig, doc("The coordinator's leases and timers.")] = (
+        SchedulerConfig()
+    )
+
+    def __post_init__(self) -> None:
+        check_launch(self.pipelines, self.cluster, self.engine)
