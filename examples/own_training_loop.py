@@ -20,6 +20,7 @@ from rlix_async import (
     ClusterHooks,
     ClusterSpec,
     Group,
+    Sampling,
     TorchTrainer,
     TrainConfig,
     Trajectory,
@@ -49,6 +50,7 @@ async def main(endpoint: str, steps: int) -> None:
     task = target_tokens()
     cache = WeightCache("my-experiment")
     rng = random.Random(0)
+    sampling = Sampling(max_tokens=8)  # temperature 1, top_p 1: the trainer's defaults too
     try:
         # Packing the weights into shared memory copies the whole model: off the event
         # loop (like training), so heartbeats and the router keep running meanwhile.
@@ -63,7 +65,7 @@ async def main(endpoint: str, steps: int) -> None:
                 # ones refuses, and the router waits for one that has synced
                 trajs = await asyncio.gather(
                     *(
-                        hooks.router.generate(prompt, max_tokens=8, min_version=step - 1)
+                        hooks.router.generate(prompt, sampling, min_version=step - 1)
                         for _ in range(SAMPLES)
                     )
                 )

@@ -56,6 +56,7 @@ _EXPORTS = {
     "PeerInfo": "rlix_async.transport",
     "Reply": "rlix_async.transport",
     "RpcClient": "rlix_async.transport",
+    "Sampling": "rlix_async.protocols.generation",
     "RpcServer": "rlix_async.transport",
     "TransportConfig": "rlix_async.transport",
     "ClientKeys": "rlix_async.security",
@@ -93,6 +94,7 @@ __all__ = [
     "RpcClient",
     "RpcError",
     "RpcServer",
+    "Sampling",
     "ServerKeys",
     "ShardEngine",
     "ShardWorker",
@@ -139,6 +141,7 @@ if TYPE_CHECKING:
     from rlix_async.protocol import PROTOCOL_VERSION, Message, RpcError
     from rlix_async.protocols.cache_ref import CacheRef
     from rlix_async.protocols.engine import ShardEngine
+    from rlix_async.protocols.generation import Sampling
     from rlix_async.protocols.hooks import PipelineHooks
     from rlix_async.protocols.topology import ClusterShape, ClusterSpec
     from rlix_async.rollout.agents import AgentClient, EpisodeOver

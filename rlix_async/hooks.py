@@ -8,7 +8,7 @@ of the next batch is collected: the planner sizes rollout by what is left),
 a loop running alone; ``ClusterHooks`` talks to a coordinator::
 
     hooks = await ClusterHooks.join(endpoint, "my-exp", topology)
-    traj = await hooks.router.generate(prompt_ids, max_tokens=64)
+    traj = await hooks.router.generate(prompt_ids, Sampling(max_tokens=64))
     await hooks.report_progress(target=256, completed=n)
     await hooks.before_training(step)
     ...train...

@@ -26,6 +26,7 @@ from typing import Any
 
 from rlix_async.control.client import PipelineClient
 from rlix_async.control.coordinator import Coordinator
+from rlix_async.protocols.generation import Sampling
 from rlix_async.protocols.messages import driver_identity
 from rlix_async.protocols.topology import ClusterName, ClusterShape, ClusterSpec
 from rlix_async.rollout.chat import ChatTurns
@@ -113,13 +114,14 @@ async def run_episodes_bench(
             max_episode_tokens=turns * (max_tokens + 32),
             step_timeout_s=30.0,
         )
+        sampling = Sampling(max_tokens=max_tokens)
         await driver.report_progress(episodes, 0, force=True)
         await driver.request("actor_infer", "GENERATION", timeout=120)
         probes = [asyncio.ensure_future(f()) for f in (probe_loop, watch_driver)]
         t0 = time.monotonic()
         results = await asyncio.wait_for(
             asyncio.gather(
-                *(runner.run({}, router.generate) for _ in range(episodes)),
+                *(runner.run({}, router.generate, sampling, None) for _ in range(episodes)),
                 return_exceptions=True,
             ),
             timeout_s,

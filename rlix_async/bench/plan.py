@@ -7,7 +7,8 @@ import time
 from typing import Any
 
 from rlix_async.bench.snapshots import random_snapshot
-from rlix_async.control.planner import check_plan, plan
+from rlix_async.control.plan_checks import check_plan
+from rlix_async.control.planner import plan
 
 
 def run_plan_bench(gpus: int, pipelines: int, snapshots: int = 50, seed: int = 0) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from typing import Any
 
 from rlix_async.control.client import PipelineClient
 from rlix_async.control.coordinator import Coordinator
+from rlix_async.protocols.generation import Sampling
 from rlix_async.protocols.messages import ShardState
 from rlix_async.protocols.topology import ClusterName, ClusterShape, ClusterSpec
 from rlix_async.security import ipc_endpoint
@@ -147,7 +148,10 @@ async def _round(
     shard0_before = workers[0].decoded_tokens
     jobs = [
         asyncio.ensure_future(
-            router.generate([(7 * i + index) % 500 + 1, 5, 9], max_tokens, seed=1000 * index + i)
+            router.generate(
+                [(7 * i + index) % 500 + 1, 5, 9],
+                Sampling(max_tokens=max_tokens, seed=1000 * index + i),
+            )
         )
         for i in range(requests)
     ]

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 def _plan(args: argparse.Namespace) -> int:
     import msgspec
 
-    from rlix_async.control.planner import check_plan, plan
+    from rlix_async.control.plan_checks import check_plan
+    from rlix_async.control.planner import plan
     from rlix_async.protocols.snapshot import SnapshotError, decode_snapshot
 
     try:

@@ -3,6 +3,7 @@ rules its keys must satisfy together (checked for configs built in code too)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -12,6 +13,7 @@ from rlix_async.config.lora import LoraConfig
 from rlix_async.config.recipe import DataConfig, TargetTokensTask, TaskConfig
 from rlix_async.config.schema_base import Config, Endpoint, doc, invalid
 from rlix_async.config.training import TrainConfig
+from rlix_async.protocols.generation import Sampling
 from rlix_async.protocols.topology import ClusterName, ClusterSpec, PipelineId
 
 
@@ -49,6 +51,18 @@ class RolloutConfig(Config, frozen=True):
             "takes its place."
         ),
     ] = False
+
+    def sampling(self, stop_token_ids: Sequence[int] = ()) -> Sampling:
+        """How each response is sampled (``stop_token_ids``: the tokenizer's end of
+        sequence, which the config does not know): the one struct that travels to
+        the engine unchanged."""
+        return Sampling(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop_token_ids=tuple(stop_token_ids),
+            stop=tuple(self.stop),
+        )
 
 
 class ModelConfig(Config, frozen=True):

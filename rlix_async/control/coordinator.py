@@ -35,8 +35,9 @@ from rlix_async.config import SchedulerConfig
 from rlix_async.control import journal as ev
 from rlix_async.control.journal import GroupSync, Journal, JournalWriteError, open_journal
 from rlix_async.control.leases import LeaseKeeper
+from rlix_async.control.plan_checks import check_plan, idle_after
 from rlix_async.control.plan_execution import PlanExecutor
-from rlix_async.control.planner import check_plan, idle_after, plan
+from rlix_async.control.planner import plan
 from rlix_async.control.planner_proc import PlannerProcess
 from rlix_async.control.registry import Registry, RegistryError
 from rlix_async.protocol import ErrorCode, Ok

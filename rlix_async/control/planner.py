@@ -22,12 +22,13 @@
    shards of a pipeline without demand are only shrunk when another pipeline
    with unmet demand could use their devices.
 
-:func:`check_plan` re-derives the resulting ownership and lists every broken
-invariant; the coordinator never applies a plan with violations.
+:func:`~rlix_async.control.plan_checks.check_plan` re-derives the resulting
+ownership and lists every broken invariant; the coordinator never applies a plan
+with violations.
 
-Sets of devices are int bitmasks here (:mod:`rlix_async.control.planner_bits`),
+Sets of devices are int bitmasks here (:mod:`rlix_async.control.device_masks`),
 so a plan over thousands of devices takes milliseconds; the water-filling, its
-floors and the rounding to whole bundles are :mod:`rlix_async.control.planner_fill`.
+floors and the rounding to whole bundles are :mod:`rlix_async.control.fair_shares`.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from itertools import chain
 
-from rlix_async.control.planner_bits import FRAMES, Counts, Devices, Frame, frame_of, new_frame
-from rlix_async.control.planner_fill import bundle_targets, guaranteed_floors, water_fill
+from rlix_async.control.device_masks import FRAMES, Counts, Devices, Frame, frame_of, new_frame
+from rlix_async.control.fair_shares import bundle_targets, guaranteed_floors, water_fill
 from rlix_async.protocols.snapshot import (
     Grant,
     PipelineIn,
@@ -66,7 +67,7 @@ class _State:
     active: dict[str, set[int]] = field(default_factory=dict)  # generation ranks awake
     reserved: list[tuple[int, str]] = field(default_factory=list)  # (devices, request), blocked
     shrunk: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
-    # The same as device masks (planner_bits): ``owned`` and ``blocked`` are the keys
+    # The same as device masks (device_masks): ``owned`` and ``blocked`` are the keys
     # of ``owner`` and of all ``reserved``; ``shards[pid]`` is pid's awake bundles in its
     # frame, kept in step with ``active`` by shrink(), and ``seen`` their devices, all
     # shards together. Awake ranks out of range or sharing a device (a snapshot that
@@ -272,21 +273,37 @@ def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> int:
     """Shrinks and expands for generation; returns the devices busy afterwards
     (held by a stage, fenced, or under an awake shard) as a device mask."""
     pipes = [p for p in snap.pipelines if INFER in p.clusters]
-    demand = st.demand
-    wanting = [p.id for p in pipes if demand[p.id] > 0]
-    # The bundles each pipeline may run on (as frame starts): no device held by a
-    # stage, not offline, and no device reserved unless the shard already runs
-    # there. Stages, fences and reservations are settled now; awake ranks still
-    # change below, but only for pipelines with no demand or above their target,
-    # never for one that grows. (A pipeline id listed twice is its last listing
-    # here, as in ``st.pipes``.)
-    frames, devices, shards, owned, blocking = (
-        st.frames,
-        st.devices,
-        st.shards,
-        st.owned,
-        st.blocked,
-    )
+    wanting = [p.id for p in pipes if st.demand[p.id] > 0]
+    reach, tps, caps, weights, usable = _reachable_bundles(st, wanting)
+    by_id = sorted(wanting)
+    target = _shard_targets(st, wanting, by_id, tps, caps, weights, usable)
+    # Devices each under-target pipeline could use: shrink others there first.
+    hungry = [pid for pid in wanting if len(st.active[pid]) < target[pid]]
+    asleep: dict[str, int] = {}
+    hungry_devices = Counts()
+    for pid in hungry:
+        asleep[pid] = reach[pid] & ~_awake(st, pid)
+        st.frames[pid].count(hungry_devices, asleep[pid])
+    _shrink_toward_targets(st, pipes, target, hungry_devices)
+    taken = _expand_toward_targets(st, out, by_id, hungry, target, asleep, hungry_devices)
+    for pid in [pid for pid in wanting if not st.active[pid]]:
+        blocked = "every reachable bundle is held by a stage or reserved"
+        out.waiting.append(Waiting(pid, INFER, f"generation: {blocked}"))
+    return taken
+
+
+def _reachable_bundles(
+    st: _State, wanting: list[str]
+) -> tuple[dict[str, int], dict[str, int], dict[str, float], dict[str, float], int]:
+    """Per pipeline with demand, the bundles it may run on (frame starts), its tp, its
+    capacity in devices and its fair-share weight; and every device some of them may use.
+
+    A bundle may be used where no device is held by a stage, the rank is not offline,
+    and no device is reserved unless the shard already runs there. Stages, fences and
+    reservations are settled now; awake ranks still change later, but only for
+    pipelines with no demand or above their target, never for one that grows. (A
+    pipeline id listed twice is its last listing here, as in ``st.pipes``.)"""
+    frames, devices, owned, blocking = st.frames, st.devices, st.owned, st.blocked
     reach: dict[str, int] = {}
     tps: dict[str, int] = {}
     caps: dict[str, float] = {}
@@ -316,43 +333,55 @@ def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> int:
         reach[pid] = ok
         tp = tps[pid] = spec.tp
         caps[pid] = tp * ok.bit_count()
-        weights[pid] = p.weight * demand[pid] * tp
+        weights[pid] = p.weight * st.demand[pid] * tp
         if offset is not None:
             usable |= ok * frame.block << offset
         else:
             usable |= frame.spread(ok * frame.block)
+    return reach, tps, caps, weights, usable
+
+
+def _shard_targets(
+    st: _State,
+    wanting: list[str],
+    by_id: list[str],
+    tps: dict[str, int],
+    caps: dict[str, float],
+    weights: dict[str, float],
+    usable: int,
+) -> dict[str, int]:
+    """How many shards each pipeline with demand should have: guaranteed floors, then
+    water-filling by weight over the usable devices, rounded to whole bundles."""
     capacity = usable.bit_count()
-    by_id = sorted(wanting)
     floors = guaranteed_floors(capacity, wanting, weights, tps, caps, by_id)
     ideal = water_fill(capacity, weights, caps, floors)
     # Free for the taking: unowned devices and shards of pipelines with nothing to generate.
+    demand = st.demand
     if st.irregular:
         gen = st.gen_holder()
         busy_gen = st.devices.mask([d for d, (pid, _) in gen.items() if demand.get(pid, 0) > 0])
     else:  # the shards of those with demand: all shards (disjoint) but the others'
         busy_gen = st.seen
-        for pid, shard in shards.items():
+        for pid, shard in st.shards.items():
             if not demand[pid] > 0:
-                busy_gen ^= frames[pid].spread(shard)
+                busy_gen ^= st.frames[pid].spread(shard)
     idle = (usable & ~st.owned & ~busy_gen).bit_count()
-    target = bundle_targets(wanting, by_id, ideal, tps, st.active, caps, capacity, idle)
+    return bundle_targets(wanting, by_id, ideal, tps, st.active, caps, capacity, idle)
 
-    # Devices each under-target pipeline could use: shrink others there first.
-    active = st.active
-    hungry = [pid for pid in wanting if len(active[pid]) < target[pid]]
-    asleep: dict[str, int] = {}
-    hungry_devices = Counts()
-    for pid in hungry:
-        asleep[pid] = reach[pid] & ~_awake(st, pid)
-        frames[pid].count(hungry_devices, asleep[pid])
+
+def _shrink_toward_targets(
+    st: _State, pipes: list[PipelineIn], target: dict[str, int], hungry_devices: Counts
+) -> None:
+    """Shards of pipelines with no demand that sit where a hungry one could run, and
+    shards above a pipeline's target (the most contended first, then high ranks)."""
+    active, frames = st.active, st.frames
     contended = hungry_devices.support()
-
     for p in pipes:
         pid = p.id
         ranks = active[pid]
         if not ranks:
             continue
-        if demand[pid] == 0:
+        if st.demand[pid] == 0:
             if not contended:
                 continue
             frame = frames[pid]
@@ -363,15 +392,28 @@ def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> int:
             st.shrink(pid, hit)
             continue
         excess = len(ranks) - target[pid]
-        if excess > 0:  # the most contended first, then high ranks
+        if excess > 0:
             frame = frames[pid]
             load = frame.loads(hungry_devices, ranks)
             by_load = sorted(sorted(ranks, reverse=True), key=load.__getitem__, reverse=True)
             st.shrink(pid, by_load[:excess])
 
+
+def _expand_toward_targets(
+    st: _State,
+    out: Plan,
+    by_id: list[str],
+    hungry: list[str],
+    target: dict[str, int],
+    asleep: dict[str, int],
+    hungry_devices: Counts,
+) -> int:
+    """Wake ranks of under-target pipelines, neediest first (the largest gap between
+    target and current share, then by id), preferring bundles other hungry pipelines
+    cannot use, then low ranks. Returns the devices busy afterwards."""
+    active, frames = st.active, st.frames
     taken = st.busy()
     expands: dict[str, list[int]] = defaultdict(list)
-    # Neediest first: the largest gap between target and current share, then by id.
     gap = {pid: len(active[pid]) / max(target[pid], 1) for pid in hungry}
     for pid in sorted([q for q in by_id if q in gap], key=gap.__getitem__):
         frame = frames[pid]
@@ -385,7 +427,7 @@ def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> int:
             starts = asleep[pid] & ~frame.touched(frame.local(taken))
         free = frame.ranks(starts) if starts else []
         wanted = max(target[pid] - len(active[pid]), 0)
-        if len(free) > wanted:  # prefer bundles other hungry pipelines cannot use, then low ranks
+        if len(free) > wanted:
             free.sort(key=frame.loads(hungry_devices, free).__getitem__)
         chosen = free[:wanted]
         expands[pid] += chosen
@@ -401,196 +443,4 @@ def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> int:
         fresh = sorted(set(expanded) - kept)
         if fresh:
             out.expand.append(RankChange(pid, INFER, fresh))
-    for pid in [pid for pid in wanting if not active[pid]]:
-        blocked = "every reachable bundle is held by a stage or reserved"
-        out.waiting.append(Waiting(pid, INFER, f"generation: {blocked}"))
     return taken
-
-
-# --- invariants ----------------------------------------------------------------------------
-
-
-def check_plan(snap: Snapshot, result: Plan) -> list[str]:
-    """Every broken invariant of applying ``result`` to ``snap`` (empty when sound)."""
-    try:
-        if _sound(snap, result):
-            return []
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError):
-        pass  # something odd: the itemised check decides (and raises as it does)
-    return _violations(snap, result)
-
-
-def _sound(snap: Snapshot, result: Plan) -> bool:
-    """Whether :func:`_violations` finds nothing, decided with device masks: every
-    claim (fence, held or granted stage, awake bundle) is counted, and the claims
-    are disjoint and on existing devices exactly when their union has as many
-    devices as there were claims, all below ``n``."""
-    n = snap.cluster.num_devices
-    devices = Devices(n)
-    pipes = {p.id: p for p in snap.pipelines}
-    claimed, claims = devices.mask(snap.fenced), len(snap.fenced)
-    for p in snap.pipelines:
-        for cname in p.held:
-            claimed |= devices.mask(p.clusters[cname].devices)
-            claims += len(p.clusters[cname].devices)
-    changed: dict[str, set[int]] = {}  # awake ranks of the pipelines the plan changes
-
-    def active(pid: str) -> set[int]:
-        ranks = changed.get(pid)
-        if ranks is None:
-            ranks = changed[pid] = set(pipes[pid].active_ranks.get(INFER, ()))
-        return ranks
-
-    for ch in result.shrink:
-        ranks = set(ch.ranks)
-        if ch.pipeline not in pipes or ch.cluster != INFER or len(ranks) != len(ch.ranks):
-            return False
-        if not ranks <= active(ch.pipeline):
-            return False
-        active(ch.pipeline).difference_update(ranks)
-    pending = {(p.id, r.cluster): r for p in snap.pipelines for r in p.requests}
-    for g in result.grants:
-        req = pending.get((g.pipeline, g.cluster))
-        if req is None or req.priority == "GENERATION" or g.priority != req.priority:
-            return False
-        if g.devices != list(pipes[g.pipeline].clusters[g.cluster].devices):
-            return False
-        claimed |= devices.mask(pipes[g.pipeline].clusters[g.cluster].devices)
-        claims += len(g.devices)
-    for ch in result.expand:
-        ranks = set(ch.ranks)
-        if ch.pipeline not in pipes or ch.cluster != INFER or len(ranks) != len(ch.ranks):
-            return False
-        grown = pipes[ch.pipeline]
-        if ranks and not (min(ranks) >= 0 and max(ranks) < grown.clusters[INFER].dp):
-            return False
-        if not ranks.isdisjoint(active(grown.id)) or not ranks.isdisjoint(
-            grown.offline_ranks.get(INFER, ())
-        ):
-            return False
-        active(grown.id).update(ranks)
-    for pid, p in pipes.items():
-        listed: Collection[int] | None = changed.get(pid)
-        if listed is None:
-            listed = p.active_ranks.get(INFER)  # a list: it may repeat a rank
-        if not listed:
-            continue
-        spec = p.clusters.get(INFER)
-        if spec is None:
-            return False
-        frame = FRAMES.get(id(spec.devices))  # frame_of(spec, devices), sooner
-        if frame is None or frame.listed is not spec.devices or frame.tp != spec.tp or frame.n != n:
-            frame = new_frame(spec, devices)
-        if frame.units is None:
-            if min(listed) < 0 or max(listed) >= spec.dp:
-                return False
-            ranks = set(listed)
-            claimed |= devices.bundles(spec, ranks)
-            claims += len(ranks) * spec.tp
-        else:  # disjoint bundles of tp bits each: the bits count the distinct ranks
-            bits = frame.summed(listed)
-            if bits is None:  # a rank out of range: _violations decides
-                return False
-            size = bits.bit_count()
-            if size != len(listed) * frame.tp:  # carries: a rank listed twice
-                bits = frame.starts_of(set(listed)) * frame.block
-                size = bits.bit_count()
-            claimed |= bits << spec.devices[0]  # (the frame's offset)
-            claims += size
-    if claimed >> n or claimed.bit_count() != claims:
-        return False
-    return sorted(result.idle_devices) == devices.listed(~claimed)
-
-
-def _violations(snap: Snapshot, result: Plan) -> list[str]:
-    errors: list[str] = []
-    pipes = {p.id: p for p in snap.pipelines}
-    n = snap.cluster.num_devices
-    owner: dict[int, str] = {}
-
-    def claim(d: int, who: str) -> None:
-        if not 0 <= d < n:
-            errors.append(f"{who}: device {d} does not exist")
-        elif d in owner:
-            errors.append(f"device {d} double-booked: {owner[d]} and {who}")
-        else:
-            owner[d] = who
-
-    for d in snap.fenced:
-        claim(d, "a fence")
-    for p in snap.pipelines:
-        for cname in p.held:
-            for d in p.clusters[cname].devices:
-                claim(d, f"{p.id}/{cname}")
-    active = {p.id: set(p.active_ranks.get(INFER, ())) for p in snap.pipelines}
-    for ch in result.shrink:
-        shrunk = pipes.get(ch.pipeline)
-        if shrunk is None or ch.cluster != INFER:
-            errors.append(f"shrink of unknown {ch.pipeline}/{ch.cluster}")
-            continue
-        for r in ch.ranks:
-            if r not in active[shrunk.id]:
-                errors.append(f"shrink of {shrunk.id} rank {r}, which is not active")
-            active[shrunk.id].discard(r)
-    pending = {(p.id, r.cluster): r for p in snap.pipelines for r in p.requests}
-    for g in result.grants:
-        req = pending.get((g.pipeline, g.cluster))
-        if req is None or req.priority == "GENERATION":
-            errors.append(f"grant {g.pipeline}/{g.cluster} answers no gang request")
-            continue
-        if g.priority != req.priority:
-            errors.append(
-                f"grant {g.pipeline}/{g.cluster} at {g.priority}, requested at {req.priority}"
-            )
-        if g.devices != list(pipes[g.pipeline].clusters[g.cluster].devices):
-            errors.append(f"grant {g.pipeline}/{g.cluster} is not the whole device list")
-        for d in g.devices:
-            claim(d, f"{g.pipeline}/{g.cluster}")
-    for ch in result.expand:
-        grown = pipes.get(ch.pipeline)
-        if grown is None or ch.cluster != INFER:
-            errors.append(f"expand of unknown {ch.pipeline}/{ch.cluster}")
-            continue
-        for r in ch.ranks:
-            if not 0 <= r < grown.clusters[INFER].dp:
-                errors.append(f"expand of {grown.id} rank {r} out of range")
-            elif r in active[grown.id]:
-                errors.append(f"expand of {grown.id} rank {r}, which is already active")
-            elif r in grown.offline_ranks.get(INFER, ()):
-                errors.append(f"expand of {grown.id} rank {r}, which is offline")
-            active[grown.id].add(r)
-    for pid, ranks in active.items():
-        spec = pipes[pid].clusters.get(INFER)
-        for r in ranks:
-            if spec is None or not 0 <= r < spec.dp:
-                errors.append(f"{pid} rank {r} out of range")
-                continue
-            for d in spec.bundle(r):
-                claim(d, f"{pid}/{INFER}[{r}]")
-    idle = [d for d in range(n) if d not in owner]
-    if sorted(result.idle_devices) != idle:
-        errors.append(f"idle_devices {result.idle_devices} != unowned devices {idle}")
-    return errors
-
-
-def idle_after(snap: Snapshot, result: Plan) -> list[int]:
-    """The devices nobody holds once ``result`` is applied to ``snap``: no fence, no
-    stage held or granted, no awake rank (the plan's ``idle_devices``, derived)."""
-    owned = set(snap.fenced)
-    active = {p.id: set(p.active_ranks.get(INFER, ())) for p in snap.pipelines}
-    for ch in result.shrink:
-        active.get(ch.pipeline, set()).difference_update(ch.ranks)
-    for ch in result.expand:
-        active.setdefault(ch.pipeline, set()).update(ch.ranks)
-    pipes = {p.id: p for p in snap.pipelines}
-    for p in snap.pipelines:
-        for cname in p.held:
-            owned.update(p.clusters[cname].devices)
-    for g in result.grants:
-        owned.update(g.devices)
-    for pid, ranks in active.items():
-        spec = pipes[pid].clusters.get(INFER) if pid in pipes else None
-        for r in ranks:
-            if spec is not None and 0 <= r < spec.dp:
-                owned.update(spec.bundle(r))
-    return [d for d in range(snap.cluster.num_devices) if d not in owned]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.protocols.generation import Sampling
 
 PauseMode = Literal["abort", "keep"]
 
@@ -31,20 +32,11 @@ class ShardEngine(Protocol):
     weight_version: int | None
 
     def generate(
-        self,
-        prompt_ids: list[int],
-        *,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        request_id: str | None = None,
-        stop_token_ids: list[int] | None = None,
-        stop: list[str] | None = None,
+        self, prompt_ids: list[int], sampling: Sampling, *, request_id: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
         """Cumulative outputs of one request; cancelling the iteration aborts it.
-        It ends early at a token of ``stop_token_ids`` or a string of ``stop``
-        (both kept in the output)."""
+        It ends early at a token of ``sampling.stop_token_ids`` or a string of
+        ``sampling.stop`` (both kept in the output)."""
         ...
 
     async def load_version(self, ref: CacheRef) -> None:
@@ -75,14 +67,9 @@ class AdapterEngine(ShardEngine, Protocol):
     def generate(
         self,
         prompt_ids: list[int],
+        sampling: Sampling,
         *,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
         request_id: str | None = None,
-        stop_token_ids: list[int] | None = None,
-        stop: list[str] | None = None,
         adapter: str | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """As ShardEngine's, with ``adapter``'s newest version (None: the base model;

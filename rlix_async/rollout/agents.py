@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlix_async.protocols.generation import Sampling
 from rlix_async.rollout.chat import ChatError, ChatTurns, Messages
 from rlix_async.rollout.episodes import (
     EnvError,
@@ -42,6 +43,7 @@ from rlix_async.rollout.episodes import (
     EpisodeRunner,
     Generate,
     load_user_object,
+    with_budget,
 )
 
 
@@ -108,7 +110,9 @@ class Conversation:
         llm.generating = True
         try:
             turn = await llm.generate(
-                episode.prompt_ids + episode.token_ids, budget, **llm.sampling
+                episode.prompt_ids + episode.token_ids,
+                with_budget(llm.sampling, budget),
+                min_version=llm.min_version,
             )
         except Exception as exc:
             raise _GenerateFailed(exc) from exc
@@ -135,11 +139,18 @@ class Conversation:
 class AgentClient:
     """What an agent function gets: the tokenizer, and ``start`` for its conversation."""
 
-    def __init__(self, runner: AgentRunner, generate: Generate, sampling: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        runner: AgentRunner,
+        generate: Generate,
+        sampling: Sampling | None,
+        min_version: int | None,
+    ) -> None:
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self.generate = generate
         self.sampling = sampling
+        self.min_version = min_version
         self.conversation: Conversation | None = None
         self.generating = False
         self.closed = False  # the episode ended: generate() refuses
@@ -175,8 +186,14 @@ class AgentRunner(EpisodeRunner):
     def budget(self, episode: Episode) -> int:
         return self._budget(episode)
 
-    async def run(self, row: dict[str, Any], generate: Generate, **sampling: Any) -> Episode:
-        llm = AgentClient(self, generate, sampling)
+    async def run(
+        self,
+        row: dict[str, Any],
+        generate: Generate,
+        sampling: Sampling | None = None,
+        min_version: int | None = None,
+    ) -> Episode:
+        llm = AgentClient(self, generate, sampling, min_version)
         task = asyncio.ensure_future(self.agent.fn(row, llm, **self.agent.args))
         # whatever it ends with is read here or below: never "exception never retrieved"
         task.add_done_callback(lambda t: t.cancelled() or t.exception())

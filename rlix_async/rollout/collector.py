@@ -55,6 +55,7 @@ class Collector:
         # where prompts come from and how responses score: a text recipe's dataset and
         # reward, else the config's token-id task
         self.prompts: PromptSource = prompts or make_token_prompts(cfg)
+        self.sampling = cfg.rollout.sampling(self.prompts.stop_token_ids)  # every request's
         self.prompts_used = 0
         self.in_flight = 0
         self.failed = 0  # trajectories whose generation raised: counted, never hidden
@@ -159,15 +160,8 @@ class Collector:
         gid = self.ledger.new_id() if self.ledger is not None else ""
         if self.ledger is not None:  # before any request leaves: a kill now still counts it
             self.ledger.requested(gid, rollout.group_size, step, sample.index)
-        sampling: dict[str, Any] = {
-            "temperature": rollout.temperature,
-            "top_p": rollout.top_p,
-            "min_version": oldest,  # newer weights are always fine
-            "stop_token_ids": self.prompts.stop_token_ids,
-            "stop": self.prompts.stop,
-        }
         requests: list[asyncio.Future[Trajectory]] = [
-            asyncio.ensure_future(self._request(sample, sampling))
+            asyncio.ensure_future(self._request(sample, oldest))  # newer weights are fine
             for _ in range(rollout.group_size)
         ]
         self._groups.append(requests)
@@ -281,12 +275,13 @@ class Collector:
         )
         return True
 
-    def _request(self, sample: Sample, sampling: dict[str, Any]) -> Awaitable[Trajectory]:
+    def _request(self, sample: Sample, min_version: int) -> Awaitable[Trajectory]:
         """One response: a generate call, or an episode of the env's (several turns)."""
+        generate, sampling = self.hooks.router.generate, self.sampling
         if self.episodes is not None and isinstance(self.prompts, TextPrompts):
             row = self.prompts.env_row(sample)
-            return self.episodes.run(row, self.hooks.router.generate, **sampling)
-        return self.hooks.router.generate(sample.ids, self.cfg.rollout.max_tokens, **sampling)
+            return self.episodes.run(row, generate, sampling, min_version)
+        return generate(sample.ids, sampling, min_version=min_version)
 
     def _text(self, tokens: list[int]) -> str:
         decode = getattr(self.prompts, "decode", None)

@@ -36,6 +36,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
+from rlix_async.protocols.generation import Sampling
 from rlix_async.rollout.chat import ChatError, ChatTurns, Messages
 from rlix_async.rollout.env_workers import EnvProcesses, RemoteEnv
 from rlix_async.rollout.threads import BoundedThreads, NoFreeThread
@@ -199,8 +202,16 @@ class EpisodeRunner:
         if self.processes is not None:
             self.processes.close()
 
-    async def run(self, row: dict[str, Any], generate: Generate, **sampling: Any) -> Episode:
-        """One episode on ``row``; ``generate`` is the router's (with ``sampling``)."""
+    async def run(
+        self,
+        row: dict[str, Any],
+        generate: Generate,
+        sampling: Sampling | None = None,
+        min_version: int | None = None,
+    ) -> Episode:
+        """One episode on ``row``; ``generate`` is the router's: each turn is sampled as
+        ``sampling`` says (None: the defaults), with what is left of the episode's token
+        budget as its max_tokens."""
         env = None
         clock = [0.0]  # seconds spent in the environment's methods
         busy: list[concurrent.futures.Future[Any]] = []  # the env's call still in a thread
@@ -222,7 +233,11 @@ class EpisodeRunner:
                 if budget <= 0:
                     episode.cut = "max_episode_tokens"
                     break
-                turn = await generate(episode.prompt_ids + episode.token_ids, budget, **sampling)
+                turn = await generate(
+                    episode.prompt_ids + episode.token_ids,
+                    with_budget(sampling, budget),
+                    min_version=min_version,
+                )
                 episode.add(
                     turn.token_ids, model=True, logprobs=turn.logprobs, versions=turn.versions
                 )
@@ -458,3 +473,10 @@ def pack(episodes: list[Episode]) -> Packed:
         packed.versions.append([first if v is None else v for v in [None] * len(rest) + e.versions])
         packed.masks.append([0] * len(rest) + e.mask)
     return packed
+
+
+def with_budget(sampling: Sampling | None, budget: int) -> Sampling:
+    """A turn's sampling: the episode's, with the tokens it may still use."""
+    if sampling is None:
+        return Sampling(max_tokens=budget)
+    return msgspec.structs.replace(sampling, max_tokens=budget)

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from rlix_async.hooks import ClusterHooks
+from rlix_async.protocols.generation import Sampling
 from rlix_async.rollout.episodes import Episode, EpisodeRunner
 from rlix_async.rollout.recipe import Sample, TextPrompts, finite_mean, truncated
 from rlix_async.shards.router import Trajectory
@@ -133,13 +134,13 @@ class Evaluator:
         return row
 
     async def _generate(self, sample: Sample, version: int) -> Trajectory:
-        sampling: dict[str, Any] = {
-            "temperature": 0.0,  # greedy
-            "min_version": version,
-            "stop_token_ids": self.prompts.stop_token_ids,
-            "stop": self.prompts.stop,
-        }
+        greedy = Sampling(
+            max_tokens=self.max_tokens,
+            temperature=0.0,
+            stop_token_ids=tuple(self.prompts.stop_token_ids),
+            stop=tuple(self.prompts.stop),
+        )
         if self.episodes is not None:
             row = self.prompts.env_row(sample)
-            return await self.episodes.run(row, self.hooks.router.generate, **sampling)
-        return await self.hooks.router.generate(sample.ids, self.max_tokens, **sampling)
+            return await self.episodes.run(row, self.hooks.router.generate, greedy, version)
+        return await self.hooks.router.generate(sample.ids, greedy, min_version=version)

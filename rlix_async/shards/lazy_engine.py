@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 from rlix_async.protocols.cache_ref import CacheRef
 from rlix_async.protocols.engine import AdapterEngine, GenerationChunk, PauseMode, ShardEngine
+from rlix_async.protocols.generation import Sampling
 
 
 class LoadOnWake:
@@ -41,28 +42,13 @@ class LoadOnWake:
     def generate(
         self,
         prompt_ids: list[int],
+        sampling: Sampling,
         *,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
         request_id: str | None = None,
-        stop_token_ids: list[int] | None = None,
-        stop: list[str] | None = None,
         adapter: str | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         extra = {"adapter": adapter} if adapter is not None else {}
-        return self._built().generate(
-            prompt_ids,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            request_id=request_id,
-            stop_token_ids=stop_token_ids,
-            stop=stop,
-            **extra,
-        )
+        return self._built().generate(prompt_ids, sampling, request_id=request_id, **extra)
 
     @property
     def adapter_versions(self) -> dict[str, int]:

@@ -3,8 +3,8 @@
 - Least-loaded among the ranks the coordinator reports awake (ActiveRanks);
   when none is awake the call waits for one, it never fails for that.
 - A request cut by a shrink comes back with what it decoded so far and is
-  resumed on another shard from ``prompt + partial`` with the remaining
-  ``max_tokens``; tokens, logprobs and the weight version of every token are
+  resumed on another shard from ``prompt + partial`` with the same
+  ``Sampling`` and the remaining ``max_tokens``; tokens, logprobs and the weight version of every token are
   kept, so preemption wastes no decoded token. A shard that dies mid-request
   loses only that attempt's tokens (they never reached us); the request is
   resumed from what we have. A resumed attempt costs a prefill of
@@ -25,16 +25,43 @@ import contextlib
 import logging
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
 
 from rlix_async.aio import Supervisor
 from rlix_async.control.client import PipelineClient
 from rlix_async.protocol import RpcError
-from rlix_async.protocols.generation import Cancel, Generate, GenerateResult, ShardRefusal
+from rlix_async.protocols.generation import (
+    Cancel,
+    Generate,
+    GenerateResult,
+    Sampling,
+    ShardRefusal,
+)
 from rlix_async.security import ClientKeys
 from rlix_async.transport import CallTimeout, ConnectionLost, RpcClient, TransportConfig
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    """One generate call's state across its attempts."""
+
+    rid: str
+    sampling: Sampling
+    min_version: int | None
+    errors: int = 0  # attempts a shard failed (not counting cuts)
+    stale: set[int] = field(default_factory=set)  # shards that refused: weights too old
+    stale_deadline: float | None = None
+
+
+def _tuples(settings: dict[str, Any]) -> dict[str, Any]:
+    """Old keyword settings as Sampling takes them (lists as tuples, None dropped)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items() if v is not None}
 
 
 @dataclass
@@ -119,82 +146,36 @@ class Router:
     async def generate(
         self,
         prompt_ids: list[int],
-        max_tokens: int,
+        sampling: Sampling | int,
         *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
         min_version: int | None = None,
-        stop_token_ids: list[int] | None = None,
-        stop: list[str] | None = None,
+        **old: Any,
     ) -> Trajectory:
+        """One response to ``prompt_ids``, sampled as ``sampling`` says, from the awake
+        shards (resumed elsewhere when a shrink cuts it). A bare int in place of a
+        Sampling is ``max_tokens``, with the other settings as keywords: the earlier
+        signature, accepted for one release."""
+        if not isinstance(sampling, Sampling):
+            warnings.warn(
+                "Router.generate(prompt_ids, max_tokens, **settings) is deprecated: pass "
+                "a Sampling (rlix_async.protocols.generation)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            sampling = Sampling(max_tokens=sampling, **_tuples(old))
         traj = Trajectory(list(prompt_ids))
         self._n += 1
-        rid = f"{self._ids}-{self._n}"
-        errors = 0
-        stale: set[int] = set()  # shards that refused: weights older than accepted
-        stale_deadline: float | None = None
-        while len(traj.token_ids) < max_tokens:
+        req = _Request(f"{self._ids}-{self._n}", sampling, min_version)
+        while len(traj.token_ids) < sampling.max_tokens:
             if traj.resumes > self.max_resumes:
-                raise RuntimeError(f"request {rid} cut {traj.resumes} times; giving up")
-            if stale and stale >= set(self.pipeline.active_ranks):
-                stale.clear()  # every awake shard is behind: wait for a sync, then retry
+                raise RuntimeError(f"request {req.rid} cut {traj.resumes} times; giving up")
+            if req.stale and req.stale >= set(self.pipeline.active_ranks):
+                req.stale.clear()  # every awake shard is behind: wait for a sync, then retry
                 await self._settle()
-            rank, endpoint = await self._pick(stale)
-            self.load[rank] = self.load.get(rank, 0) + 1
-            attempt = f"{rid}.{traj.resumes}"
-            client: RpcClient | None = None
-            try:
-                client = await self._client(rank, endpoint)
-                reply = await client.call(
-                    Generate(
-                        request_id=attempt,
-                        prompt_ids=traj.prompt_ids + traj.token_ids,
-                        max_tokens=max_tokens - len(traj.token_ids),
-                        temperature=temperature,
-                        top_p=top_p,
-                        seed=seed,
-                        min_version=min_version,
-                        stop_token_ids=stop_token_ids or [],
-                        stop=stop or [],
-                    ),
-                    timeout=self.attempt_timeout_s,
-                )
-            except RpcError as exc:
-                if exc.code == ShardRefusal.STALE_WEIGHTS:  # refused before decoding: next
-                    now = time.monotonic()
-                    stale_deadline = stale_deadline or now + self.attempt_timeout_s
-                    if now > stale_deadline:
-                        raise RuntimeError(
-                            f"request {rid}: no shard reached an accepted weight version "
-                            f"within {self.attempt_timeout_s:.0f} s ({exc.detail})"
-                        ) from None
-                    stale.add(rank)
-                    continue
-                if exc.code != ShardRefusal.PREEMPTED:
-                    # the shard's engine failed (its worker exits and is replaced):
-                    # resume elsewhere, but do not retry a bad request forever
-                    errors += 1
-                    if errors > self.max_errors:
-                        raise
-                    log.warning("shard %d failed the request (%s); resuming elsewhere", rank, exc)
-                    await self._settle()
-                    continue
-                await self._settle()
-                continue  # refused before starting: nothing decoded, try elsewhere
-            except (ConnectionLost, CallTimeout, ConnectionError) as exc:
-                log.warning("shard %d failed mid-request (%s); resuming elsewhere", rank, exc)
-                traj.resumes += 1
-                await self._settle()
+            answered = await self._attempt(traj, req)
+            if answered is None:
                 continue
-            except asyncio.CancelledError:
-                if client is not None:  # the request may be running there: stop it
-                    self.cancelled += 1
-                    self._tasks.spawn(self._cancel(client, attempt, rank), "cancel")
-                raise
-            finally:
-                self.load[rank] -= 1
-            assert isinstance(reply, GenerateResult)
+            rank, reply = answered
             if traj.resumes:  # served from prompt + partial: all of it prefilled again
                 self.resumed += 1
                 self.reprefill_tokens += len(traj.prompt_ids) + len(traj.token_ids)
@@ -202,13 +183,75 @@ class Router:
             traj.logprobs += reply.logprobs
             traj.versions += [reply.weight_version] * len(reply.token_ids)
             traj.ranks.append(rank)
-            stale_deadline = None
+            req.stale_deadline = None
             if not reply.preempted:
                 break
-            if stop_token_ids and traj.token_ids and traj.token_ids[-1] in stop_token_ids:
+            stops = sampling.stop_token_ids
+            if stops and traj.token_ids and traj.token_ids[-1] in stops:
                 break  # it ended at its end of sequence as it was cut: nothing to resume
             traj.resumes += 1
         return traj
+
+    async def _attempt(self, traj: Trajectory, req: _Request) -> tuple[int, GenerateResult] | None:
+        """One attempt on the least-loaded awake shard: its rank and answer, or None to
+        try again (refused before decoding, or the shard failed: ``traj`` then counts a
+        resume). Raises when the request cannot be served."""
+        rank, endpoint = await self._pick(req.stale)
+        self.load[rank] = self.load.get(rank, 0) + 1
+        attempt = f"{req.rid}.{traj.resumes}"
+        left = msgspec.structs.replace(
+            req.sampling, max_tokens=req.sampling.max_tokens - len(traj.token_ids)
+        )
+        client: RpcClient | None = None
+        try:
+            client = await self._client(rank, endpoint)
+            reply = await client.call(
+                Generate(
+                    request_id=attempt,
+                    prompt_ids=traj.prompt_ids + traj.token_ids,
+                    sampling=left,
+                    min_version=req.min_version,
+                ),
+                timeout=self.attempt_timeout_s,
+            )
+        except RpcError as exc:
+            await self._refused(rank, req, exc)
+            return None
+        except (ConnectionLost, CallTimeout, ConnectionError) as exc:
+            log.warning("shard %d failed mid-request (%s); resuming elsewhere", rank, exc)
+            traj.resumes += 1
+            await self._settle()
+            return None
+        except asyncio.CancelledError:
+            if client is not None:  # the request may be running there: stop it
+                self.cancelled += 1
+                self._tasks.spawn(self._cancel(client, attempt, rank), "cancel")
+            raise
+        finally:
+            self.load[rank] -= 1
+        assert isinstance(reply, GenerateResult)
+        return rank, reply
+
+    async def _refused(self, rank: int, req: _Request, exc: RpcError) -> None:
+        """A shard refused (or failed) the request before it decoded anything for us."""
+        if exc.code == ShardRefusal.STALE_WEIGHTS:  # refused before decoding: next
+            now = time.monotonic()
+            req.stale_deadline = req.stale_deadline or now + self.attempt_timeout_s
+            if now > req.stale_deadline:
+                raise RuntimeError(
+                    f"request {req.rid}: no shard reached an accepted weight version "
+                    f"within {self.attempt_timeout_s:.0f} s ({exc.detail})"
+                ) from None
+            req.stale.add(rank)
+            return
+        if exc.code != ShardRefusal.PREEMPTED:
+            # the shard's engine failed (its worker exits and is replaced): resume
+            # elsewhere, but do not retry a bad request forever
+            req.errors += 1
+            if req.errors > self.max_errors:
+                raise exc
+            log.warning("shard %d failed the request (%s); resuming elsewhere", rank, exc)
+        await self._settle()  # refused before starting: nothing decoded, try elsewhere
 
     async def _cancel(self, client: RpcClient, request_id: str, rank: int) -> None:
         """Best effort: a shard that is gone has no request left to stop."""

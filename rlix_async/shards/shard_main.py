@@ -14,6 +14,7 @@ from rlix_async.aio import stop_signals
 from rlix_async.config import EngineConfig, ShardConfig
 from rlix_async.protocols.engine import ShardEngine
 from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
+from rlix_async.shards import vllm_api
 from rlix_async.shards.devices import DeviceBindingError, check_binding, cuda_device_count
 from rlix_async.shards.lazy_engine import LoadOnWake, shutdown_engine
 from rlix_async.shards.worker import ShardWorker
@@ -64,29 +65,63 @@ async def serve(cfg: ShardConfig) -> int:
     when the engine died, so a launcher replaces this worker; 2 when it does not see
     the devices it is bound to, the coordinator refuses them, or the installed vLLM
     is not one this package supports."""
-    if cfg.engine.kind == "vllm":
-        from rlix_async.shards import vllm_api
+    me = f"shard {cfg.pipeline}/{cfg.rank}"
+    try:
+        cuda = _check_start(cfg)
+    except (DeviceBindingError, vllm_api.VllmVersionError) as exc:
+        print(f"error: {me}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    worker, engine = _worker(cfg, cuda)
+    try:
+        await worker.start()
+    except ConnectionError as exc:  # e.g. the coordinator refused our devices
+        print(f"error: {me}: {exc}", file=sys.stderr, flush=True)
+        await worker.close()
+        shutdown_engine(engine)
+        return 2
+    signalled = asyncio.ensure_future(stop_signals().wait())
+    print(f"READY {worker.data.endpoint}", flush=True)  # handlers first: SIGTERM is clean
+    dead = asyncio.ensure_future(worker.engine_dead.wait())
+    await asyncio.wait([dead, signalled], return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    t0 = time.monotonic()
+    await worker.close()
+    if dead.done():
+        return 3
+    dead.cancel()
+    t1 = time.monotonic()
+    shutdown_engine(engine)
+    print(
+        f"stopped: worker closed in {t1 - t0:.1f} s, engine in {time.monotonic() - t1:.1f} s; "
+        f"served {dict(sorted(worker.served.items()))} (requests answered, by pipeline)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 0
 
-        try:
-            warning = vllm_api.check_version()
-            if cfg.members:  # adapters from memory use vLLM internals: checked now
-                vllm_api.check_internals()
-        except vllm_api.VllmVersionError as exc:
-            print(f"error: shard {cfg.pipeline}/{cfg.rank}: {exc}", file=sys.stderr, flush=True)
-            return 2
-        if warning:
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+def _check_start(cfg: ShardConfig) -> bool:
+    """Before anything loads: the installed vLLM is one this package supports (a warning
+    line for a newer one), and the worker sees exactly its devices. Returns whether it
+    runs on CUDA. Raises a one-line DeviceBindingError or VllmVersionError."""
+    if cfg.engine.kind != "vllm":
+        check_binding(cfg.devices, cfg.tensor_parallel_size, None)
+        return False
+    warning = vllm_api.check_version()
+    if cfg.members:  # adapters from memory use vLLM internals: checked now
+        vllm_api.check_internals()
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     # Counted without initialising CUDA here: vLLM forks its engine core from this
     # process (see cuda_device_count).
-    devices_seen = cuda_device_count() if cfg.engine.kind == "vllm" else 0
-    cuda = devices_seen > 0
-    try:
-        check_binding(cfg.devices, cfg.tensor_parallel_size, devices_seen if cuda else None)
-    except DeviceBindingError as exc:
-        print(f"error: shard {cfg.pipeline}/{cfg.rank}: {exc}", file=sys.stderr, flush=True)
-        return 2
-    engine_cfg = cfg.engine.for_device(cuda)
+    seen = cuda_device_count()
+    check_binding(cfg.devices, cfg.tensor_parallel_size, seen if seen else None)
+    return seen > 0
 
+
+def _worker(cfg: ShardConfig, cuda: bool) -> tuple[ShardWorker, ShardEngine]:
+    """The worker and its engine (built now, or at the first wake)."""
+    engine_cfg = cfg.engine.for_device(cuda)
     # The shard's own key: shard-HOST, else shard, else the shared client key. Its
     # tcp data plane serves with that same pair (never the coordinator's secret);
     # routers learn its public key from the coordinator. vLLM's worker pulls weights
@@ -110,14 +145,13 @@ async def serve(cfg: ShardConfig) -> int:
         )
 
     engine: ShardEngine = LoadOnWake(build) if engine_cfg.load == "first_wake" else build()
-    transport = TransportConfig.with_heartbeat(cfg.heartbeat_interval_s)
     worker = ShardWorker(
         engine,
         cfg.coordinator or ipc_endpoint("coordinator"),
         cfg.pipeline,
         cfg.rank,
         keys=keys,
-        transport=transport,
+        transport=TransportConfig.with_heartbeat(cfg.heartbeat_interval_s),
         drain_timeout_s=cfg.drain_timeout_s,
         data_endpoint=cfg.data_endpoint,
         # a tcp data plane (routers on other nodes) is authenticated like every tcp socket
@@ -130,29 +164,4 @@ async def serve(cfg: ShardConfig) -> int:
         sleep_timeout_s=cfg.sleep_timeout_s,
         members=cfg.members,
     )
-    try:
-        await worker.start()
-    except ConnectionError as exc:  # e.g. the coordinator refused our devices
-        print(f"error: shard {cfg.pipeline}/{cfg.rank}: {exc}", file=sys.stderr, flush=True)
-        await worker.close()
-        shutdown_engine(engine)
-        return 2
-    signalled = asyncio.ensure_future(stop_signals().wait())
-    print(f"READY {worker.data.endpoint}", flush=True)  # handlers first: SIGTERM is clean
-    dead = asyncio.ensure_future(worker.engine_dead.wait())
-    await asyncio.wait([dead, signalled], return_when=asyncio.FIRST_COMPLETED)
-    signalled.cancel()
-    t0 = time.monotonic()
-    await worker.close()
-    if dead.done():
-        return 3
-    dead.cancel()
-    t1 = time.monotonic()
-    shutdown_engine(engine)
-    print(
-        f"stopped: worker closed in {t1 - t0:.1f} s, engine in {time.monotonic() - t1:.1f} s; "
-        f"served {dict(sorted(worker.served.items()))} (requests answered, by pipeline)",
-        file=sys.stderr,
-        flush=True,
-    )
-    return 0
+    return worker, engine

@@ -36,6 +36,7 @@ from rlix_async.config import EngineConfig
 from rlix_async.config.lora import EngineLoraConfig
 from rlix_async.protocols.cache_ref import CacheRef
 from rlix_async.protocols.engine import GenerationChunk, PauseMode
+from rlix_async.protocols.generation import Sampling
 from rlix_async.protocols.sinks import SyncError
 from rlix_async.shards.vllm_lora import AdapterError, Adapters, Served, engine_args
 from rlix_async.shards.vllm_plugin import BACKEND
@@ -142,33 +143,27 @@ class VllmEngine:
     async def generate(
         self,
         prompt_ids: list[int],
+        sampling: Sampling,
         *,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        logprobs: bool = True,
         request_id: str | None = None,
-        stop_token_ids: list[int] | None = None,
-        stop: list[str] | None = None,
         adapter: str | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """``adapter``: a member's newest adapter version (None: the base model); each
         chunk's ``weight_version`` is then that adapter version."""
         from rlix_async.shards import vllm_api
 
-        if stop and not self.has_tokenizer:
+        if sampling.stop and not self.has_tokenizer:
             raise ValueError("stop strings need a model directory with a tokenizer")
         params = vllm_api.SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            logprobs=0 if logprobs else None,
-            stop_token_ids=stop_token_ids or None,
-            stop=stop or None,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            logprobs=0,  # the sampled token's own (the trainer's importance ratio needs it)
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            stop=list(sampling.stop) or None,
             include_stop_str_in_output=True,  # the response trained on is what was decoded
-            detokenize=bool(stop),  # strings are matched on the detokenized text
+            detokenize=bool(sampling.stop),  # strings are matched on the detokenized text
         )
         rid = request_id or f"r{next(self._ids)}"
         version = self.weight_version
@@ -193,7 +188,7 @@ class VllmEngine:
                 # tokenizer it carries no tokens. Never let what we hold shrink.
                 if len(comp.token_ids) >= len(tokens):
                     tokens = list(comp.token_ids)
-                    if logprobs and comp.logprobs:
+                    if comp.logprobs:
                         lps = [
                             step[tok].logprob  # type: ignore[index]  # set: we asked for them
                             for tok, step in zip(comp.token_ids, comp.logprobs, strict=False)

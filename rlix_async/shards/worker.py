@@ -238,7 +238,11 @@ class ShardWorker:
             # cut: a shrink ended it early. A response that ended at its end of sequence
             # or a stop string while the shrink ran is finished: resumed, it would be
             # continued past its end (and that tail trained on)
-            cut = self.preempted and not decoded.ended and len(decoded.tokens) < msg.max_tokens
+            cut = (
+                self.preempted
+                and not decoded.ended
+                and len(decoded.tokens) < msg.sampling.max_tokens
+            )
             self.served[caller] += 1
             return decoded.result(msg.request_id, preempted=cut)
         except asyncio.CancelledError:
@@ -293,15 +297,7 @@ class ShardWorker:
         # members' routers may use the same ids: the engine's are the caller's own
         request_id = f"{caller}/{msg.request_id}" if self.members else msg.request_id
         async for chunk in self.engine.generate(
-            msg.prompt_ids,
-            max_tokens=msg.max_tokens,
-            temperature=msg.temperature,
-            top_p=msg.top_p,
-            seed=msg.seed,
-            request_id=request_id,
-            stop_token_ids=msg.stop_token_ids,
-            stop=msg.stop,
-            **extra,
+            msg.prompt_ids, msg.sampling, request_id=request_id, **extra
         ):
             if len(chunk.token_ids) < len(decoded.tokens):  # cumulative: shorter is a bug
                 log.error(

@@ -41,7 +41,7 @@ from typing import Any
 
 from rlix_async.config import RolloutTimes, Scenario, ScenarioPipeline
 from rlix_async.control import journal as ev
-from rlix_async.control import planner
+from rlix_async.control import plan_checks, planner
 from rlix_async.control.registry import Registry
 from rlix_async.protocols.cadence import PlanCadence, progress_bucket, progress_is_urgent
 from rlix_async.protocols.snapshot import RankChange
@@ -391,7 +391,7 @@ class Simulation:
         snap = self.registry.snapshot(self.now)
         result = planner.plan(snap)
         self.plans += 1
-        errors = planner.check_plan(snap, result)
+        errors = plan_checks.check_plan(snap, result)
         if errors:
             raise RuntimeError(f"planner produced an invalid plan at t={self.now}: {errors}")
         aging = snap.policy.aging_s

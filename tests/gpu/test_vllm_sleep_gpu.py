@@ -30,6 +30,7 @@ from helpers.shard_cycles import (
 from rlix_async.config import EngineConfig
 from rlix_async.control.coordinator import Coordinator
 from rlix_async.models.tiny import save_tiny_llama, tiny_llama
+from rlix_async.protocols.generation import Sampling
 from rlix_async.protocols.messages import ShardState
 from rlix_async.protocols.topology import ClusterShape
 from rlix_async.security import ipc_endpoint
@@ -48,7 +49,7 @@ def _used() -> int:
 
 async def _greedy(engine: object, prompt: list[int]) -> list[int]:
     out: list[int] = []
-    async for chunk in engine.generate(prompt, max_tokens=8, temperature=0.0):  # type: ignore[attr-defined]
+    async for chunk in engine.generate(prompt, Sampling(max_tokens=8, temperature=0.0)):  # type: ignore[attr-defined]
         out = chunk.token_ids
     return out
 
@@ -234,11 +235,12 @@ def test_a_shard_process_starts_its_engine_on_cuda(model: Path, tmp_path: Path) 
         "n = cuda_device_count()\n"
         "assert n >= 1 and not torch.cuda.is_initialized(), n\n"
         "from rlix_async.config import EngineConfig\n"
+        "from rlix_async.protocols.generation import Sampling\n"
         "from rlix_async.shards.vllm_engine import VllmEngine\n"
         f"e = VllmEngine({str(model)!r}, EngineConfig(gpu_memory_utilization=0.3, "
         "max_model_len=256), cuda=True)\n"
         "async def go():\n"
-        "    async for c in e.generate([1, 2], max_tokens=4, temperature=0.0):\n"
+        "    async for c in e.generate([1, 2], Sampling(max_tokens=4, temperature=0.0)):\n"
         "        pass\n"
         "    print('TOKENS', len(c.token_ids))\n"
         "asyncio.run(go())\n"

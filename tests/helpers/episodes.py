@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from helpers.tiny_text import tiny_tokenizer
+from rlix_async.protocols.generation import Sampling
 from rlix_async.rollout.chat import ChatTurns
 from rlix_async.shards.router import Trajectory
 
@@ -27,9 +28,9 @@ def scripted_generate(turns: list[str], seen: list[list[int]]) -> Any:
     records the prompt ids it was given."""
     calls = iter(turns)
 
-    async def generate(prompt_ids: list[int], max_tokens: int, **_: Any) -> Trajectory:
+    async def generate(prompt_ids: list[int], sampling: Sampling, **_: Any) -> Trajectory:
         seen.append(list(prompt_ids))
-        out = ids(next(calls))[:max_tokens]
+        out = ids(next(calls))[: sampling.max_tokens]
         return Trajectory(list(prompt_ids), out, [-1.0] * len(out), [3] * len(out))
 
     return generate

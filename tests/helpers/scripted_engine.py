@@ -75,6 +75,7 @@ import torch
 
 from rlix_async.protocols.cache_ref import CacheRef, Layout
 from rlix_async.protocols.engine import GenerationChunk
+from rlix_async.protocols.generation import Sampling
 from rlix_async.weights.pull import pull
 
 SLEEP_TAGS = frozenset(("weights", "kv_cache"))  # vllm/v1/executor/abstract.py
@@ -176,13 +177,12 @@ class ScriptedEngine:
     async def generate(
         self,
         prompt_ids: list[int],
+        sampling: Sampling,
         *,
-        max_tokens: int,
-        stop_token_ids: list[int] | None = None,
         request_id: str | None = None,
         adapter: str | None = None,
-        **_: object,
     ) -> AsyncIterator[GenerationChunk]:
+        max_tokens, stop_token_ids = sampling.max_tokens, sampling.stop_token_ids
         key = next(self._keys)
         cancelled = self._running[key] = asyncio.Event()
         self.served.append((adapter, request_id or ""))

@@ -30,6 +30,7 @@ from rlix_async.protocol import (
 )
 from rlix_async.protocols import messages as m
 from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.protocols.generation import Sampling
 from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 from rlix_async.security import ClientKeys, ServerKeys, keygen
 from rlix_async.shards.router import Router
@@ -326,7 +327,7 @@ async def test_the_shard_data_plane_serves_with_its_own_key(keys: Path) -> None:
                 await a.wait_ranks_change(timeout=5)
         assert a.data_keys[0] == shard_server.public.decode()
         router = Router(a, keys=drv_a)
-        traj = await router.generate([1, 2, 3], max_tokens=3)
+        traj = await router.generate([1, 2, 3], Sampling(max_tokens=3))
         assert len(traj.token_ids) == 3
         await router.close()
         # b's driver key may not reach a's shard, even knowing its endpoint and key

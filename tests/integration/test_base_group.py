@@ -27,7 +27,7 @@ from rlix_async.control.client import PipelineClient
 from rlix_async.control.coordinator import Coordinator
 from rlix_async.control.journal import read_journal
 from rlix_async.protocol import RpcError
-from rlix_async.protocols.generation import Cancel, Generate
+from rlix_async.protocols.generation import Cancel, Generate, Sampling
 from rlix_async.protocols.messages import ShardState
 from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 from rlix_async.shards.router import Router
@@ -142,7 +142,7 @@ async def test_one_set_of_shards_serves_both_members_each_with_its_own_adapter(
 
         prompt = [3, 4]
         jobs = [
-            asyncio.ensure_future(g.routers[pid].generate(prompt, 20))
+            asyncio.ensure_future(g.routers[pid].generate(prompt, Sampling(max_tokens=20)))
             for pid in ("a", "b")
             for _ in range(4)
         ]
@@ -170,7 +170,9 @@ async def test_a_new_adapter_loads_beside_running_requests_and_pauses_nobody(
         for r in range(2):
             g.engine(r).adapter_delay_s = 0.3  # a slow load: nothing may wait for it
         pauses = [g.engine(r).pauses for r in range(2)]
-        long_b = asyncio.ensure_future(g.routers["b"].generate([5], 40))  # ~0.8 s
+        long_b = asyncio.ensure_future(
+            g.routers["b"].generate([5], Sampling(max_tokens=40))
+        )  # ~0.8 s
         await until(lambda: sum(g.engine(r).num_running() for r in range(2)) == 1)
         await g.publish("a", 2)
         await until(lambda: all(g.engine(r).adapter_versions.get("a") == 2 for r in range(2)))
@@ -178,7 +180,7 @@ async def test_a_new_adapter_loads_beside_running_requests_and_pauses_nobody(
         assert set(b.versions) == {1} and b.resumes == 0  # b went on, on its own adapter
         assert [g.engine(r).pauses for r in range(2)] == pauses  # no shard paused
         assert all(g.engine(r).adapter_versions["b"] == 1 for r in range(2))
-        a = await g.routers["a"].generate([5], 4, min_version=2)
+        a = await g.routers["a"].generate([5], Sampling(max_tokens=4), min_version=2)
         assert set(a.versions) == {2}
 
         def synced() -> list[ev.ShardSynced]:  # journaled as each ack arrives
@@ -202,7 +204,9 @@ async def test_members_routers_only_and_each_cancels_only_its_own(
         member_b = await RpcClient(shard, "b/router/x").connect()
         try:
             b_job = asyncio.ensure_future(
-                member_b.call(Generate(request_id="same", prompt_ids=[1], max_tokens=30))
+                member_b.call(
+                    Generate(request_id="same", prompt_ids=[1], sampling=Sampling(max_tokens=30))
+                )
             )
             await until(lambda: g.engine(0).num_running() == 1)
             await member_a.notify(Cancel(request_ids=["same"]))  # a's "same" is not b's
@@ -219,7 +223,10 @@ async def test_a_members_training_shrinks_the_group_and_the_others_rollouts_move
     async with base_group(ipc_ep, tmp_path, token_delay_s=0.02) as g:
         await g.publish("b", 1)
         await g.roll_out()
-        jobs = [asyncio.ensure_future(g.routers["b"].generate([i + 1], 40)) for i in range(4)]
+        jobs = [
+            asyncio.ensure_future(g.routers["b"].generate([i + 1], Sampling(max_tokens=40)))
+            for i in range(4)
+        ]
         await until(lambda: sum(g.engine(r).num_running() for r in range(2)) == 4)
         devices = await g.drivers["a"].request("actor_train", "ACTOR_TRAINING", timeout=10)
         assert devices == [0]  # a's own training devices, granted to a
@@ -249,7 +256,7 @@ async def test_a_failed_adapter_load_keeps_the_shard_serving_the_others(
         assert g.co.registry.get("g").active == {0, 1}  # not given up: b still uses it
         # a's request that needs v2 finds the shard that has it
         for _ in range(4):
-            traj = await g.routers["a"].generate([2], 3, min_version=2)
+            traj = await g.routers["a"].generate([2], Sampling(max_tokens=3), min_version=2)
             assert traj.ranks == [1] and set(traj.versions) == {2}
 
 
@@ -262,11 +269,15 @@ async def test_a_member_without_an_adapter_is_refused_not_served_the_base(
         client = await RpcClient(g.workers[0].data.endpoint, "b/router/x").connect()
         try:
             with pytest.raises(RpcError, match="holds no adapter of b yet") as refused:
-                await client.call(Generate(request_id="r", prompt_ids=[1], max_tokens=2))
+                await client.call(
+                    Generate(request_id="r", prompt_ids=[1], sampling=Sampling(max_tokens=2))
+                )
             assert refused.value.code == "stale_weights"  # the router waits for a sync
             await g.publish("b", 1)
             await until(lambda: g.engine(0).adapter_versions.get("b") == 1)
-            reply = await client.call(Generate(request_id="r2", prompt_ids=[1], max_tokens=2))
+            reply = await client.call(
+                Generate(request_id="r2", prompt_ids=[1], sampling=Sampling(max_tokens=2))
+            )
             assert reply.weight_version == 1
         finally:
             await client.close()

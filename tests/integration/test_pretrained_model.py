@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from rlix_async.models.pretrained import KNOWN_MODELS, convert, find_gguf  # noqa: E402
+from rlix_async.protocols.generation import Sampling  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2-135m-instruct"
@@ -85,7 +86,7 @@ async def test_vllm_serves_it_and_matches_transformers_after_a_weight_update(
     async def vllm_greedy(n: int) -> list[int]:
         last = None
         async with asyncio.timeout(120):  # a hang fails here, not at the test's timeout
-            async for chunk in engine.generate(prompt, max_tokens=n, temperature=0.0):
+            async for chunk in engine.generate(prompt, Sampling(max_tokens=n, temperature=0.0)):
                 last = chunk
         assert last is not None
         return list(last.token_ids)

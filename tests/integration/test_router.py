@@ -19,7 +19,7 @@ from helpers.waits import until
 
 from rlix_async.control.client import PipelineClient
 from rlix_async.control.coordinator import Coordinator
-from rlix_async.protocols.generation import Cancel, Generate
+from rlix_async.protocols.generation import Cancel, Generate, Sampling
 from rlix_async.protocols.messages import ShardState
 from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 from rlix_async.shards.router import Router
@@ -62,16 +62,23 @@ async def test_shrink_with_32_requests_in_flight_resumes_every_one(
         for w in workers:
 
             def recording(
-                prompt_ids: list[int], *, _generate: Any = w.engine.generate, **kw: Any
+                prompt_ids: list[int],
+                sampling: Sampling,
+                *,
+                _generate: Any = w.engine.generate,
+                **kw: Any,
             ) -> Any:
                 prefills.append((kw["request_id"], len(prompt_ids)))
-                return _generate(prompt_ids, **kw)
+                return _generate(prompt_ids, sampling, **kw)
 
             monkeypatch.setattr(w.engine, "generate", recording)
         await driver.report_progress(32, 0, force=True)
         await driver.request("actor_infer", "GENERATION", timeout=10)
         max_tokens = 100  # 1 s a request: the shrink lands mid-decode even on a loaded machine
-        jobs = [asyncio.ensure_future(router.generate([i + 1, 7], max_tokens)) for i in range(32)]
+        jobs = [
+            asyncio.ensure_future(router.generate([i + 1, 7], Sampling(max_tokens=max_tokens)))
+            for i in range(32)
+        ]
 
         def started() -> bool:  # all in flight, partly decoded (the engines only count)
             return sum(w.engine.num_running() for w in workers) == 32 and workers[0].decoded_tokens
@@ -104,7 +111,7 @@ async def test_shrink_with_32_requests_in_flight_resumes_every_one(
 
 async def test_callers_wait_while_every_shard_sleeps(ipc_ep: str) -> None:
     async with two_shards(ipc_ep, token_delay_s=0.001) as (driver, _, router):
-        pending = asyncio.ensure_future(router.generate([1, 2, 3], 5))
+        pending = asyncio.ensure_future(router.generate([1, 2, 3], Sampling(max_tokens=5)))
         await asyncio.sleep(0.5)
         assert not pending.done()  # no shard awake: it waits, it does not fail
         await driver.report_progress(10, 0, force=True)
@@ -154,7 +161,10 @@ async def test_killed_shard_process_requests_resume_and_rank_is_freed(ipc_ep: st
             await driver.report_progress(16, 0, force=True)
             await driver.request("actor_infer", "GENERATION", timeout=10)
             await asyncio.wait_for(_both_awake(driver), 10)
-            jobs = [asyncio.ensure_future(router.generate([i + 3], 30)) for i in range(16)]
+            jobs = [
+                asyncio.ensure_future(router.generate([i + 3], Sampling(max_tokens=30)))
+                for i in range(16)
+            ]
             await asyncio.sleep(0.25)
             os.kill(procs[0].pid, signal.SIGKILL)  # mid-generation
             trajs = await asyncio.wait_for(asyncio.gather(*jobs), 60)
@@ -186,10 +196,12 @@ async def test_requests_run_only_on_accepted_weight_versions(ipc_ep: str) -> Non
         await driver.report_progress(10, 0, force=True)
         await driver.request("actor_infer", "GENERATION", timeout=10)
         workers[0].synced_version, workers[1].synced_version = 0, 1
-        trajs = await asyncio.gather(*(router.generate([1, 2], 3, min_version=1) for _ in range(6)))
+        trajs = await asyncio.gather(
+            *(router.generate([1, 2], Sampling(max_tokens=3), min_version=1) for _ in range(6))
+        )
         assert all(t.ranks == [1] and t.versions == [1] * 3 for t in trajs)
         workers[1].synced_version = 0  # both behind: it waits for a sync
-        pending = asyncio.ensure_future(router.generate([1], 3, min_version=1))
+        pending = asyncio.ensure_future(router.generate([1], Sampling(max_tokens=3), min_version=1))
         await asyncio.sleep(0.5)
         assert not pending.done()
         workers[0].synced_version = 1
@@ -198,7 +210,7 @@ async def test_requests_run_only_on_accepted_weight_versions(ipc_ep: str) -> Non
         impatient = Router(driver, attempt_timeout_s=0.3)
         try:
             with pytest.raises(RuntimeError, match="no shard reached an accepted"):
-                await impatient.generate([1], 3, min_version=9)
+                await impatient.generate([1], Sampling(max_tokens=3), min_version=9)
         finally:
             await impatient.close()
 
@@ -209,7 +221,10 @@ async def test_cancelled_generate_stops_the_request_on_its_shard(ipc_ep: str) ->
     async with two_shards(ipc_ep, token_delay_s=0.01) as (driver, workers, router):
         await driver.report_progress(10, 0, force=True)
         await driver.request("actor_infer", "GENERATION", timeout=10)
-        jobs = [asyncio.ensure_future(router.generate([i + 1, 3], 10_000)) for i in range(4)]
+        jobs = [
+            asyncio.ensure_future(router.generate([i + 1, 3], Sampling(max_tokens=10_000)))
+            for i in range(4)
+        ]
         await asyncio.sleep(0.3)
         assert sum(w.engine.num_running() for w in workers) == 4
         for job in jobs[:3]:
@@ -239,7 +254,7 @@ async def test_cancel_that_overtakes_its_request_refuses_it(ipc_ep: str) -> None
         w._cancel(Cancel(request_ids=["early.0"]), CallContext("router", 0))
         with pytest.raises(Exception, match="cancelled"):
             await w._generate(
-                Generate(request_id="early.0", prompt_ids=[1, 2], max_tokens=5),
+                Generate(request_id="early.0", prompt_ids=[1, 2], sampling=Sampling(max_tokens=5)),
                 CallContext("router", 1),
             )
         assert w.cancelled == 1 and w.engine.num_running() == 0

@@ -19,7 +19,7 @@ from helpers.waits import until
 
 from rlix_async.control.coordinator import Coordinator
 from rlix_async.protocol import RpcError
-from rlix_async.protocols.generation import Generate, GenerateResult, ShardRefusal
+from rlix_async.protocols.generation import Generate, GenerateResult, Sampling, ShardRefusal
 from rlix_async.protocols.messages import ShardState
 from rlix_async.protocols.sinks import SyncError
 from rlix_async.protocols.topology import ClusterShape, ClusterSpec
@@ -32,7 +32,8 @@ TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0,))
 
 async def generate(client: RpcClient, rid: str, max_tokens: int = 4) -> GenerateResult:
     reply = await client.call(
-        Generate(request_id=rid, prompt_ids=[1, 2], max_tokens=max_tokens), timeout=30
+        Generate(request_id=rid, prompt_ids=[1, 2], sampling=Sampling(max_tokens=max_tokens)),
+        timeout=30,
     )
     assert isinstance(reply, GenerateResult)
     return reply
@@ -113,7 +114,11 @@ async def test_a_response_that_ends_at_its_stop_token_during_a_shrink_is_finishe
             await driver.report_progress(8, 0, force=True)
             await driver.request("actor_infer", "GENERATION", timeout=10)
             # tokens 3, 4, 5, ...: the stop token 15 is the 13th
-            msg = Generate(request_id="eos", prompt_ids=[1, 2], max_tokens=500, stop_token_ids=[15])
+            msg = Generate(
+                request_id="eos",
+                prompt_ids=[1, 2],
+                sampling=Sampling(max_tokens=500, stop_token_ids=(15,)),
+            )
             job = asyncio.ensure_future(client.call(msg, timeout=30))
             await until(lambda: engine.num_running() == 1)
             await worker.shrink()  # marks the shard preempted, then waits for the drain

@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 from helpers.tiny_text import save_tiny_model  # noqa: E402
 
 from rlix_async.config import EngineConfig, ModelConfig, TrainConfig  # noqa: E402
+from rlix_async.protocols.generation import Sampling  # noqa: E402
 from rlix_async.shards.vllm_engine import VllmEngine  # noqa: E402
 from rlix_async.train.algo import token_log_probs  # noqa: E402
 from rlix_async.train.trainer import TorchTrainer  # noqa: E402
@@ -44,7 +45,8 @@ def chat_ids(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
 
 async def run(engine: VllmEngine, prompt: list[int], n: int, **kw):  # type: ignore[no-untyped-def]
     last = None
-    async for chunk in engine.generate(prompt, max_tokens=n, **kw):
+    settings = {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}
+    async for chunk in engine.generate(prompt, Sampling(max_tokens=n, **settings)):
         last = chunk
     assert last is not None and last.finished
     return last

@@ -18,6 +18,7 @@ pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
 from rlix_async.config import EngineConfig  # noqa: E402
+from rlix_async.protocols.generation import Sampling  # noqa: E402
 from rlix_async.shards.vllm_engine import VllmEngine  # noqa: E402
 from rlix_async.weights.cache import SHM_DIR, WeightCache  # noqa: E402
 from rlix_async.weights.shm import pipeline_prefix  # noqa: E402
@@ -56,7 +57,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 
 async def vllm_greedy(engine: VllmEngine, prompt: list[int], n: int) -> list[int]:
     last = None
-    async for chunk in engine.generate(prompt, max_tokens=n, temperature=0.0):
+    async for chunk in engine.generate(prompt, Sampling(max_tokens=n, temperature=0.0)):
         last = chunk
     assert last is not None and last.finished
     return last.token_ids
@@ -128,7 +129,9 @@ async def engine(models):
 
 async def _collect(engine: VllmEngine, prompt: list[int], n: int, rid: str, seen=None):  # type: ignore[no-untyped-def]
     last = None
-    async for chunk in engine.generate(prompt, max_tokens=n, temperature=0.0, request_id=rid):
+    async for chunk in engine.generate(
+        prompt, Sampling(max_tokens=n, temperature=0.0), request_id=rid
+    ):
         last = chunk
         if seen is not None:
             seen[:] = chunk.token_ids

@@ -38,6 +38,7 @@ from rlix_async.config import EngineConfig  # noqa: E402
 from rlix_async.config.lora import LORA_TARGETS, EngineLoraConfig  # noqa: E402
 from rlix_async.protocols.cache_ref import CacheRef  # noqa: E402
 from rlix_async.protocols.engine import GenerationChunk  # noqa: E402
+from rlix_async.protocols.generation import Sampling  # noqa: E402
 from rlix_async.shards.vllm_engine import VllmEngine  # noqa: E402
 from rlix_async.shards.vllm_lora import AdapterError  # noqa: E402
 from rlix_async.weights.cache import SHM_DIR, WeightCache  # noqa: E402
@@ -169,7 +170,9 @@ async def run(
     seen: list[GenerationChunk] | None = None,
 ) -> GenerationChunk:
     last = None
-    async for chunk in engine.generate(prompt, max_tokens=n, temperature=0.0, adapter=adapter):
+    async for chunk in engine.generate(
+        prompt, Sampling(max_tokens=n, temperature=0.0), adapter=adapter
+    ):
         last = chunk
         if seen is not None:
             seen.append(chunk)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from rlix_async.control.planner import check_plan, plan
+from rlix_async.control.plan_checks import check_plan
+from rlix_async.control.planner import plan
 from rlix_async.control.registry import Registry, RegistryError
 from rlix_async.protocols.snapshot import SnapshotError, decode_snapshot, validate_snapshot
 from rlix_async.protocols.topology import INFER, TRAIN, ClusterShape, ClusterSpec, Priority

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlix_async.control.planner import check_plan, plan
+from rlix_async.control.plan_checks import check_plan
+from rlix_async.control.planner import plan
 from rlix_async.control.registry import Registry
 from rlix_async.protocols.snapshot import Plan, RankChange
 from rlix_async.protocols.topology import INFER, TRAIN, ClusterShape, ClusterSpec, Priority

@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlix_async.bench.snapshots import random_snapshot
-from rlix_async.control.planner import check_plan, idle_after, plan, water_fill
+from rlix_async.control.fair_shares import water_fill
+from rlix_async.control.plan_checks import check_plan, idle_after
+from rlix_async.control.planner import plan
 from rlix_async.protocols.snapshot import (
     Grant,
     PipelineIn,

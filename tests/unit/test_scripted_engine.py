@@ -10,6 +10,8 @@ import asyncio
 import pytest
 from helpers.scripted_engine import EngineCrashed, ScriptedEngine
 
+from rlix_async.protocols.generation import Sampling
+
 W, KV = "weights", "kv_cache"
 
 
@@ -90,14 +92,14 @@ async def test_a_resume_under_a_sleeping_tag_crashes_the_first_decode() -> None:
     await engine.wake_up([W])
     await engine.resume()
     with pytest.raises(EngineCrashed, match="kv_cache"):
-        async for _ in engine.generate([1], max_tokens=2):
+        async for _ in engine.generate([1], Sampling(max_tokens=2)):
             pass
 
 
 async def test_a_paused_scheduler_runs_nothing_and_an_abort_pause_ends_requests() -> None:
     engine = ScriptedEngine(token_delay_s=0.001)
     await engine.pause("abort")
-    stream = engine.generate([1], max_tokens=3)
+    stream = engine.generate([1], Sampling(max_tokens=3))
     task = asyncio.ensure_future(stream.__anext__())
     await asyncio.sleep(0.05)
     assert not task.done()  # queued: PAUSED_NEW schedules nothing

@@ -15,6 +15,7 @@ from rlix_async.cli import main
 from rlix_async.config import ConfigError, Scenario, load_config
 from rlix_async.control import journal as ev
 from rlix_async.control import planner
+from rlix_async.control.plan_checks import check_plan
 from rlix_async.sim import generate
 from rlix_async.sim.engine import Simulation
 from rlix_async.sim.policies import full_weight, policies_for, simulate
@@ -205,7 +206,7 @@ def test_every_plan_is_valid_and_a_shrink_cuts_every_member(
 
     def checked(snap):  # type: ignore[no-untyped-def]
         result = real(snap)
-        errors.append(planner.check_plan(snap, result))
+        errors.append(check_plan(snap, result))
         return result
 
     monkeypatch.setattr(planner, "plan", checked)
