@@ -52,7 +52,8 @@ from rlix_async.rollout.ledger import LEDGER, Ledger
 from rlix_async.rollout.recipe import Recipe, RecipeError, finite_mean, load_recipe, truncated
 from rlix_async.train.batches import BatchChannel
 from rlix_async.train.buffer import Group, ReplayBuffer
-from rlix_async.train.trainer import TorchTrainer, latest_checkpoint, prune_checkpoints
+from rlix_async.train.checkpoints import latest_checkpoint, prune_checkpoints
+from rlix_async.train.trainer import TorchTrainer
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.tcp import WeightServer
 

@@ -432,36 +432,61 @@ def _summarise(
     log: str,
 ) -> dict[str, Any]:
     t0, t1 = window["t_start"], window["t_end"]
-    calls = [c for d in drivers for c in d["calls"] if t0 <= c[1] < t1]
-    by_call: dict[str, list[float]] = {}
-    for name, _, dt, *_ in calls:
-        by_call.setdefault(name, []).append(dt)
-    latency = _ms([c[2] for c in calls])
-    schedule = _in(stats.get("schedule", []), t0, t1)
-    schedule_cpu = _in(stats.get("schedule", []), t0, t1, col=2)
     dead = count_dead(log)
     commands: Counter[str] = Counter()
     for p in peers:
         commands.update(p["commands"])
     errors = [line for line in log.splitlines() if " ERROR " in line]
-    # the longest stalls, each with how long after a scheduling step's start it ended
-    # (a stall right after one is the plan or its realisation)
-    starts = sorted(row[0] for row in stats.get("snapshot", []))
-    worst = sorted((row for row in stats.get("lag", []) if t0 <= row[0] < t1), key=lambda r: -r[1])
-    stalls = []
-    for end, lag_s, cpu_s in worst[:8]:
-        before = [s for s in starts if s <= end]
-        stalls.append(
-            {
-                "at_s": round(end - t0, 2),
-                "ms": round(1000 * lag_s, 1),
-                # the loop thread's CPU meanwhile: far below "ms", it waited (a core,
-                # a system call), not ran
-                "loop_cpu_ms": round(1000 * cpu_s, 1),
-                "after_plan_start_ms": round(1000 * (end - before[-1]), 1) if before else None,
-            }
-        )
     result = {
+        **_client_side(cfg, drivers, peers, stats, t0, t1),
+        "false_dead": len(dead),
+        "declared_dead": sorted(dead)[:10],
+        "peer_hb_gap_max_s": max((p["hb_gap_max_s"] for p in peers), default=0.0),
+        "server_gap_max_s": max((p["server_gap_max_s"] for p in peers), default=0.0),
+        "peer_saw_coordinator_silent": sum(p["server_silent"] for p in peers),
+        "peer_not_registered": sum(p["not_registered"] for p in peers),
+        "driver_reconnects": sum(d["reconnects"] for d in drivers),
+        "driver_failures": [f for d in drivers for f in d["failed"]][:5],
+        "coord_cpu_pct": window["cpu_pct"]["coord"],
+        "coord_loop_cpu_pct": window["threads_pct"].get("loop", 0.0),  # the event loop alone
+        "coord_threads_cpu_pct": window["threads_pct"],
+        "peers_cpu_pct": window["cpu_pct"]["peers"],
+        "drivers_cpu_pct": window["cpu_pct"]["drivers"],
+        "planner_process_cpu_pct": window["cpu_pct"]["planner"],
+        "coord_rss_mb": window["rss_mb"],
+        "coord_rss_max_mb": window["rss_max_mb"],
+        **_coordinator_side(cfg, window, drivers, stats, t0, t1),
+        "status_ms": window["status"],
+        "status_failures": window["status_failures"][:3],
+        "status_reconnects": window["status_reconnects"],
+        "shard_commands": dict(commands),
+        "fenced_at_end": window["fenced_at_end"],
+        "coordinator_errors": len(errors),
+        "coordinator_error_lines": errors[:5],
+        "loadavg": window["loadavg"],
+    }
+    result["goals"] = {
+        "false_dead == 0": result["false_dead"] == 0,
+        "p99_ms <= 50": result["p99_ms"] <= 50,
+    }
+    return result
+
+
+def _client_side(
+    cfg: CoordinatorBenchConfig,
+    drivers: list[dict[str, Any]],
+    peers: list[dict[str, Any]],
+    stats: dict[str, Any],
+    t0: float,
+    t1: float,
+) -> dict[str, Any]:
+    """The run's shape and what the drivers saw: call latencies, grants, steps."""
+    calls = [c for d in drivers for c in d["calls"] if t0 <= c[1] < t1]
+    by_call: dict[str, list[float]] = {}
+    for name, _, dt, *_ in calls:
+        by_call.setdefault(name, []).append(dt)
+    latency = _ms([c[2] for c in calls])
+    return {
         "peers": cfg.peers,
         "pipelines": cfg.pipelines,
         "devices": cfg.peers,
@@ -480,22 +505,21 @@ def _summarise(
         "progress_per_s": round(
             sum(d["progress_sent"] for d in drivers) / (cfg.warmup_s + cfg.duration_s), 1
         ),
-        "false_dead": len(dead),
-        "declared_dead": sorted(dead)[:10],
-        "peer_hb_gap_max_s": max((p["hb_gap_max_s"] for p in peers), default=0.0),
-        "server_gap_max_s": max((p["server_gap_max_s"] for p in peers), default=0.0),
-        "peer_saw_coordinator_silent": sum(p["server_silent"] for p in peers),
-        "peer_not_registered": sum(p["not_registered"] for p in peers),
-        "driver_reconnects": sum(d["reconnects"] for d in drivers),
-        "driver_failures": [f for d in drivers for f in d["failed"]][:5],
-        "coord_cpu_pct": window["cpu_pct"]["coord"],
-        "coord_loop_cpu_pct": window["threads_pct"].get("loop", 0.0),  # the event loop alone
-        "coord_threads_cpu_pct": window["threads_pct"],
-        "peers_cpu_pct": window["cpu_pct"]["peers"],
-        "drivers_cpu_pct": window["cpu_pct"]["drivers"],
-        "planner_process_cpu_pct": window["cpu_pct"]["planner"],
-        "coord_rss_mb": window["rss_mb"],
-        "coord_rss_max_mb": window["rss_max_mb"],
+    }
+
+
+def _coordinator_side(
+    cfg: CoordinatorBenchConfig,
+    window: dict[str, Any],
+    drivers: list[dict[str, Any]],
+    stats: dict[str, Any],
+    t0: float,
+    t1: float,
+) -> dict[str, Any]:
+    """What the coordinator's own timers saw: planning, journal, loop turns, GC."""
+    schedule = _in(stats.get("schedule", []), t0, t1)
+    schedule_cpu = _in(stats.get("schedule", []), t0, t1, col=2)
+    return {
         # planner runs (however the coordinator schedules them)
         "plans_per_s": round(len(_in(stats.get("plan", []), t0, t1)) / cfg.duration_s, 1),
         "applied_plans_per_s": (
@@ -522,26 +546,34 @@ def _summarise(
         "reader_turn_ms": _ms(_in(stats.get("drains", []), t0, t1)),
         # the drivers' own loops: a reply read late there is not the coordinator's
         "driver_loop_lag_ms": _ms([x for d in drivers for x in _in(d.get("lag", []), t0, t1)]),
-        "worst_stalls": stalls,
+        "worst_stalls": _worst_stalls(stats, t0, t1),
         # the cyclic GC's pauses, and those of full (generation 2) collections
         "gc_ms": _ms(_in(stats.get("gc", []), t0, t1)),
         "gc_full_ms": _ms(
             [row[1] for row in stats.get("gc", []) if t0 <= row[0] < t1 and row[2] == 2]
         ),
-        "status_ms": window["status"],
-        "status_failures": window["status_failures"][:3],
-        "status_reconnects": window["status_reconnects"],
-        "shard_commands": dict(commands),
-        "fenced_at_end": window["fenced_at_end"],
-        "coordinator_errors": len(errors),
-        "coordinator_error_lines": errors[:5],
-        "loadavg": window["loadavg"],
     }
-    result["goals"] = {
-        "false_dead == 0": result["false_dead"] == 0,
-        "p99_ms <= 50": result["p99_ms"] <= 50,
-    }
-    return result
+
+
+def _worst_stalls(stats: dict[str, Any], t0: float, t1: float) -> list[dict[str, Any]]:
+    """The longest stalls of the loop, each with how long after a scheduling step's
+    start it ended (a stall right after one is the plan or its realisation)."""
+    starts = sorted(row[0] for row in stats.get("snapshot", []))
+    worst = sorted((row for row in stats.get("lag", []) if t0 <= row[0] < t1), key=lambda r: -r[1])
+    stalls = []
+    for end, lag_s, cpu_s in worst[:8]:
+        before = [s for s in starts if s <= end]
+        stalls.append(
+            {
+                "at_s": round(end - t0, 2),
+                "ms": round(1000 * lag_s, 1),
+                # the loop thread's CPU meanwhile: far below "ms", it waited (a core,
+                # a system call), not ran
+                "loop_cpu_ms": round(1000 * cpu_s, 1),
+                "after_plan_start_ms": round(1000 * (end - before[-1]), 1) if before else None,
+            }
+        )
+    return stalls
 
 
 def count_dead(log: str) -> Counter[str]:

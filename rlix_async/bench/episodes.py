@@ -82,42 +82,17 @@ async def run_episodes_bench(
     router = Router(driver)
     worker: ShardWorker | None = None
     runner: EpisodeRunner | None = None
-    lags: list[float] = []
-    gaps: list[float] = []
-    stop = asyncio.Event()
-
-    async def probe_loop() -> None:
-        while not stop.is_set():
-            t = time.monotonic()
-            await asyncio.sleep(PROBE_S)
-            lags.append(time.monotonic() - t - PROBE_S)
-
-    async def watch_driver() -> None:
-        while not stop.is_set():  # what the coordinator last heard from the driver
-            peer = co.server.peers.get(driver_identity(pid))
-            if peer is None:  # declared dead (or never there): the worst gap
-                gaps.append(math.inf)
-                return
-            gaps.append(time.monotonic() - peer.last_seen)
-            await asyncio.sleep(0.05)
+    probes = _Probes(co, driver_identity(pid))
 
     try:
         await driver.register(TOPOLOGY)
         await driver.admit()
         worker = await ShardWorker(engine, co.endpoint, pid, 0, sleep_level=1).start()
-        runner = EpisodeRunner(
-            Env(Countdown, {"turns": turns}, "Countdown"),
-            ChatTurns(tokenizer),
-            lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
-            max_turns=turns,
-            max_tokens=max_tokens,
-            max_episode_tokens=turns * (max_tokens + 32),
-            step_timeout_s=30.0,
-        )
+        runner = _countdown_runner(tokenizer, turns, max_tokens)
         sampling = Sampling(max_tokens=max_tokens)
         await driver.report_progress(episodes, 0, force=True)
         await driver.request("actor_infer", "GENERATION", timeout=120)
-        probes = [asyncio.ensure_future(f()) for f in (probe_loop, watch_driver)]
+        watching = [asyncio.ensure_future(f()) for f in (probes.loop, probes.driver)]
         t0 = time.monotonic()
         results = await asyncio.wait_for(
             asyncio.gather(
@@ -127,12 +102,12 @@ async def run_episodes_bench(
             timeout_s,
         )
         wall = time.monotonic() - t0
-        stop.set()
-        await asyncio.gather(*probes)
+        probes.stop.set()
+        await asyncio.gather(*watching)
     finally:
         if runner is not None:
             runner.close()
-        stop.set()
+        probes.stop.set()
         await router.close()
         if worker is not None:
             await worker.close()
@@ -140,7 +115,7 @@ async def run_episodes_bench(
         await co.close()
         engine.shutdown()
     done = [r for r in results if not isinstance(r, BaseException)]
-    lags.sort()
+    lags = sorted(probes.lags)
     return {
         "model": model,
         "episodes": episodes,
@@ -153,9 +128,47 @@ async def run_episodes_bench(
         "loop_lag_ms_p50": round(statistics.median(lags) * 1000, 1),
         "loop_lag_ms_p99": round(lags[int(0.99 * (len(lags) - 1))] * 1000, 1),
         "loop_lag_ms_max": round(lags[-1] * 1000, 1),
-        "heartbeat_gap_s_max": round(max(gaps, default=0.0), 2),
+        "heartbeat_gap_s_max": round(max(probes.gaps, default=0.0), 2),
         "heartbeat_timeout_s": transport.heartbeat_timeout_s,
     }
+
+
+def _countdown_runner(tokenizer: Any, turns: int, max_tokens: int) -> EpisodeRunner:
+    return EpisodeRunner(
+        Env(Countdown, {"turns": turns}, "Countdown"),
+        ChatTurns(tokenizer),
+        lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+        max_turns=turns,
+        max_tokens=max_tokens,
+        max_episode_tokens=turns * (max_tokens + 32),
+        step_timeout_s=30.0,
+    )
+
+
+class _Probes:
+    """What the run does to the driver's event loop: how late a short sleep wakes
+    (``lags``), and how long the coordinator goes without hearing the driver (``gaps``)."""
+
+    def __init__(self, co: Coordinator, driver: str) -> None:
+        self.co, self.driver_id = co, driver
+        self.lags: list[float] = []
+        self.gaps: list[float] = []
+        self.stop = asyncio.Event()
+
+    async def loop(self) -> None:
+        while not self.stop.is_set():
+            t = time.monotonic()
+            await asyncio.sleep(PROBE_S)
+            self.lags.append(time.monotonic() - t - PROBE_S)
+
+    async def driver(self) -> None:
+        while not self.stop.is_set():  # what the coordinator last heard from the driver
+            peer = self.co.server.peers.get(self.driver_id)
+            if peer is None:  # declared dead (or never there): the worst gap
+                self.gaps.append(math.inf)
+                return
+            self.gaps.append(time.monotonic() - peer.last_seen)
+            await asyncio.sleep(0.05)
 
 
 def format_episodes_result(r: dict[str, Any]) -> str:

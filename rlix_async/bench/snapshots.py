@@ -9,6 +9,9 @@ generation ranks awake, progress, queued requests) is consistent.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+
+import msgspec
 
 from rlix_async.protocols.snapshot import PipelineIn, ProgressIn, RequestIn, Snapshot
 from rlix_async.protocols.topology import INFER, ClusterShape, ClusterSpec, Priority, priority_name
@@ -56,26 +59,7 @@ def random_snapshot(
             if rng.random() < 0.8
             else None
         )
-        requests: list[RequestIn] = []
-        roll = rng.random()
-        if "actor_train" not in held and roll < 0.4:
-            requests.append(
-                RequestIn(
-                    seq=next(seq),
-                    cluster="actor_train",
-                    priority=rng.choice(GANG_PRIORITIES),
-                    age_s=rng.choice([0.0, 0.0, 5.0, 500.0]),
-                )
-            )
-        elif roll < 0.7:
-            requests.append(
-                RequestIn(
-                    seq=next(seq),
-                    cluster=INFER,
-                    priority="GENERATION",
-                    step_target_estimate=rng.choice([None, 64, 256]),
-                )
-            )
+        requests = _random_requests(rng, seq, training_held="actor_train" in held)
         out.append(
             PipelineIn(
                 id=f"p{i}",
@@ -86,28 +70,43 @@ def random_snapshot(
                 requests=requests,
             )
         )
-    # Requests arrive in random order across pipelines.
-    order = list(range(sum(len(p.requests) for p in out)))
+    return Snapshot(cluster=shape, pipelines=_arriving_shuffled(rng, out))
+
+
+def _random_requests(
+    rng: random.Random, seq: Iterator[int], training_held: bool
+) -> list[RequestIn]:
+    """None, a gang request for training (unless it is held), or a generation request."""
+    roll = rng.random()
+    if not training_held and roll < 0.4:
+        return [
+            RequestIn(
+                seq=next(seq),
+                cluster="actor_train",
+                priority=rng.choice(GANG_PRIORITIES),
+                age_s=rng.choice([0.0, 0.0, 5.0, 500.0]),
+            )
+        ]
+    if roll < 0.7:
+        return [
+            RequestIn(
+                seq=next(seq),
+                cluster=INFER,
+                priority="GENERATION",
+                step_target_estimate=rng.choice([None, 64, 256]),
+            )
+        ]
+    return []
+
+
+def _arriving_shuffled(rng: random.Random, pipes: list[PipelineIn]) -> list[PipelineIn]:
+    """The same pipelines, their requests numbered in a random order of arrival."""
+    order = list(range(sum(len(p.requests) for p in pipes)))
     rng.shuffle(order)
     it = iter(order)
-    out = [
-        PipelineIn(
-            id=p.id,
-            clusters=p.clusters,
-            held=p.held,
-            active_ranks=p.active_ranks,
-            progress=p.progress,
-            requests=[
-                RequestIn(
-                    seq=next(it),
-                    cluster=r.cluster,
-                    priority=r.priority,
-                    step_target_estimate=r.step_target_estimate,
-                    age_s=r.age_s,
-                )
-                for r in p.requests
-            ],
+    return [
+        msgspec.structs.replace(
+            p, requests=[msgspec.structs.replace(r, seq=next(it)) for r in p.requests]
         )
-        for p in out
+        for p in pipes
     ]
-    return Snapshot(cluster=shape, pipelines=out)

@@ -184,17 +184,7 @@ class Collector:
     ) -> bool:
         """Count a finished group, score and buffer it (or count it dropped, if it was
         doomed); True when it was buffered."""
-        trajs = [r for r in results if not isinstance(r, BaseException)]
-        cancelled = sum(isinstance(r, asyncio.CancelledError) for r in results)
-        for r in results:
-            if isinstance(r, EnvFailure):
-                self.env_failed += 1  # the episode runner logged the first, with its row
-            elif isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
-                log.error("%s: a trajectory failed: %s", self.cfg.id, r)
-        failed = len(results) - len(trajs) - cancelled
-        self.failed += failed
-        self.generated += len(trajs)
-        self.resumed += sum(1 for t in trajs if t.resumes)
+        trajs, cancelled, failed = self._count(results)
         # doomed: what finished is dropped as stale, nothing is trained; fewer than two
         # answers: no advantage to compute, the group is discarded (lost work)
         outcome = "stale" if cancelled else "unusable" if len(trajs) < 2 else None
@@ -205,41 +195,12 @@ class Collector:
                 self.cancelled_stale += cancelled
                 self.buffer.add_stale(len(trajs))
             return False
-        episodes = [t for t in trajs if isinstance(t, Episode)]
-        if episodes and len(episodes) == len(trajs):  # an env's episodes scored themselves
-            texts = [self._text(e.token_ids) for e in episodes]
-            scored = Scored([e.reward for e in episodes], texts, {}, [False] * len(episodes))
-        else:
-            scored = await self.prompts.score(sample, [t.token_ids for t in trajs])
-        # a response whose reward failed (raised, timed out, not finite) is counted and
-        # left out: a 0 there would be a verdict the reward never gave
-        kept = [i for i, error in enumerate(scored.errors) if not error]
+        kept, scored = await self._score(sample, trajs)
         reward_failed = len(trajs) - len(kept)
-        self.reward_failed += reward_failed
+        failed += reward_failed
         trajs = [trajs[i] for i in kept]
         rewards = [scored.rewards[i] for i in kept]
-        texts = [scored.texts[i] for i in kept] if scored.texts else []
-        extras = {k: [v[i] for i in kept] for k, v in scored.extras.items()}
-        failed += reward_failed
-        outcome = "buffered"
-        if len(trajs) < 2:
-            outcome = "unusable"
-        elif self.cfg.rollout.drop_uniform_groups and len(set(rewards)) == 1:
-            # DAPO's dynamic sampling: every answer scored alike, no advantage, no
-            # gradient; another prompt takes its room. Bounded: after many in a row
-            # (the policy solves, or fails, everything) they are trained on, with a warning
-            self.uniform_in_a_row += 1
-            if self.uniform_in_a_row <= UNIFORM_LIMIT * self.cfg.rollout.groups_per_step:
-                outcome = "filtered"
-            elif self.uniform_in_a_row == UNIFORM_LIMIT * self.cfg.rollout.groups_per_step + 1:
-                log.warning(
-                    "%s: %d groups in a row scored alike; training on them (no gradient) "
-                    "instead of resampling forever",
-                    self.cfg.id,
-                    self.uniform_in_a_row - 1,
-                )
-        if outcome == "buffered":
-            self.uniform_in_a_row = 0
+        outcome = self._verdict(rewards)
         if self.ledger is not None:
             self.ledger.finished(gid, len(trajs), failed, cancelled, outcome)
         if outcome == "filtered":
@@ -247,33 +208,101 @@ class Collector:
             self._room.set()
         if outcome != "buffered":
             return False
-        if episodes:  # (all kept: an episode's score never fails)  # the episodes' own prompt (the env's first turn), not the row's
+        texts = [scored.texts[i] for i in kept] if scored.texts else []
+        extras = {k: [v[i] for i in kept] for k, v in scored.extras.items()}
+        self.buffer.add(self._group(sample, trajs, rewards, texts, extras, gid))
+        return True
+
+    def _count(
+        self, results: list[Trajectory | BaseException]
+    ) -> tuple[list[Trajectory], int, int]:
+        """A group's answers, how many were cancelled and how many failed (counted, the
+        failures logged; an env's are logged by its episode runner, with the row)."""
+        trajs = [r for r in results if not isinstance(r, BaseException)]
+        cancelled = sum(isinstance(r, asyncio.CancelledError) for r in results)
+        for r in results:
+            if isinstance(r, EnvFailure):
+                self.env_failed += 1
+            elif isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                log.error("%s: a trajectory failed: %s", self.cfg.id, r)
+        failed = len(results) - len(trajs) - cancelled
+        self.failed += failed
+        self.generated += len(trajs)
+        self.resumed += sum(1 for t in trajs if t.resumes)
+        return trajs, cancelled, failed
+
+    async def _score(self, sample: Sample, trajs: list[Trajectory]) -> tuple[list[int], Scored]:
+        """The answers' scores, and which of them to keep: a response whose reward failed
+        (raised, timed out, not finite) is counted and left out, since a 0 there would
+        be a verdict the reward never gave. An env's episodes scored themselves."""
+        episodes = [t for t in trajs if isinstance(t, Episode)]
+        if episodes and len(episodes) == len(trajs):
+            texts = [self._text(e.token_ids) for e in episodes]
+            scored = Scored([e.reward for e in episodes], texts, {}, [False] * len(episodes))
+        else:
+            scored = await self.prompts.score(sample, [t.token_ids for t in trajs])
+        kept = [i for i, error in enumerate(scored.errors) if not error]
+        self.reward_failed += len(trajs) - len(kept)
+        return kept, scored
+
+    def _verdict(self, rewards: list[float]) -> str:
+        """What becomes of a scored group: buffered, unusable (fewer than two answers)
+        or filtered (DAPO's dynamic sampling: every answer scored alike, no advantage,
+        no gradient; another prompt takes its room). Bounded: after many in a row (the
+        policy solves, or fails, everything) they are trained on, with a warning."""
+        if len(rewards) < 2:
+            return "unusable"
+        if self.cfg.rollout.drop_uniform_groups and len(set(rewards)) == 1:
+            self.uniform_in_a_row += 1
+            limit = UNIFORM_LIMIT * self.cfg.rollout.groups_per_step
+            if self.uniform_in_a_row <= limit:
+                return "filtered"
+            if self.uniform_in_a_row == limit + 1:
+                log.warning(
+                    "%s: %d groups in a row scored alike; training on them (no gradient) "
+                    "instead of resampling forever",
+                    self.cfg.id,
+                    self.uniform_in_a_row - 1,
+                )
+        self.uniform_in_a_row = 0  # buffered: a run of alike groups starts again
+        return "buffered"
+
+    def _group(
+        self,
+        sample: Sample,
+        trajs: list[Trajectory],
+        rewards: list[float],
+        texts: list[str],
+        extras: dict[str, list[float]],
+        gid: str,
+    ) -> Group:
+        """The replay buffer's group: an env's episodes packed under one prompt (the
+        env's first turn, as rendered: special tokens too), else the sample's."""
+        episodes = [t for t in trajs if isinstance(t, Episode)]
+        if episodes:  # (all kept: an episode's score never fails)
             packed = pack(episodes)
             prompt = packed.prompt
-            tokenizer = getattr(self.prompts, "tokenizer", None)  # as rendered: special tokens too
+            tokenizer = getattr(self.prompts, "tokenizer", None)
             prompt_text = str(tokenizer.decode(prompt)) if tokenizer is not None else ""
             responses, logprobs, versions = packed.responses, packed.logprobs, packed.versions
         else:
             prompt, prompt_text = sample.ids, sample.text
             responses, logprobs = [t.token_ids for t in trajs], [t.logprobs for t in trajs]
             versions = [[0 if v is None else v for v in t.versions] for t in trajs]
-        self.buffer.add(
-            Group(
-                prompt=prompt,
-                responses=responses,
-                logprobs=logprobs,
-                versions=versions,
-                rewards=rewards,
-                resumes=sum(t.resumes for t in trajs),
-                id=gid,
-                prompt_text=prompt_text,
-                response_texts=texts,
-                reward_extras=extras,
-                masks=packed.masks if episodes else [],
-                episodes=figures_of(episodes) if episodes else {},
-            )
+        return Group(
+            prompt=prompt,
+            responses=responses,
+            logprobs=logprobs,
+            versions=versions,
+            rewards=rewards,
+            resumes=sum(t.resumes for t in trajs),
+            id=gid,
+            prompt_text=prompt_text,
+            response_texts=texts,
+            reward_extras=extras,
+            masks=packed.masks if episodes else [],
+            episodes=figures_of(episodes) if episodes else {},
         )
-        return True
 
     def _request(self, sample: Sample, min_version: int) -> Awaitable[Trajectory]:
         """One response: a generate call, or an episode of the env's (several turns)."""

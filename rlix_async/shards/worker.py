@@ -144,15 +144,7 @@ class ShardWorker:
         # cut past the drain timeout: see shrink), and the ids being cut.
         self._decoded: dict[tuple[str, str], _Decoded] = {}
         self._cut: set[tuple[str, str]] = set()
-        self.data = RpcServer(
-            data_endpoint or ipc_endpoint(f"{pipeline}-infer-{rank}"),
-            keys=data_keys,
-            config=transport,
-            name=f"shard-{pipeline}-{rank}",
-        )
-        self.data.on(Generate, self._generate)
-        self.data.on(Cancel, self._cancel)
-        self.data.admit_peer = self._admit_router
+        self.data = self._data_plane(data_endpoint, data_keys, transport)
         self.rpc = RpcClient(
             coordinator,
             m.worker_identity(pipeline, rank),
@@ -166,6 +158,21 @@ class ShardWorker:
             },
         )
         self.rpc.on(m.ShardCommand, self._on_command)
+
+    def _data_plane(
+        self, endpoint: str | None, keys: ServerKeys | None, transport: TransportConfig | None
+    ) -> RpcServer:
+        """Where routers send requests: this pipeline's (or a base group's members')."""
+        server = RpcServer(
+            endpoint or ipc_endpoint(f"{self.pipeline}-infer-{self.rank}"),
+            keys=keys,
+            config=transport,
+            name=f"shard-{self.pipeline}-{self.rank}",
+        )
+        server.on(Generate, self._generate)
+        server.on(Cancel, self._cancel)
+        server.admit_peer = self._admit_router
+        return server
 
     async def start(self) -> ShardWorker:
         # Asleep before hello: the coordinator counts a new worker as holding nothing.

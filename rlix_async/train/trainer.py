@@ -23,10 +23,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import mmap
 import os
 import random
-import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +43,7 @@ from rlix_async.train.algo import (
     token_log_probs,
 )
 from rlix_async.train.buffer import Group
+from rlix_async.train.host_buffers import PinnedHostBuffers, StateKey
 
 if TYPE_CHECKING:
     from rlix_async.config.lora import LoraConfig
@@ -53,7 +52,6 @@ DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.f
 
 # A tensor of the training state, named stably across offload cycles:
 # ("param", name), ("grad", name), ("buffer", module, name), ("optim", param name, key)
-StateKey = tuple[str, ...]
 
 
 def trainer_device(
@@ -97,47 +95,6 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modu
     for p in model.parameters():
         p.data = p.data.to(dtype)
     return model
-
-
-def _unpin(pinned: list[torch.Tensor]) -> None:
-    # the memory stays valid (pageable) after this; each mapping goes with its last view
-    for raw in pinned:
-        torch.cuda.cudart().cudaHostUnregister(raw.data_ptr())
-
-
-class PinnedHostBuffers:
-    """Page-locked host homes for the device tensors of the training state.
-
-    Copies between the device and page-locked memory run at the link's speed and
-    can all be queued before one wait; pageable memory goes through a bounce
-    buffer, several times slower. Each tensor gets an anonymous mapping of its own,
-    registered with CUDA at its exact size: torch's pinned allocator rounds every
-    block up to a power of two (a 1.1 GB embedding would lock 2 GB), registering
-    malloc'd memory fails on pages shared with another registered block, and a
-    storage per tensor keeps ``torch.save`` of an offloaded trainer as it is on the
-    device (one storage per tensor, each its own dtype).
-    """
-
-    def __init__(self, specs: list[tuple[StateKey, torch.dtype, torch.Size]]) -> None:
-        self.specs = specs
-        self.views: dict[StateKey, torch.Tensor] = {}
-        pinned: list[torch.Tensor] = []
-        # holds the list until it runs: pages are unregistered before they can be unmapped
-        weakref.finalize(self, _unpin, pinned).atexit = False
-        for key, dtype, shape in specs:
-            nbytes = shape.numel() * dtype.itemsize
-            if nbytes == 0:  # nothing to copy (and a mapping cannot be empty)
-                self.views[key] = torch.empty(shape, dtype=dtype)
-                continue
-            raw = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
-            status = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), nbytes, 0))
-            if status != 0:
-                raise RuntimeError(
-                    f"cannot page-lock {nbytes} bytes of host memory for the trainer's "
-                    f"offload of {'.'.join(key)} (cudaError {status})"
-                )
-            pinned.append(raw)
-            self.views[key] = raw.view(dtype).view(shape)
 
 
 class TorchTrainer:
@@ -410,15 +367,37 @@ class TorchTrainer:
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         self._require_on_device("train_step()")
         t = self._tensors(groups)
-        model = self._ddp or self.model
-        # pi_old and the reference in eval mode: an adapter's dropout (train mode only)
-        # would make them noisy draws instead of the distributions the ratios divide by
-        self.model.eval()
         n = t["ids"].shape[0]
         order = torch.arange(n, device=self.device)
         parts = [p for p in order.chunk(max(1, min(self.cfg.minibatches, n))) if len(p)]
-        # pi_old: these weights, before the update; a minibatch at a time, so the
-        # [rows, T, vocab] distributions never exist for the whole batch at once
+        old, ref, mean_entropy = self._before_update(t, parts)
+        stats: dict[str, float] = {
+            "loss": 0.0,
+            "clip_frac": 0.0,
+            "is_weight_mean": 0.0,
+            "entropy": mean_entropy,  # of the sampling distribution, over response tokens
+            "grad_norm": 0.0,  # before clipping, mean over the updates made
+            "skipped_updates": 0.0,
+            "kl": 0.0,
+        }
+        for idx in parts:
+            self._update(t, idx, old, ref, len(parts), stats)
+        # the next step starts from zero_grad: kept, the grads would hold a model's size of
+        # device memory and be offloaded and reloaded every cycle for nothing
+        self.optim.zero_grad(set_to_none=True)
+        self.step += 1
+        return stats
+
+    def _before_update(
+        self, t: dict[str, torch.Tensor], parts: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """pi_old (these weights, before the update), the reference's log-probs (with a
+        KL penalty) and the mean entropy of the sampling distribution over response
+        tokens; a minibatch at a time, so the [rows, T, vocab] distributions never
+        exist for the whole batch at once. In eval mode: an adapter's dropout (train
+        mode only) would make them noisy draws instead of the distributions the
+        ratios divide by."""
+        self.model.eval()
         old = torch.zeros_like(t["mask"])
         ref = torch.zeros_like(t["mask"]) if self.has_reference else None
         entropy_sum = 0.0
@@ -437,62 +416,60 @@ class TorchTrainer:
                 entropy_sum += float((entropy(full) * t["mask"][idx]).sum())
                 del full
         self.model.train()
-        mean_entropy = entropy_sum / float(t["mask"].sum().clamp(min=1.0))
-        stats: dict[str, float] = {
-            "loss": 0.0,
-            "clip_frac": 0.0,
-            "is_weight_mean": 0.0,
-            "entropy": mean_entropy,  # of the sampling distribution, over response tokens
-            "grad_norm": 0.0,  # before clipping, mean over the updates made
-            "skipped_updates": 0.0,
-        }
+        return old, ref, entropy_sum / float(t["mask"].sum().clamp(min=1.0))
+
+    def _update(
+        self,
+        t: dict[str, torch.Tensor],
+        idx: torch.Tensor,
+        old: torch.Tensor,
+        ref: torch.Tensor | None,
+        minibatches: int,
+        stats: dict[str, float],
+    ) -> None:
+        """One optimizer update on the minibatch ``idx``, its gradients accumulated over
+        micro-batches; its figures added to ``stats``."""
+        model = self._ddp or self.model
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        stats["kl"] = 0.0
-        for idx in parts:
-            # the minibatch's response tokens over every rank: each token weighs the same
-            # whichever rank holds it (DDP averages gradients, hence the world factor)
-            tokens = t["mask"][idx].sum()
-            if dist.is_initialized() and self.world > 1:
-                dist.all_reduce(tokens)
-            micro = idx.split(self.cfg.micro_batch_size) if self.cfg.micro_batch_size else [idx]
-            self.optim.zero_grad(set_to_none=True)
-            for j, mi in enumerate(micro):
-                # gradients add up over the micro-batches; DDP reduces once, after the last
-                last = j == len(micro) - 1
-                with contextlib.nullcontext() if last or not ddp else model.no_sync():  # type: ignore[operator]
-                    logp = self._logp(model, t["ids"][mi])
-                    loss, s = policy_loss(
-                        logp,
-                        old[mi],
-                        t["adv"][mi],
-                        t["mask"][mi],
-                        self.cfg.loss,
-                        behavior_logp=t["behavior"][mi],
-                        ref_logp=ref[mi] if ref is not None else None,
-                        tokens=tokens / self.world if ddp else tokens,
-                    )
-                    loss.backward()
-                share = len(mi) / len(idx) / len(parts)
-                stats["loss"] += loss.item() / len(parts)
-                stats["clip_frac"] += s["clip_frac"] * share
-                stats["is_weight_mean"] += s["is_weight_mean"] * share
-                stats["kl"] += s["kl"] * share
-            norm = torch.nn.utils.clip_grad_norm_(
-                lora_utils.trainable(self.model), self.cfg.max_grad_norm
-            )
-            # A non-finite gradient would write NaN into every weight and every later
-            # rollout: skip that update and count it. Under DDP the gradients are
-            # all-reduced before this, so every rank sees the same norm and skips alike.
-            if torch.isfinite(norm):
-                self.optim.step()
-                stats["grad_norm"] += float(norm) / len(parts)
-            else:
-                stats["skipped_updates"] += 1
-        # the next step starts from zero_grad: kept, the grads would hold a model's size of
-        # device memory and be offloaded and reloaded every cycle for nothing
+        # the minibatch's response tokens over every rank: each token weighs the same
+        # whichever rank holds it (DDP averages gradients, hence the world factor)
+        tokens = t["mask"][idx].sum()
+        if dist.is_initialized() and self.world > 1:
+            dist.all_reduce(tokens)
+        micro = idx.split(self.cfg.micro_batch_size) if self.cfg.micro_batch_size else [idx]
         self.optim.zero_grad(set_to_none=True)
-        self.step += 1
-        return stats
+        for j, mi in enumerate(micro):
+            # gradients add up over the micro-batches; DDP reduces once, after the last
+            last = j == len(micro) - 1
+            with contextlib.nullcontext() if last or not ddp else model.no_sync():  # type: ignore[operator]
+                logp = self._logp(model, t["ids"][mi])
+                loss, s = policy_loss(
+                    logp,
+                    old[mi],
+                    t["adv"][mi],
+                    t["mask"][mi],
+                    self.cfg.loss,
+                    behavior_logp=t["behavior"][mi],
+                    ref_logp=ref[mi] if ref is not None else None,
+                    tokens=tokens / self.world if ddp else tokens,
+                )
+                loss.backward()
+            share = len(mi) / len(idx) / minibatches
+            stats["loss"] += loss.item() / minibatches
+            stats["clip_frac"] += s["clip_frac"] * share
+            stats["is_weight_mean"] += s["is_weight_mean"] * share
+            stats["kl"] += s["kl"] * share
+        norm = torch.nn.utils.clip_grad_norm_(
+            lora_utils.trainable(self.model), self.cfg.max_grad_norm
+        )
+        # A non-finite gradient would write NaN into every weight and every later
+        # rollout: skip that update and count it. Under DDP the gradients are
+        # all-reduced before this, so every rank sees the same norm and skips alike.
+        if torch.isfinite(norm):
+            self.optim.step()
+            stats["grad_norm"] += float(norm) / minibatches
+        else:
+            stats["skipped_updates"] += 1
 
     def weights_for_cache(self) -> dict[str, torch.Tensor]:
         """HF names, as vLLM's ``load_weights`` expects them, in the trainer's dtype.
@@ -566,23 +543,3 @@ class TorchTrainer:
             lora_utils.load_checkpoint_adapter(self.model, self.lora, ckpt, path)
         else:
             self.model.load_state_dict(ckpt["model"])
-
-
-def checkpoints(directory: Path) -> list[Path]:
-    """``step_N.pt`` files, oldest step first."""
-    return sorted(directory.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
-
-
-def latest_checkpoint(directory: Path) -> Path | None:
-    found = checkpoints(directory)
-    return found[-1] if found else None
-
-
-def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints; returns what was deleted."""
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
-    old = checkpoints(directory)[:-keep]
-    for path in old:
-        path.unlink(missing_ok=True)
-    return old

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from rlix_async.rollout.ledger import LEDGER, read_events
-from rlix_async.train.trainer import latest_checkpoint
+from rlix_async.train.checkpoints import latest_checkpoint
 
 
 def kill_cost(run: Path) -> int:

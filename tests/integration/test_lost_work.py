@@ -28,7 +28,7 @@ from helpers.ledger import kill_cost
 from rlix_async.config import LaunchConfig, load_config
 from rlix_async.demo import summarize
 from rlix_async.rollout.ledger import LEDGER, read_events, tally
-from rlix_async.train.trainer import latest_checkpoint
+from rlix_async.train.checkpoints import latest_checkpoint
 
 pytest.importorskip("transformers")
 

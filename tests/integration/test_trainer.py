@@ -34,7 +34,8 @@ from rlix_async.models.tiny import save_tiny_llama
 from rlix_async.train import trainer as trainer_module
 from rlix_async.train.algo import policy_loss
 from rlix_async.train.buffer import Group, ReplayBuffer
-from rlix_async.train.trainer import TorchTrainer, latest_checkpoint, trainer_device
+from rlix_async.train.checkpoints import latest_checkpoint
+from rlix_async.train.trainer import TorchTrainer, trainer_device
 
 SMALL = ModelConfig(vocab_size=64, layers=1, hidden=64)
 BATCH = [Group([1, 2], [[3, 4, 5], [6, 7, 8]], [[-4.0] * 3] * 2, [[0] * 3] * 2, [1.0, 0.0])] * 2
