@@ -51,7 +51,7 @@ from rlix_async.rollout.evaluate import Evaluator, eval_due
 from rlix_async.rollout.ledger import LEDGER, Ledger
 from rlix_async.rollout.recipe import Recipe, RecipeError, finite_mean, load_recipe, truncated
 from rlix_async.train.batches import BatchChannel
-from rlix_async.train.buffer import Group, ReplayBuffer
+from rlix_async.train.buffer import Group, ReplayBuffer, StalenessBound
 from rlix_async.train.checkpoints import latest_checkpoint, prune_checkpoints
 from rlix_async.train.trainer import TorchTrainer
 from rlix_async.weights.cache import WeightCache
@@ -88,10 +88,11 @@ class Driver:
         self.sync_bytes = 0  # the bytes of the last version published (metrics.jsonl)
         self.ckpt = ckpt  # the checkpoint resumed from: buffer and collector state
         self.resumed = resumed  # --resume (with or without a checkpoint to resume from)
+        bound = StalenessBound(cfg.max_trajectory_age_steps)  # the config's, resumed or not
         self.buffer = (
-            ReplayBuffer.from_state_dict(ckpt["buffer"])
+            ReplayBuffer.from_state_dict(ckpt["buffer"], bound)
             if ckpt is not None
-            else ReplayBuffer(cfg.max_trajectory_age_steps)
+            else ReplayBuffer(bound)
         )
         self.out = cfg.run_dir
         self.out.mkdir(parents=True, exist_ok=True)

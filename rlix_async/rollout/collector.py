@@ -156,7 +156,7 @@ class Collector:
         step = self.step()
         queued = self.buffer.fresh(step) + (self.in_flight - 1) * rollout.group_size
         batch_ahead = queued // self.target + int(self.training)
-        oldest = max(step + batch_ahead - self.cfg.max_trajectory_age_steps, 0)
+        oldest = self.buffer.bound.oldest_usable(step + batch_ahead)
         gid = self.ledger.new_id() if self.ledger is not None else ""
         if self.ledger is not None:  # before any request leaves: a kill now still counts it
             self.ledger.requested(gid, rollout.group_size, step, sample.index)
@@ -327,7 +327,7 @@ class Collector:
             (v for t in finished for v in t.versions if v is not None),
             default=None,
         )
-        if oldest is None or not self.buffer.too_old(oldest, self.step()):
+        if oldest is None or not self.buffer.bound.too_old(oldest, self.step()):
             return
         for r in requests:
             r.cancel()

@@ -1,8 +1,8 @@
 """Replay buffer of trajectory groups tagged with the weight versions that produced them.
 
 A group is every sampled response to one prompt (GRPO needs them together).
-Its age is ``trainer_version - oldest token version``; a group older than
-``max_trajectory_age_steps`` is dropped and counted when a batch is taken,
+Its age is ``trainer_version - oldest token version``; a group older than the
+:class:`StalenessBound` allows is dropped and counted when a batch is taken,
 never trained on.
 
 A group is a msgspec struct: it crosses from rank 0 to the other trainer ranks
@@ -84,9 +84,34 @@ def decode_batch(data: bytes) -> list[Group]:
         raise ValueError(f"not a batch of trajectory groups ({len(data)} bytes): {exc}") from None
 
 
+@dataclass(frozen=True)
+class StalenessBound:
+    """How old a token may be when it is trained on, and everything that follows from
+    it; the one owner of the rule. Built from the pipeline's config
+    (``max_trajectory_age_steps``; 0: on-policy), never from a checkpoint: a resume with
+    a changed config follows the config everywhere at once."""
+
+    max_steps: int = 1  # a trainer at version v trains on tokens of versions >= v - max_steps
+
+    def too_old(self, oldest_version: int, version: int) -> bool:
+        """Tokens from ``oldest_version`` are past the bound for a trainer at ``version``
+        (and for every later one: a group that is too old never becomes usable)."""
+        return version - oldest_version > self.max_steps
+
+    def oldest_usable(self, batch_version: int) -> int:
+        """The oldest weight version a request may run on if its group lands in the
+        batch a trainer at ``batch_version`` takes (a request's ``min_version``)."""
+        return max(batch_version - self.max_steps, 0)
+
+    def batches_open(self, training: bool) -> int:
+        """How many batches weights of the current version may still fill: this step's
+        and the next ``max_steps``; while this step's batch trains it is already taken."""
+        return self.max_steps + 1 - int(training)
+
+
 @dataclass
 class ReplayBuffer:
-    max_trajectory_age_steps: int = 1
+    bound: StalenessBound = field(default_factory=StalenessBound)
     groups: deque[Group] = field(default_factory=deque)
     added: int = 0  # trajectories (responses), not groups
     trained: int = 0
@@ -107,17 +132,12 @@ class ReplayBuffer:
         self.added += trajectories
         self.dropped_stale += trajectories
 
-    def too_old(self, oldest_version: int, version: int) -> bool:
-        """Tokens from ``oldest_version`` are past the bound for a trainer at ``version``
-        (and for every later one: a group that is too old never becomes usable)."""
-        return version - oldest_version > self.max_trajectory_age_steps
-
     def drop_stale(self, version: int) -> int:
         """Drop groups too old for a trainer at ``version``; returns trajectories dropped."""
-        gone = [g for g in self.groups if self.too_old(g.oldest_version, version)]
+        gone = [g for g in self.groups if self.bound.too_old(g.oldest_version, version)]
         if not gone:
             return 0
-        self.groups = deque(g for g in self.groups if not self.too_old(g.oldest_version, version))
+        self.groups = deque(g for g in self.groups if not self.bound.too_old(g.oldest_version, version))
         dropped = sum(len(g.responses) for g in gone)
         self.dropped_stale += dropped
         if self.on_drop is not None:
@@ -127,21 +147,19 @@ class ReplayBuffer:
     def fresh(self, version: int) -> int:
         """Trajectories a trainer at ``version`` may still use."""
         return sum(
-            len(g.responses) for g in self.groups if not self.too_old(g.oldest_version, version)
+            len(g.responses) for g in self.groups if not self.bound.too_old(g.oldest_version, version)
         )
 
     def room(self, version: int, batch: int, training: bool) -> int:
         """Trajectories a collector may still start at ``version`` without any going stale.
 
-        What weights ``version`` generate can fill the batches of this step and of the
-        next ``max_trajectory_age_steps``; while this step's batch trains it is already taken, so
-        one batch fewer (generating two batches ahead during training dropped ~20% of
-        the demo's trajectories as stale).
+        What weights ``version`` generate can fill (``bound.batches_open``: generating two
+        batches ahead during training dropped ~20% of the demo's trajectories as stale).
         """
-        return (self.max_trajectory_age_steps + 1 - int(training)) * batch - self.fresh(version)
+        return self.bound.batches_open(training) * batch - self.fresh(version)
 
     def ready(self, version: int, groups: int) -> bool:
-        return sum(not self.too_old(g.oldest_version, version) for g in self.groups) >= groups
+        return sum(not self.bound.too_old(g.oldest_version, version) for g in self.groups) >= groups
 
     def take(self, version: int, groups: int) -> list[Group]:
         """``groups`` fresh-enough groups, oldest weights first (stale ones are dropped
@@ -158,8 +176,8 @@ class ReplayBuffer:
         return sum(len(g.responses) for g in self.groups)
 
     def state_dict(self) -> dict[str, Any]:
+        """Contents and counters; never the bound (it comes from the config)."""
         return {
-            "max_trajectory_age_steps": self.max_trajectory_age_steps,
             "groups": [g.to_dict() for g in self.groups],
             "added": self.added,
             "trained": self.trained,
@@ -167,12 +185,12 @@ class ReplayBuffer:
         }
 
     @classmethod
-    def from_state_dict(cls, d: dict[str, Any]) -> ReplayBuffer:
-        bound = d[
-            "max_trajectory_age_steps" if "max_trajectory_age_steps" in d else "max_age_steps"
-        ]
+    def from_state_dict(cls, d: dict[str, Any], bound: StalenessBound) -> ReplayBuffer:
+        """A checkpoint's contents and counters under ``bound`` (the config's). What
+        older checkpoints recorded as their bound (``max_trajectory_age_steps``, earlier
+        ``max_age_steps``) is ignored."""
         # checked against the schema: a checkpoint is a file, not trusted to be well formed
         groups = msgspec.convert(d["groups"], list[Group])
-        buf = cls(int(bound), deque(groups))  # older checkpoints: max_age_steps
+        buf = cls(bound, deque(groups))
         buf.added, buf.trained, buf.dropped_stale = d["added"], d["trained"], d["dropped_stale"]
         return buf

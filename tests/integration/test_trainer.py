@@ -33,7 +33,7 @@ from rlix_async.config import LossConfig, ModelConfig, TrainConfig
 from rlix_async.models.tiny import save_tiny_llama
 from rlix_async.train import trainer as trainer_module
 from rlix_async.train.algo import policy_loss
-from rlix_async.train.buffer import Group, ReplayBuffer
+from rlix_async.train.buffer import Group, ReplayBuffer, StalenessBound
 from rlix_async.train.checkpoints import latest_checkpoint
 from rlix_async.train.trainer import TorchTrainer, trainer_device
 
@@ -57,7 +57,7 @@ def test_checkpoint_round_trip(tmp_path: Path) -> None:
     ledger ids, the collector's prompt RNG) comes back whole through weights_only."""
     a = TorchTrainer(model=SMALL, seed=0)
     a.train_step(sample_batch(a, torch.Generator().manual_seed(1)))
-    buffer = ReplayBuffer(max_trajectory_age_steps=2)
+    buffer = ReplayBuffer(StalenessBound(2))
     buffer.add(msgspec.structs.replace(BATCH[0], id="r1-g7"))
     rng = random.Random(3)
     extra = {"buffer": buffer.state_dict(), "driver_rng": rng.getstate(), "prompts_used": 7}
@@ -65,7 +65,7 @@ def test_checkpoint_round_trip(tmp_path: Path) -> None:
     b = TorchTrainer(model=SMALL, seed=5)
     ckpt = b.load(latest_checkpoint(tmp_path))  # type: ignore[arg-type]
     assert b.step == 1 and ckpt["prompts_used"] == 7
-    restored = ReplayBuffer.from_state_dict(ckpt["buffer"])
+    restored = ReplayBuffer.from_state_dict(ckpt["buffer"], StalenessBound(2))
     assert list(restored.groups) == list(buffer.groups) and restored.groups[0].id == "r1-g7"
     again = random.Random()
     again.setstate(ckpt["driver_rng"])

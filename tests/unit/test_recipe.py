@@ -22,7 +22,7 @@ from rlix_async.rollout.ledger import Ledger, tally
 from rlix_async.rollout.recipe import TextPrompts
 from rlix_async.rollout.rewards import RewardRunner, load_reward
 from rlix_async.shards.router import Trajectory
-from rlix_async.train.buffer import ReplayBuffer
+from rlix_async.train.buffer import ReplayBuffer, StalenessBound
 
 pytest.importorskip("datasets")
 
@@ -81,7 +81,7 @@ def collector(tmp_path: Path, dataset: PromptDataset, reward: Any, **rollout: An
     ledger = Ledger(tmp_path / "ledger.jsonl", fresh=True, from_step=0, buffered=[])
     return Collector(
         cfg(**rollout),
-        ReplayBuffer(1),
+        ReplayBuffer(StalenessBound(1)),
         None,
         lambda: 0,
         ledger,

@@ -128,9 +128,9 @@ def _group(version: int, n: int = 2):  # type: ignore[no-untyped-def]
 
 
 def test_replay_buffer_drops_and_counts_stale_groups() -> None:
-    from rlix_async.train.buffer import ReplayBuffer
+    from rlix_async.train.buffer import ReplayBuffer, StalenessBound
 
-    buf = ReplayBuffer(max_trajectory_age_steps=1)
+    buf = ReplayBuffer(StalenessBound(1))
     for v in (0, 1, 2, 2):
         buf.add(_group(v))
     assert buf.ready(version=2, groups=3) and not buf.ready(version=3, groups=3)
@@ -158,10 +158,10 @@ def test_a_collector_within_room_never_generates_stale(
     """The pipeline's rule: start a group only while ``room`` > 0, with the weights of
     the trainer's current version. Whatever the interleaving of generation, batch
     takes and finished steps, no trajectory is ever dropped as stale."""
-    from rlix_async.train.buffer import ReplayBuffer
+    from rlix_async.train.buffer import ReplayBuffer, StalenessBound
 
     size = 2
-    buf = ReplayBuffer(max_trajectory_age_steps=max_age)
+    buf = ReplayBuffer(StalenessBound(max_age))
     version, training = 0, False
     for ev in events:
         if ev == "gen" and buf.room(version, groups_per_step * size, training) > 0:
@@ -177,11 +177,11 @@ def test_a_collector_within_room_never_generates_stale(
 
 
 def test_replay_buffer_state_round_trip_and_bad_groups() -> None:
-    from rlix_async.train.buffer import Group, ReplayBuffer
+    from rlix_async.train.buffer import Group, ReplayBuffer, StalenessBound
 
-    buf = ReplayBuffer(max_trajectory_age_steps=2)
+    buf = ReplayBuffer(StalenessBound(2))
     buf.add(_group(3))
-    again = ReplayBuffer.from_state_dict(buf.state_dict())
+    again = ReplayBuffer.from_state_dict(buf.state_dict(), buf.bound)
     assert again.state_dict() == buf.state_dict()
     with pytest.raises(ValueError, match="align"):
         Group([1], [[1]], [], [[0]], [0.0])
@@ -198,7 +198,7 @@ async def test_a_group_is_stopped_once_a_finished_request_is_too_old() -> None:
 
     from rlix_async.rollout.collector import Collector
     from rlix_async.shards.router import Trajectory
-    from rlix_async.train.buffer import ReplayBuffer
+    from rlix_async.train.buffer import ReplayBuffer, StalenessBound
 
     loop = asyncio.get_running_loop()
 
@@ -210,7 +210,7 @@ async def test_a_group_is_stopped_once_a_finished_request_is_too_old() -> None:
             futs.append(f)
         return [*futs, loop.create_future(), loop.create_future()]  # two still running
 
-    collector = SimpleNamespace(buffer=ReplayBuffer(max_trajectory_age_steps=1), step=lambda: 3)
+    collector = SimpleNamespace(buffer=ReplayBuffer(StalenessBound(1)), step=lambda: 3)
     fresh = group([2, 3])  # age 1 at step 3: usable
     unknown = group([])  # finished without tokens: no age known
     doomed = group([3], [1, 2])  # version 1 is two steps old at step 3
@@ -271,3 +271,23 @@ def test_the_loss_divides_by_the_tokens_it_is_given() -> None:
     shared, stats = policy_loss(*args, tokens=8.0)  # 2 of 8 global tokens are here
     assert torch.allclose(shared, own * 2 / 8)
     assert stats["clip_frac"] == policy_loss(*args)[1]["clip_frac"]  # stats stay local means
+
+
+def test_a_resume_with_another_bound_follows_the_config_everywhere() -> None:
+    """The staleness bound has one owner, built from the config: a checkpoint taken
+    under bound 2 and resumed under bound 0 keeps its groups and counters, and the
+    buffer drops, and the collector asks for, what bound 0 says (before, the buffer
+    restored 2 from the checkpoint while the collector read 0 from the config)."""
+    from rlix_async.train.buffer import ReplayBuffer, StalenessBound
+
+    old = ReplayBuffer(StalenessBound(2))
+    old.add(_group(3))
+    old.add(_group(5))
+    state = {**old.state_dict(), "max_trajectory_age_steps": 2}  # as older checkpoints held it
+    resumed = ReplayBuffer.from_state_dict(state, StalenessBound(0))
+    assert resumed.bound == StalenessBound(0) and len(resumed.groups) == 2
+    assert resumed.added == old.added
+    assert resumed.fresh(5) == len(_group(5).responses)  # version 3's group is too old now
+    assert resumed.bound.oldest_usable(5) == 5  # a request for the batch of step 5
+    assert StalenessBound(2).oldest_usable(5) == 3 and StalenessBound(2).oldest_usable(1) == 0
+    assert "max_trajectory_age_steps" not in resumed.state_dict()  # never written again
