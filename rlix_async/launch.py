@@ -1,7 +1,7 @@
 """``rlix-async launch PIPELINES.yaml``: everything on one machine, stopped cleanly.
 
-Reads a :class:`~rlix_async.config.LaunchConfig` and starts its process plan
-(:mod:`rlix_async.process_plan`, what ``--dry-run`` prints): it writes one
+Reads a :class:`~rlix_async.config.LaunchConfig` and starts its placement
+(:mod:`rlix_async.placement`, what ``--dry-run`` prints): it writes one
 config file per process (``OUT/coordinator.yaml``, ``OUT/<id>/shard-<rank>.yaml``,
 ``OUT/<id>/pipeline.yaml``: what each process runs with, every default
 written out) and starts the coordinator (journal under ``OUT``), one shard
@@ -37,14 +37,14 @@ from typing import IO
 import msgspec
 
 from rlix_async.config import LaunchConfig, PipelineConfig, dump
-from rlix_async.process_plan import (
+from rlix_async.placement import (
     NodePlanError,
-    PlannedProcess,
+    PlacedProcess,
     bind_shards,
     bind_visible_devices,
-    build_plan,
     model_dir,
-    node_plan,
+    node_share,
+    place_processes,
     shard_cores,
     trainer_process,
 )
@@ -161,7 +161,7 @@ def check_recipes(cfg: LaunchConfig) -> None:
     """Load every text recipe once (tokenizer, data files, reward), and check that a
     Megatron pipeline's model directory is one it can build, before any process starts:
     a bad file or reward is a LaunchError (exit 2), not a torchrun crash loop."""
-    from rlix_async.rollout.recipe import RecipeError, load_recipe
+    from rlix_async.rollout.prompts import RecipeError, load_recipe
     from rlix_async.train.megatron import MegatronModelError, llama_shape
 
     for i, p in enumerate(cfg.pipelines):
@@ -190,7 +190,7 @@ class NodeRole:
 
 
 class Launcher:
-    """Starts the :mod:`process plan <rlix_async.process_plan>` of a one-node config, or
+    """Starts the :mod:`placement <rlix_async.placement>` of a one-node config, or
     with ``node`` one node's share of a multi-node one.
 
     Nodes of one run coordinate only through the coordinator and the shared output
@@ -228,9 +228,9 @@ class Launcher:
             self.endpoint, keys = node.coordinator, node.keys
             os.environ["RLIX_JOB"] = node.job
         try:
-            self.plan = build_plan(cfg, self.out, self.endpoint, keys=keys, resume=resume)
+            self.plan = place_processes(cfg, self.out, self.endpoint, keys=keys, resume=resume)
             if node is not None:
-                self.plan = node_plan(self.plan, node.node, node.address)
+                self.plan = node_share(self.plan, node.node, node.address)
             bind_visible_devices(self.plan, os.environ)
             bind_shards(self.plan, cfg.cluster.gpus_per_node, shard_cores())
         except NodePlanError as exc:
@@ -280,7 +280,7 @@ class Launcher:
         tmp.write_text(f"{code}\n")
         tmp.replace(self.done_dir / f"{pid}.exit")
 
-    def _proc(self, planned: PlannedProcess) -> Proc:
+    def _proc(self, planned: PlacedProcess) -> Proc:
         if planned.config is not None and planned.config_path is not None:
             _write(planned.config_path, planned.config)
         assert planned.log_path is not None

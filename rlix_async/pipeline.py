@@ -11,7 +11,7 @@ receive each step's batch through the torchrun store (``train/batches.py``:
 msgpack, never pickle; no wait without a bound). The collective group exists
 only during a step.
 
-A text recipe (``data`` and ``reward``: ``rollout/recipe.py``) is loaded by rank 0
+A text recipe (``data`` and ``reward``: ``rollout/prompts.py``) is loaded by rank 0
 before it joins; its greedy evaluations (``eval_every``) run beside the collector
 on the pipeline's shards (``rollout/evaluate.py``).
 
@@ -49,7 +49,7 @@ from rlix_async.rollout.collector import Collector
 from rlix_async.rollout.episodes import episode_stats, turns_of
 from rlix_async.rollout.evaluate import Evaluator, eval_due
 from rlix_async.rollout.ledger import LEDGER, Ledger
-from rlix_async.rollout.recipe import Recipe, RecipeError, finite_mean, load_recipe, truncated
+from rlix_async.rollout.prompts import Recipe, RecipeError, finite_mean, load_recipe, truncated
 from rlix_async.train.batches import BatchChannel
 from rlix_async.train.buffer import Group, ReplayBuffer, StalenessBound
 from rlix_async.train.checkpoints import latest_checkpoint, prune_checkpoints

@@ -127,7 +127,7 @@ def _positive_float(text: str) -> float:
 def _cpu_list(text: str) -> list[int]:
     """'1', '0,2' or '2-3' as a sorted list of CPU numbers this process may use, with
     at least one left over for the load generator."""
-    from rlix_async.process_plan import parse_cpu_list
+    from rlix_async.placement import parse_cpu_list
 
     try:
         cpus = set(parse_cpu_list(text))

@@ -75,22 +75,22 @@ def _supervised(job: Callable[[], None]) -> int:
 
 
 def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
-    """Print the process plan without starting (or writing) anything."""
+    """Print the placement without starting (or writing) anything."""
     import json
 
-    from rlix_async.process_plan import (
+    from rlix_async.placement import (
         BIND_ENV,
         NodePlanError,
         bind_shards,
         bind_visible_devices,
-        build_plan,
-        format_plan,
+        format_placement,
+        place_processes,
         shard_cores,
     )
 
     endpoint = "ipc://<coordinator.sock>" if cfg.cluster.nodes == 1 else "tcp://<head-node>:7600"
     try:
-        plan = build_plan(cfg, Path(cfg.out).resolve(), endpoint, resume=args.resume)
+        plan = place_processes(cfg, Path(cfg.out).resolve(), endpoint, resume=args.resume)
         bind_visible_devices(plan, os.environ)
     except NodePlanError as exc:
         raise UsageError(str(exc)) from None
@@ -99,7 +99,7 @@ def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"processes": [p.to_builtins() for p in plan]}, indent=2))
         return 0
-    print(format_plan(plan))
+    print(format_placement(plan))
     if cores and cfg.cluster.nodes > 1:  # each node binds its shards to its own cores
         print(f"CPUS: as on this host ({len(cores)} cores); each node binds to its own")
     elif not cores and (bound := os.environ.get(BIND_ENV)) is not None:

@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from rlix_async.config.data import DataConfig, TargetTokensTask, TaskConfig
 from rlix_async.config.lora import LoraConfig
-from rlix_async.config.recipe import DataConfig, TargetTokensTask, TaskConfig
 from rlix_async.config.schema_base import Config, Endpoint, doc, invalid
 from rlix_async.config.training import TrainConfig
 from rlix_async.protocols.generation import Sampling

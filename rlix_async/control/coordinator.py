@@ -33,7 +33,7 @@ import msgspec
 from rlix_async.aio import Supervisor
 from rlix_async.config import SchedulerConfig
 from rlix_async.control import journal as ev
-from rlix_async.control.journal import GroupSync, Journal, JournalWriteError, open_journal
+from rlix_async.control.journal import Journal, JournalWriteError, SharedFsync, open_journal
 from rlix_async.control.leases import LeaseKeeper
 from rlix_async.control.plan_checks import check_plan, idle_after
 from rlix_async.control.plan_execution import PlanExecutor
@@ -96,7 +96,7 @@ class Coordinator:
         self.cadence = PlanCadence(
             self.cfg.plan_interval_s, self.cfg.progress_interval_s, self.cfg.rebalance_s
         )
-        self.group_sync = GroupSync(lambda: self.journal)  # (start() may reopen it)
+        self.group_sync = SharedFsync(lambda: self.journal)  # (start() may reopen it)
         self.plans = 0
         self.rejected_plans = 0
         self.stale_plans = 0  # planned in the thread, out of date when back: planned again
@@ -287,7 +287,7 @@ class Coordinator:
 
     def _release(self, msg: m.ReleaseStage, ctx: CallContext) -> Ok | Deferred:
         """Released at once; the reply waits for the fsync it shares with the other
-        calls of this loop turn (releases come in bursts: ``GroupSync``)."""
+        calls of this loop turn (releases come in bursts: ``SharedFsync``)."""
         self._released(msg, ctx)
         return self.group_sync.reply_after(Ok())
 

@@ -340,7 +340,7 @@ class Journal:
         """Append one event; raises :class:`JournalWriteError` when it is not written
         (or, under the fsync policy, not synced), in which case the caller must not act
         on it. With ``sync=False`` the fsync the policy asks for is left to the
-        caller (:class:`GroupSync`, or a batch's end)."""
+        caller (:class:`SharedFsync`, or a batch's end)."""
         event.t = round(self.clock(), 6)
         if self.path is None:
             return
@@ -486,7 +486,7 @@ def open_journal(
     return journal, stats
 
 
-class GroupSync:
+class SharedFsync:
     """Group commit: the handlers of one turn of the loop share one fsync. A handler
     records with ``sync=False`` and returns :meth:`reply_after`, a
     :class:`~rlix_async.transport.Deferred` reply; one fsync on the next turn makes

@@ -21,7 +21,7 @@ from rlix_async.config import PipelineConfig
 from rlix_async.hooks import ClusterHooks
 from rlix_async.rollout.episodes import EnvFailure, Episode, EpisodeRunner, figures_of, pack
 from rlix_async.rollout.ledger import Ledger
-from rlix_async.rollout.recipe import (
+from rlix_async.rollout.prompts import (
     PromptSource,
     Sample,
     Scored,

@@ -21,7 +21,7 @@ from typing import Any
 from rlix_async.hooks import ClusterHooks
 from rlix_async.protocols.generation import Sampling
 from rlix_async.rollout.episodes import Episode, EpisodeRunner
-from rlix_async.rollout.recipe import Sample, TextPrompts, finite_mean, truncated
+from rlix_async.rollout.prompts import Sample, TextPrompts, finite_mean, truncated
 from rlix_async.shards.router import Trajectory
 
 log = logging.getLogger("rlix_async.eval")

@@ -1,7 +1,7 @@
 """What a shard worker can say about the devices it runs on.
 
 A shard worker is started with ``CUDA_VISIBLE_DEVICES`` set to the node-local
-indices of its rank's bundle (:mod:`rlix_async.process_plan`). It checks it sees
+indices of its rank's bundle (:mod:`rlix_async.placement`). It checks it sees
 exactly that many devices before loading anything, reports its global device
 ids in its hello (the coordinator refuses a shard whose devices are not its
 rank's), and after every sleep and wake reports the memory in use:

@@ -16,7 +16,7 @@ from rlix_async.protocols.engine import ShardEngine
 from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
 from rlix_async.shards import vllm_api
 from rlix_async.shards.devices import DeviceBindingError, check_binding, cuda_device_count
-from rlix_async.shards.lazy_engine import LoadOnWake, shutdown_engine
+from rlix_async.shards.first_wake import FirstWakeEngine, shutdown_engine
 from rlix_async.shards.worker import ShardWorker
 from rlix_async.transport import TransportConfig
 
@@ -144,7 +144,7 @@ def _worker(cfg: ShardConfig, cuda: bool) -> tuple[ShardWorker, ShardEngine]:
             adapters=bool(cfg.members),
         )
 
-    engine: ShardEngine = LoadOnWake(build) if engine_cfg.load == "first_wake" else build()
+    engine: ShardEngine = FirstWakeEngine(build) if engine_cfg.load == "first_wake" else build()
     worker = ShardWorker(
         engine,
         cfg.coordinator or ipc_endpoint("coordinator"),

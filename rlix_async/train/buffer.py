@@ -137,7 +137,9 @@ class ReplayBuffer:
         gone = [g for g in self.groups if self.bound.too_old(g.oldest_version, version)]
         if not gone:
             return 0
-        self.groups = deque(g for g in self.groups if not self.bound.too_old(g.oldest_version, version))
+        self.groups = deque(
+            g for g in self.groups if not self.bound.too_old(g.oldest_version, version)
+        )
         dropped = sum(len(g.responses) for g in gone)
         self.dropped_stale += dropped
         if self.on_drop is not None:
@@ -147,7 +149,9 @@ class ReplayBuffer:
     def fresh(self, version: int) -> int:
         """Trajectories a trainer at ``version`` may still use."""
         return sum(
-            len(g.responses) for g in self.groups if not self.bound.too_old(g.oldest_version, version)
+            len(g.responses)
+            for g in self.groups
+            if not self.bound.too_old(g.oldest_version, version)
         )
 
     def room(self, version: int, batch: int, training: bool) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from rlix_async.config import LaunchConfig, convert
-from rlix_async.process_plan import build_plan
+from rlix_async.placement import place_processes
 from rlix_async.shards.devices import memory_in_use
 
 
@@ -37,7 +37,7 @@ def _plan_for_this_machine(tmp_path: Path) -> list:  # type: ignore[type-arg]
         LaunchConfig,
         "test",
     )
-    return build_plan(cfg, tmp_path, "ipc:///unused")
+    return place_processes(cfg, tmp_path, "ipc:///unused")
 
 
 def test_every_planned_process_sees_exactly_its_devices(tmp_path: Path) -> None:
@@ -169,7 +169,7 @@ def test_the_memory_report_counts_only_the_shards_own_processes(tmp_path: Path) 
 def test_a_launch_inside_a_restricted_environment_uses_only_its_devices(tmp_path: Path) -> None:
     """CUDA_VISIBLE_DEVICES set by SLURM or the user (here: the last device, by UUID):
     the plan's processes get entries of that list only, and see that device."""
-    from rlix_async.process_plan import bind_visible_devices
+    from rlix_async.placement import bind_visible_devices
 
     last = torch.cuda.device_count() - 1
     uuid = "GPU-" + str(torch.cuda.get_device_properties(last).uuid)
@@ -190,7 +190,7 @@ def test_a_launch_inside_a_restricted_environment_uses_only_its_devices(tmp_path
         LaunchConfig,
         "test",
     )
-    plan = build_plan(cfg, tmp_path, "ipc:///unused")
+    plan = place_processes(cfg, tmp_path, "ipc:///unused")
     bind_visible_devices(plan, {"CUDA_VISIBLE_DEVICES": uuid})
     probe = (
         "import torch; print(torch.cuda.device_count(), torch.cuda.get_device_properties(0).uuid)"

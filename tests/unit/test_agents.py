@@ -151,7 +151,7 @@ def test_an_agent_pipeline_config_is_checked() -> None:
 def test_an_agent_pipeline_loads_its_agent_before_any_process_starts(tmp_path: Path) -> None:
     from helpers.tiny_text import save_tiny_model
 
-    from rlix_async.rollout.recipe import RecipeError, load_recipe
+    from rlix_async.rollout.prompts import RecipeError, load_recipe
 
     model = save_tiny_model(tmp_path / "m")
     (tmp_path / "t.jsonl").write_text('{"prompt": "2+2?"}\n')

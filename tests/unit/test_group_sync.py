@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlix_async.control import journal as ev
-from rlix_async.control.journal import GroupSync, Journal, JournalWriteError
+from rlix_async.control.journal import Journal, JournalWriteError, SharedFsync
 from rlix_async.transport import Deferred
 
 
@@ -40,7 +40,7 @@ async def test_the_releases_of_one_turn_share_one_fsync_and_wait_for_it(
     tmp_path: Path, fsyncs: list[int]
 ) -> None:
     journal = Journal(tmp_path / "j.jsonl", fsync="leases")
-    group = GroupSync(lambda: journal)
+    group = SharedFsync(lambda: journal)
     before = len(fsyncs)
     got = []
     for i in range(5):
@@ -59,7 +59,7 @@ async def test_the_releases_of_one_turn_share_one_fsync_and_wait_for_it(
 
 async def test_nothing_to_sync_replies_at_once(tmp_path: Path, fsyncs: list[int]) -> None:
     journal = Journal(tmp_path / "j.jsonl", fsync="leases")
-    group = GroupSync(lambda: journal)
+    group = SharedFsync(lambda: journal)
     journal.record(
         ev.Requested(pipeline="p", cluster="actor_train", priority="ACTOR_TRAINING", seq=1)
     )
@@ -71,7 +71,7 @@ async def test_a_failed_group_fsync_fails_every_reply_waiting_for_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     journal = Journal(tmp_path / "j.jsonl", fsync="leases")
-    group = GroupSync(lambda: journal)
+    group = SharedFsync(lambda: journal)
     journal.record(ev.Released(pipeline="p", cluster="actor_train"), sync=False)
     got = [answers(group.reply_after(1)), answers(group.reply_after(2))]
 

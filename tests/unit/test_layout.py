@@ -37,7 +37,7 @@ ROOMS = [
     "hooks",
     "rollout",
     "sim",
-    "process_plan",
+    "placement",
     "recipes",
     # the processes and the tools
     "coordinator_main",

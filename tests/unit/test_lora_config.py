@@ -116,7 +116,7 @@ def test_a_larger_engine_rank_serves_a_larger_adapter() -> None:
 
 
 def test_a_base_group_gets_one_set_of_shards_serving_its_members(tmp_path: Any) -> None:
-    from rlix_async.process_plan import build_plan, node_plan
+    from rlix_async.placement import node_share, place_processes
 
     two_nodes = {"nodes": 2, "gpus_per_node": 4}
     cfg = _launch(
@@ -132,7 +132,7 @@ def test_a_base_group_gets_one_set_of_shards_serving_its_members(tmp_path: Any) 
         ),
         cluster=two_nodes,
     )
-    plan = build_plan(cfg, tmp_path, "tcp://head:5555", keys="keys")
+    plan = place_processes(cfg, tmp_path, "tcp://head:5555", keys="keys")
     shards = [
         (x.pipeline, x.rank, x.config.members, x.config.engine.sleep_level)
         for x in plan
@@ -149,7 +149,7 @@ def test_a_base_group_gets_one_set_of_shards_serving_its_members(tmp_path: Any) 
     # the group's shards and its members' trainers on node 0: ipc data planes; the
     # full-weight pipeline, alone on node 1, likewise
     for node in (0, 1):
-        for x in node_plan(build_plan(cfg, tmp_path, "tcp://head:5555", keys="k"), node, "h"):
+        for x in node_share(place_processes(cfg, tmp_path, "tcp://head:5555", keys="k"), node, "h"):
             if x.role == "shard":
                 assert x.config.data_endpoint is None
 
@@ -157,7 +157,7 @@ def test_a_base_group_gets_one_set_of_shards_serving_its_members(tmp_path: Any) 
 def test_a_group_shard_serves_over_tcp_when_a_members_trainer_is_on_another_node(
     tmp_path: Any,
 ) -> None:
-    from rlix_async.process_plan import build_plan, node_plan
+    from rlix_async.placement import node_share, place_processes
 
     cfg = _launch(
         _pipe("a"),
@@ -167,8 +167,8 @@ def test_a_group_shard_serves_over_tcp_when_a_members_trainer_is_on_another_node
         ),
         cluster={"nodes": 2, "gpus_per_node": 4},
     )
-    node0 = node_plan(build_plan(cfg, tmp_path, "tcp://head:5555", keys="k"), 0, "10.0.0.1")
-    node1 = node_plan(build_plan(cfg, tmp_path, "tcp://head:5555", keys="k"), 1, "10.0.0.2")
+    node0 = node_share(place_processes(cfg, tmp_path, "tcp://head:5555", keys="k"), 0, "10.0.0.1")
+    node1 = node_share(place_processes(cfg, tmp_path, "tcp://head:5555", keys="k"), 1, "10.0.0.2")
     shards = [x for x in node0 if x.role == "shard"]
     assert len(shards) == 4 and all(x.config.data_endpoint == "tcp://10.0.0.1:*" for x in shards)
     far = next(x for x in node1 if x.role == "trainer")

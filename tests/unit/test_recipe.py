@@ -1,4 +1,4 @@
-"""A text recipe's prompts and scoring inside the collector (rollout/recipe.py, collector.py).
+"""A text recipe's prompts and scoring inside the collector (rollout/prompts.py, collector.py).
 
 Real datasets on disk, the offline tiny tokenizer, real reward runners (threads,
 timeouts) and the real ledger; the collector's ``_add`` is driven with finished
@@ -19,7 +19,7 @@ from rlix_async.config import PipelineConfig, convert
 from rlix_async.rollout.collector import UNIFORM_LIMIT, Collector
 from rlix_async.rollout.dataset import PromptDataset, PromptOrder
 from rlix_async.rollout.ledger import Ledger, tally
-from rlix_async.rollout.recipe import TextPrompts
+from rlix_async.rollout.prompts import TextPrompts
 from rlix_async.rollout.rewards import RewardRunner, load_reward
 from rlix_async.shards.router import Trajectory
 from rlix_async.train.buffer import ReplayBuffer, StalenessBound

@@ -1,12 +1,12 @@
-"""The process plan: every process a launch starts, on which node, bound to which devices.
+"""The placement: every process a launch starts, on which node, bound to which devices.
 
-One pure function, :func:`build_plan`, turns a :class:`~rlix_async.config.LaunchConfig`
+One pure function, :func:`place_processes`, turns a :class:`~rlix_async.config.LaunchConfig`
 into the list of processes: the coordinator, one shard worker per rollout rank
 of every pipeline (LoRA pipelines on one base: of their base group, once), one
 torchrun job per pipeline. ``rlix-async launch`` starts
 exactly this list, ``rlix-async launch --dry-run`` prints it, and the SLURM
 template (``launchers/slurm/rlix.sbatch``) runs ``launch --node`` on each node, and
-:func:`node_plan` picks and wires one node's share.
+:func:`node_share` picks and wires one node's share.
 
 Binding: device ``d`` lives on node ``d // gpus_per_node`` as local index
 ``d % gpus_per_node``. A shard worker sees exactly its rank's bundle
@@ -37,7 +37,7 @@ Role = Literal["coordinator", "shard", "trainer"]
 
 
 @dataclass
-class PlannedProcess:
+class PlacedProcess:
     """One process of a launch: what it runs, where, and with which devices."""
 
     role: Role
@@ -71,7 +71,7 @@ def visible_devices(devices: list[int] | tuple[int, ...], gpus_per_node: int) ->
     return ",".join(str(d % gpus_per_node) for d in devices)
 
 
-def bind_visible_devices(plan: list[PlannedProcess], environ: Mapping[str, str]) -> None:
+def bind_visible_devices(plan: list[PlacedProcess], environ: Mapping[str, str]) -> None:
     """Fit the plan's devices to what the launching environment may use.
 
     Where ``CUDA_VISIBLE_DEVICES`` is already set (SLURM's gres plugin sets it per
@@ -130,7 +130,7 @@ def cpu_binding(
     return [cores[i * share : i * share + threads] for i in local]
 
 
-def bind_shards(plan: list[PlannedProcess], gpus_per_node: int, cores: list[int]) -> None:
+def bind_shards(plan: list[PlacedProcess], gpus_per_node: int, cores: list[int]) -> None:
     """Set each shard's ``VLLM_CPU_OMP_THREADS_BIND`` (one core list per tensor-parallel
     rank) from :func:`cpu_binding`; nothing where ``cores`` is empty (a GPU node, or a
     binding the user set)."""
@@ -195,14 +195,14 @@ class NodePlanError(ValueError):
     """A plan that cannot run on these nodes (exit 2, like a config error)."""
 
 
-def build_plan(
+def place_processes(
     cfg: LaunchConfig,
     out: Path,
     coordinator: str,
     *,
     keys: str | None = None,
     resume: bool = False,
-) -> list[PlannedProcess]:
+) -> list[PlacedProcess]:
     """Every process of the launch, in start order (coordinator, shards, trainers)."""
     gpn = cfg.cluster.gpus_per_node
     logs = out / "logs"
@@ -215,7 +215,7 @@ def build_plan(
     )
     coord_path = out / "coordinator.yaml"
     plan = [
-        PlannedProcess(
+        PlacedProcess(
             role="coordinator",
             name="coordinator",
             argv=cli_argv("coordinator", "--config", str(coord_path)),
@@ -249,7 +249,7 @@ def build_plan(
             )
             path = out / sid / f"shard-{rank}.yaml"
             plan.append(
-                PlannedProcess(
+                PlacedProcess(
                     role="shard",
                     name=f"shard {sid}/{rank}",
                     argv=cli_argv("shard", "--config", str(path)),
@@ -297,7 +297,7 @@ def trainer_process(
     *,
     keys: str | None = None,
     resume: bool = False,
-) -> PlannedProcess:
+) -> PlacedProcess:
     """A pipeline's torchrun job: one rank per ``actor_train`` device, on their node."""
     train = p.clusters[TRAIN].devices
     nodes = sorted({d // gpus_per_node for d in train})
@@ -321,7 +321,7 @@ def trainer_process(
     ]
     if resume:
         argv.append("--resume")
-    return PlannedProcess(
+    return PlacedProcess(
         role="trainer",
         name=f"pipeline {p.id}",
         argv=argv,
@@ -335,7 +335,7 @@ def trainer_process(
     )
 
 
-def node_plan(plan: list[PlannedProcess], node: int, address: str) -> list[PlannedProcess]:
+def node_share(plan: list[PlacedProcess], node: int, address: str) -> list[PlacedProcess]:
     """The processes of ``node`` in a multi-node launch (``launch --node``), wired to
     reach each other across nodes: node 0 also runs the coordinator; a shard on another
     node than its pipeline's trainer serves its data plane on ``tcp://ADDRESS:*`` (the
@@ -353,7 +353,7 @@ def node_plan(plan: list[PlannedProcess], node: int, address: str) -> list[Plann
             served[proc.config.pipeline] = proc.config.members or [proc.config.pipeline]
             for pid in served[proc.config.pipeline]:
                 shard_nodes.setdefault(pid, set()).add(proc.node)
-    mine: list[PlannedProcess] = []
+    mine: list[PlacedProcess] = []
     for proc in plan:
         if proc.role == "coordinator":
             if node == 0:
@@ -372,7 +372,7 @@ def node_plan(plan: list[PlannedProcess], node: int, address: str) -> list[Plann
     return mine
 
 
-def format_plan(plan: list[PlannedProcess]) -> str:
+def format_placement(plan: list[PlacedProcess]) -> str:
     """The plan as a table, one process per line (``launch --dry-run``); a CPUS column
     where shards are bound to cores (:func:`bind_shards`)."""
     bound = any(BIND_ENV in proc.env for proc in plan)

@@ -12,7 +12,7 @@ from rlix_async.protocols.engine import AdapterEngine, GenerationChunk, PauseMod
 from rlix_async.protocols.generation import Sampling
 
 
-class LoadOnWake:
+class FirstWakeEngine:
     """An engine built at its first wake (``engine.load: first_wake``), when the
     coordinator has given the shard its devices; until then it holds nothing, runs
     nothing and its sleeps are no-ops. Built off the event loop, so heartbeats go

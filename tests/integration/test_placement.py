@@ -1,4 +1,4 @@
-"""The process plan: ``launch --dry-run`` shows every process and its devices, bad
+"""The placement: ``launch --dry-run`` shows every process and its devices, bad
 topologies fail before anything starts, and the real launch starts exactly the plan."""
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def test_the_real_launch_starts_exactly_the_dry_run_plan(
         load_config,
     )
     from rlix_async.launch import Launcher
-    from rlix_async.process_plan import _host_cores, cpu_binding
+    from rlix_async.placement import _host_cores, cpu_binding
 
     kinds = {"coordinator": CoordinatorConfig, "shard": ShardConfig, "trainer": PipelineConfig}
     pid = f"pl{os.getpid() % 10000}"
@@ -311,15 +311,15 @@ def test_each_node_runs_its_share_wired_across_nodes(tmp_path: Path) -> None:
     serves its data plane on tcp at its node's address, a trainer with shards on other
     nodes serves its weights on tcp; everything on one node stays on ipc/shared memory."""
     from rlix_async.config import LaunchConfig, load_config
-    from rlix_async.process_plan import build_plan, node_plan
+    from rlix_async.placement import node_share, place_processes
 
     path = tmp_path / "c.yaml"
     path.write_text(CROSSING.format(out=tmp_path / "out"))
     cfg = load_config(path, LaunchConfig)
 
     def share(node: int, address: str) -> dict[tuple[str, str | None, int | None], object]:
-        plan = build_plan(cfg, tmp_path / "out", "tcp://10.0.0.1:7600", keys="/k")
-        return {(p.role, p.pipeline, p.rank): p.config for p in node_plan(plan, node, address)}
+        plan = place_processes(cfg, tmp_path / "out", "tcp://10.0.0.1:7600", keys="/k")
+        return {(p.role, p.pipeline, p.rank): p.config for p in node_share(plan, node, address)}
 
     assert list(share(0, "10.0.0.1")) == [("coordinator", None, None)]
     one = share(1, "10.0.0.2")
