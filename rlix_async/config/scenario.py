@@ -137,7 +137,7 @@ class Scenario(Config, frozen=True):
         float,
         doc(
             "Least simulated seconds between two plans, as SchedulerConfig.plan_interval_s "
-            "(the same rules: control/cadence.py).",
+            "(the same rules: protocols/cadence.py).",
             ge=0,
         ),
     ] = PLAN_INTERVAL_S

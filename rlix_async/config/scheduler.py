@@ -29,7 +29,7 @@ class SchedulerConfig(Config, frozen=True):
         doc(
             "Rollout progress alone replans at most this often (moving a shard costs a "
             "sleep, a wake and a sync); requests, releases and arrivals replan at once. "
-            "The simulator plans by the same rules (control/cadence.py).",
+            "The simulator plans by the same rules (protocols/cadence.py).",
             ge=0,
             le=60,
         ),

@@ -480,7 +480,7 @@ class Coordinator:
     # --- scheduling -------------------------------------------------------------------------------
 
     async def _scheduler_loop(self) -> None:
-        """Plan when ``self.cadence`` says (control/cadence.py, shared with the
+        """Plan when ``self.cadence`` says (protocols/cadence.py, shared with the
         simulator), and every ``rebalance_s`` without events."""
         while not self._closed:
             self._wake.clear()

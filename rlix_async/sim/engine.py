@@ -20,7 +20,7 @@ as the coordinator, with simulated time and simulated effects:
   buckets), which is what the planner sizes its rollout share by.
 
 The planner runs when the coordinator's would: :class:`PlanCadence` from
-``control/cadence.py``, the same module and the same settings
+``protocols/cadence.py``, the same module and the same settings
 (``plan_interval_s``, ``progress_interval_s``) as the coordinator's scheduler
 loop, on simulated time (a plan takes no simulated time). A pipeline reports
 progress in the client's buckets.
@@ -250,7 +250,7 @@ class Simulation:
         last = self.registry.pipelines[p.decl.id].progress.get("default")
         before = None if last is None else (last.target, last.completed)
         self.registry.report_progress(p.decl.id, "default", p.target, completed)
-        # the coordinator's rule for what a report asks (control/cadence.py)
+        # the coordinator's rule for what a report asks (protocols/cadence.py)
         self._dirty(urgent=progress_is_urgent(before, p.target, completed))
 
     def _fill(self, s: Server) -> None:
