@@ -4,6 +4,7 @@ what both use (helper processes, the scripted engine)."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -12,17 +13,34 @@ from helpers.cluster import Peer, start_peer
 
 from rlix_async.security import ipc_endpoint
 
+# Under pytest-xdist every worker is a run of its own: weight segments are named per
+# RLIX_JOB (weights/shm.py), so one worker's cleanup never removes another's.
+if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("RLIX_JOB", f"pytest-{worker}-{os.getpid()}")
+
 TIERS = ("slow", "vllm", "gpu", "multinode")
+
+
+# Tests that start whole clusters or real engines (the slower tiers): under pytest-xdist
+# (the README's test command runs two workers) they run one at a time on one worker,
+# first, while the other worker takes everything else. Two of them at once on two
+# cores starve each other's heartbeats.
+HEAVY = ("slow", "vllm", "multinode")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Plain `pytest` is the fast tier; slower tiers run when selected with -m."""
-    if config.option.markexpr:
+    if not config.option.markexpr:
+        for item in items:
+            for tier in TIERS:
+                if tier in item.keywords:
+                    item.add_marker(pytest.mark.skip(reason=f"{tier} tier: select with -m {tier}"))
         return
+    heavy = {id(i) for i in items if any(tier in i.keywords for tier in HEAVY)}
     for item in items:
-        for tier in TIERS:
-            if tier in item.keywords:
-                item.add_marker(pytest.mark.skip(reason=f"{tier} tier: select with -m {tier}"))
+        if id(item) in heavy:
+            item.add_marker(pytest.mark.xdist_group("heavy"))
+    items.sort(key=lambda i: id(i) not in heavy)  # stable: the heavy group is handed out first
 
 
 @pytest.fixture

@@ -41,6 +41,7 @@ import asyncio
 import logging
 import socket
 import time
+import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -162,9 +163,12 @@ class ShardWorker:
     def _data_plane(
         self, endpoint: str | None, keys: ServerKeys | None, transport: TransportConfig | None
     ) -> RpcServer:
-        """Where routers send requests: this pipeline's (or a base group's members')."""
+        """Where routers send requests: this pipeline's (or a base group's members').
+        Its ipc path is the worker's own (routers learn it from the coordinator): two
+        runs of the same pipeline ids on one machine would otherwise bind one path,
+        and the second would take the first one's requests."""
         server = RpcServer(
-            endpoint or ipc_endpoint(f"{self.pipeline}-infer-{self.rank}"),
+            endpoint or ipc_endpoint(f"{self.pipeline}-infer-{self.rank}-{uuid.uuid4().hex[:8]}"),
             keys=keys,
             config=transport,
             name=f"shard-{self.pipeline}-{self.rank}",

@@ -8,6 +8,7 @@ scripted test double (tests/helpers/scripted_engine.py), in process.
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 
 import msgspec
@@ -321,3 +322,25 @@ async def test_a_sleep_during_a_sync_runs_after_it(ipc_ep: str) -> None:
     assert ops.index("load(1)") < len(ops) - 1 - ops[::-1].index("sleep(1)")
     last = engine.transitions[-1]
     assert set(last.sleeping) == {"weights", "kv_cache"} and last.host_bytes == 10
+
+
+async def test_two_runs_of_one_pipeline_id_on_one_machine_keep_their_own_data_planes() -> None:
+    """Two launches of the same pipeline ids as one user (two demos at once): each
+    shard worker's ipc data plane is its own. With one path per (pipeline, rank) the
+    second bind took the first run's path, and its requests."""
+    from rlix_async.security import ipc_endpoint
+
+    async with (
+        Coordinator(ipc_endpoint(f"t-{uuid.uuid4().hex[:8]}"), ClusterShape(1, 1)) as one,
+        Coordinator(ipc_endpoint(f"t-{uuid.uuid4().hex[:8]}"), ClusterShape(1, 1)) as two,
+    ):
+        first = await ShardWorker(ScriptedEngine(), one.endpoint, "P", 0).start()
+        second = await ShardWorker(ScriptedEngine(), two.endpoint, "P", 0).start()
+        try:
+            assert first.data.endpoint != second.data.endpoint
+            for worker in (first, second):
+                path = worker.data.endpoint.removeprefix("ipc://")
+                assert os.path.exists(path), path
+        finally:
+            await first.close()
+            await second.close()
