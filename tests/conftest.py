@@ -28,6 +28,7 @@ TIERS = ("slow", "vllm", "gpu", "multinode")
 HEAVY = ("slow", "vllm", "multinode")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist names each item's group
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Plain `pytest` is the fast tier; slower tiers run when selected with -m."""
     if not config.option.markexpr:
