@@ -28,20 +28,23 @@ TIERS = ("slow", "vllm", "gpu", "multinode")
 HEAVY = ("slow", "vllm", "multinode")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist names each item's group
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+@pytest.hookimpl(wrapper=True)  # around pytest-xdist, which names each item's group
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> Iterator[None]:
     """Plain `pytest` is the fast tier; slower tiers run when selected with -m."""
     if not config.option.markexpr:
         for item in items:
             for tier in TIERS:
                 if tier in item.keywords:
                     item.add_marker(pytest.mark.skip(reason=f"{tier} tier: select with -m {tier}"))
-        return
+        return (yield)
     heavy = {id(i) for i in items if any(tier in i.keywords for tier in HEAVY)}
     for item in items:
         if id(item) in heavy:
             item.add_marker(pytest.mark.xdist_group("heavy"))
     items.sort(key=lambda i: id(i) not in heavy)  # stable: the heavy group is handed out first
+    return (yield)
 
 
 @pytest.fixture

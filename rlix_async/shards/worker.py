@@ -166,9 +166,10 @@ class ShardWorker:
         """Where routers send requests: this pipeline's (or a base group's members').
         Its ipc path is the worker's own (routers learn it from the coordinator): two
         runs of the same pipeline ids on one machine would otherwise bind one path,
-        and the second would take the first one's requests."""
+        and the second would take the first one's requests. The pipeline's name is cut
+        short there: a socket path has 107 bytes."""
         server = RpcServer(
-            endpoint or ipc_endpoint(f"{self.pipeline}-infer-{self.rank}-{uuid.uuid4().hex[:8]}"),
+            endpoint or ipc_endpoint(f"{self.pipeline[:24]}-i{self.rank}-{uuid.uuid4().hex[:8]}"),
             keys=keys,
             config=transport,
             name=f"shard-{self.pipeline}-{self.rank}",

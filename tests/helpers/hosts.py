@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -52,7 +54,8 @@ class Host:
     index: int
     netns: str
     address: str
-    root: Path  # its private directories (ipc sockets)
+    root: Path  # its private files (the hosts file)
+    ipc: Path  # its ipc sockets: a short path, as /run/user/<uid> is on a real host
 
     @property
     def name(self) -> str:
@@ -69,8 +72,7 @@ class Hosts:
         return self.hosts[i]
 
     def env(self, host: Host) -> dict[str, str]:
-        ipc = host.root / "ipc"
-        ipc.mkdir(parents=True, exist_ok=True, mode=0o700)
+        host.root.mkdir(parents=True, exist_ok=True)
         names = host.root / "hosts"
         names.write_text(
             "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.name}\n" for h in self.hosts)
@@ -79,7 +81,7 @@ class Hosts:
             "RLIX_TEST_HOSTS_FILE": str(names),
             **os.environ,
             "RLIX_TEST_HOSTNAME": host.name,
-            "RLIX_IPC_DIR": str(ipc),
+            "RLIX_IPC_DIR": str(host.ipc),
             # vLLM and gloo look for "their" address: the namespace's own, never a probe
             "VLLM_HOST_IP": host.address,
             "GLOO_SOCKET_IFNAME": "lo",
@@ -170,10 +172,18 @@ def make_hosts(n: int, root: Path) -> Iterator[Hosts]:
     """``n`` hosts on a private bridge; everything is removed on exit."""
     tag = f"{os.getpid() % 100000}"
     subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() // 50 % 250}"
+    # ipc sockets under a short temporary directory: a socket path has 107 bytes, and
+    # pytest's tmp_path (deeper still under pytest-xdist) leaves too few of them
+    ipc = Path(tempfile.mkdtemp(prefix="rlixt-"))
     hosts = Hosts(
-        [Host(i, f"rlixt{tag}h{i}", f"{subnet}.{i + 1}", root / f"host{i}") for i in range(n)],
+        [
+            Host(i, f"rlixt{tag}h{i}", f"{subnet}.{i + 1}", root / f"host{i}", ipc / f"h{i}")
+            for i in range(n)
+        ],
         f"rlixt{tag}br",
     )
+    for h in hosts.hosts:
+        h.ipc.mkdir(mode=0o700)
     try:
         _ip("link", "add", hosts.bridge, "type", "bridge")
         _ip("link", "set", hosts.bridge, "up")
@@ -198,3 +208,4 @@ def make_hosts(n: int, root: Path) -> Iterator[Hosts]:
     finally:
         hosts.stop()
         hosts.remove()
+        shutil.rmtree(ipc, ignore_errors=True)
