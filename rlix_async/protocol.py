@@ -105,9 +105,10 @@ _envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 _body_decoders: dict[type[Message], msgspec.msgpack.Decoder[Any]] = {}
 
 
-def encode(kind: Kind, call_id: int, msg: Message) -> bytes:
-    body = msgspec.Raw(_encoder.encode(msg))
-    return _encoder.encode(Envelope(kind, call_id, msg.type_name, body))
+def encode(kind: Kind | int, call_id: int, msg: Message) -> bytes:
+    # One msgpack pass: the tuple writes the Envelope's array with the body nested,
+    # the same bytes as encoding the body first and wrapping it (test_protocol).
+    return _encoder.encode((kind, call_id, msg.type_name, msg))
 
 
 def decode_envelope(header: bytes | memoryview) -> Envelope:

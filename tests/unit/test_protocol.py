@@ -24,6 +24,29 @@ def test_round_trip() -> None:
     assert decode_body(env) == Ping(seq=7)
 
 
+def test_the_header_is_the_envelope_of_the_encoded_body() -> None:
+    """encode writes the header in one pass; its bytes must stay those of the
+    Envelope around the separately encoded body, which peers of this protocol
+    version (and its decoder) expect."""
+    from rlix_async.protocol import Envelope
+    from rlix_async.protocols.generation import Generate, Sampling
+
+    enc = msgspec.msgpack.Encoder()
+    for kind, call_id, msg in [
+        (Kind.REQUEST, 1, Ping(seq=3)),
+        (Kind.NOTIFY, 0, hello("p/driver/0", role="driver", ranks=[0, 1])),
+        (
+            Kind.REPLY,
+            2**40,
+            Generate(
+                request_id="r", prompt_ids=[1, 2], sampling=Sampling(max_tokens=8), min_version=4
+            ),
+        ),
+    ]:
+        two_pass = enc.encode(Envelope(kind, call_id, msg.type_name, msgspec.Raw(enc.encode(msg))))
+        assert encode(kind, call_id, msg) == two_pass
+
+
 def test_hello_validates_identity() -> None:
     good = decode_envelope(encode(Kind.REQUEST, 1, hello("p0/infer/3")))
     assert isinstance(decode_body(good), Hello)
