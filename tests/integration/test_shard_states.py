@@ -8,8 +8,8 @@ scripted test double (tests/helpers/scripted_engine.py), in process.
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -339,8 +339,8 @@ async def test_two_runs_of_one_pipeline_id_on_one_machine_keep_their_own_data_pl
         try:
             assert first.data.endpoint != second.data.endpoint
             for worker in (first, second):
-                path = worker.data.endpoint.removeprefix("ipc://")
-                assert os.path.exists(path), path
+                path = Path(worker.data.endpoint.removeprefix("ipc://"))
+                assert await asyncio.to_thread(path.is_socket), path
         finally:
             await first.close()
             await second.close()
