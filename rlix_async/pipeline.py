@@ -86,6 +86,7 @@ class Driver:
         self.store = store
         self.channel = channel  # to the other ranks (None: running alone)
         self.sync_bytes = 0  # the bytes of the last version published (metrics.jsonl)
+        self._train_times: dict[str, float] = {}  # the last step's reload and group times
         self.ckpt = ckpt  # the checkpoint resumed from: buffer and collector state
         self.resumed = resumed  # --resume (with or without a checkpoint to resume from)
         bound = StalenessBound(cfg.max_trajectory_age_steps)  # the config's, resumed or not
@@ -228,42 +229,11 @@ class Driver:
         if self.channel is not None:
             await asyncio.to_thread(self.channel.post, version, batch)
         stats = await asyncio.to_thread(self._train, batch)
-        step = self.trainer.step
         collector.stop_doomed()  # the step moved on: some groups can no longer be used
-        if step % self.cfg.checkpoint_every == 0 or step == self.cfg.steps:
-            # the buffer as of now, taken on the event loop: the collector keeps adding to
-            # it while the checkpoint is written, and the ledger must name what it holds
-            buffered = list(self.buffer.groups)
-            extra = {"buffer": self.buffer.state_dict(), **collector.state_dict()}
-            path = self.out / "ckpt" / f"step_{step}.pt"
-            await asyncio.to_thread(self.trainer.save, path, extra)
-            ledger.checkpoint(step, buffered)  # the step's trajectories are trained for good
-            if self.cfg.keep_checkpoints is not None:  # only once the new one is on disk
-                prune_checkpoints(path.parent, self.cfg.keep_checkpoints)
-        self.sync_bytes = 0  # set by _build, if this step's version goes out
-        publish = step < self.cfg.steps or eval_due(step, self.cfg.eval_every, self.cfg.steps)
-        if publish:
-            await self._build(cache)
-        await asyncio.to_thread(self.trainer.offload)  # never block heartbeats
-        # every rank's state is off the devices before they are released
-        if self.channel is not None:
-            await asyncio.to_thread(self.channel.wait_done, version)
-        if step < self.cfg.steps:
-            await self._publish(hooks, cache)
-            collector.set_training(False)
-            await collector.report()
-        elif eval_due(step, self.cfg.eval_every, self.cfg.steps):
-            # the last step's weights go out for their evaluation only: its own progress
-            # stream asks for the shards, the rollout's asks for nothing more
-            await self._publish(hooks, cache)
-            await hooks.client.clear_progress("default")
-        else:  # the last step: no rollout will use these weights (the checkpoint has them),
-            # and nothing more is collected (shards woken now would sync a cache that
-            # is removed as the pipeline exits)
-            await hooks.after_training(step, None)
+        times = await self._after_training(hooks, cache, collector, ledger, version)
         rewards = [r for g in batch for r in g.rewards]
         row = {
-            "step": step,
+            "step": self.trainer.step,
             "reward": sum(rewards) / len(rewards),
             "trained_on_versions": sorted({g.oldest_version for g in batch}),
             "wait_s": round(t1 - t0, 3),
@@ -283,10 +253,68 @@ class Driver:
             "active_shards": len(hooks.client.active_ranks),
             "time": time.time(),
             **{k: round(v, 5) for k, v in stats.items()},
+            **times,
         }
         self._record(row)
         self._write_samples(batch, version)
         log.info("%s step %d reward %.3f", self.cfg.id, row["step"], row["reward"])
+
+    async def _after_training(
+        self,
+        hooks: ClusterHooks,
+        cache: WeightCache,
+        collector: Collector,
+        ledger: Ledger,
+        version: int,
+    ) -> dict[str, float]:
+        """Checkpoint, the new weights into the cache, the devices given back and the
+        version published; what each took (``time_*_s``, the rest of ``train_s``)."""
+        step = self.trainer.step
+        times: dict[str, float] = {}
+        clock = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            times[f"time_{name}_s"] = round(now - clock, 4)
+            clock = now
+
+        if step % self.cfg.checkpoint_every == 0 or step == self.cfg.steps:
+            # the buffer as of now, taken on the event loop: the collector keeps adding to
+            # it while the checkpoint is written, and the ledger must name what it holds
+            buffered = list(self.buffer.groups)
+            extra = {"buffer": self.buffer.state_dict(), **collector.state_dict()}
+            path = self.out / "ckpt" / f"step_{step}.pt"
+            await asyncio.to_thread(self.trainer.save, path, extra)
+            ledger.checkpoint(step, buffered)  # the step's trajectories are trained for good
+            if self.cfg.keep_checkpoints is not None:  # only once the new one is on disk
+                prune_checkpoints(path.parent, self.cfg.keep_checkpoints)
+        lap("checkpoint")
+        self.sync_bytes = 0  # set by _build, if this step's version goes out
+        publish = step < self.cfg.steps or eval_due(step, self.cfg.eval_every, self.cfg.steps)
+        if publish:
+            await self._build(cache)
+        lap("cache_build")
+        await asyncio.to_thread(self.trainer.offload)  # never block heartbeats
+        # every rank's state is off the devices before they are released
+        if self.channel is not None:
+            await asyncio.to_thread(self.channel.wait_done, version)
+        lap("offload")
+        if step < self.cfg.steps:
+            await self._publish(hooks, cache)
+            collector.set_training(False)
+            await collector.report()
+        elif eval_due(step, self.cfg.eval_every, self.cfg.steps):
+            # the last step's weights go out for their evaluation only: its own progress
+            # stream asks for the shards, the rollout's asks for nothing more
+            await self._publish(hooks, cache)
+            await hooks.client.clear_progress("default")
+        else:  # the last step: no rollout will use these weights (the checkpoint has them),
+            # and nothing more is collected (shards woken now would sync a cache that
+            # is removed as the pipeline exits)
+            await hooks.after_training(step, None)
+        lap("publish")
+        return {**self._train_times, **times}
 
     # --- text recipes: evaluation, samples, response metrics ------------------------------
 
@@ -387,12 +415,22 @@ class Driver:
             _append_jsonl(self.out / "samples.jsonl", row)
 
     def _train(self, batch: list[Group]) -> dict[str, float]:
+        """The step on the devices: state back on them, a fresh group, the step, the
+        group torn down (what the first two and the last took: ``_train_times``)."""
+        t0 = time.perf_counter()
         self.trainer.reload()
+        t1 = time.perf_counter()
         self.trainer.init_group(self.store)
+        t2 = time.perf_counter()
         try:
             return self.trainer.train_step(batch)
         finally:
+            t3 = time.perf_counter()
             self.trainer.destroy_group()
+            self._train_times = {
+                "time_reload_s": round(t1 - t0, 4),
+                "time_group_s": round(t2 - t1 + time.perf_counter() - t3, 4),
+            }
 
 
 def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
@@ -457,6 +495,7 @@ def build_trainer(cfg: PipelineConfig, rank: int, world: int) -> TorchTrainer:
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
         lora=cfg.lora,
+        total_steps=cfg.steps,
     )
 
 

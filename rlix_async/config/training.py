@@ -49,6 +49,22 @@ class TrainConfig(Config, frozen=True):
         ),
     ] = "auto"
     lr: Annotated[float, doc("AdamW learning rate.", gt=0)] = 2e-3
+    lr_schedule: Annotated[
+        Literal["constant", "linear"],
+        doc(
+            "constant: lr at every update. linear: from lr down to 0 at the pipeline's "
+            "last update (steps x minibatches updates), as TRL's and transformers' default "
+            "(get_linear_schedule_with_warmup). Both after the warmup."
+        ),
+    ] = "constant"
+    warmup_steps: Annotated[
+        int,
+        doc(
+            "Training steps over which the learning rate rises linearly from 0 (each step's "
+            "minibatches updates count as their fraction of it). 0: none.",
+            ge=0,
+        ),
+    ] = 0
     weight_decay: Annotated[float, doc("AdamW weight decay.", ge=0)] = 0.0
     max_grad_norm: Annotated[float, doc("Gradient clipping norm.", gt=0)] = 1.0
     minibatches: Annotated[int, doc("Optimizer steps per training step.", ge=1)] = 2

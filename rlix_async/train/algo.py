@@ -1,4 +1,5 @@
-"""GRPO maths: group-relative advantages, DAPO and CISPO token losses, IS correction, KL.
+"""GRPO maths: group-relative advantages, DAPO and CISPO token losses, IS correction, KL,
+and the learning-rate schedule.
 
 Pure functions on tensors, tested without processes. Shapes: ``B`` sequences,
 ``T`` response positions; ``mask`` is 1 on real response tokens.
@@ -161,3 +162,17 @@ def policy_loss(
         "kl": float(kl.detach() * n / own),
     }
     return loss, stats
+
+
+def lr_factor(update: int, total: int, schedule: str, warmup: float = 0) -> float:
+    """The learning rate's multiplier at optimizer update ``update`` (0-based) of
+    ``total``: transformers' ``get_linear_schedule_with_warmup`` (``linear``) and
+    ``get_constant_schedule_with_warmup`` (``constant``), the same numbers, so a
+    run compares with a TRL run update for update. ``warmup`` in updates."""
+    if update < warmup:
+        return update / max(1.0, warmup)
+    if schedule == "constant":
+        return 1.0
+    if schedule == "linear":
+        return max(0.0, (total - update) / max(1.0, total - warmup))
+    raise ValueError(f"unknown lr schedule {schedule!r} (constant or linear)")

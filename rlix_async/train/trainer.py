@@ -25,6 +25,7 @@ import copy
 import gc
 import os
 import random
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,20 +39,23 @@ from rlix_async.train import lora as lora_utils
 from rlix_async.train.algo import (
     entropy,
     group_advantages,
+    lr_factor,
     policy_loss,
     sampling_log_softmax,
     token_log_probs,
 )
 from rlix_async.train.buffer import Group
-from rlix_async.train.host_buffers import PinnedHostBuffers, StateKey
+from rlix_async.train.host_buffers import (
+    PinnedHostBuffers,
+    StateKey,
+    install_state,
+    state_tensors,
+)
 
 if TYPE_CHECKING:
     from rlix_async.config.lora import LoraConfig
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-# A tensor of the training state, named stably across offload cycles:
-# ("param", name), ("grad", name), ("buffer", module, name), ("optim", param name, key)
 
 
 def trainer_device(
@@ -110,9 +114,14 @@ class TorchTrainer:
         temperature: float = 1.0,
         top_p: float = 1.0,
         lora: LoraConfig | None = None,
+        total_steps: int | None = None,
     ) -> None:
         self.cfg = cfg or TrainConfig()
         self.lora = lora
+        # the pipeline's steps: where a linear learning-rate schedule reaches 0
+        if self.cfg.lr_schedule == "linear" and not total_steps:
+            raise ValueError("lr_schedule linear needs the run's total_steps")
+        self.total_steps = total_steps or 0
         # the rollout's sampling: log-probs are of the distribution tokens were drawn from
         self.temperature, self.top_p = temperature, top_p
         self.model_cfg = model or ModelConfig()
@@ -155,7 +164,7 @@ class TorchTrainer:
         self._host: PinnedHostBuffers | None = None
         self._offloaded: list[StateKey] = []  # what offload() moved; reload() moves it back
         if start_offloaded and self.device.type == "cuda":
-            self._offloaded = list(self._state_tensors())
+            self._offloaded = list(state_tensors(self.model, self.optim, self.reference))
 
     def _frozen_copy(self) -> torch.nn.Module:
         """A frozen copy of the policy as it is now, where it is now."""
@@ -221,48 +230,6 @@ class TorchTrainer:
 
     # --- device memory -----------------------------------------------------------------
 
-    def _state_tensors(self) -> dict[StateKey, torch.Tensor]:
-        """Every tensor of the training state: parameters, grads, buffers, optimizer state."""
-        params = dict(self.model.named_parameters())
-        out: dict[StateKey, torch.Tensor] = {("param", n): p.data for n, p in params.items()}
-        out.update({("grad", n): p.grad for n, p in params.items() if p.grad is not None})
-        for mod_name, mod in self.model.named_modules():
-            for name, b in mod._buffers.items():
-                if b is not None:
-                    out[("buffer", mod_name, name)] = b
-        if self.reference is not None:  # offloaded and reloaded with the policy
-            for n, p in self.reference.named_parameters():
-                out[("refparam", n)] = p.data
-            for mod_name, mod in self.reference.named_modules():
-                for name, b in mod._buffers.items():
-                    if b is not None:
-                        out[("refbuffer", mod_name, name)] = b
-        name_of = {p: n for n, p in params.items()}
-        for p, state in self.optim.state.items():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor):
-                    out[("optim", name_of[p], k)] = v
-        return out
-
-    def _install(self, tensors: dict[StateKey, torch.Tensor]) -> None:
-        """Put each tensor in its place (parameters first: a grad must match its parameter's device)."""
-        params = dict(self.model.named_parameters())
-        for key, t in sorted(tensors.items(), key=lambda kv: kv[0][0] != "param"):
-            if key[0] == "param":
-                params[key[1]].data = t
-            elif key[0] == "grad":
-                params[key[1]].grad = t
-            elif key[0] == "buffer":
-                self.model.get_submodule(key[1])._buffers[key[2]] = t
-            elif key[0] == "refparam":
-                assert self.reference is not None
-                self.reference.get_parameter(key[1]).data = t
-            elif key[0] == "refbuffer":
-                assert self.reference is not None
-                self.reference.get_submodule(key[1])._buffers[key[2]] = t
-            else:
-                self.optim.state[params[key[1]]][key[2]] = t
-
     def offload(self) -> None:
         """Free the device for rollout: the training state into page-locked host buffers.
 
@@ -286,7 +253,11 @@ class TorchTrainer:
         A method of its own so that, once it returns, nothing references the device
         tensors any more (a loop variable in ``offload`` would keep the last one alive).
         """
-        resident = {k: t for k, t in self._state_tensors().items() if t.device == self.device}
+        resident = {
+            k: t
+            for k, t in state_tensors(self.model, self.optim, self.reference).items()
+            if t.device == self.device
+        }
         specs = [(k, t.dtype, t.shape) for k, t in resident.items()]
         if self._host is None or self._host.specs != specs:
             self._host = None  # the old pages are unlocked before the new ones are locked
@@ -295,21 +266,23 @@ class TorchTrainer:
         for k, t in resident.items():
             host[k].copy_(t, non_blocking=True)
         torch.cuda.synchronize(self.device)  # every copy has landed: the device copies may go
-        self._install({k: host[k] for k in resident})
+        install_state(self.model, self.optim, self.reference, {k: host[k] for k in resident})
         return list(resident)
 
     def reload(self) -> None:
         """Back onto the device: what offload() moved (a checkpoint loaded meanwhile included)."""
         if not self._offloaded:
             return
-        state = self._state_tensors()  # everything off the device (a loaded checkpoint too)
+        state = state_tensors(
+            self.model, self.optim, self.reference
+        )  # everything off the device (a loaded checkpoint too)
         back = {
             k: t.to(self.device, non_blocking=True)
             for k, t in state.items()
             if t.device != self.device
         }
         torch.cuda.synchronize(self.device)  # the host buffers are free for the next offload
-        self._install(back)
+        install_state(self.model, self.optim, self.reference, back)
         self._offloaded = []
 
     # --- one GRPO step -------------------------------------------------------------------
@@ -351,6 +324,23 @@ class TorchTrainer:
         # float32 from any logits dtype
         return token_log_probs(logits, ids[:, 1:], temperature=self.temperature, top_p=self.top_p)
 
+    def _logp_entropy(
+        self, model: torch.nn.Module, ids: torch.Tensor, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampled tokens' log-probs and, if asked, each position's entropy (from the
+        same distributions, detached: a statistic, not part of the loss)."""
+        if not with_entropy:
+            return self._logp(model, ids), None
+        full = sampling_log_softmax(
+            self.forward_logits(model, ids)[:, :-1],
+            temperature=self.temperature,
+            top_p=self.top_p,
+            keep=ids[:, 1:],
+        )
+        with torch.no_grad():
+            ent = entropy(full.detach())
+        return full.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1), ent
+
     @property
     def has_reference(self) -> bool:
         return self.reference is not None or (self.lora is not None and self.cfg.loss.kl_coef > 0)
@@ -365,46 +355,83 @@ class TorchTrainer:
         return self._logp(self.reference, ids)
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
+        """One training step: ``cfg.minibatches`` optimizer updates on ``groups``. Its
+        figures include where the time went (``time_*_s``: packing, the log-probs
+        before the update, the updates)."""
         self._require_on_device("train_step()")
+        clock = [time.perf_counter()]
+
+        def lap() -> float:
+            clock.append(time.perf_counter())
+            return round(clock[-1] - clock[-2], 4)
+
         t = self._tensors(groups)
         n = t["ids"].shape[0]
         order = torch.arange(n, device=self.device)
         parts = [p for p in order.chunk(max(1, min(self.cfg.minibatches, n))) if len(p)]
-        old, ref, mean_entropy = self._before_update(t, parts)
+        time_pack = lap()
+        # Before the first update the weights are pi_old: that minibatch's old log-probs
+        # are its own update pass's (detached), unless dropout makes the two passes differ
+        first_is_old = self._passes_agree()
+        old, ref, entropy_sum = self._before_update(t, parts, parts[1:] if first_is_old else parts)
         stats: dict[str, float] = {
             "loss": 0.0,
             "clip_frac": 0.0,
             "is_weight_mean": 0.0,
-            "entropy": mean_entropy,  # of the sampling distribution, over response tokens
+            "entropy": 0.0,  # of the sampling distribution, over response tokens
             "grad_norm": 0.0,  # before clipping, mean over the updates made
             "skipped_updates": 0.0,
             "kl": 0.0,
+            "lr": self.cfg.lr * self._lr_factor(0),  # the step's first update's
+            "time_pack_s": time_pack,
+            "time_old_logp_s": lap(),
         }
-        for idx in parts:
-            self._update(t, idx, old, ref, len(parts), stats)
+        for j, idx in enumerate(parts):
+            is_old = first_is_old and j == 0
+            entropy_sum += self._update(t, idx, old, ref, len(parts), stats, j, is_old)
+        stats["entropy"] = entropy_sum / float(t["mask"].sum().clamp(min=1.0))
         # the next step starts from zero_grad: kept, the grads would hold a model's size of
         # device memory and be offloaded and reloaded every cycle for nothing
         self.optim.zero_grad(set_to_none=True)
         self.step += 1
+        stats["time_update_s"] = lap()
         return stats
 
+    def _lr_factor(self, minibatch: int) -> float:
+        updates = self.cfg.minibatches
+        return lr_factor(
+            self.step * updates + minibatch,
+            self.total_steps * updates,
+            self.cfg.lr_schedule,
+            self.cfg.warmup_steps * updates,
+        )
+
+    def _passes_agree(self) -> bool:
+        """Whether a train-mode pass computes what an eval-mode one does: no dropout
+        anywhere (HF attention's is a config value, LoRA's and others' are modules)."""
+        config = getattr(self.model, "config", None)
+        if getattr(config, "attention_dropout", 0.0) or getattr(config, "hidden_dropout", 0.0):
+            return False
+        return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules())
+
     def _before_update(
-        self, t: dict[str, torch.Tensor], parts: list[torch.Tensor]
+        self, t: dict[str, torch.Tensor], parts: list[torch.Tensor], old_parts: list[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-        """pi_old (these weights, before the update), the reference's log-probs (with a
-        KL penalty) and the mean entropy of the sampling distribution over response
-        tokens; a minibatch at a time, so the [rows, T, vocab] distributions never
-        exist for the whole batch at once. In eval mode: an adapter's dropout (train
-        mode only) would make them noisy draws instead of the distributions the
-        ratios divide by."""
+        """pi_old (these weights, before the update) on ``old_parts``, the reference's
+        log-probs (with a KL penalty) on every part and the summed entropy of the
+        sampling distribution over ``old_parts``' response tokens; a minibatch at a time,
+        so the [rows, T, vocab] distributions never exist for the whole batch at once.
+        In eval mode: an adapter's dropout (train mode only) would make them noisy
+        draws instead of the distributions the ratios divide by."""
         self.model.eval()
         old = torch.zeros_like(t["mask"])
         ref = torch.zeros_like(t["mask"]) if self.has_reference else None
         entropy_sum = 0.0
         with torch.no_grad():
-            for idx in parts:
-                if ref is not None:
+            if ref is not None:
+                for idx in parts:
                     ref[idx] = self._reference_logp(t["ids"][idx])
+            for idx in old_parts:
                 ids = t["ids"][idx]
                 full = sampling_log_softmax(
                     self.forward_logits(self.model, ids)[:, :-1],
@@ -416,7 +443,7 @@ class TorchTrainer:
                 entropy_sum += float((entropy(full) * t["mask"][idx]).sum())
                 del full
         self.model.train()
-        return old, ref, entropy_sum / float(t["mask"].sum().clamp(min=1.0))
+        return old, ref, entropy_sum
 
     def _update(
         self,
@@ -426,9 +453,13 @@ class TorchTrainer:
         ref: torch.Tensor | None,
         minibatches: int,
         stats: dict[str, float],
-    ) -> None:
-        """One optimizer update on the minibatch ``idx``, its gradients accumulated over
-        micro-batches; its figures added to ``stats``."""
+        minibatch: int,
+        is_old: bool,
+    ) -> float:
+        """Optimizer update ``minibatch`` of the step, on the rows ``idx``, its gradients
+        accumulated over micro-batches; its figures added to ``stats``. ``is_old``: the
+        weights are still pi_old, so the update pass's log-probs are the old ones too
+        (and its entropy, returned summed over response tokens, is pi_old's)."""
         model = self._ddp or self.model
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         # the minibatch's response tokens over every rank: each token weighs the same
@@ -438,11 +469,15 @@ class TorchTrainer:
             dist.all_reduce(tokens)
         micro = idx.split(self.cfg.micro_batch_size) if self.cfg.micro_batch_size else [idx]
         self.optim.zero_grad(set_to_none=True)
+        entropy_sum = 0.0
         for j, mi in enumerate(micro):
             # gradients add up over the micro-batches; DDP reduces once, after the last
             last = j == len(micro) - 1
             with contextlib.nullcontext() if last or not ddp else model.no_sync():  # type: ignore[operator]
-                logp = self._logp(model, t["ids"][mi])
+                logp, ent = self._logp_entropy(model, t["ids"][mi], is_old)
+                if is_old:
+                    old[mi] = logp.detach()
+                    entropy_sum += float((ent * t["mask"][mi]).sum())
                 loss, s = policy_loss(
                     logp,
                     old[mi],
@@ -466,10 +501,13 @@ class TorchTrainer:
         # rollout: skip that update and count it. Under DDP the gradients are
         # all-reduced before this, so every rank sees the same norm and skips alike.
         if torch.isfinite(norm):
+            for group in self.optim.param_groups:
+                group["lr"] = self.cfg.lr * self._lr_factor(minibatch)
             self.optim.step()
             stats["grad_norm"] += float(norm) / minibatches
         else:
             stats["skipped_updates"] += 1
+        return entropy_sum
 
     def weights_for_cache(self) -> dict[str, torch.Tensor]:
         """HF names, as vLLM's ``load_weights`` expects them, in the trainer's dtype.

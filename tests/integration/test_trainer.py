@@ -318,6 +318,60 @@ def test_micro_batches_add_up_to_the_same_update() -> None:
         assert torch.allclose(g, gb[0][name], rtol=1e-4, atol=1e-5 * scale), name
 
 
+def test_the_first_minibatch_takes_pi_old_from_its_own_update_pass() -> None:
+    """Before the first update the weights are pi_old, so the step skips that minibatch's
+    separate pi_old pass and uses its update pass's log-probs, detached: the same
+    gradients at every update, the same entropy, as the separate pass gives. (Undetached
+    they would cancel in the ratio and leave no gradient; not computed, the ratio
+    would be against zeros.)"""
+    cfg = TrainConfig(minibatches=2)
+    a, b = TorchTrainer(cfg, SMALL), TorchTrainer(cfg, SMALL)
+    b._passes_agree = lambda: False  # type: ignore[method-assign]  # the separate pass
+    assert a._passes_agree()
+    ga, gb = _gradients_at_the_update(a), _gradients_at_the_update(b)
+    sa, sb = a.train_step(_uneven_batch()), b.train_step(_uneven_batch())
+    for key in ("loss", "entropy", "clip_frac", "is_weight_mean", "grad_norm"):
+        assert sa[key] == pytest.approx(sb[key], rel=1e-5, abs=1e-7), key
+    assert len(ga) == len(gb) == 2
+    for update in range(2):
+        scale = max(float(g.abs().max()) for g in gb[update].values())
+        assert scale > 0
+        for name, g in ga[update].items():
+            assert torch.allclose(g, gb[update][name], rtol=1e-4, atol=1e-5 * scale), name
+
+
+def test_dropout_keeps_the_separate_pi_old_pass() -> None:
+    """With dropout a train-mode pass is a noisy draw, not pi_old: the step keeps the
+    eval-mode pass then (LoRA's dropout is a module, HF attention's a config value)."""
+    t = TorchTrainer(TrainConfig(), SMALL)
+    t.model.config.attention_dropout = 0.1
+    assert not t._passes_agree()
+    t.model.config.attention_dropout = 0.0
+    t.model.add_module("extra", torch.nn.Dropout(0.05))
+    assert not t._passes_agree()
+
+
+def test_a_linear_schedule_decays_to_zero_at_the_runs_last_update() -> None:
+    """steps x minibatches updates, the first at lr: 2 steps of 2 give 1, 3/4, 1/2, 1/4;
+    the step's row reports its first update's rate."""
+    cfg = TrainConfig(lr=1e-3, minibatches=2, lr_schedule="linear")
+    t = TorchTrainer(cfg, SMALL, total_steps=2)
+    seen: list[float] = []
+    step = t.optim.step
+
+    def recording(*args: object, **kwargs: object) -> object:
+        seen.append(t.optim.param_groups[0]["lr"])
+        return step(*args, **kwargs)  # type: ignore[arg-type]
+
+    t.optim.step = recording  # type: ignore[method-assign]
+    rows = [t.train_step(_uneven_batch()) for _ in range(2)]
+    assert seen == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
+    assert [r["lr"] for r in rows] == pytest.approx([1e-3, 5e-4])
+    assert {"time_pack_s", "time_old_logp_s", "time_update_s"} <= rows[0].keys()
+    with pytest.raises(ValueError, match="total_steps"):
+        TorchTrainer(cfg, SMALL)
+
+
 def test_the_reference_model_stays_at_the_start_and_the_kl_grows() -> None:
     cfg = TrainConfig(minibatches=1, lr=1e-2, loss=LossConfig(kl_coef=0.1))
     t = TorchTrainer(cfg, ModelConfig(vocab_size=64, layers=1, hidden=64))

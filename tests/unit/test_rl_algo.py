@@ -291,3 +291,28 @@ def test_a_resume_with_another_bound_follows_the_config_everywhere() -> None:
     assert resumed.bound.oldest_usable(5) == 5  # a request for the batch of step 5
     assert StalenessBound(2).oldest_usable(5) == 3 and StalenessBound(2).oldest_usable(1) == 0
     assert "max_trajectory_age_steps" not in resumed.state_dict()  # never written again
+
+
+def test_the_lr_schedule_is_transformers_update_for_update() -> None:
+    """The factors transformers' schedulers apply (the HF Trainer and TRL use them):
+    a run compares with a TRL run at the same learning rate at every update."""
+    sched = pytest.importorskip("transformers.optimization")
+    from rlix_async.train.algo import lr_factor
+
+    for total, warmup in [(40, 0), (40, 4), (7, 3), (1, 0)]:
+        for kind, make in [
+            ("linear", sched.get_linear_schedule_with_warmup),
+            ("constant", lambda o, w, _t: sched.get_constant_schedule_with_warmup(o, w)),
+        ]:
+            opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+            hf = make(opt, warmup, total)
+            for update in range(total + 2):
+                assert lr_factor(update, total, kind, warmup) == pytest.approx(
+                    opt.param_groups[0]["lr"], abs=1e-12
+                ), (kind, total, warmup, update)
+                opt.step()
+                hf.step()
+    # by hand: four updates decaying linearly, the first at the full rate
+    assert [lr_factor(u, 4, "linear") for u in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    with pytest.raises(ValueError, match="unknown lr schedule"):
+        lr_factor(0, 4, "cosine")
