@@ -314,7 +314,7 @@ class Driver:
             # is removed as the pipeline exits)
             await hooks.after_training(step, None)
         lap("publish")
-        return {**self._train_times, **times}
+        return {**self._train_times, **self.trainer.step_times, **times}
 
     # --- text recipes: evaluation, samples, response metrics ------------------------------
 

@@ -320,11 +320,16 @@ class MegatronTrainer(TorchTrainer):
             parallel_state.destroy_model_parallel()
         super().destroy_group()  # DDP, then the default group
 
-    def forward_logits(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    def forward_logits(
+        self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None
+    ) -> torch.Tensor:
+        """Megatron's GPTModel computes every position's logits; the last ``keep`` are
+        returned."""
         n = ids.shape[1]
         pos = torch.arange(n, device=ids.device).unsqueeze(0).expand_as(ids)
         causal = torch.triu(torch.ones(n, n, device=ids.device), diagonal=1).bool()[None, None]
-        return model(ids, pos, attention_mask=causal)
+        logits = model(ids, pos, attention_mask=causal)
+        return logits if keep is None else logits[:, -keep:]
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         if not dist.is_initialized():  # running alone: a private one-rank group

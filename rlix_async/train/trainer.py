@@ -42,7 +42,6 @@ from rlix_async.train.algo import (
     lr_factor,
     policy_loss,
     sampling_log_softmax,
-    token_log_probs,
 )
 from rlix_async.train.buffer import Group
 from rlix_async.train.host_buffers import (
@@ -161,6 +160,7 @@ class TorchTrainer:
         if self.cfg.loss.kl_coef > 0 and lora is None:
             self.reference = self._frozen_copy()
         self.step = 0
+        self.step_times: dict[str, float] = {}  # the last train_step's, by part
         self._host: PinnedHostBuffers | None = None
         self._offloaded: list[StateKey] = []  # what offload() moved; reload() moves it back
         if start_offloaded and self.device.type == "cuda":
@@ -216,8 +216,16 @@ class TorchTrainer:
             self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
         )
 
-    def forward_logits(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=ids).logits
+    def forward_logits(
+        self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None
+    ) -> torch.Tensor:
+        """Logits [B, positions, V] of the last ``keep`` positions (all when None): the
+        output layer and every softmax after it cost in proportion to the positions,
+        and a step needs only those that predict response tokens (TRL's
+        ``logits_to_keep``)."""
+        if keep is None:
+            return model(input_ids=ids).logits
+        return model(input_ids=ids, logits_to_keep=keep).logits
 
     def destroy_group(self) -> None:
         if self._ddp is not None:
@@ -301,63 +309,74 @@ class TorchTrainer:
                 rows.append((g.prompt + resp, len(g.prompt), lps, a, m))
         rows = rows[self.rank :: self.world]
         longest = max(len(r[0]) for r in rows)
+        # Position t predicts token t+1, so responses are predicted from position plen-1
+        # on. The per-position tensors (mask, behaviour, and the log-probs made to match
+        # them) start at the first position any row's response needs: the prompt's
+        # positions before it cost no output layer, softmax or entropy.
+        first = min(r[1] for r in rows) - 1
         n = len(rows)
         ids = torch.zeros(n, longest, dtype=torch.long)
-        mask = torch.zeros(n, longest - 1, dtype=torch.float32)
-        behavior = torch.zeros(n, longest - 1, dtype=torch.float32)
+        mask = torch.zeros(n, longest - 1 - first, dtype=torch.float32)
+        behavior = torch.zeros(n, longest - 1 - first, dtype=torch.float32)
         adv = torch.tensor([r[3] for r in rows], dtype=torch.float32)
         for i, (seq, plen, lps, _, token_mask) in enumerate(rows):
             ids[i, : len(seq)] = torch.tensor(seq)
-            # position t predicts token t+1: responses start at plen; an episode's
-            # environment tokens (mask 0) are context, never trained on
-            mask[i, plen - 1 : len(seq) - 1] = (
+            # an episode's environment tokens (mask 0) are context, never trained on
+            span = slice(plen - 1 - first, len(seq) - 1 - first)
+            mask[i, span] = (
                 1.0 if token_mask is None else torch.tensor(token_mask, dtype=torch.float32)
             )
-            behavior[i, plen - 1 : len(seq) - 1] = torch.tensor(lps, dtype=torch.float32)
+            behavior[i, span] = torch.tensor(lps, dtype=torch.float32)
         return {
             k: v.to(self.device)
             for k, v in dict(ids=ids, mask=mask, behavior=behavior, adv=adv).items()
         }
 
-    def _logp(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        logits = self.forward_logits(model, ids)[:, :-1]
-        # float32 from any logits dtype
-        return token_log_probs(logits, ids[:, 1:], temperature=self.temperature, top_p=self.top_p)
+    def _distributions(self, model: torch.nn.Module, ids: torch.Tensor, width: int) -> torch.Tensor:
+        """log-softmax [B, width, V] of the sampling distribution (float32 from any logits
+        dtype) at the positions predicting ``ids``' last ``width`` tokens."""
+        logits = self.forward_logits(model, ids, keep=width + 1)[:, :-1]
+        return sampling_log_softmax(
+            logits, temperature=self.temperature, top_p=self.top_p, keep=ids[:, -width:]
+        )
+
+    def _logp(
+        self, model: torch.nn.Module, ids: torch.Tensor, width: int | None = None
+    ) -> torch.Tensor:
+        """log p of ``ids``' last ``width`` tokens (all but the first when None)."""
+        width = ids.shape[1] - 1 if width is None else width
+        full = self._distributions(model, ids, width)
+        return full.gather(-1, ids[:, -width:].unsqueeze(-1)).squeeze(-1)
 
     def _logp_entropy(
-        self, model: torch.nn.Module, ids: torch.Tensor, with_entropy: bool
+        self, model: torch.nn.Module, ids: torch.Tensor, width: int, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampled tokens' log-probs and, if asked, each position's entropy (from the
         same distributions, detached: a statistic, not part of the loss)."""
         if not with_entropy:
-            return self._logp(model, ids), None
-        full = sampling_log_softmax(
-            self.forward_logits(model, ids)[:, :-1],
-            temperature=self.temperature,
-            top_p=self.top_p,
-            keep=ids[:, 1:],
-        )
+            return self._logp(model, ids, width), None
+        full = self._distributions(model, ids, width)
         with torch.no_grad():
             ent = entropy(full.detach())
-        return full.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1), ent
+        return full.gather(-1, ids[:, -width:].unsqueeze(-1)).squeeze(-1), ent
 
     @property
     def has_reference(self) -> bool:
         return self.reference is not None or (self.lora is not None and self.cfg.loss.kl_coef > 0)
 
-    def _reference_logp(self, ids: torch.Tensor) -> torch.Tensor:
+    def _reference_logp(self, ids: torch.Tensor, width: int) -> torch.Tensor:
         """The KL reference's log-probs: the starting weights. An adapter starts as a
         no-op (lora_B is zero), so its reference is the base: the model, adapter off."""
         if self.lora is not None:
             with lora_utils.base_only(self.model):
-                return self._logp(self.model, ids)
+                return self._logp(self.model, ids, width)
         assert self.reference is not None
-        return self._logp(self.reference, ids)
+        return self._logp(self.reference, ids, width)
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
-        """One training step: ``cfg.minibatches`` optimizer updates on ``groups``. Its
-        figures include where the time went (``time_*_s``: packing, the log-probs
-        before the update, the updates)."""
+        """One training step: ``cfg.minibatches`` optimizer updates on ``groups``; its
+        figures. Where its time went (packing, the pi_old pass, the updates) is in
+        ``step_times``."""
         self._require_on_device("train_step()")
         clock = [time.perf_counter()]
 
@@ -383,9 +402,8 @@ class TorchTrainer:
             "skipped_updates": 0.0,
             "kl": 0.0,
             "lr": self.cfg.lr * self._lr_factor(0),  # the step's first update's
-            "time_pack_s": time_pack,
-            "time_old_logp_s": lap(),
         }
+        self.step_times = {"time_pack_s": time_pack, "time_old_logp_s": lap()}
         for j, idx in enumerate(parts):
             is_old = first_is_old and j == 0
             entropy_sum += self._update(t, idx, old, ref, len(parts), stats, j, is_old)
@@ -394,7 +412,7 @@ class TorchTrainer:
         # device memory and be offloaded and reloaded every cycle for nothing
         self.optim.zero_grad(set_to_none=True)
         self.step += 1
-        stats["time_update_s"] = lap()
+        self.step_times["time_update_s"] = lap()
         return stats
 
     def _lr_factor(self, minibatch: int) -> float:
@@ -428,18 +446,14 @@ class TorchTrainer:
         ref = torch.zeros_like(t["mask"]) if self.has_reference else None
         entropy_sum = 0.0
         with torch.no_grad():
+            width = t["mask"].shape[1]
             if ref is not None:
                 for idx in parts:
-                    ref[idx] = self._reference_logp(t["ids"][idx])
+                    ref[idx] = self._reference_logp(t["ids"][idx], width)
             for idx in old_parts:
                 ids = t["ids"][idx]
-                full = sampling_log_softmax(
-                    self.forward_logits(self.model, ids)[:, :-1],
-                    temperature=self.temperature,
-                    top_p=self.top_p,
-                    keep=ids[:, 1:],
-                )
-                old[idx] = full.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+                full = self._distributions(self.model, ids, width)
+                old[idx] = full.gather(-1, ids[:, -width:].unsqueeze(-1)).squeeze(-1)
                 entropy_sum += float((entropy(full) * t["mask"][idx]).sum())
                 del full
         self.model.train()
@@ -474,7 +488,7 @@ class TorchTrainer:
             # gradients add up over the micro-batches; DDP reduces once, after the last
             last = j == len(micro) - 1
             with contextlib.nullcontext() if last or not ddp else model.no_sync():  # type: ignore[operator]
-                logp, ent = self._logp_entropy(model, t["ids"][mi], is_old)
+                logp, ent = self._logp_entropy(model, t["ids"][mi], t["mask"].shape[1], is_old)
                 if is_old:
                     old[mi] = logp.detach()
                     entropy_sum += float((ent * t["mask"][mi]).sum())

@@ -217,10 +217,11 @@ def test_the_kl_reference_is_the_base_model_with_no_second_copy(
         return policy_loss(*args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "policy_loss", recording)
-    ids = t._tensors(BATCH)["ids"]
+    packed = t._tensors(BATCH)
+    ids, width = packed["ids"], packed["mask"].shape[1]  # the response positions
     with torch.no_grad():
-        policy = t._logp(t.model.eval(), ids)
-        want = t._logp(load_hf_model(str(base), torch.float32).eval(), ids)
+        policy = t._logp(t.model.eval(), ids, width)
+        want = t._logp(load_hf_model(str(base), torch.float32).eval(), ids, width)
     stats = t.train_step(BATCH)
     (ref,) = seen
     assert torch.allclose(ref, want, atol=1e-6, rtol=0)
@@ -242,9 +243,9 @@ def test_pi_old_is_the_adapter_without_dropout(base: Path, monkeypatch: pytest.M
         return policy_loss(*args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "policy_loss", recording)
-    ids = t._tensors(BATCH)["ids"]
+    packed = t._tensors(BATCH)
     with torch.no_grad():
-        want = t._logp(t.model.eval(), ids)
+        want = t._logp(t.model.eval(), packed["ids"], packed["mask"].shape[1])
     t.train_step(BATCH)
     assert torch.equal(seen[0], want)
     assert t.model.training  # the update ran in train mode

@@ -340,6 +340,40 @@ def test_the_first_minibatch_takes_pi_old_from_its_own_update_pass() -> None:
             assert torch.allclose(g, gb[update][name], rtol=1e-4, atol=1e-5 * scale), name
 
 
+def test_logits_only_for_response_positions_leave_the_loss_as_over_every_position() -> None:
+    """The step asks for logits only from the first position that predicts a response
+    token: its loss equals the loss computed over every position of the full logits,
+    prompts of different lengths in one batch (an offset off by one would shift
+    every log-prob onto its neighbour's token)."""
+    from rlix_async.train.algo import group_advantages, token_log_probs
+
+    groups = [
+        Group([1, 2], [[3, 4, 5], [6]], [[-2.0] * 3, [-2.5]], [[0] * 3, [0]], [1.0, 0.0]),
+        Group([7, 8, 9, 10, 11], [[12, 13], [14, 15, 16]], [[-3.0] * 2, [-1.0] * 3],
+              [[0] * 2, [0] * 3], [0.0, 1.0]),
+    ]  # fmt: skip
+    t = TorchTrainer(TrainConfig(minibatches=1), SMALL, seed=0)
+    rows = []
+    for g in groups:
+        adv = group_advantages(torch.tensor(g.rewards)).tolist()
+        rows += [(g.prompt, *row) for row in zip(g.responses, g.logprobs, adv, strict=True)]
+    longest = max(len(p) + len(r) for p, r, _, _ in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    mask = torch.zeros(len(rows), longest - 1)
+    behavior = torch.zeros(len(rows), longest - 1)
+    for i, (p, r, lp, _) in enumerate(rows):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        mask[i, len(p) - 1 : len(p) + len(r) - 1] = 1.0
+        behavior[i, len(p) - 1 : len(p) + len(r) - 1] = torch.tensor(lp)
+    with torch.no_grad():
+        logp = token_log_probs(t.model(input_ids=ids).logits[:, :-1], ids[:, 1:])
+    want, _ = policy_loss(
+        logp, logp, torch.tensor([a for *_, a in rows]), mask, t.cfg.loss, behavior_logp=behavior
+    )
+    assert t._tensors(groups)["mask"].shape[1] == longest - 2  # from position 1 on
+    assert t.train_step(groups)["loss"] == pytest.approx(float(want), rel=1e-5, abs=1e-7)
+
+
 def test_dropout_keeps_the_separate_pi_old_pass() -> None:
     """With dropout a train-mode pass is a noisy draw, not pi_old: the step keeps the
     eval-mode pass then (LoRA's dropout is a module, HF attention's a config value)."""
@@ -367,7 +401,7 @@ def test_a_linear_schedule_decays_to_zero_at_the_runs_last_update() -> None:
     rows = [t.train_step(_uneven_batch()) for _ in range(2)]
     assert seen == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
     assert [r["lr"] for r in rows] == pytest.approx([1e-3, 5e-4])
-    assert {"time_pack_s", "time_old_logp_s", "time_update_s"} <= rows[0].keys()
+    assert set(t.step_times) == {"time_pack_s", "time_old_logp_s", "time_update_s"}
     with pytest.raises(ValueError, match="total_steps"):
         TorchTrainer(cfg, SMALL)
 
@@ -451,10 +485,13 @@ def _logit_grads(batch: list[Group]) -> torch.Tensor:
     grads: list[torch.Tensor] = []
     forward = t.forward_logits
 
-    def hooked(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        logits = forward(model, ids)
-        if logits.requires_grad:
-            logits.register_hook(lambda g: grads.append(g.detach().clone()))
+    def hooked(model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+        logits = forward(model, ids, keep)
+        if logits.requires_grad:  # the positions before the kept ones get none: zeros
+            skipped = ids.shape[1] - logits.shape[1]
+            logits.register_hook(
+                lambda g: grads.append(torch.nn.functional.pad(g.detach(), (0, 0, skipped, 0)))
+            )
         return logits
 
     t.forward_logits = hooked  # type: ignore[method-assign]
