@@ -150,8 +150,14 @@ class TorchTrainer:
             self.model = lora_utils.lora_model(self.model, lora, seed)
         if not start_offloaded:
             self.model = self.model.to(self.device)
+        # fused: one kernel over all parameters instead of a dozen ops per tensor (0.07 s
+        # against 0.45 s a step for 135M float32 parameters on one CPU core; the default
+        # of transformers' Trainer, so of TRL, too)
         self.optim = torch.optim.AdamW(
-            lora_utils.trainable(self.model), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
+            lora_utils.trainable(self.model),
+            lr=self.cfg.lr,
+            weight_decay=self.cfg.weight_decay,
+            fused=True,
         )
         # the KL penalty's reference: the starting weights, frozen (a resume rebuilds it
         # from the same start, so checkpoints need not hold it). An adapter's start is
