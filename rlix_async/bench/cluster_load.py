@@ -57,7 +57,7 @@ from rlix_async.protocol import (
     hello,
 )
 from rlix_async.protocols import messages as m
-from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.protocols.cache_ref import CacheRef, file_part
 from rlix_async.protocols.topology import TRAIN, ClusterName, ClusterSpec
 
 _POLLIN, _EVENTS, _NOBLOCK = int(zmq.POLLIN), int(zmq.EVENTS), int(zmq.NOBLOCK)
@@ -519,9 +519,11 @@ async def _pipeline(
                 pipeline=pc.pipeline_id,
                 owner=f"{pc.pipeline_id}/driver/0",
                 version=version,
-                segment=f"/rlix-bench-{pc.pipeline_id}-{version % 2}",
+                # names of the pipeline's own form (the coordinator checks them): the
+                # bench's drivers write no segment, the shards here sync nothing
+                segment=f"rlix-{os.getuid()}-{file_part(pc.pipeline_id)}-{0:010}-bench{version % 2}",
                 generation=2 * version,
-                fingerprint="bench",
+                fingerprint=f"{0:016}",
                 total_bytes=16 * GiB,
                 host="bench",
             )

@@ -42,6 +42,7 @@ from rlix_async.control.planner_proc import PlannerProcess
 from rlix_async.control.registry import Registry, RegistryError
 from rlix_async.protocol import ErrorCode, Ok
 from rlix_async.protocols import messages as m
+from rlix_async.protocols.cache_ref import BadRef
 from rlix_async.protocols.cadence import PlanCadence, progress_is_urgent
 from rlix_async.protocols.snapshot import Plan, RankChange, Snapshot
 from rlix_async.protocols.topology import (
@@ -355,6 +356,10 @@ class Coordinator:
                 ErrorCode.FORBIDDEN,
                 f"{msg.pipeline_id} may not publish weights of pipeline {msg.ref.pipeline!r}",
             )
+        try:
+            msg.ref.check_names()  # its names become file names on every shard
+        except BadRef as exc:
+            raise RegistryError(ErrorCode.FORBIDDEN, str(exc)) from None
         p = self.registry.get(msg.pipeline_id)
         self.executor.shards.weights[p.id] = msg.ref
         self.journal.record(ev.WeightsPublished(pipeline=p.id, version=msg.ref.version))

@@ -4,8 +4,24 @@ torch-free, so the coordinator and the control messages carry them without torch
 from __future__ import annotations
 
 import hashlib
+import re
 
 import msgspec
+
+# What a name in a file name may hold (anything else becomes "_"): no "/", so a name is
+# one path component in the shared-memory directory, never a way out of it.
+UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_.\-]")
+_FINGERPRINT = re.compile(r"[0-9a-f]{16}")
+_TAG = r"[0-9a-f]{10}"  # the job and pipeline hash of a segment name (weights/shm.py)
+
+
+def file_part(part: str) -> str:
+    """``part`` as a piece of a file name: every character outside [A-Za-z0-9_.-] as _."""
+    return UNSAFE_CHARS.sub("_", part)
+
+
+class BadRef(ValueError):
+    """A reference naming something it may not (another pipeline's segment, a path)."""
 
 
 class CacheRef(msgspec.Struct, frozen=True):
@@ -23,6 +39,24 @@ class CacheRef(msgspec.Struct, frozen=True):
     # Its CURVE public key (z85): a shard authenticates the server it pulls from with
     # this key, which reaches it through the coordinator from the pipeline's own driver.
     server_key: str = ""
+
+    def check_names(self) -> None:
+        """Refuse (:class:`BadRef`, one line) a reference whose names could reach outside
+        the pipeline's own files: the segment must be one of the pipeline's segment
+        names (``rlix-<uid>-<pipeline>-<tag>-...``, one path component) and the layout
+        fingerprint 16 hex digits (it too becomes a file name). The coordinator checks
+        what a driver publishes, a shard what it is told to sync."""
+        prefix = rf"rlix-[0-9]+-{re.escape(file_part(self.pipeline))}-{_TAG}-"
+        if not re.fullmatch(prefix + r"[A-Za-z0-9_.\-]+", self.segment) or len(self.segment) > 255:
+            raise BadRef(
+                f"weights of {self.pipeline!r}: segment {self.segment[:80]!r} is not one of "
+                "its shared-memory segment names"
+            )
+        if not _FINGERPRINT.fullmatch(self.fingerprint):
+            raise BadRef(
+                f"weights of {self.pipeline!r}: layout fingerprint {self.fingerprint[:40]!r} "
+                "is not 16 hex digits"
+            )
 
 
 class Entry(msgspec.Struct, frozen=True, array_like=True):

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 from rlix_async.protocol import ErrorCode, RpcError
 from rlix_async.protocols import messages as m
-from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.protocols.cache_ref import BadRef, CacheRef
 from rlix_async.protocols.engine import AdapterEngine, ShardEngine
 from rlix_async.protocols.generation import Cancel, Generate, GenerateResult, ShardRefusal
 from rlix_async.protocols.messages import ShardState
@@ -339,6 +339,19 @@ class ShardWorker:
         )
 
     async def _on_command(self, msg: m.ShardCommand, ctx: CallContext) -> m.ShardAck:
+        # Names from the wire become file names here: only this pipeline's (or its base
+        # group members') segments, whatever the coordinator let through
+        for ref in [msg.weights, *msg.adapters.values()]:
+            if ref is not None:
+                try:
+                    ref.check_names()
+                except BadRef as exc:
+                    raise RpcError(ErrorCode.FORBIDDEN, str(exc)) from None
+                if ref.pipeline != self.pipeline and ref.pipeline not in self.members:
+                    raise RpcError(
+                        ErrorCode.FORBIDDEN,
+                        f"{self.pipeline}/infer/{self.rank} serves no weights of {ref.pipeline!r}",
+                    )
         async with self._lock:
             if msg.action == "sleep":
                 await self.shrink()

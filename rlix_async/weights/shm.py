@@ -38,7 +38,6 @@ import itertools
 import logging
 import mmap
 import os
-import re
 import stat
 import threading
 import time
@@ -49,14 +48,13 @@ from pathlib import Path
 import msgspec
 import torch
 
-from rlix_async.protocols.cache_ref import CacheRef, Layout
+from rlix_async.protocols.cache_ref import CacheRef, Layout, file_part
 from rlix_async.protocols.sinks import SlotOverwritten, SyncError, WeightSink
 from rlix_async.weights.packing import BucketView, buckets_of
 from rlix_async.weights.seqlock import HEADER, read_header
 
 log = logging.getLogger(__name__)
 SHM_DIR = Path(os.environ.get("RLIX_SHM_DIR", "/dev/shm"))
-_SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 MIB = 1 << 20
 _SPACE_FIX = (
     "give the container more shared memory (docker run --shm-size=...) "
@@ -91,7 +89,7 @@ def check_shm_dir(shm_dir: Path) -> None:
 
 
 def _safe(part: str) -> str:
-    return _SAFE.sub("_", part)
+    return file_part(part)
 
 
 def pipeline_prefix(pipeline: str) -> str:

@@ -380,3 +380,64 @@ async def test_a_killed_tcp_peer_comes_back_under_its_identity_at_once(spawn, ke
             ).connect(timeout=15)
         assert server.peers["a/driver/0"].rejoined
         await back.close()
+
+
+def _secret(tmp_path: Path) -> tuple[Path, str]:
+    """A private file outside the shared-memory directory, and the relative name that
+    reaches it from there."""
+    import os
+
+    from rlix_async.weights import shm
+
+    secret = tmp_path / "secret.key"
+    secret.write_text("not weights")
+    secret.chmod(0o600)
+    return secret, os.path.relpath(secret, shm.SHM_DIR)
+
+
+async def test_names_from_the_wire_never_become_paths(ipc_ep: str, tmp_path: Path) -> None:
+    """A published reference's segment and fingerprint become file names on every
+    shard: the coordinator refuses any that is not one of the pipeline's own segment
+    names, and a shard told to sync one anyway (the command sent straight to it)
+    refuses it too, opening nothing (an audit hook watches every open)."""
+    import sys
+    import uuid
+
+    import torch
+
+    from rlix_async.weights import shm
+    from rlix_async.weights.cache import WeightCache
+
+    secret, to_secret = _secret(tmp_path)
+    opened: list[str] = []
+    sys.addaudithook(lambda event, args: event == "open" and "secret" in str(args[0]) and opened.append(str(args[0])))  # fmt: skip
+
+    # a real version of a's (its layout published): only the slot's name is forged,
+    # so a shard that trusted it would map the secret as that slot
+    cache = WeightCache("a", f"au{uuid.uuid4().hex[:6]}", bucket_bytes=16 << 10)
+    cache.build(1, {"w": torch.ones(64, 64)})
+    ok = cache.promote(1)
+    bad = [
+        msgspec.structs.replace(ok, segment=s)
+        for s in (to_secret, str(secret), "a/../../b", ok.segment + "/../../x", shm.segment_prefix("b", "o") + "slot0")
+    ] + [msgspec.structs.replace(ok, fingerprint="../../x")]  # fmt: skip
+    async with Coordinator(ipc_ep, SHAPE) as co:
+        a = await PipelineClient.connect(co.endpoint, pipeline_id="a")
+        await a.register(TOPO)
+        worker = await ShardWorker(ScriptedEngine(), co.endpoint, "a", 0, sleep_level=1).start()
+        for ref in bad:
+            with pytest.raises(RpcError, match=r"segment names|not 16 hex") as info:
+                await a.publish_weights(ref)
+            assert info.value.code == ErrorCode.FORBIDDEN
+        assert "a" not in co.executor.shards.weights
+        # straight to the shard, past the coordinator's check
+        for ref in [bad[0], bad[-1], msgspec.structs.replace(ok, pipeline="b", segment=to_secret)]:
+            for action in ("wake", "sync"):
+                with pytest.raises(RpcError) as info:
+                    await co.server.call("a/infer/0", m.ShardCommand(action=action, weights=ref))
+                assert info.value.code == ErrorCode.FORBIDDEN
+        assert opened == []
+        assert worker.synced_version is None
+        await worker.close()
+        await a.close()
+    cache.close()
