@@ -16,6 +16,10 @@ Key directory layout (``rlix-async keygen DIR``)::
     DIR/authorized/client.role                what that key may do: one line,
                                               ``admin``, ``driver PIPELINES`` or
                                               ``shard PIPELINES`` (``*``: any)
+    DIR/authorized/driver-a.allow             what a driver key may hold (optional):
+                                              ``devices 0-15``, ``max_weight 4``,
+                                              ``max_priority ACTOR_TRAINING``,
+                                              ``groups g1,g2``, one per line
 
 All files are 0600 and directories 0700. Give each node only the secret keys its
 processes use (the coordinator's node: ``server``; a shard host: ``shard-HOST``
@@ -35,6 +39,7 @@ peer is the same user, and only the identity rules apply.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -99,13 +104,95 @@ def remove_ipc_file(endpoint: str) -> None:
             os.unlink(endpoint[len("ipc://") :])
 
 
+def parse_devices(text: str) -> frozenset[int]:
+    """``0-3,8,10-11`` as a set of device ids."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise SecurityError(f"devices {text!r}: expected ranges and lists like 0-3,8") from None
+        if first < 0 or last < first:
+            raise SecurityError(f"devices {text!r}: {part.strip()!r} is not a range")
+        out.update(range(first, last + 1))
+    return frozenset(out)
+
+
+def format_devices(devices: frozenset[int]) -> str:
+    """The shortest ``0-3,8`` spelling of ``devices``."""
+    runs: list[list[int]] = []
+    for d in sorted(devices):
+        if runs and d == runs[-1][1] + 1:
+            runs[-1][1] = d
+        else:
+            runs.append([d, d])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """What a driver key may hold (``authorized/NAME.allow``): the devices its
+    pipelines may name, their largest fair-share weight, the most important
+    non-preemptable priority they may ask for, the base groups they may join or
+    create. Unset: no limit of that kind (groups: none)."""
+
+    devices: frozenset[int] | None = None
+    max_weight: float | None = None
+    max_priority: str | None = None  # a priority name (protocols.topology.Priority)
+    groups: frozenset[str] = frozenset()
+
+    def text(self) -> str:
+        lines = []
+        if self.devices is not None:
+            lines.append(f"devices {format_devices(self.devices)}")
+        if self.max_weight is not None:
+            lines.append(f"max_weight {self.max_weight:g}")
+        if self.max_priority is not None:
+            lines.append(f"max_priority {self.max_priority}")
+        if self.groups:
+            lines.append(f"groups {','.join(sorted(self.groups))}")
+        return "".join(f"{line}\n" for line in lines)
+
+
+def parse_allowance(text: str, name: str = "?") -> Allowance:
+    """An ``authorized/NAME.allow`` file; unknown keys and bad values are refused."""
+    fields: dict[str, object] = {}
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, _, value = line.strip().partition(" ")
+        value = value.strip()
+        if key in fields or not value:
+            raise SecurityError(f"allowance of key {name!r}: {line.strip()!r} (repeated or empty)")
+        if key == "devices":
+            fields[key] = parse_devices(value)
+        elif key == "max_weight":
+            try:
+                fields[key] = float(value)
+            except ValueError:
+                raise SecurityError(f"allowance of key {name!r}: max_weight {value!r}") from None
+        elif key == "max_priority":
+            fields[key] = value
+        elif key == "groups":
+            fields[key] = frozenset(g for g in value.split(",") if g)
+        else:
+            raise SecurityError(
+                f"allowance of key {name!r}: unknown {key!r} "
+                "(devices, max_weight, max_priority, groups)"
+            )
+    return Allowance(**fields)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
 class Principal:
-    """Who holds a client key: its name, role and the pipelines it may act for."""
+    """Who holds a client key: its name, role, the pipelines it may act for and, for
+    a driver key with an allowance file, what they may hold."""
 
     name: str
     role: str  # one of ROLES
     pipelines: frozenset[str] | None = None  # None: every pipeline
+    allowance: Allowance | None = None  # None: no allowance file, no limits
 
     def covers(self, pipeline: str) -> bool:
         return self.pipelines is None or pipeline in self.pipelines
@@ -173,8 +260,24 @@ class AccessList:
                     f"`rlix-async keygen DIR --client {name} --role admin|driver|shard`"
                 )
             public, _ = zmq.auth.load_certificate(str(key_file))
-            principals[public] = parse_role(role_file.read_text(), name)
+            principal = parse_role(role_file.read_text(), name)
+            allow_file = key_file.with_suffix(".allow")
+            if allow_file.exists():
+                if principal.role != "driver":
+                    raise SecurityError(f"{allow_file}: only driver keys have allowances")
+                principal = dataclasses.replace(
+                    principal, allowance=parse_allowance(allow_file.read_text(), name)
+                )
+            principals[public] = principal
         return cls(principals)
+
+    @staticmethod
+    def signature(authorized: Path) -> tuple[tuple[str, int, int], ...]:
+        """What changes when a key is added, revoked or given another role or
+        allowance (names, sizes, modification times)."""
+        return tuple(
+            sorted((f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in authorized.iterdir())
+        )
 
     def principal(self, user_id: bytes | str | None) -> Principal | None:
         if user_id is None:
@@ -300,12 +403,16 @@ def keygen(
     clients: list[str] | None = None,
     role: str = "admin",
     pipelines: list[str] | None = None,
+    allowance: Allowance | None = None,
 ) -> list[Path]:
     """Create the server key pair (if absent) and one key pair per client name, each
     allowed ``role`` (for ``pipelines``; None or ``["*"]``: any). A client that
-    exists keeps its key; its role is written only where it has none."""
+    exists keeps its key; its role is written only where it has none; an
+    ``allowance`` (driver keys only) is written, or replaced, whenever given."""
     text = role if role == "admin" else f"{role} {','.join(pipelines or [ANY])}"
     parse_role(text)  # refuse a bad role before writing anything
+    if allowance is not None and role != "driver":
+        raise SecurityError("allowances (--devices, --max-weight, ...) are for driver keys")
     for name in clients or []:
         if not name or name == SERVER_CERT or not name.replace("-", "").replace("_", "").isalnum():
             raise SecurityError(f"bad key name {name!r}: letters, digits, - and _ only")
@@ -331,4 +438,34 @@ def keygen(
             role_file.write_text(text + "\n")
             os.chmod(role_file, 0o600)
             written.append(role_file)
+        if allowance is not None:
+            allow_file = authorized / f"{name}.allow"
+            tmp = allow_file.with_suffix(".allow.tmp")
+            tmp.write_text(allowance.text())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, allow_file)  # a coordinator reloading now reads old or new
+            written.append(allow_file)
     return written
+
+
+def revoke(keys_dir: str | Path, name: str) -> list[Path]:
+    """Remove client key ``name``: the server no longer accepts it (a running
+    coordinator notices within seconds and drops its peers) and its pair is deleted
+    from this directory. Returns what was removed."""
+    if name == SERVER_CERT:
+        raise SecurityError("the server's own key cannot be revoked (make a new directory)")
+    d = Path(keys_dir)
+    _check_key_dir(d)
+    authorized = d / AUTHORIZED
+    if not (authorized / f"{name}.key").exists():
+        raise SecurityError(f"{authorized} holds no key {name!r}")
+    removed = []
+    # the public key first: from then on a reloading server refuses it
+    for path in [authorized / f"{name}.{ext}" for ext in ("key", "role", "allow")] + [
+        d / f"{name}.key",
+        d / f"{name}.key_secret",
+    ]:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed

@@ -11,15 +11,51 @@ from typing import Any
 from rlix_async.cli.args import UsageError, add_overrides, check_output, load_for
 
 
-def _keygen(args: argparse.Namespace) -> int:
-    from rlix_async.security import keygen
+def _allowance(args: argparse.Namespace) -> Any:
+    """The driver allowance the flags give (None: none given), checked here."""
+    from rlix_async.protocols.topology import Priority
+    from rlix_async.security import Allowance, SecurityError, parse_devices
 
+    given = (args.devices, args.max_weight, args.max_priority, args.group)
+    if all(v is None for v in given):
+        return None
+    if args.role != "driver":
+        raise UsageError(
+            "--devices, --max-weight, --max-priority and --group are for --role driver"
+        )
+    if args.max_priority is not None and args.max_priority not in Priority.__members__:
+        raise UsageError(
+            f"--max-priority {args.max_priority}: one of {', '.join(Priority.__members__)}"
+        )
+    if args.max_weight is not None and not args.max_weight > 0:
+        raise UsageError(f"--max-weight {args.max_weight}: must be > 0")
+    try:
+        devices = None if args.devices is None else parse_devices(args.devices)
+    except SecurityError as exc:
+        raise UsageError(f"--{exc}") from None
+    return Allowance(devices, args.max_weight, args.max_priority, frozenset(args.group or ()))
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from rlix_async.security import keygen, revoke
+
+    if args.revoke:
+        for path in revoke(args.dir, args.revoke):
+            print(f"removed {path}")
+        print("a running coordinator drops the key's connections within seconds")
+        return 0
     check_output(args.dir, directory=True)
     if args.role != "admin" and not args.pipeline:
         raise UsageError(f"--role {args.role} needs --pipeline ID (repeatable) or --pipeline '*'")
     if args.role == "admin" and args.pipeline:
         raise UsageError("--pipeline goes with --role driver or shard (admin acts for all)")
-    written = keygen(args.dir, args.client or None, role=args.role, pipelines=args.pipeline)
+    written = keygen(
+        args.dir,
+        args.client or None,
+        role=args.role,
+        pipelines=args.pipeline,
+        allowance=_allowance(args),
+    )
     for path in written:
         print(path)
     if not written:
@@ -222,6 +258,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="ID",
         help="a pipeline a driver or shard key acts for (repeatable; '*': any)",
     )
+    allow = p.add_argument_group(
+        "a driver key's allowance (authorized/NAME.allow; without one a driver key may "
+        "claim any devices and weight)"
+    )
+    allow.add_argument("--devices", metavar="0-3,8", help="the devices its pipelines may name")
+    allow.add_argument("--max-weight", type=float, metavar="W", help="largest fair-share weight")
+    allow.add_argument(
+        "--max-priority",
+        metavar="NAME",
+        help="the most important non-preemptable priority it may request (e.g. ACTOR_TRAINING)",
+    )
+    allow.add_argument(
+        "--group", action="append", metavar="NAME", help="a base group it may join or create"
+    )
+    p.add_argument("--revoke", metavar="NAME", help="remove key NAME (its connections are dropped)")
     p.set_defaults(func=_keygen)
 
     config = sub.add_parser("config", help="check a config file, or print every key")

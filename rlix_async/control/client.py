@@ -203,13 +203,19 @@ class PipelineClient:
         req = self._make_request(cluster, priority, estimate)
         fut = self._arm(cluster)
         self._requests[cluster] = req
-        if release is None:
-            await self._call(req)
-        else:
-            self.held.pop(release, None)
-            await self._call(
-                m.ReleaseAndRequest(pipeline_id=self.pipeline_id, release=release, request=req)
-            )
+        try:
+            if release is None:
+                await self._call(req)
+            else:
+                self.held.pop(release, None)
+                await self._call(
+                    m.ReleaseAndRequest(pipeline_id=self.pipeline_id, release=release, request=req)
+                )
+        except BaseException:  # refused (or cancelled): nothing waits for a grant now
+            self._requests.pop(cluster, None)
+            self._waiters.pop(cluster, None)
+            fut.cancel()
+            raise
         return await self._await_grant(cluster, req, fut, timeout)
 
     async def await_release(self) -> None:

@@ -33,6 +33,7 @@ import msgspec
 from rlix_async.aio import Supervisor
 from rlix_async.config import SchedulerConfig
 from rlix_async.control import journal as ev
+from rlix_async.control.allowances import check_allowances, check_claim, check_priority
 from rlix_async.control.journal import Journal, JournalWriteError, SharedFsync, open_journal
 from rlix_async.control.leases import LeaseKeeper
 from rlix_async.control.plan_checks import check_plan, idle_after
@@ -78,6 +79,9 @@ class Coordinator:
         self.registry = Registry(shape, self.cfg.policy)
         self.journal_path = journal
         self.journal = Journal(None)
+        # a bad allowance stops the start; a driver key without one is named
+        if keys is not None and (unlimited := check_allowances(keys.access)):
+            log.warning("driver keys with no allowance (any devices, weight): %s", unlimited)
         self.server = RpcServer(endpoint, keys=keys, config=transport, name="coordinator")
         self.tasks = Supervisor("coordinator", on_failure=self._task_failed)
         self.executor = PlanExecutor(
@@ -233,6 +237,7 @@ class Coordinator:
 
     def _register(self, msg: m.RegisterPipeline, ctx: CallContext) -> Ok:
         self._authorize(ctx, msg.pipeline_id)
+        check_claim(ctx.principal, msg.pipeline_id, msg.clusters, msg.weight, msg.group)
         old = self.registry.pipelines.get(msg.pipeline_id)
         restarted = old is not None and old.registered
         driver = m.driver_identity(msg.pipeline_id)
@@ -270,6 +275,7 @@ class Coordinator:
 
     def _request(self, msg: m.RequestStage, ctx: CallContext) -> Ok:
         self._authorize(ctx, msg.pipeline_id)
+        check_priority(ctx.principal, msg.pipeline_id, msg.priority)
         p = self.registry.get(msg.pipeline_id)
         if p.held.get(msg.cluster) == Priority[msg.priority]:
             # Already granted, the notification was lost (e.g. across a restart): repeat it.
@@ -374,6 +380,9 @@ class Coordinator:
     def _resume(self, msg: m.Resume, ctx: CallContext) -> Ok:
         """A driver back after a coordinator restart (or a blip) re-asserts its state."""
         self._authorize(ctx, msg.pipeline_id)
+        check_claim(ctx.principal, msg.pipeline_id, msg.clusters, msg.weight, msg.group)
+        for priority in [*msg.held.values(), *(r.priority for r in msg.requests)]:
+            check_priority(ctx.principal, msg.pipeline_id, priority)
         driver = m.driver_identity(msg.pipeline_id)
         if ctx.peer != driver and driver in self.server.peers:
             raise RegistryError(

@@ -158,6 +158,12 @@ def _gold_answer(row: Mapping[str, Any], reward: str) -> Any:
         raise KeyError(f"{reward} needs an 'answer' field in each row") from None
 
 
+MATH_VERIFY_MISSING = (
+    "reward math_answer: math-verify is not installed, so answers are compared as plain "
+    "numbers or text (\\frac{1}{2} is not 0.5): pip install 'rlix_async[recipes]'"
+)
+
+
 def _math_verify() -> Any:
     """The math_verify module, or None when it is not installed (then the plain fallback)."""
     try:
@@ -226,8 +232,8 @@ def load_reward(spec: str, reward_args: Mapping[str, Any] | None = None) -> Rewa
     _check_signature(spec, fn, args)
     if fn is regex_format:
         _check_pattern(spec, args["pattern"])
-    if fn is math_answer:
-        _math_verify()  # import sympy now, not inside the first call's timeout
+    if fn is math_answer and _math_verify() is None:  # (imports sympy now, not mid-call)
+        logger.warning(MATH_VERIFY_MISSING)
     return Reward(fn=fn, args=args, is_async=_is_async(fn), name=spec)
 
 

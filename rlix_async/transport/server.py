@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -24,11 +25,21 @@ from rlix_async.protocol import (
     decode_body,
     decode_envelope,
 )
-from rlix_async.security import Principal, ServerKeys, check_endpoint, remove_ipc_file, tcp_only
+from rlix_async.security import (
+    AccessList,
+    Principal,
+    SecurityError,
+    ServerKeys,
+    check_endpoint,
+    remove_ipc_file,
+    tcp_only,
+)
 from rlix_async.transport.endpoint import _NOBLOCK, _SNDMORE, _call_hook, _Endpoint
 from rlix_async.transport.types import Buffer, PeerInfo, TransportConfig
 
 log = logging.getLogger(__name__)
+
+KEY_CHECK_S = 2.0  # how often a keyed server looks for added or revoked keys
 
 # Heartbeats sent in one loop callback at most (about 3 ms of sends): a round's
 # peers are spread over as many ticks as that takes.
@@ -93,7 +104,45 @@ class RpcServer(_Endpoint):
         self._start_reading()
         self._tasks.spawn(self._heartbeat_loop(), "heartbeat")
         self._tasks.spawn(self._expire_calls(), "call-timeouts")
+        if self.keys is not None:
+            self._tasks.spawn(self._watch_keys(), "keys")
         return self
+
+    async def _watch_keys(self) -> None:
+        """Follow ``authorized/``: a key added, revoked (``keygen --revoke``) or given
+        another role or allowance counts from the next check. A revoked key's peers
+        are dropped (their owner hears them lost) and its new connections fail the
+        handshake; a peer's role and allowance are the new ones from then on."""
+        assert self.keys is not None
+        authorized = self.keys.authorized_dir
+        seen = AccessList.signature(authorized)
+        while not self._closed:
+            await asyncio.sleep(KEY_CHECK_S)
+            try:
+                now = AccessList.signature(authorized)
+                if now == seen:
+                    continue
+                access = AccessList.load(authorized)
+            except (OSError, SecurityError, ValueError) as exc:  # mid-write, or bad: keep the old
+                log.error("%s: authorized keys not reloaded: %s", self._tasks.name, exc)
+                continue
+            seen = now
+            self.reload_access(access)
+
+    def reload_access(self, access: AccessList) -> None:
+        """Serve with ``access`` from now on (see :meth:`_watch_keys`)."""
+        assert self.keys is not None
+        self.keys = dataclasses.replace(self.keys, access=access)
+        if self._auth is not None:  # the handshake: new connections
+            self._auth.configure_curve(domain="*", location=str(self.keys.authorized_dir))
+        for peer, info in list(self.peers.items()):
+            principal = access.principal(info.key)
+            if principal is not None and principal.may_use(peer):
+                info.principal = principal
+                continue
+            del self.peers[peer]
+            log.warning("peer %s dropped: its key was revoked or no longer allows it", peer)
+            self._tasks.spawn(_call_hook(self.on_peer_lost, info), "peer-revoked")
 
     async def close(self) -> None:
         if self._closed:

@@ -8,6 +8,7 @@ worker with the scripted engine (tests/helpers/scripted_engine.py, in process).
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import msgspec
@@ -441,3 +442,71 @@ async def test_names_from_the_wire_never_become_paths(ipc_ep: str, tmp_path: Pat
         await worker.close()
         await a.close()
     cache.close()
+
+
+async def test_a_driver_key_claims_only_what_its_allowance_grants(keys: Path) -> None:
+    """``keygen --role driver --devices 0-1 --max-weight 2 --max-priority ACTOR_TRAINING
+    --group g``: a registration naming other devices, a larger weight or another base
+    group is refused in one line naming the key and the limit, as is a request more
+    important than ACTOR_TRAINING; within the allowance all is served."""
+    from rlix_async.security import Allowance, parse_devices
+
+    keygen(d := keys, ["driver-c"], role="driver", pipelines=["c"],
+           allowance=Allowance(parse_devices("0-1"), 2.0, "ACTOR_TRAINING", frozenset({"g"})))  # fmt: skip
+    assert (d / "authorized" / "driver-c.allow").read_text() == (
+        "devices 0-1\nmax_weight 2\nmax_priority ACTOR_TRAINING\ngroups g\n"
+    )
+    async with Coordinator(TCP, SHAPE, keys=ServerKeys.load(keys)) as co:
+        c = await PipelineClient.connect(
+            co.endpoint, pipeline_id="c", keys=ClientKeys.load(keys, "driver-c")
+        )
+        refusals = {
+            "devices 2-3 are outside key 'driver-c' (driver for c)'s allowance (0-1)": dict(clusters=TOPO_B),
+            "weight 3 is over key 'driver-c' (driver for c)'s max_weight 2": dict(clusters=TOPO, weight=3.0),
+            "may not join or create base group 'h' (its groups: g)": dict(clusters=TOPO, group="h"),
+        }  # fmt: skip
+        for expected, fields in refusals.items():
+            with pytest.raises(RpcError, match=re.escape(expected)) as info:
+                await c._call(m.RegisterPipeline(pipeline_id="c", **fields))
+            assert info.value.code == ErrorCode.FORBIDDEN
+        assert "c" not in co.registry.pipelines or not co.registry.pipelines["c"].registered
+        await c.register(TOPO, weight=2.0)
+        await c.admit()
+        with pytest.raises(RpcError, match=r"priority INITIALIZATION is above .* ACTOR_TRAINING"):
+            await c.request("actor_train", "INITIALIZATION", timeout=5)
+        assert await c.request("actor_train", "ACTOR_TRAINING", timeout=5) == [0]
+        await c.close()
+
+
+async def test_a_revoked_key_is_dropped_and_cannot_come_back(
+    keys: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``keygen --revoke NAME`` on a running coordinator's key directory: within a
+    check (2 s; 0.1 here) its live peer is dropped, the pipeline's driver counts as
+    lost, and the key cannot connect again; other keys are untouched."""
+    from rlix_async.security import revoke
+    from rlix_async.transport import server as server_module
+
+    monkeypatch.setattr(server_module, "KEY_CHECK_S", 0.1)
+    async with Coordinator(TCP, SHAPE, keys=ServerKeys.load(keys)) as co:
+        drv_a, drv_b = ClientKeys.load(keys, "driver-a"), ClientKeys.load(keys, "driver-b")
+        a = await PipelineClient.connect(co.endpoint, pipeline_id="a", keys=drv_a)
+        b = await PipelineClient.connect(co.endpoint, pipeline_id="b", keys=drv_b)
+        await a.register(TOPO)
+        await b.register(TOPO_B)
+        assert "a/driver/0" in co.server.peers
+        removed = revoke(keys, "driver-a")
+        assert keys / "authorized" / "driver-a.key" in removed
+        assert not (keys / "driver-a.key_secret").exists()
+        async with asyncio.timeout(5):
+            while "a/driver/0" in co.server.peers:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert not co.registry.pipelines["a"].connected  # lost, as a silent driver would be
+        assert "b/driver/0" in co.server.peers
+        again = RpcClient(co.endpoint, "a/driver/0", keys=drv_a)
+        with pytest.raises(ConnectionError):
+            await again.connect(timeout=3)
+        await again.close()
+        assert isinstance(await b._call(m.StatusRequest()), m.StatusReply)
+        await a.close()
+        await b.close()

@@ -51,6 +51,33 @@ def test_keygen(tmp_path: Path) -> None:
     assert (tmp_path / "keys" / "authorized" / "node1.key").exists()
 
 
+def test_keygen_writes_a_driver_allowance_and_revokes(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    driver = ["--client", "d", "--role", "driver", "--pipeline", "p"]
+    out = rlix("keygen", str(keys), *driver, "--devices", "0-3,8,10-11", "--max-weight", "4",
+               "--max-priority", "ACTOR_TRAINING", "--group", "g1", "--group", "g2")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert (keys / "authorized" / "d.allow").read_text() == (
+        "devices 0-3,8,10-11\nmax_weight 4\nmax_priority ACTOR_TRAINING\ngroups g1,g2\n"
+    )
+    for bad, message in [
+        (["--devices", "3-1"], "devices '3-1': '3-1' is not a range"),
+        (["--max-priority", "TOP"], "--max-priority TOP: one of INITIALIZATION"),
+        (["--max-weight", "0"], "--max-weight 0.0: must be > 0"),
+    ]:
+        out = rlix("keygen", str(keys), *driver, *bad)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+    out = rlix("keygen", str(keys), "--client", "s", "--role", "shard", "--pipeline", "p",
+               "--devices", "0")  # fmt: skip
+    assert out.returncode == 2 and "are for --role driver" in out.stderr
+    out = rlix("keygen", str(keys), "--revoke", "d")
+    assert out.returncode == 0, out.stderr
+    assert not (keys / "authorized" / "d.key").exists() and not (keys / "d.key_secret").exists()
+    out = rlix("keygen", str(keys), "--revoke", "d")
+    assert out.returncode == 2 and "holds no key 'd'" in out.stderr
+
+
 @pytest.mark.parametrize(
     ("text", "overrides", "message"),
     [

@@ -17,6 +17,7 @@ import pytest
 
 from rlix_async.rollout.rewards import (
     BUILTINS,
+    MATH_VERIFY_MISSING,
     Reward,
     RewardError,
     RewardRunner,
@@ -355,6 +356,20 @@ def test_math_answer_uses_math_verify_when_installed(math_path: str) -> None:
     assert got == (1.0 if math_path == "math_verify" else 0.0)
     # the fallback still compares non-numbers as text
     assert math_answer("", "\\boxed{\\frac{1}{2}}", {"answer": "\\frac{1}{2}"}) == 1.0
+
+
+def test_loading_math_answer_without_math_verify_says_what_to_install(
+    math_path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The fallback is weaker (no \\frac, no sets): loading the reward says so in one
+    line naming the extra, once per load, and only when math-verify is missing."""
+    with caplog.at_level(logging.WARNING, logger="rlix_async.rewards"):
+        load_reward("math_answer")
+    warned = [r.getMessage() for r in caplog.records if "math-verify" in r.getMessage()]
+    if math_path == "fallback":
+        assert warned == [MATH_VERIFY_MISSING] and "rlix_async[recipes]" in warned[0]
+    else:
+        assert warned == []
 
 
 def test_math_answer_works_in_a_thread(math_path: str) -> None:
