@@ -24,6 +24,22 @@ def _rpc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fuzz(args: argparse.Namespace) -> int:
+    from rlix_async.bench.fuzz import run_fuzz_bench
+
+    r = run_fuzz_bench(args.target, args.inputs, args.seed)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print(
+            f"{r['target']}: {r['inputs']} hostile connections in {r['hostile_s']} s "
+            f"({', '.join(f'{k} {v}' for k, v in r['kinds'].items())}); refused {r['refused']}, "
+            f"bytes sent to them {r['bytes_to_hostile']}; then a granted stream "
+            f"{'landed every byte' if r['then_served_intact'] else 'DID NOT land intact'}"
+        )
+    return 0 if r["ok"] else 1
+
+
 def _plan(args: argparse.Namespace) -> int:
     from rlix_async.bench.plan import run_plan_bench
 
@@ -340,6 +356,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _json_flag(p)
     p.set_defaults(func=_preempt)
     _register_episodes(bsub)
+    _register_fuzz(bsub)
     p = bsub.add_parser(
         "transparency",
         help="the arithmetic recipe alone vs time-shared, per seed: data order, batch sizes, "
@@ -351,6 +368,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--eval-every", type=positive_int, default=2)
     _json_flag(p)
     p.set_defaults(func=_transparency)
+
+
+def _register_fuzz(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = bsub.add_parser(
+        "fuzz",
+        help="hostile connections against a listener, then a real use of it (exit 1: it "
+        "stopped serving, lost bytes or leaked any)",
+    )
+    p.add_argument("--target", choices=["stream"], default="stream", help="the sealed stream")
+    p.add_argument("--inputs", type=positive_int, default=10_000, help="hostile connections")
+    p.add_argument("--seed", type=int, default=0)
+    _json_flag(p)
+    p.set_defaults(func=_fuzz)
 
 
 def _register_episodes(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -188,6 +188,7 @@ class SealedStreamer:
                 continue
             if self._connections.locked():  # at the cap: nobody gets to hold a socket open
                 conn.close()
+                self._refuse("at the connection cap")
                 continue
             self._tasks.spawn(self._serve(conn), "stream")
 

@@ -365,3 +365,16 @@ async def test_a_connection_without_a_hello_is_dropped(cache: WeightCache, keys:
         got, waited = await asyncio.to_thread(silent)
         assert got == b"" and waited < 3
         assert server.streamer.refused == 1
+
+
+async def test_the_listener_survives_hostile_connections_and_then_serves_intact() -> None:
+    """The fuzz bench's stream target, a few hundred inputs (``rlix-async bench fuzz``
+    runs 10,000): garbage, truncated, guessed and replayed tickets, a slow loris and
+    silent connections are each refused without a byte of the weights, and a granted
+    stream afterwards lands every byte."""
+    from rlix_async.bench.fuzz import KINDS, fuzz_stream
+
+    r = await fuzz_stream(240, seed=1)
+    assert set(r["kinds"]) == set(KINDS) and all(n > 0 for n in r["kinds"].values())
+    assert r["refused"] == 240 and r["bytes_to_hostile"] == 0
+    assert r["then_served_intact"] and r["streams_sent"] == 2 and r["ok"]
