@@ -40,7 +40,7 @@ from rlix_async.config import LaunchConfig, PipelineConfig, dump
 from rlix_async.placement import (
     NodePlanError,
     PlacedProcess,
-    bind_shards,
+    bind_cores,
     bind_visible_devices,
     model_dir,
     node_share,
@@ -232,7 +232,7 @@ class Launcher:
             if node is not None:
                 self.plan = node_share(self.plan, node.node, node.address)
             bind_visible_devices(self.plan, os.environ)
-            bind_shards(self.plan, cfg.cluster.gpus_per_node, shard_cores())
+            bind_cores(self.plan, cfg.cluster.gpus_per_node, shard_cores(), os.environ)
         except NodePlanError as exc:
             raise LaunchError(str(exc)) from None
         self.done_dir = self.out / "nodes" / (node.job if node else "local")

@@ -130,10 +130,21 @@ def cpu_binding(
     return [cores[i * share : i * share + threads] for i in local]
 
 
-def bind_shards(plan: list[PlacedProcess], gpus_per_node: int, cores: list[int]) -> None:
-    """Set each shard's ``VLLM_CPU_OMP_THREADS_BIND`` (one core list per tensor-parallel
-    rank) from :func:`cpu_binding`; nothing where ``cores`` is empty (a GPU node, or a
-    binding the user set)."""
+THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def bind_cores(
+    plan: list[PlacedProcess],
+    gpus_per_node: int,
+    cores: list[int],
+    environ: Mapping[str, str],
+) -> None:
+    """On a node without GPUs (``cores`` non-empty), where a device is a share of the
+    cores: set each shard's ``VLLM_CPU_OMP_THREADS_BIND`` (one core list per
+    tensor-parallel rank, :func:`cpu_binding`) and give each trainer rank as many
+    torch threads as its device has cores (the launcher's default for every other
+    process is one). Nothing where ``cores`` is empty (a GPU node, or a binding the
+    user set); a trainer thread count the user set (``OMP_NUM_THREADS``) stands."""
     if not cores:
         return
     for proc in plan:
@@ -141,6 +152,8 @@ def bind_shards(plan: list[PlacedProcess], gpus_per_node: int, cores: list[int])
             proc.env[BIND_ENV] = "|".join(
                 ",".join(map(str, own)) for own in cpu_binding(proc.devices, gpus_per_node, cores)
             )
+        elif proc.role == "trainer" and THREADS_ENV not in environ:
+            proc.env[THREADS_ENV] = str(max(1, len(cores) // gpus_per_node))
 
 
 def shard_cores() -> list[int]:
@@ -374,8 +387,8 @@ def node_share(plan: list[PlacedProcess], node: int, address: str) -> list[Place
 
 def format_placement(plan: list[PlacedProcess]) -> str:
     """The plan as a table, one process per line (``launch --dry-run``); a CPUS column
-    where shards are bound to cores (:func:`bind_shards`)."""
-    bound = any(BIND_ENV in proc.env for proc in plan)
+    where shards are bound to cores and trainers given threads (:func:`bind_cores`)."""
+    bound = any(BIND_ENV in proc.env or THREADS_ENV in proc.env for proc in plan)
     head = ["ROLE", "PIPELINE", "RANK", "NODE", "DEVICES", "CUDA_VISIBLE_DEVICES"]
     rows = [[*head, *(["CPUS"] if bound else []), "CONFIG"]]
     for proc in plan:
@@ -388,7 +401,8 @@ def format_placement(plan: list[PlacedProcess]) -> str:
             proc.env.get("CUDA_VISIBLE_DEVICES", "") or "(none)",
         ]
         if bound:
-            row.append(proc.env.get(BIND_ENV, "-"))
+            threads = proc.env.get(THREADS_ENV)
+            row.append(proc.env.get(BIND_ENV) or (f"{threads} threads" if threads else "-"))
         rows.append([*row, str(proc.config_path or "-")])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(

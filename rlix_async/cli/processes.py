@@ -81,7 +81,7 @@ def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
     from rlix_async.placement import (
         BIND_ENV,
         NodePlanError,
-        bind_shards,
+        bind_cores,
         bind_visible_devices,
         format_placement,
         place_processes,
@@ -95,7 +95,7 @@ def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
     except NodePlanError as exc:
         raise UsageError(str(exc)) from None
     cores = shard_cores()
-    bind_shards(plan, cfg.cluster.gpus_per_node, cores)
+    bind_cores(plan, cfg.cluster.gpus_per_node, cores, os.environ)
     if args.json:
         print(json.dumps({"processes": [p.to_builtins() for p in plan]}, indent=2))
         return 0

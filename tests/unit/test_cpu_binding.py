@@ -46,10 +46,18 @@ def test_smt_siblings_count_as_one_core(monkeypatch: pytest.MonkeyPatch) -> None
     assert parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
 
 
-def test_the_dry_run_table_shows_each_shards_cores_and_only_shards_are_bound() -> None:
-    """bind_shards is what the launcher and ``launch --dry-run`` both apply: a TP-2
-    shard gets one core list per rank; trainers and the coordinator get none."""
-    from rlix_async.placement import BIND_ENV, PlacedProcess, bind_shards, format_placement
+def test_the_dry_run_table_shows_each_shards_cores_and_each_trainers_threads() -> None:
+    """bind_cores is what the launcher and ``launch --dry-run`` both apply: a TP-2
+    shard gets one core list per rank, a trainer rank as many threads as its device
+    has cores (16 cores, 4 devices: 4), unless the user set OMP_NUM_THREADS; the
+    coordinator gets neither."""
+    from rlix_async.placement import (
+        BIND_ENV,
+        THREADS_ENV,
+        PlacedProcess,
+        bind_cores,
+        format_placement,
+    )
 
     def plan() -> list[PlacedProcess]:
         return [
@@ -59,12 +67,20 @@ def test_the_dry_run_table_shows_each_shards_cores_and_only_shards_are_bound() -
         ]
 
     bound = plan()
-    bind_shards(bound, 4, list(range(16)))
+    bind_cores(bound, 4, list(range(16)), {})
     assert [p.env.get(BIND_ENV) for p in bound] == [None, "8,9,10|12,13,14", None]
+    assert [p.env.get(THREADS_ENV) for p in bound] == [None, None, "4"]
     table = format_placement(bound).splitlines()
     assert table[0].split()[6] == "CPUS"
-    assert table[2].split()[6] == "8,9,10|12,13,14" and table[3].split()[6] == "-"
+    assert table[2].split()[6] == "8,9,10|12,13,14" and table[3].split()[6:8] == ["4", "threads"]
+    assert table[1].split()[6] == "-"
+    users = plan()
+    bind_cores(users, 4, list(range(16)), {THREADS_ENV: "2"})  # the user's stands
+    assert THREADS_ENV not in users[2].env
+    one = plan()
+    bind_cores(one, 2, [0, 1], {})  # 2 cores, 2 devices: one each
+    assert one[2].env[THREADS_ENV] == "1"
     unbound = plan()
-    bind_shards(unbound, 4, [])  # a GPU node, or the user's own binding
-    assert all(BIND_ENV not in p.env for p in unbound)
+    bind_cores(unbound, 4, [], {})  # a GPU node, or the user's own binding
+    assert all(BIND_ENV not in p.env and THREADS_ENV not in p.env for p in unbound)
     assert "CPUS" not in format_placement(unbound)
