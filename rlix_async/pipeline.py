@@ -28,28 +28,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 import torch.distributed as dist
 
 from rlix_async.config import ConfigError, PipelineConfig, load_config
 from rlix_async.hooks import ClusterHooks
-from rlix_async.observe.loggers import Loggers, flush_at_exit
+from rlix_async.observe.loggers import flush_at_exit
 from rlix_async.rollout.collector import Collector
-from rlix_async.rollout.episodes import episode_stats, turns_of
 from rlix_async.rollout.evaluate import Evaluator, eval_due
 from rlix_async.rollout.ledger import LEDGER, Ledger
-from rlix_async.rollout.prompts import Recipe, RecipeError, finite_mean, load_recipe, truncated
+from rlix_async.rollout.prompts import Recipe, RecipeError, load_recipe
+from rlix_async.rollout.records import RunRecords
 from rlix_async.train.batches import BatchChannel
 from rlix_async.train.buffer import Group, ReplayBuffer, StalenessBound
 from rlix_async.train.checkpoints import latest_checkpoint, prune_checkpoints
@@ -81,7 +78,6 @@ class Driver:
         self.recipe = recipe  # a text recipe's tokenizer, data and reward (None: token task)
         self._evals: asyncio.Future[None] | None = None  # the evaluations, one after another
         self._eval_next: int | None = None  # the version due next, while one runs
-        self.loggers: Loggers | None = None  # tensorboard, wandb: views of metrics.jsonl
         self.trainer = trainer
         self.store = store
         self.channel = channel  # to the other ranks (None: running alone)
@@ -97,6 +93,7 @@ class Driver:
         )
         self.out = cfg.run_dir
         self.out.mkdir(parents=True, exist_ok=True)
+        self.records = RunRecords(cfg, recipe)  # metrics.jsonl, samples.jsonl, loggers
 
     async def run(self, cache: WeightCache) -> None:
         from rlix_async.security import ClientKeys
@@ -118,10 +115,7 @@ class Driver:
             buffered=list(self.buffer.groups),
         )
         self.buffer.on_drop = ledger.dropped
-        if self.cfg.loggers:
-            self.loggers = Loggers(
-                list(self.cfg.loggers), self.out, self.cfg.id, msgspec.to_builtins(self.cfg)
-            )
+        self.records.open_loggers()
         try:
             weight_server = await self._serve_weights(cache, key_name)
             hooks = await ClusterHooks.join(
@@ -165,8 +159,7 @@ class Driver:
                 await hooks.close()
         finally:
             ledger.close()
-            if self.loggers is not None:
-                self.loggers.close()
+            self.records.close()
             if weight_server is not None:
                 await weight_server.close()
 
@@ -249,14 +242,14 @@ class Driver:
             "reprefill_tokens": hooks.router.reprefill_tokens,  # preemption's recompute, so far
             # what this step's version moves to each shard that syncs it (0: not published)
             "sync_bytes": self.sync_bytes,
-            **self._response_stats(batch),
+            **self.records.response_stats(batch, collector.env_failed, collector.reward_failed),
             "active_shards": len(hooks.client.active_ranks),
             "time": time.time(),
             **{k: round(v, 5) for k, v in stats.items()},
             **times,
         }
-        self._record(row)
-        self._write_samples(batch, version)
+        self.records.record(row)
+        self.records.write_samples(batch, version)
         log.info("%s step %d reward %.3f", self.cfg.id, row["step"], row["reward"])
 
     async def _after_training(
@@ -316,7 +309,7 @@ class Driver:
         lap("publish")
         return {**self._train_times, **self.trainer.step_times, **times}
 
-    # --- text recipes: evaluation, samples, response metrics ------------------------------
+    # --- text recipes: evaluation ---------------------------------------------------------
 
     def _evaluator(self, hooks: ClusterHooks) -> Evaluator | None:
         if self.recipe is None or not self.cfg.eval_every:
@@ -357,62 +350,8 @@ class Driver:
             except Exception as exc:  # a failed evaluation is reported, not fatal
                 log.error("%s: evaluation of version %d failed: %s", self.cfg.id, version, exc)
                 row = {"step": version, "eval/error": f"{type(exc).__name__}: {exc}"}
-            self._record(row)
+            self.records.record(row)
             log.info("%s eval at version %d: %s", self.cfg.id, version, row.get("eval/reward"))
-
-    def _record(self, row: dict[str, Any]) -> None:
-        """A row of metrics.jsonl (a step's or an evaluation's), and to the loggers."""
-        _append_jsonl(self.out / "metrics.jsonl", row)
-        if self.loggers is not None:
-            self.loggers.log(row)
-
-    def _response_stats(self, batch: list[Group]) -> dict[str, float | int]:
-        """Response length, the share cut at max_tokens, the reward's extras (means)."""
-        lengths = [len(r) for g in batch for r in g.responses]
-        stop_ids = self.recipe.stop_token_ids if self.recipe is not None else []
-        cut = [
-            truncated(r, self.cfg.rollout.max_tokens, stop_ids) for g in batch for r in g.responses
-        ]
-        stats: dict[str, float | int] = {"response_tokens": sum(lengths) / len(lengths)}
-        extras: dict[str, list[float]] = {}
-        figures: dict[str, list[float]] = {}  # env episodes' turns, env seconds, ...
-        for g in batch:
-            for name, values in g.reward_extras.items():
-                extras.setdefault(name, []).extend(values)
-            for name, values in g.episodes.items():
-                figures.setdefault(name, []).extend(values)
-        if figures:  # an episode's length is every turn's: cut at max_tokens means nothing
-            stats.update(episode_stats(figures))
-            stats["env_failed"] = self.collector.env_failed
-        else:
-            stats["truncated"] = sum(cut) / len(cut)
-        means = {f"reward/{k}": finite_mean(v) for k, v in extras.items()}
-        stats.update({k: v for k, v in means.items() if v == v})  # an extra never reported: none
-        stats["reward_failed"] = self.collector.reward_failed  # left out of their groups
-        return stats
-
-    def _write_samples(self, batch: list[Group], version: int) -> None:
-        """A few of the step's trajectories as text, with reward and weight-version lag."""
-        rows: list[dict[str, Any]] = []
-        for g in batch:
-            for i, text in enumerate(g.response_texts):
-                if len(rows) >= self.cfg.samples_per_step:
-                    break
-                rows.append(
-                    {
-                        "step": version + 1,
-                        "prompt": g.prompt_text,
-                        "response": text,
-                        "reward": g.rewards[i],
-                        "version_lag": version - min(g.versions[i], default=version),
-                        "tokens": len(g.responses[i]),
-                        "extras": {k: v[i] for k, v in g.reward_extras.items()},
-                    }
-                )
-                if g.masks and self.recipe is not None:  # an episode: its turns, in order
-                    rows[-1]["turns"] = turns_of(g.responses[i], g.masks[i], self.recipe.decode)
-        for row in rows:
-            _append_jsonl(self.out / "samples.jsonl", row)
 
     def _train(self, batch: list[Group]) -> dict[str, float]:
         """The step on the devices: state back on them, a fresh group, the step, the
@@ -431,22 +370,6 @@ class Driver:
                 "time_reload_s": round(t1 - t0, 4),
                 "time_group_s": round(t2 - t1 + time.perf_counter() - t3, 4),
             }
-
-
-def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
-    """One JSON line; a NaN (a mean of nothing) is written as null, which JSON has."""
-    with open(path, "a") as fh:
-        fh.write(json.dumps(_no_nan(row)) + "\n")
-
-
-def _no_nan(value: Any) -> Any:
-    if isinstance(value, float) and value != value:
-        return None
-    if isinstance(value, dict):
-        return {k: _no_nan(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_no_nan(v) for v in value]
-    return value
 
 
 def _follower(

@@ -107,6 +107,7 @@ async def fuzz_stream(inputs: int, seed: int = 0, concurrency: int = 8) -> dict[
             lambda i, header, data: landed.extend(data),
         )
         intact = bytes(landed) == bytes(cache.buffer(1))
+        await streamer.wait_sent(2, timeout=10)
     finally:
         await streamer.close()
         cache.close()

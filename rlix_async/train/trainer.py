@@ -38,7 +38,6 @@ from rlix_async.models.hf import load_hf_model
 from rlix_async.train import lora as lora_utils
 from rlix_async.train.algo import (
     entropy,
-    group_advantages,
     lr_factor,
     policy_loss,
     sampling_log_softmax,
@@ -50,6 +49,7 @@ from rlix_async.train.host_buffers import (
     install_state,
     state_tensors,
 )
+from rlix_async.train.packing import pack_batch
 
 if TYPE_CHECKING:
     from rlix_async.config.lora import LoraConfig
@@ -301,43 +301,6 @@ class TorchTrainer:
 
     # --- one GRPO step -------------------------------------------------------------------
 
-    def _tensors(self, groups: list[Group]) -> dict[str, torch.Tensor]:
-        """Pack this rank's share of the batch: prompt + response, left-aligned, padded.
-
-        Built in host memory (one small copy per row would be a transfer each), then
-        moved to the device in one go; every float is float32 whatever the model's dtype.
-        """
-        rows: list[tuple[list[int], int, list[float], float, list[int] | None]] = []
-        for g in groups:
-            adv = group_advantages(torch.tensor(g.rewards, dtype=torch.float32))
-            masks: list[list[int] | None] = list(g.masks) or [None] * len(g.responses)
-            for resp, lps, a, m in zip(g.responses, g.logprobs, adv.tolist(), masks, strict=True):
-                rows.append((g.prompt + resp, len(g.prompt), lps, a, m))
-        rows = rows[self.rank :: self.world]
-        longest = max(len(r[0]) for r in rows)
-        # Position t predicts token t+1, so responses are predicted from position plen-1
-        # on. The per-position tensors (mask, behaviour, and the log-probs made to match
-        # them) start at the first position any row's response needs: the prompt's
-        # positions before it cost no output layer, softmax or entropy.
-        first = min(r[1] for r in rows) - 1
-        n = len(rows)
-        ids = torch.zeros(n, longest, dtype=torch.long)
-        mask = torch.zeros(n, longest - 1 - first, dtype=torch.float32)
-        behavior = torch.zeros(n, longest - 1 - first, dtype=torch.float32)
-        adv = torch.tensor([r[3] for r in rows], dtype=torch.float32)
-        for i, (seq, plen, lps, _, token_mask) in enumerate(rows):
-            ids[i, : len(seq)] = torch.tensor(seq)
-            # an episode's environment tokens (mask 0) are context, never trained on
-            span = slice(plen - 1 - first, len(seq) - 1 - first)
-            mask[i, span] = (
-                1.0 if token_mask is None else torch.tensor(token_mask, dtype=torch.float32)
-            )
-            behavior[i, span] = torch.tensor(lps, dtype=torch.float32)
-        return {
-            k: v.to(self.device)
-            for k, v in dict(ids=ids, mask=mask, behavior=behavior, adv=adv).items()
-        }
-
     def _distributions(self, model: torch.nn.Module, ids: torch.Tensor, width: int) -> torch.Tensor:
         """log-softmax [B, width, V] of the sampling distribution (float32 from any logits
         dtype) at the positions predicting ``ids``' last ``width`` tokens."""
@@ -390,7 +353,7 @@ class TorchTrainer:
             clock.append(time.perf_counter())
             return round(clock[-1] - clock[-2], 4)
 
-        t = self._tensors(groups)
+        t = {k: v.to(self.device) for k, v in pack_batch(groups, self.rank, self.world).items()}
         n = t["ids"].shape[0]
         order = torch.arange(n, device=self.device)
         parts = [p for p in order.chunk(max(1, min(self.cfg.minibatches, n))) if len(p)]

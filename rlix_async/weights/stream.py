@@ -139,6 +139,19 @@ class SealedStreamer:
         self._listener: socket.socket | None = None
         self._tasks = Supervisor("sealed-streamer")
         self.streams_sent = 0
+        self._sent = asyncio.Condition()
+
+    async def wait_sent(self, count: int, timeout: float) -> bool:
+        """Whether ``count`` streams have been sent within ``timeout`` seconds: a
+        receiver can hold every byte before the sending thread has returned."""
+        async with self._sent:
+            try:
+                await asyncio.wait_for(
+                    self._sent.wait_for(lambda: self.streams_sent >= count), timeout
+                )
+            except TimeoutError:
+                return False
+        return True
 
     @property
     def port(self) -> int:
@@ -234,6 +247,8 @@ class SealedStreamer:
         started = time.perf_counter()
         await asyncio.to_thread(self._send_all, conn, pending, data, generation, tracker)
         self.streams_sent += 1
+        async with self._sent:
+            self._sent.notify_all()
         seconds = time.perf_counter() - started
         log.info(
             "weights: sealed stream of version %d to %s, %.1f MiB in %.2f s (%.2f GiB/s)",

@@ -32,6 +32,7 @@ from rlix_async.train import trainer as trainer_module  # noqa: E402
 from rlix_async.train.algo import policy_loss  # noqa: E402
 from rlix_async.train.buffer import Group  # noqa: E402
 from rlix_async.train.export import ExportError, export_checkpoint  # noqa: E402
+from rlix_async.train.packing import pack_batch  # noqa: E402
 from rlix_async.train.trainer import TorchTrainer  # noqa: E402
 
 # alpha / rank = 4: a cache or merge that forgot the scale is off by a factor of 4
@@ -217,7 +218,7 @@ def test_the_kl_reference_is_the_base_model_with_no_second_copy(
         return policy_loss(*args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "policy_loss", recording)
-    packed = t._tensors(BATCH)
+    packed = pack_batch(BATCH, 0, 1)
     ids, width = packed["ids"], packed["mask"].shape[1]  # the response positions
     with torch.no_grad():
         policy = t._logp(t.model.eval(), ids, width)
@@ -243,7 +244,7 @@ def test_pi_old_is_the_adapter_without_dropout(base: Path, monkeypatch: pytest.M
         return policy_loss(*args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "policy_loss", recording)
-    packed = t._tensors(BATCH)
+    packed = pack_batch(BATCH, 0, 1)
     with torch.no_grad():
         want = t._logp(t.model.eval(), packed["ids"], packed["mask"].shape[1])
     t.train_step(BATCH)

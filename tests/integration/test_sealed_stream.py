@@ -118,7 +118,10 @@ async def test_sealed_is_the_default_on_tcp_and_lands_every_byte(
     sink = fresh()
     async with serving(cache, keys) as server:
         await pull(cache.ref(1), sink, keys=ClientKeys.load(keys, "shard"), shm_dir=tmp_path)
-        assert server.streamer is not None and server.streamer.streams_sent == 1
+        streamer = server.streamer
+        assert streamer is not None
+        assert await streamer.wait_sent(1, timeout=10)
+        assert streamer.streams_sent == 1
     assert sink.version == 1
     assert all(torch.equal(sink.tensors[k], v) for k, v in state(1).items())
 
@@ -213,7 +216,9 @@ async def test_a_ticket_opens_one_stream_once_and_a_guessed_one_none(
                 return raw.recv(1)
 
         assert await asyncio.to_thread(raw_client) == b""
-        assert server.streamer.streams_sent == 1
+        streamer = server.streamer
+        assert await streamer.wait_sent(1, timeout=10)
+        assert streamer.streams_sent == 1
 
 
 async def test_an_expired_ticket_opens_nothing(cache: WeightCache, keys: Path) -> None:

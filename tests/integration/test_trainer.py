@@ -35,6 +35,7 @@ from rlix_async.train import trainer as trainer_module
 from rlix_async.train.algo import policy_loss
 from rlix_async.train.buffer import Group, ReplayBuffer, StalenessBound
 from rlix_async.train.checkpoints import latest_checkpoint
+from rlix_async.train.packing import pack_batch
 from rlix_async.train.trainer import TorchTrainer, trainer_device
 
 SMALL = ModelConfig(vocab_size=64, layers=1, hidden=64)
@@ -370,7 +371,7 @@ def test_logits_only_for_response_positions_leave_the_loss_as_over_every_positio
     want, _ = policy_loss(
         logp, logp, torch.tensor([a for *_, a in rows]), mask, t.cfg.loss, behavior_logp=behavior
     )
-    assert t._tensors(groups)["mask"].shape[1] == longest - 2  # from position 1 on
+    assert pack_batch(groups, 0, 1)["mask"].shape[1] == longest - 2  # from position 1 on
     assert t.train_step(groups)["loss"] == pytest.approx(float(want), rel=1e-5, abs=1e-7)
 
 

@@ -1,0 +1,47 @@
+"""A step's batch as tensors: each rank's rows of prompt + response, left-aligned, padded.
+
+Pure (no device, no model): the trainer moves the result to its device in one go.
+Built in host memory because one small copy per row would be a transfer each; every
+float is float32 whatever the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlix_async.train.algo import group_advantages
+from rlix_async.train.buffer import Group
+
+
+def pack_batch(groups: list[Group], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s share (every ``world``-th row) of ``groups``' trajectories.
+
+    ``ids`` [B, L] the tokens; ``mask``, ``behavior`` [B, W] per predicted position from
+    the first position any row's response needs (the sampler's log-probs, and which
+    positions are trained on); ``adv`` [B] each row's group-normalised advantage.
+    """
+    rows: list[tuple[list[int], int, list[float], float, list[int] | None]] = []
+    for g in groups:
+        adv = group_advantages(torch.tensor(g.rewards, dtype=torch.float32))
+        masks: list[list[int] | None] = list(g.masks) or [None] * len(g.responses)
+        for resp, lps, a, m in zip(g.responses, g.logprobs, adv.tolist(), masks, strict=True):
+            rows.append((g.prompt + resp, len(g.prompt), lps, a, m))
+    rows = rows[rank::world]
+    longest = max(len(r[0]) for r in rows)
+    # Position t predicts token t+1, so responses are predicted from position plen-1
+    # on. The per-position tensors (mask, behaviour, and the log-probs made to match
+    # them) start at the first position any row's response needs: the prompt's
+    # positions before it cost no output layer, softmax or entropy.
+    first = min(r[1] for r in rows) - 1
+    n = len(rows)
+    ids = torch.zeros(n, longest, dtype=torch.long)
+    mask = torch.zeros(n, longest - 1 - first, dtype=torch.float32)
+    behavior = torch.zeros(n, longest - 1 - first, dtype=torch.float32)
+    for i, (seq, plen, lps, _, token_mask) in enumerate(rows):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        # an episode's environment tokens (mask 0) are context, never trained on
+        span = slice(plen - 1 - first, len(seq) - 1 - first)
+        mask[i, span] = 1.0 if token_mask is None else torch.tensor(token_mask, dtype=torch.float32)
+        behavior[i, span] = torch.tensor(lps, dtype=torch.float32)
+    adv_rows = torch.tensor([r[3] for r in rows], dtype=torch.float32)
+    return {"ids": ids, "mask": mask, "behavior": behavior, "adv": adv_rows}
