@@ -7,7 +7,8 @@ groups through the router into the replay buffer) while it has rollout
 shards, and for each step asks for its training devices (the coordinator
 shrinks the rollout shards there), trains with every rank, builds the weight
 cache, releases the devices and publishes the new version. The other ranks
-receive each step's batch through the torchrun store (``train/batches.py``:
+receive each step's batch through rank 0's loopback store (``train/rendezvous.py``,
+``train/batches.py``:
 msgpack, never pickle; no wait without a bound). The collective group exists
 only during a step.
 
@@ -50,12 +51,13 @@ from rlix_async.rollout.records import RunRecords
 from rlix_async.train.batches import BatchChannel
 from rlix_async.train.buffer import Group, ReplayBuffer, StalenessBound
 from rlix_async.train.checkpoints import latest_checkpoint, prune_checkpoints
+from rlix_async.train.rendezvous import RendezvousError, meet, pin_links_to_loopback
 from rlix_async.train.trainer import TorchTrainer
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.tcp import WeightServer
 
 log = logging.getLogger("rlix_async.pipeline")
-# bounds any blocking call on the torchrun store (the per-step groups' rendezvous);
+# bounds any blocking call on the ranks' store (the per-step groups' rendezvous);
 # the batch hand-over polls instead, with bounds of its own (train/batches.py)
 STORE_TIMEOUT_S = 3600.0
 
@@ -430,14 +432,17 @@ def run_pipeline(
     world = int(os.environ.get("WORLD_SIZE", "1"))
     store: dist.Store | None = None
     channel: BatchChannel | None = None
-    if world > 1:  # the torchrun agent's store outlives every per-step group
-        store = dist.TCPStore(
+    if world > 1:  # rank 0's loopback store outlives every per-step group
+        agent = dist.TCPStore(  # torchrun's: only to find rank 0's (train/rendezvous.py)
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
             world,
             is_master=False,
             timeout=timedelta(seconds=STORE_TIMEOUT_S),
         )
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        pin_links_to_loopback()
+        store = meet(agent, rank, world, local_world, cfg.run_dir, STORE_TIMEOUT_S)
         channel = BatchChannel(store, rank, world)
         if rank == 0:  # from now: loading the model and checkpoint may take a while
             channel.start_beat()
@@ -510,7 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RecipeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    run_pipeline(cfg, resume=args.resume, recipe=recipe)
+    try:
+        run_pipeline(cfg, resume=args.resume, recipe=recipe)
+    except RendezvousError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if recipe is not None and recipe.stuck:
         # a reward call that timed out still runs in a thread, and Python waits for its
         # thread pools at exit: the run is over, so leave without it

@@ -1,7 +1,7 @@
-"""How rank 0 hands each step's batch to the other trainer ranks: torchrun's store.
+"""How rank 0 hands each step's batch to the other trainer ranks: their store.
 
-The store (the torchrun agent's TCPStore) is a key-value server that anything on
-the network can reach, so nothing read from it is unpickled: a batch is msgpack
+The store is rank 0's TCPStore on loopback (``train/rendezvous.py``), which only
+processes on the node can reach; still, nothing read from it is unpickled: a batch is msgpack
 checked against the ``Group`` schema on decode (``train/buffer.py``), and bytes
 that are not one fail with a ValueError naming the key. Keys, for the batch of
 trainer version ``v``:
@@ -9,7 +9,7 @@ trainer version ``v``:
 - ``batch/{v}``: the batch, set by rank 0 before it trains;
 - ``done/{v}/{r}``: follower ``r`` trained on it and left its device; once every
   follower has set its key, rank 0 deletes these and the batch (the store lives
-  as long as the torchrun job: a long run would otherwise keep every batch);
+  as long as rank 0: a long run would otherwise keep every batch);
 - ``beat/0``: a counter rank 0 bumps every ``BEAT_S`` from a thread of its own;
 - ``exit/{r}``: why rank ``r`` stopped (``finished``, or its error), set as it exits.
 

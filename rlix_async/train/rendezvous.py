@@ -1,0 +1,106 @@
+"""Where a pipeline's trainer ranks meet: a store of their own, on loopback only.
+
+torchrun's agent store cannot be trusted with a step: its server binds every
+interface whatever host it is given (TCPStore's server ignores it) and admits
+anyone, so a peer on the network could post a batch or join a step's process
+group. The ranks use it only to find rank 0's private store:
+
+1. rank 0 binds a socket to 127.0.0.1 itself and hands it to a TCPStore
+   (``master_listen_fd``: the server then listens there and nowhere else), writes
+   the port and a fresh nonce to a 0600 file in the run directory, puts the nonce in
+   its own store, then posts the nonce on the agent store;
+2. a follower waits for the agent store's nonce, reads the file, and goes on only if
+   the file's nonce is the posted one (a file left by an earlier launch, or a nonce
+   someone else posted, is refused in one line); it connects on loopback and reads
+   the nonce back from the store it reached.
+
+Every per-step process group and the batch hand-over (``train/batches.py``) live
+on that store, and the ranks' own gloo/NCCL links are pinned to the loopback
+interface (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``; a value the user set
+stands). So the trainer's ranks share one node: a torchrun job spanning nodes is
+refused here (the launcher refuses it before starting anything). What an
+attacker who reaches torchrun's agent store can still do is disturb the launch
+(post a wrong nonce, join its rendezvous): the job stops, nothing is trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+STORE_FILE = ".trainer-store.json"
+NONCE_KEY = "rlix/trainer-store"  # on the agent store: rank 0's store is up
+OWN_NONCE_KEY = "rlix/nonce"  # on rank 0's store: a follower reached the right one
+
+
+class RendezvousError(RuntimeError):
+    """The ranks could not meet on their private store (one line says why)."""
+
+
+def pin_links_to_loopback() -> None:
+    """The ranks' collective links on ``lo`` (one node): unless the user chose."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+
+
+def meet(
+    agent: dist.Store, rank: int, world: int, local_world: int, run_dir: Path, timeout_s: float
+) -> dist.TCPStore:
+    """This rank's handle on rank 0's loopback store (``agent``: torchrun's)."""
+    if local_world != world:
+        raise RendezvousError(
+            f"the trainer's {world} ranks span nodes ({local_world} on this one): a "
+            "pipeline's trainer runs on one node (its ranks meet on loopback)"
+        )
+    timeout = timedelta(seconds=timeout_s)
+    path = run_dir / STORE_FILE
+    if rank == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(64)
+            port = listener.getsockname()[1]
+            store = dist.TCPStore(
+                "127.0.0.1", port, world, is_master=True, timeout=timeout,
+                wait_for_workers=False, master_listen_fd=listener.fileno(),
+            )  # fmt: skip
+            listener.detach()  # the store's server serves on this descriptor and owns it
+        nonce = secrets.token_hex(16)
+        store.set(OWN_NONCE_KEY, nonce)
+        _write_private(path, json.dumps({"port": port, "nonce": nonce}))
+        agent.set(NONCE_KEY, nonce)
+        return store
+    agent.wait([NONCE_KEY], timeout)
+    nonce = agent.get(NONCE_KEY).decode(errors="replace")
+    try:
+        found = json.loads(path.read_text())
+        port, written = int(found["port"]), str(found["nonce"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RendezvousError(
+            f"rank {rank}: cannot read rank 0's store file {path}: {exc}"
+        ) from None
+    if not secrets.compare_digest(written, nonce):
+        raise RendezvousError(
+            f"rank {rank}: the nonce on torchrun's store is not the one rank 0 wrote to "
+            f"{path}: a stale file, or someone else wrote to torchrun's store"
+        )
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    if store.get(OWN_NONCE_KEY).decode(errors="replace") != nonce:
+        raise RendezvousError(f"rank {rank}: 127.0.0.1:{port} is not rank 0's store")
+    return store
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Owner-only, complete or absent (written aside, then renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)

@@ -1,0 +1,81 @@
+"""The trainer's ranks meet on rank 0's loopback store, not on torchrun's (which binds
+every interface): real TCPStores, real sockets, ranks as threads of one process."""
+
+from __future__ import annotations
+
+import json
+import socket
+import stat
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from rlix_async.train.rendezvous import NONCE_KEY, STORE_FILE, RendezvousError, meet
+
+
+@pytest.fixture
+def agent() -> Iterator[dist.TCPStore]:
+    """Stands in for torchrun's agent store: a TCPStore master as torchrun starts one."""
+    yield dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+
+
+def _client(agent: dist.TCPStore) -> dist.TCPStore:
+    """Each rank has its own connection to torchrun's store (one is not shared by threads)."""
+    return dist.TCPStore("127.0.0.1", agent.port, 2, is_master=False, timeout=timedelta(seconds=10))
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_the_ranks_share_a_store_that_only_loopback_reaches(
+    agent: dist.TCPStore, tmp_path: Path
+) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        follower = pool.submit(meet, _client(agent), 1, 2, 2, tmp_path, 10)
+        leader = pool.submit(meet, _client(agent), 0, 2, 2, tmp_path, 10)
+        stores = [leader.result(timeout=20), follower.result(timeout=20)]
+    stores[1].set("batch/0", b"rows")
+    assert stores[0].get("batch/0") == b"rows"
+    port = stores[0].port
+    written = tmp_path / STORE_FILE
+    assert json.loads(written.read_text())["port"] == port
+    assert stat.S_IMODE(written.stat().st_mode) == 0o600
+    assert _reachable("127.0.0.1", port)
+    # 127.0.0.2 is this host too, but not the address the store listens on; a store
+    # built the plain way (as torchrun's is) answers there, and on every interface
+    assert not _reachable("127.0.0.2", port)
+    plain = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    assert _reachable("127.0.0.2", plain.port)
+
+
+def test_a_follower_refuses_a_file_whose_nonce_was_not_posted(
+    agent: dist.TCPStore, tmp_path: Path
+) -> None:
+    """A file left by an earlier launch (or a nonce someone else posted on torchrun's
+    open store) never leads a follower to a store."""
+    (tmp_path / STORE_FILE).write_text(json.dumps({"port": agent.port, "nonce": "0" * 32}))
+    agent.set(NONCE_KEY, "1" * 32)
+    with pytest.raises(RendezvousError, match="not the one rank 0 wrote"):
+        meet(agent, 1, 2, 2, tmp_path, 5)
+
+
+def test_a_follower_without_the_file_stops_in_one_line(
+    agent: dist.TCPStore, tmp_path: Path
+) -> None:
+    agent.set(NONCE_KEY, "1" * 32)
+    with pytest.raises(RendezvousError, match="cannot read rank 0's store file"):
+        meet(agent, 1, 2, 2, tmp_path, 5)
+
+
+def test_ranks_spanning_nodes_are_refused(agent: dist.TCPStore, tmp_path: Path) -> None:
+    with pytest.raises(RendezvousError, match="span nodes"):
+        meet(agent, 0, 4, 2, tmp_path, 5)
