@@ -135,12 +135,14 @@ class Allowance:
     """What a driver key may hold (``authorized/NAME.allow``): the devices its
     pipelines may name, their largest fair-share weight, the most important
     non-preemptable priority they may ask for, the base groups they may join or
-    create. Unset: no limit of that kind (groups: none)."""
+    create, how long one of their pipelines may hold a non-preemptable stage.
+    Unset: no limit of that kind (groups: none)."""
 
     devices: frozenset[int] | None = None
     max_weight: float | None = None
     max_priority: str | None = None  # a priority name (protocols.topology.Priority)
     groups: frozenset[str] = frozenset()
+    max_hold_s: float | None = None  # past it the pipeline is dropped, as a silent one is
 
     def text(self) -> str:
         lines = []
@@ -152,6 +154,8 @@ class Allowance:
             lines.append(f"max_priority {self.max_priority}")
         if self.groups:
             lines.append(f"groups {','.join(sorted(self.groups))}")
+        if self.max_hold_s is not None:
+            lines.append(f"max_hold {self.max_hold_s:g}")
         return "".join(f"{line}\n" for line in lines)
 
 
@@ -167,11 +171,14 @@ def parse_allowance(text: str, name: str = "?") -> Allowance:
             raise SecurityError(f"allowance of key {name!r}: {line.strip()!r} (repeated or empty)")
         if key == "devices":
             fields[key] = parse_devices(value)
-        elif key == "max_weight":
+        elif key in ("max_weight", "max_hold"):
             try:
-                fields[key] = float(value)
+                number = float(value)
             except ValueError:
-                raise SecurityError(f"allowance of key {name!r}: max_weight {value!r}") from None
+                number = float("nan")
+            if not number > 0:
+                raise SecurityError(f"allowance of key {name!r}: {key} {value!r} (a number > 0)")
+            fields["max_hold_s" if key == "max_hold" else key] = number
         elif key == "max_priority":
             fields[key] = value
         elif key == "groups":
@@ -179,7 +186,7 @@ def parse_allowance(text: str, name: str = "?") -> Allowance:
         else:
             raise SecurityError(
                 f"allowance of key {name!r}: unknown {key!r} "
-                "(devices, max_weight, max_priority, groups)"
+                "(devices, max_weight, max_priority, groups, max_hold)"
             )
     return Allowance(**fields)  # type: ignore[arg-type]
 

@@ -16,12 +16,12 @@ def _allowance(args: argparse.Namespace) -> Any:
     from rlix_async.protocols.topology import Priority
     from rlix_async.security import Allowance, SecurityError, parse_devices
 
-    given = (args.devices, args.max_weight, args.max_priority, args.group)
+    given = (args.devices, args.max_weight, args.max_priority, args.group, args.max_hold)
     if all(v is None for v in given):
         return None
     if args.role != "driver":
         raise UsageError(
-            "--devices, --max-weight, --max-priority and --group are for --role driver"
+            "--devices, --max-weight, --max-priority, --group and --max-hold are for --role driver"
         )
     if args.max_priority is not None and args.max_priority not in Priority.__members__:
         raise UsageError(
@@ -29,11 +29,15 @@ def _allowance(args: argparse.Namespace) -> Any:
         )
     if args.max_weight is not None and not args.max_weight > 0:
         raise UsageError(f"--max-weight {args.max_weight}: must be > 0")
+    if args.max_hold is not None and not args.max_hold > 0:
+        raise UsageError(f"--max-hold {args.max_hold}: must be > 0 seconds")
     try:
         devices = None if args.devices is None else parse_devices(args.devices)
     except SecurityError as exc:
         raise UsageError(f"--{exc}") from None
-    return Allowance(devices, args.max_weight, args.max_priority, frozenset(args.group or ()))
+    return Allowance(
+        devices, args.max_weight, args.max_priority, frozenset(args.group or ()), args.max_hold
+    )
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -271,6 +275,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     allow.add_argument(
         "--group", action="append", metavar="NAME", help="a base group it may join or create"
+    )
+    allow.add_argument(
+        "--max-hold",
+        type=float,
+        metavar="SECONDS",
+        help="how long its pipeline may hold a non-preemptable stage (training) before the "
+        "coordinator drops it, as it drops a silent one",
     )
     p.add_argument("--revoke", metavar="NAME", help="remove key NAME (its connections are dropped)")
     p.set_defaults(func=_keygen)

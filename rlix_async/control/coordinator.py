@@ -238,6 +238,7 @@ class Coordinator:
     def _register(self, msg: m.RegisterPipeline, ctx: CallContext) -> Ok:
         self._authorize(ctx, msg.pipeline_id)
         check_claim(ctx.principal, msg.pipeline_id, msg.clusters, msg.weight, msg.group)
+        self.leases.limit_holds(msg.pipeline_id, ctx.principal)
         old = self.registry.pipelines.get(msg.pipeline_id)
         restarted = old is not None and old.registered
         driver = m.driver_identity(msg.pipeline_id)
@@ -383,6 +384,7 @@ class Coordinator:
         check_claim(ctx.principal, msg.pipeline_id, msg.clusters, msg.weight, msg.group)
         for priority in [*msg.held.values(), *(r.priority for r in msg.requests)]:
             check_priority(ctx.principal, msg.pipeline_id, priority)
+        self.leases.limit_holds(msg.pipeline_id, ctx.principal)
         driver = m.driver_identity(msg.pipeline_id)
         if ctx.peer != driver and driver in self.server.peers:
             raise RegistryError(

@@ -26,7 +26,8 @@ from rlix_async.control.journal import Journal
 from rlix_async.control.plan_execution import PlanExecutor, devices_of, log
 from rlix_async.control.registry import Registry, RegistryError
 from rlix_async.protocols import messages as m
-from rlix_async.protocols.topology import INFER
+from rlix_async.protocols.topology import INFER, ClusterName, Priority
+from rlix_async.security import Principal
 from rlix_async.transport import PeerInfo, RpcServer
 
 
@@ -48,6 +49,9 @@ class LeaseKeeper:
         self.cfg = cfg
         self.executor = executor
         self.kick = kick
+        # pipeline -> (its key's max_hold_s, the key described): set at register/resume
+        self.hold_limits: dict[str, tuple[float, str]] = {}
+        self._held_since: dict[tuple[str, ClusterName], float] = {}
 
     @property
     def journal(self) -> Journal:
@@ -159,9 +163,38 @@ class LeaseKeeper:
             for p in list(self.registry.pipelines.values()):
                 if p.lost_at is not None and now - p.lost_at > self.cfg.lease_timeout_s:
                     self.drop_pipeline(p.id, "lease expired")
+            self.check_holds(now)
             # a long-lived coordinator's journal is folded into one snapshot now and
             # then, so a restart never replays its whole history
             self.journal.maybe_compact(self.registry)
+
+    def limit_holds(self, pid: str, principal: Principal | None) -> None:
+        """Bound how long ``pid`` may hold a non-preemptable stage: its key's max_hold."""
+        allow = principal.allowance if principal is not None else None
+        if principal is not None and allow is not None and allow.max_hold_s is not None:
+            self.hold_limits[pid] = (allow.max_hold_s, principal.describe())
+        else:
+            self.hold_limits.pop(pid, None)
+
+    def check_holds(self, now: float) -> None:
+        """Drop a pipeline that held a non-preemptable stage past its key's max_hold (a
+        key holder could otherwise keep the devices forever). Timed from when this loop
+        first saw the stage held: after a coordinator restart, from the restart."""
+        held = {
+            (p.id, cluster)
+            for p in self.registry.pipelines.values()
+            for cluster, priority in p.held.items()
+            if priority != Priority.GENERATION
+        }
+        self._held_since = {k: self._held_since.get(k, now) for k in held}
+        for (pid, cluster), since in list(self._held_since.items()):
+            limit = self.hold_limits.get(pid)
+            if limit is not None and now - since > limit[0]:
+                self.drop_pipeline(
+                    pid,
+                    f"held {cluster} for {now - since:.1f} s, over {limit[1]}'s "
+                    f"max_hold {limit[0]:g} s",
+                )
 
     def drop_pipeline(self, pid: str, reason: str) -> None:
         """Drop a pipeline: its stages released, its shards put to sleep (fenced until
@@ -170,6 +203,7 @@ class LeaseKeeper:
         before = self.registry.pipelines.get(pid)
         base = self.registry.pipelines.get(before.group) if before and before.group else None
         p = self.registry.remove(pid, fence=True)
+        self.hold_limits.pop(pid, None)
         if p is None:
             return
         dropped = [p] if base is None or base.id in self.registry.pipelines else [p, base]

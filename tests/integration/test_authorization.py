@@ -478,6 +478,39 @@ async def test_a_driver_key_claims_only_what_its_allowance_grants(keys: Path) ->
         await c.close()
 
 
+async def test_a_pipeline_holding_training_past_its_keys_max_hold_is_dropped(
+    keys: Path,
+) -> None:
+    """``--max-hold``: a pipeline of that key holding a non-preemptable stage longer is
+    dropped (as a silent one is) and the devices go to the pipeline waiting for them; a
+    key without the bound holds on."""
+    from rlix_async.security import Allowance
+
+    keygen(keys, ["driver-c"], role="driver", pipelines=["c"], allowance=Allowance(max_hold_s=0.6))
+    assert "max_hold 0.6\n" in (keys / "authorized" / "driver-c.allow").read_text()
+    async with Coordinator(TCP, SHAPE, keys=ServerKeys.load(keys)) as co:
+        c = await PipelineClient.connect(
+            co.endpoint, pipeline_id="c", keys=ClientKeys.load(keys, "driver-c")
+        )
+        a = await PipelineClient.connect(
+            co.endpoint, pipeline_id="a", keys=ClientKeys.load(keys, "driver-a")
+        )
+        for client in (c, a):
+            await client.register(TOPO)
+            await client.admit()
+        assert await a.request("actor_train", "ACTOR_TRAINING", timeout=5) == [0]
+        await asyncio.sleep(1.5)  # a's key has no max_hold: a holds on
+        assert "actor_train" in co.registry.pipelines["a"].held
+        await a.release("actor_train")
+        assert await c.request("actor_train", "ACTOR_TRAINING", timeout=5) == [0]
+        waiting = asyncio.ensure_future(a.request("actor_train", "ACTOR_TRAINING", timeout=10))
+        # dropped within its bound and a lease-loop tick (0.5 s), and a is served
+        assert await asyncio.wait_for(waiting, 5) == [0]
+        assert "c" not in co.registry.pipelines
+        await c.close()
+        await a.close()
+
+
 async def test_a_revoked_key_is_dropped_and_cannot_come_back(
     keys: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -55,15 +55,18 @@ def test_keygen_writes_a_driver_allowance_and_revokes(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     driver = ["--client", "d", "--role", "driver", "--pipeline", "p"]
     out = rlix("keygen", str(keys), *driver, "--devices", "0-3,8,10-11", "--max-weight", "4",
-               "--max-priority", "ACTOR_TRAINING", "--group", "g1", "--group", "g2")  # fmt: skip
+               "--max-priority", "ACTOR_TRAINING", "--group", "g1", "--group", "g2",
+               "--max-hold", "3600")  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert (keys / "authorized" / "d.allow").read_text() == (
         "devices 0-3,8,10-11\nmax_weight 4\nmax_priority ACTOR_TRAINING\ngroups g1,g2\n"
+        "max_hold 3600\n"
     )
     for bad, message in [
         (["--devices", "3-1"], "devices '3-1': '3-1' is not a range"),
         (["--max-priority", "TOP"], "--max-priority TOP: one of INITIALIZATION"),
         (["--max-weight", "0"], "--max-weight 0.0: must be > 0"),
+        (["--max-hold", "-1"], "--max-hold -1.0: must be > 0 seconds"),
     ]:
         out = rlix("keygen", str(keys), *driver, *bad)
         assert out.returncode == 2 and message in out.stderr, out.stderr
