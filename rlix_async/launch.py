@@ -178,6 +178,17 @@ def check_recipes(cfg: LaunchConfig) -> None:
             raise LaunchError(f"pipelines[{i}] ({p.id}): {exc}") from None
 
 
+def precision_warnings(cfg: LaunchConfig) -> list[str]:
+    """One line per pipeline whose updates bf16 weights would round away."""
+    return [
+        f"pipeline {p.id}: train.dtype bfloat16_pure keeps no float32 main weights; at "
+        f"lr {p.train.lr:g} most updates are below a bf16 weight's resolution and are lost "
+        "(train.dtype bfloat16 keeps them)"
+        for p in cfg.pipelines
+        if p.train.dtype == "bfloat16_pure"
+    ]
+
+
 @dataclass(frozen=True)
 class NodeRole:
     """This machine's part of a multi-node launch (``rlix-async launch --node``)."""
@@ -213,6 +224,8 @@ class Launcher:
             _check_node(cfg, node)
         cfg = resolve_recipes(cfg)
         check_recipes(cfg)
+        for warning in precision_warnings(cfg):
+            log.warning("%s", warning)
         self.cfg = cfg
         self.resume = resume
         self.node = node

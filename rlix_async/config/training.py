@@ -39,13 +39,16 @@ class TrainConfig(Config, frozen=True):
         ),
     ] = "torch"
     dtype: Annotated[
-        Literal["auto", "bfloat16", "float32"],
+        Literal["auto", "bfloat16", "bfloat16_pure", "float32"],
         doc(
-            "Parameters, optimizer state and the weight cache. auto: bfloat16 on CUDA, "
-            "float32 on CPU. Log-probs, importance ratios and losses are always float32. "
-            "bfloat16 is pure bf16 (no float32 master copy: a 7B model and its Adam state "
-            "fit one 80 GB GPU); an update below a weight's bf16 resolution is lost, so "
-            "with learning rates under about 1e-5 use float32."
+            "Parameters and the weight cache. auto: bfloat16 on CUDA, float32 on CPU. "
+            "bfloat16: bf16 parameters and compute, with float32 main parameters and "
+            "float32 Adam state in the optimizer (mixed precision, as Megatron's "
+            "bf16 optimizer: 16 bytes a parameter with its gradient). bfloat16_pure: bf16 "
+            "parameters and Adam state only (8 bytes a parameter); an update below a "
+            "weight's bf16 resolution is lost, which at RL's learning rates (1e-6 to "
+            "1e-5) is most of them: the launch warns. Log-probs, importance ratios and "
+            "losses are always float32."
         ),
     ] = "auto"
     lr: Annotated[float, doc("AdamW learning rate.", gt=0)] = 2e-3

@@ -9,8 +9,10 @@ rollout shards sync from) before the stage is released.
 
 Devices: one per rank, ``cuda:{LOCAL_RANK}`` among those the process sees (the
 launcher sets ``CUDA_VISIBLE_DEVICES`` to the pipeline's actor_train devices).
-Precision: parameters and optimizer state in ``TrainConfig.dtype``; log-probs,
-importance ratios, advantages and the loss always in float32.
+Precision: parameters in ``TrainConfig.dtype``; under ``bfloat16`` the optimizer
+keeps float32 main weights and moments (``train/main_params.py``), under
+``bfloat16_pure`` nothing in float32; log-probs, importance ratios, advantages and
+the loss always in float32.
 
 LoRA (``lora``, issue 21): the model is a peft model on the frozen base; the optimizer,
 DDP's gradient reduction, checkpoints and the weight cache hold the adapter only, and
@@ -49,12 +51,19 @@ from rlix_async.train.host_buffers import (
     install_state,
     state_tensors,
 )
+from rlix_async.train.main_params import MainParamsAdamW, needs_main_params
 from rlix_async.train.packing import pack_batch
 
 if TYPE_CHECKING:
     from rlix_async.config.lora import LoraConfig
 
-DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# bfloat16: bf16 parameters with float32 main copies in the optimizer (main_params.py);
+# bfloat16_pure: bf16 parameters and Adam state, nothing else
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "bfloat16_pure": torch.bfloat16,
+    "float32": torch.float32,
+}
 
 
 def trainer_device(
@@ -153,12 +162,16 @@ class TorchTrainer:
         # fused: one kernel over all parameters instead of a dozen ops per tensor (0.07 s
         # against 0.45 s a step for 135M float32 parameters on one CPU core; the default
         # of transformers' Trainer, so of TRL, too)
-        self.optim = torch.optim.AdamW(
-            lora_utils.trainable(self.model),
-            lr=self.cfg.lr,
-            weight_decay=self.cfg.weight_decay,
-            fused=True,
-        )
+        trainable = list(lora_utils.trainable(self.model))
+        self.optim: torch.optim.Optimizer
+        if self.cfg.dtype != "bfloat16_pure" and needs_main_params(trainable):
+            self.optim = MainParamsAdamW(
+                trainable, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, fused=True
+            )
+        else:
+            self.optim = torch.optim.AdamW(
+                trainable, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, fused=True
+            )
         # the KL penalty's reference: the starting weights, frozen (a resume rebuilds it
         # from the same start, so checkpoints need not hold it). An adapter's start is
         # its base, which the model holds already: no copy, see _reference_logp

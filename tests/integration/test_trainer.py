@@ -158,9 +158,14 @@ def test_auto_dtype_is_float32_on_the_host_and_bfloat16_on_a_device() -> None:
     assert {v.dtype for v in t.weights_for_cache().values()} == {expected}
 
 
-def test_bfloat16_keeps_the_state_in_bf16_and_the_loss_maths_in_float32(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("dtype", "state_dtype"), [("bfloat16", torch.float32), ("bfloat16_pure", torch.bfloat16)]
+)
+def test_bf16_weights_keep_their_optimizer_state_as_configured_and_the_loss_maths_in_float32(
+    monkeypatch: pytest.MonkeyPatch, dtype: Any, state_dtype: torch.dtype
 ) -> None:
+    """bfloat16: float32 main weights and Adam moments behind bf16 parameters;
+    bfloat16_pure: all bf16. Both: the loss maths in float32, the cache in bf16."""
     seen: list[dict[str, torch.dtype]] = []
 
     def recording_policy_loss(*args: Any, **kwargs: Any) -> Any:
@@ -172,7 +177,7 @@ def test_bfloat16_keeps_the_state_in_bf16_and_the_loss_maths_in_float32(
         return loss, stats
 
     monkeypatch.setattr(trainer_module, "policy_loss", recording_policy_loss)
-    t = TorchTrainer(TrainConfig(dtype="bfloat16", minibatches=2), SMALL, seed=0)
+    t = TorchTrainer(TrainConfig(dtype=dtype, minibatches=2), SMALL, seed=0)
     stats = t.train_step(BATCH)
     assert len(seen) == 2 and all(set(s.values()) == {torch.float32} for s in seen), seen
     assert stats and all(math.isfinite(v) for v in stats.values()), stats
@@ -180,10 +185,60 @@ def test_bfloat16_keeps_the_state_in_bf16_and_the_loss_maths_in_float32(
     # the rotary frequencies stay float32, as from_pretrained and vLLM keep them
     assert {b.dtype for b in t.model.buffers()} == {torch.float32}
     state = [v for s in t.optim.state.values() for k, v in s.items() if k != "step"]
-    assert state and {v.dtype for v in state} == {torch.bfloat16}
+    assert state and {v.dtype for v in state} == {state_dtype}
+    assert ("main" in next(iter(t.optim.state.values()))) == (dtype == "bfloat16")
     cache = t.weights_for_cache()
     assert cache.keys() == t.model.state_dict().keys()
     assert {v.dtype for v in cache.values()} == {torch.bfloat16}
+
+
+def _weights_after_one_step(dtype: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Every weight before and after one step at lr 1e-6, in float32 (the main copy where
+    the optimizer keeps one)."""
+    t = TorchTrainer(TrainConfig(lr=1e-6, dtype=dtype, minibatches=1), SMALL, seed=0)  # type: ignore[arg-type]
+    before = {n: p.detach().float().clone() for n, p in t.model.named_parameters()}
+    t.train_step(BATCH)
+    after = {}
+    for n, p in t.model.named_parameters():
+        main = t.optim.state[p].get("main")
+        if main is not None:  # the parameter is its main copy, rounded
+            assert torch.equal(p.detach(), main.to(p.dtype))
+        after[n] = (main if main is not None else p.detach()).float()
+    return before, after
+
+
+def test_at_rl_learning_rates_bf16_updates_land_in_the_main_weights() -> None:
+    """lr 1e-6 is far below a bf16 weight's spacing (about 1e-4 at 0.02): pure bf16 rounds
+    nearly every update away, while the float32 main weights take each one, with the
+    direction a float32 run takes."""
+    runs = {d: _weights_after_one_step(d) for d in ("float32", "bfloat16", "bfloat16_pure")}
+
+    def deltas(dtype: str) -> torch.Tensor:
+        before, after = runs[dtype]
+        return torch.cat([(after[n] - before[n]).flatten() for n in before])
+
+    f32, mixed, pure = deltas("float32"), deltas("bfloat16"), deltas("bfloat16_pure")
+    moved = f32 != 0
+    assert moved.float().mean() > 0.2  # the step touches a good share of the weights
+    assert (mixed[moved] != 0).float().mean() > 0.95
+    assert (pure[moved] != 0).float().mean() < 0.1
+    same_way = torch.sign(mixed[moved]) == torch.sign(f32[moved])
+    assert same_way.float().mean() > 0.9
+    assert mixed.abs().max() < 1.5e-6  # an Adam step moves a weight by about lr, no more
+
+
+def test_main_weights_survive_a_checkpoint_in_float32(tmp_path: Path) -> None:
+    a = TorchTrainer(TrainConfig(lr=1e-6, dtype="bfloat16"), SMALL, seed=0)
+    a.train_step(BATCH)
+    a.save(tmp_path / "step_1.pt", {})
+    b = TorchTrainer(TrainConfig(lr=1e-6, dtype="bfloat16"), SMALL, seed=3)
+    b.load(tmp_path / "step_1.pt")
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        sa, sb = a.optim.state[pa], b.optim.state[pb]
+        assert sa.keys() == sb.keys() and "main" in sb
+        for key in sa:
+            assert sb[key].dtype == torch.float32 and torch.equal(sa[key], sb[key]), key
+    assert a.train_step(BATCH)["loss"] == b.train_step(BATCH)["loss"]
 
 
 def test_a_pretrained_model_loads_in_the_configured_dtype(tmp_path: Path) -> None:
@@ -264,7 +319,7 @@ def test_megatron_parameters_and_cache_follow_the_configured_dtype() -> None:
     stats = t.train_step(BATCH)
     assert stats and all(math.isfinite(v) for v in stats.values()), stats
     state = [v for s in t.optim.state.values() for k, v in s.items() if k != "step"]
-    assert state and {v.dtype for v in state} == {torch.bfloat16}
+    assert state and {v.dtype for v in state} == {torch.float32}  # main weights, moments
     assert {v.dtype for v in t.weights_for_cache().values()} == {torch.bfloat16}
 
 

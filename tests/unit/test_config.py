@@ -370,3 +370,12 @@ def test_yaml_booleans_and_integers_read_as_before() -> None:
         "f": 1000.0,
         "g": "1e",
     }
+
+
+def test_pure_bf16_training_is_warned_at_launch_naming_the_learning_rate() -> None:
+    from rlix_async.launch import precision_warnings
+
+    pipes = [_pipeline(), _pipeline(id="b", train={"dtype": "bfloat16_pure", "lr": 1e-6})]
+    cfg = convert({"pipelines": pipes}, LaunchConfig, "x")
+    (line,) = precision_warnings(cfg)
+    assert line.startswith("pipeline b: train.dtype bfloat16_pure") and "lr 1e-06" in line

@@ -1,0 +1,96 @@
+"""Mixed precision: AdamW on float32 main copies of bf16 parameters.
+
+The model's parameters stay bf16 (forward, backward, the weight cache the shards
+sync); each has a float32 main copy and float32 Adam moments in its optimizer state,
+as Megatron's ``Float16OptimizerWithFloat16Params`` and apex's master weights keep
+them. A step applies AdamW to the main copy and rounds the result into the bf16
+parameter, so an update far below a bf16 weight's resolution (lr 1e-6 against a
+spacing of about 1e-4 at magnitude 0.02) accumulates in the main copy instead of
+being rounded away at every step.
+
+The state is keyed by the model's own parameters: offload, reload and checkpoints
+carry it like any optimizer state (``host_buffers.state_tensors`` names it
+``("optim", name, "main")``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.optim.adamw import adamw
+
+
+class MainParamsAdamW(torch.optim.Optimizer):
+    """AdamW whose update runs on float32 main copies (see the module docstring)."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        lr: float,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        fused: bool = False,
+    ) -> None:
+        super().__init__(
+            params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        )
+        self.fused = fused
+
+    def _step_device(self, p: torch.Tensor) -> torch.device:
+        # torch's fused kernels take the step count on the parameter's device
+        return p.device if self.fused else torch.device("cpu")
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        assert closure is None, "no closure: the trainer computes its loss itself"
+        for group in self.param_groups:
+            params, grads, mains, avgs, sqs, steps = [], [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:  # the first update: the main copy starts at the weight
+                    state["main"] = p.detach().to(torch.float32, copy=True)
+                    state["exp_avg"] = torch.zeros_like(state["main"])
+                    state["exp_avg_sq"] = torch.zeros_like(state["main"])
+                    state["step"] = torch.zeros(
+                        (), dtype=torch.float32, device=self._step_device(p)
+                    )
+                params.append(p)
+                grads.append(p.grad.to(torch.float32))
+                mains.append(state["main"])
+                avgs.append(state["exp_avg"])
+                sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            adamw(
+                mains, grads, avgs, sqs, [], steps, fused=self.fused or None,
+                amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            )  # fmt: skip
+            for p, main in zip(params, mains, strict=True):
+                p.copy_(main)  # rounded to the parameter's dtype
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, but the main copies and moments stay float32 (torch casts every
+        floating state tensor to its parameter's dtype: bf16 would undo the point)."""
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params, strict=True):
+            for key, value in saved.get(i, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                device = self._step_device(p) if key == "step" else p.device
+                self.state[p][key] = value.to(device=device, dtype=torch.float32)
+
+
+def needs_main_params(params: Iterable[torch.Tensor]) -> bool:
+    """Whether any trainable parameter is below float32 (a LoRA adapter is float32)."""
+    return any(p.dtype != torch.float32 for p in params)
