@@ -48,10 +48,10 @@ from rlix_async.rollout.evaluate import Evaluator, eval_due
 from rlix_async.rollout.ledger import LEDGER, Ledger
 from rlix_async.rollout.prompts import Recipe, RecipeError, load_recipe
 from rlix_async.rollout.records import RunRecords
-from rlix_async.train.batches import BatchChannel
+from rlix_async.train.batches import BatchChannel, RankGone
 from rlix_async.train.buffer import Group, ReplayBuffer, StalenessBound
 from rlix_async.train.checkpoints import latest_checkpoint, prune_checkpoints
-from rlix_async.train.rendezvous import RendezvousError, meet, pin_links_to_loopback
+from rlix_async.train.rendezvous import RendezvousError, forget, meet, pin_links_to_loopback
 from rlix_async.train.trainer import TorchTrainer
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.tcp import WeightServer
@@ -451,6 +451,8 @@ def run_pipeline(
     finally:
         if channel is not None:
             channel.stop_beat()
+        if store is not None and rank == 0:
+            forget(cfg.run_dir)
 
 
 def _run_rank(
@@ -520,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     except RendezvousError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RankGone as exc:  # the step cannot go on without that rank: torchrun ends the job
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if recipe is not None and recipe.stuck:
         # a reward call that timed out still runs in a thread, and Python waits for its
         # thread pools at exit: the run is over, so leave without it

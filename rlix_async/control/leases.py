@@ -51,7 +51,7 @@ class LeaseKeeper:
         self.kick = kick
         # pipeline -> (its key's max_hold_s, the key described): set at register/resume
         self.hold_limits: dict[str, tuple[float, str]] = {}
-        self._held_since: dict[tuple[str, ClusterName], float] = {}
+        self._held_since: dict[tuple[str, ClusterName, int], float] = {}  # by grant
 
     @property
     def journal(self) -> Journal:
@@ -170,6 +170,8 @@ class LeaseKeeper:
 
     def limit_holds(self, pid: str, principal: Principal | None) -> None:
         """Bound how long ``pid`` may hold a non-preemptable stage: its key's max_hold."""
+        if principal is not None and principal.role == "admin":
+            return  # an admin acting for the pipeline leaves its driver key's bound
         allow = principal.allowance if principal is not None else None
         if principal is not None and allow is not None and allow.max_hold_s is not None:
             self.hold_limits[pid] = (allow.max_hold_s, principal.describe())
@@ -181,13 +183,13 @@ class LeaseKeeper:
         key holder could otherwise keep the devices forever). Timed from when this loop
         first saw the stage held: after a coordinator restart, from the restart."""
         held = {
-            (p.id, cluster)
+            (p.id, cluster, p.grant_ids.get(cluster, 0))
             for p in self.registry.pipelines.values()
             for cluster, priority in p.held.items()
             if priority != Priority.GENERATION
         }
         self._held_since = {k: self._held_since.get(k, now) for k in held}
-        for (pid, cluster), since in list(self._held_since.items()):
+        for (pid, cluster, _), since in list(self._held_since.items()):
             limit = self.hold_limits.get(pid)
             if limit is not None and now - since > limit[0]:
                 self.drop_pipeline(

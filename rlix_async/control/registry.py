@@ -62,6 +62,9 @@ class PipelineState:
     clusters: dict[ClusterName, ClusterSpec] = field(default_factory=dict)
     admitted: bool = False
     held: dict[ClusterName, Priority] = field(default_factory=dict)
+    # which grant of a held stage this is: a new number for every grant, so a stage
+    # released and granted again is a new hold (the lease loop times each, max_hold)
+    grant_ids: dict[ClusterName, int] = field(default_factory=dict)
     active: set[int] = field(default_factory=set)
     progress: dict[str, ProgressIn] = field(default_factory=dict)
     requests: dict[ClusterName, Pending] = field(default_factory=dict)
@@ -97,6 +100,7 @@ class Registry:
         self.workers: dict[tuple[str, int], str] = {}
         self._ids = itertools.count(0)
         self._seq = itertools.count(1)
+        self._grant_ids = itertools.count(1)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -407,6 +411,7 @@ class Registry:
         for g in plan.grants:
             p = self.pipelines[g.pipeline]
             p.held[g.cluster] = Priority[g.priority]
+            p.grant_ids[g.cluster] = next(self._grant_ids)
             p.requests.pop(g.cluster, None)
         for ch in plan.expand:
             self.pipelines[ch.pipeline].active.update(ch.ranks)

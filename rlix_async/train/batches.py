@@ -1,8 +1,8 @@
 """How rank 0 hands each step's batch to the other trainer ranks: their store.
 
 The store is rank 0's TCPStore on loopback (``train/rendezvous.py``), which only
-processes on the node can reach; still, nothing read from it is unpickled: a batch is msgpack
-checked against the ``Group`` schema on decode (``train/buffer.py``), and bytes
+processes on the node can reach; still, nothing read from it is unpickled: a batch
+is msgpack checked against the ``Group`` schema on decode (``train/buffer.py``), and bytes
 that are not one fail with a ValueError naming the key. Keys, for the batch of
 trainer version ``v``:
 
@@ -14,8 +14,8 @@ trainer version ``v``:
 - ``exit/{r}``: why rank ``r`` stopped (``finished``, or its error), set as it exits.
 
 No wait is unbounded or blind. A follower polls for its batch and, about once a
-second, stops with a one-line error if rank 0 announced its exit, if rank 0's
-beat has not moved for ``SILENT_S`` (it is gone without a word: killed, or its
+second, stops with a one-line error if rank 0 announced its exit, if the store
+went with rank 0's process, if rank 0's beat has not moved for ``SILENT_S`` (it is gone without a word: killed, or its
 node lost), or once ``BATCH_TIMEOUT_S`` passed. Rank 0 waits for the ``done``
 keys the same way, stopped early by a follower's exit, within
 ``DONE_TIMEOUT_S`` (every rank trains the same step in lockstep, so this wait is
@@ -140,6 +140,13 @@ class BatchChannel:
             raise RankGone(f"{what}: rank 0 silent for {now - since:.0f} s (no beat): it is gone")
 
     def _wait(self, keys: list[str], what: str, timeout_s: float) -> None:
+        try:
+            self._poll(keys, what, timeout_s)
+        except dist.DistError as exc:  # the store lives in rank 0's process
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise RankGone(f"{what}: the ranks' store is gone (rank 0 exited): {first}") from None
+
+    def _poll(self, keys: list[str], what: str, timeout_s: float) -> None:
         start = time.monotonic()
         checked = start
         while not self.store.check(keys):

@@ -78,7 +78,9 @@ class MainParamsAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's, but the main copies and moments stay float32 (torch casts every
-        floating state tensor to its parameter's dtype: bf16 would undo the point)."""
+        floating state tensor to its parameter's dtype: bf16 would undo the point). A
+        checkpoint written without main copies (float32 or pure bf16 training) starts
+        them at its weights as the model now holds them."""
         saved = state_dict["state"]
         super().load_state_dict(state_dict)
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -89,6 +91,16 @@ class MainParamsAdamW(torch.optim.Optimizer):
                     continue
                 device = self._step_device(p) if key == "step" else p.device
                 self.state[p][key] = value.to(device=device, dtype=torch.float32)
+            state = self.state.get(p)
+            if state and "main" not in state:
+                state["main"] = p.detach().to(torch.float32, copy=True)
+
+
+def drop_main_params(optim: torch.optim.Optimizer) -> None:
+    """A plain optimizer resuming a checkpoint of mixed precision: the main copies are
+    not its state (kept, they would be offloaded and saved for nothing)."""
+    for state in optim.state.values():
+        state.pop("main", None)
 
 
 def needs_main_params(params: Iterable[torch.Tensor]) -> bool:

@@ -18,9 +18,15 @@ Every per-step process group and the batch hand-over (``train/batches.py``) live
 on that store, and the ranks' own gloo/NCCL links are pinned to the loopback
 interface (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``; a value the user set
 stands). So the trainer's ranks share one node: a torchrun job spanning nodes is
-refused here (the launcher refuses it before starting anything). What an
-attacker who reaches torchrun's agent store can still do is disturb the launch
-(post a wrong nonce, join its rendezvous): the job stops, nothing is trained on.
+refused here (the launcher refuses it before starting anything). The store lives
+in rank 0's process: when rank 0 leaves, the file goes, and a follower still
+waiting on the store stops with one line (``train/batches.py``).
+
+What this does not close: the nonce proves freshness, not who posted it (torchrun's
+store hands it to anyone). An attacker who reaches torchrun's agent store can
+disturb the launch (post a wrong or an old nonce, join its rendezvous): the
+followers stop within ``RENDEZVOUS_S``, nothing is trained on. Any process on the
+node can reach a loopback port, as it can reach torchrun's.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ import torch.distributed as dist
 STORE_FILE = ".trainer-store.json"
 NONCE_KEY = "rlix/trainer-store"  # on the agent store: rank 0's store is up
 OWN_NONCE_KEY = "rlix/nonce"  # on rank 0's store: a follower reached the right one
+# every rank reaches the rendezvous right after torchrun starts it, before any model
+# loads: a follower waiting longer has been sent somewhere wrong
+RENDEZVOUS_S = 120.0
 
 
 class RendezvousError(RuntimeError):
@@ -51,31 +60,55 @@ def pin_links_to_loopback() -> None:
 
 
 def meet(
-    agent: dist.Store, rank: int, world: int, local_world: int, run_dir: Path, timeout_s: float
+    agent: dist.Store,
+    rank: int,
+    world: int,
+    local_world: int,
+    run_dir: Path,
+    timeout_s: float,
+    rendezvous_s: float = RENDEZVOUS_S,
 ) -> dist.TCPStore:
-    """This rank's handle on rank 0's loopback store (``agent``: torchrun's)."""
+    """This rank's handle on rank 0's loopback store (``agent``: torchrun's). Finding
+    it takes at most ``rendezvous_s``; ``timeout_s`` bounds each later blocking call."""
     if local_world != world:
         raise RendezvousError(
             f"the trainer's {world} ranks span nodes ({local_world} on this one): a "
             "pipeline's trainer runs on one node (its ranks meet on loopback)"
         )
-    timeout = timedelta(seconds=timeout_s)
     path = run_dir / STORE_FILE
-    if rank == 0:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-            listener.bind(("127.0.0.1", 0))
-            listener.listen(64)
-            port = listener.getsockname()[1]
-            store = dist.TCPStore(
-                "127.0.0.1", port, world, is_master=True, timeout=timeout,
-                wait_for_workers=False, master_listen_fd=listener.fileno(),
-            )  # fmt: skip
-            listener.detach()  # the store's server serves on this descriptor and owns it
-        nonce = secrets.token_hex(16)
-        store.set(OWN_NONCE_KEY, nonce)
-        _write_private(path, json.dumps({"port": port, "nonce": nonce}))
-        agent.set(NONCE_KEY, nonce)
+    try:
+        if rank == 0:
+            return _host(agent, world, path, timedelta(seconds=timeout_s))
+        store = _join(agent, rank, world, path, timedelta(seconds=rendezvous_s))
+        store.set_timeout(timedelta(seconds=timeout_s))
         return store
+    except dist.DistError as exc:  # a timeout, or a store that went away
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RendezvousError(f"rank {rank}: meeting the other ranks failed: {why}") from None
+
+
+def _host(agent: dist.Store, world: int, path: Path, timeout: timedelta) -> dist.TCPStore:
+    """Rank 0: its store up on loopback, its port in the file, then the nonce posted."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(
+            "127.0.0.1", port, world, is_master=True, timeout=timeout,
+            wait_for_workers=False, master_listen_fd=listener.fileno(),
+        )  # fmt: skip
+        listener.detach()  # the store's server serves on this descriptor and owns it
+    nonce = secrets.token_hex(16)
+    store.set(OWN_NONCE_KEY, nonce)
+    _write_private(path, json.dumps({"port": port, "nonce": nonce}))
+    agent.set(NONCE_KEY, nonce)
+    return store
+
+
+def _join(
+    agent: dist.Store, rank: int, world: int, path: Path, timeout: timedelta
+) -> dist.TCPStore:
+    """A follower: the posted nonce, the file that must carry it, the store it names."""
     agent.wait([NONCE_KEY], timeout)
     nonce = agent.get(NONCE_KEY).decode(errors="replace")
     try:
@@ -94,6 +127,11 @@ def meet(
     if store.get(OWN_NONCE_KEY).decode(errors="replace") != nonce:
         raise RendezvousError(f"rank {rank}: 127.0.0.1:{port} is not rank 0's store")
     return store
+
+
+def forget(run_dir: Path) -> None:
+    """Rank 0, leaving: its store goes with it, so the file naming it goes too."""
+    (run_dir / STORE_FILE).unlink(missing_ok=True)
 
 
 def _write_private(path: Path, text: str) -> None:

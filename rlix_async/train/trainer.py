@@ -51,7 +51,11 @@ from rlix_async.train.host_buffers import (
     install_state,
     state_tensors,
 )
-from rlix_async.train.main_params import MainParamsAdamW, needs_main_params
+from rlix_async.train.main_params import (
+    MainParamsAdamW,
+    drop_main_params,
+    needs_main_params,
+)
 from rlix_async.train.packing import pack_batch
 
 if TYPE_CHECKING:
@@ -565,6 +569,8 @@ class TorchTrainer:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         self._load_model(path, ckpt)
         self.optim.load_state_dict(ckpt["optim"])
+        if not isinstance(self.optim, MainParamsAdamW):
+            drop_main_params(self.optim)
         self.step = int(ckpt["step"])
         torch.set_rng_state(ckpt["rng"]["torch"])
         random.setstate(ckpt["rng"]["python"])

@@ -483,7 +483,8 @@ async def test_a_pipeline_holding_training_past_its_keys_max_hold_is_dropped(
 ) -> None:
     """``--max-hold``: a pipeline of that key holding a non-preemptable stage longer is
     dropped (as a silent one is) and the devices go to the pipeline waiting for them; a
-    key without the bound holds on."""
+    key without the bound holds on, and steps back to back, each shorter than the
+    bound, are each timed on their own."""
     from rlix_async.security import Allowance
 
     keygen(keys, ["driver-c"], role="driver", pipelines=["c"], allowance=Allowance(max_hold_s=0.6))
@@ -502,6 +503,11 @@ async def test_a_pipeline_holding_training_past_its_keys_max_hold_is_dropped(
         await asyncio.sleep(1.5)  # a's key has no max_hold: a holds on
         assert "actor_train" in co.registry.pipelines["a"].held
         await a.release("actor_train")
+        for _ in range(5):  # 2 s of short holds, released and granted within a tick
+            assert await c.request("actor_train", "ACTOR_TRAINING", timeout=5) == [0]
+            await asyncio.sleep(0.4)
+            await c.release("actor_train")
+        assert "c" in co.registry.pipelines
         assert await c.request("actor_train", "ACTOR_TRAINING", timeout=5) == [0]
         waiting = asyncio.ensure_future(a.request("actor_train", "ACTOR_TRAINING", timeout=10))
         # dropped within its bound and a lease-loop tick (0.5 s), and a is served

@@ -139,6 +139,38 @@ def test_a_follower_waits_while_rank0_beats_and_stops_once_it_is_killed(
         rank0.wait(timeout=10)
 
 
+HOSTING = """
+import sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_follower_stops_in_one_line_when_rank0_takes_the_store_with_it() -> None:
+    """The ranks' store lives in rank 0's process (train/rendezvous.py): when that
+    process dies, a waiting follower stops at its next look, naming why."""
+    rank0 = subprocess.Popen([sys.executable, "-c", HOSTING], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank0.stdout is not None
+        port = int(rank0.stdout.readline())
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=30))
+        follower = BatchChannel(store, 1, 2)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(follower.receive, 0)
+            time.sleep(1.0)
+            assert not waiting.done()
+            os.kill(rank0.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(RankGone, match=r"batch of step 1: the ranks' store is gone"):
+                waiting.result(timeout=15)
+            assert time.monotonic() - t0 < 5
+    finally:
+        rank0.kill()
+        rank0.wait(timeout=10)
+
+
 def test_every_wait_has_a_bound(master: dist.TCPStore) -> None:
     follower = _channel(master, 1, batch_timeout_s=0.5)
     t0 = time.monotonic()

@@ -241,6 +241,27 @@ def test_main_weights_survive_a_checkpoint_in_float32(tmp_path: Path) -> None:
     assert a.train_step(BATCH)["loss"] == b.train_step(BATCH)["loss"]
 
 
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [("float32", "bfloat16"), ("bfloat16_pure", "bfloat16"), ("bfloat16", "bfloat16_pure")],
+)
+def test_a_checkpoint_resumes_across_precisions(tmp_path: Path, saved: Any, loaded: Any) -> None:
+    """A checkpoint without main copies starts them at its weights; a plain optimizer
+    resuming one with them leaves them behind. Either way the next step runs."""
+    a = TorchTrainer(TrainConfig(lr=1e-6, dtype=saved), SMALL, seed=0)
+    a.train_step(BATCH)
+    a.save(tmp_path / "step_1.pt", {})
+    b = TorchTrainer(TrainConfig(lr=1e-6, dtype=loaded), SMALL, seed=3)
+    b.load(tmp_path / "step_1.pt")
+    assert math.isfinite(b.train_step(BATCH)["loss"])
+    for p, state in b.optim.state.items():
+        if loaded == "bfloat16":
+            assert state["main"].dtype == state["exp_avg"].dtype == torch.float32
+            assert torch.equal(p.detach(), state["main"].to(p.dtype))
+        else:
+            assert "main" not in state and state["exp_avg"].dtype == torch.bfloat16
+
+
 def test_a_pretrained_model_loads_in_the_configured_dtype(tmp_path: Path) -> None:
     path = save_tiny_llama(tmp_path / "m", 0, **SMALL.tiny)
     for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):

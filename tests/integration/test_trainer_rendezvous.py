@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import stat
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from rlix_async.train.rendezvous import NONCE_KEY, STORE_FILE, RendezvousError, meet
+from rlix_async.train.rendezvous import NONCE_KEY, STORE_FILE, RendezvousError, forget, meet
 
 
 @pytest.fixture
@@ -79,3 +80,25 @@ def test_a_follower_without_the_file_stops_in_one_line(
 def test_ranks_spanning_nodes_are_refused(agent: dist.TCPStore, tmp_path: Path) -> None:
     with pytest.raises(RendezvousError, match="span nodes"):
         meet(agent, 0, 4, 2, tmp_path, 5)
+
+
+def test_a_follower_sent_to_a_store_that_is_not_rank0s_stops_within_the_bound(
+    agent: dist.TCPStore, tmp_path: Path
+) -> None:
+    """A stale file and an old nonce replayed on torchrun's store name a store without
+    rank 0's nonce: the follower stops in one line within the rendezvous bound."""
+    elsewhere = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    nonce = "2" * 32
+    (tmp_path / STORE_FILE).write_text(json.dumps({"port": elsewhere.port, "nonce": nonce}))
+    agent.set(NONCE_KEY, nonce)
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match="rank 1: meeting the other ranks failed"):
+        meet(_client(agent), 1, 2, 2, tmp_path, 3600, rendezvous_s=1)
+    assert time.monotonic() - t0 < 10
+
+
+def test_rank0_leaving_takes_the_file_with_it(agent: dist.TCPStore, tmp_path: Path) -> None:
+    meet(_client(agent), 0, 2, 2, tmp_path, 10)
+    assert (tmp_path / STORE_FILE).exists()
+    forget(tmp_path)
+    assert not (tmp_path / STORE_FILE).exists()
