@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from rlix_async.config.schema_base import Config, doc
+from rlix_async.config.schema_base import Config, doc, invalid
 
 
 class LossConfig(Config, frozen=True):
@@ -79,4 +79,36 @@ class TrainConfig(Config, frozen=True):
             "accumulation; memory, not maths). Unset: the whole minibatch at once."
         ),
     ] = None
+    max_tokens_per_micro_batch: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        doc(
+            "Micro-batches cut by a token budget instead of a row count: a minibatch's rows, "
+            "longest first, go into pieces of at most this many tokens, padding included "
+            "(rows x the piece's longest row); a row longer than the budget is a piece of "
+            "its own. Long agentic trajectories then fit where a fixed count would not. "
+            "Exclusive with micro_batch_size."
+        ),
+    ] = None
+    recompute: Annotated[
+        Literal["none", "selective", "full"],
+        doc(
+            "Activation recomputation: keep less for the backward pass and compute it "
+            "again there. full: each transformer layer's activations (both backends); "
+            "selective: core attention only (megatron backend: the cheap part with the "
+            "largest activations). none: keep everything."
+        ),
+    ] = "none"
     loss: Annotated[LossConfig, doc("The policy loss.")] = LossConfig()
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
+            raise invalid(
+                "max_tokens_per_micro_batch",
+                "cut micro-batches by rows (micro_batch_size) or by tokens, not both",
+            )
+        if self.recompute == "selective" and self.backend != "megatron":
+            raise invalid(
+                "recompute",
+                "selective (core attention only) is the megatron backend's; the torch "
+                "backend recomputes whole layers: use full",
+            )

@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # the trainer imports this module; full-weight runs need no L
 
 ADAPTER = "default"  # peft's name for a model's only adapter
 _A, _B = ".lora_A.weight", ".lora_B.weight"
-DTYPE_NAMES = ("bfloat16", "float32")  # the trainer's dtypes (train/trainer.py DTYPES)
+DTYPE_NAMES = ("bfloat16", "float32")  # the trainer's dtypes (train/precision.py DTYPES)
 
 
 def lora_model(base: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.Module:

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from rlix_async.config import ModelConfig
 from rlix_async.models.hf import load_hf_model
 from rlix_async.train.buffer import Group
-from rlix_async.train.trainer import TorchTrainer, cast_floats, cast_parameters
+from rlix_async.train.precision import cast_floats, cast_parameters
+from rlix_async.train.trainer import TorchTrainer
 
 
 class MegatronModelError(ValueError):
@@ -270,6 +271,7 @@ class MegatronTrainer(TorchTrainer):
             persist_layer_norm=False,
             bias_dropout_fusion=False,
             apply_rope_fusion=False,
+            **_recompute(self.cfg.recompute),
         )
         model = GPTModel(
             config=tc,
@@ -344,3 +346,13 @@ class MegatronTrainer(TorchTrainer):
         s = self._shape
         hf = megatron_to_hf(self.model.state_dict(), s["heads"], s["groups"], s["head_dim"])
         return cast_floats(hf, self.dtype)
+
+
+def _recompute(kind: str) -> dict[str, Any]:
+    """TransformerConfig's activation recomputation for ``train.recompute``."""
+    if kind == "full":  # every layer's activations, one layer per checkpoint
+        return {"recompute_granularity": "full", "recompute_method": "uniform",
+                "recompute_num_layers": 1}  # fmt: skip
+    if kind == "selective":  # core attention only (Megatron's default module list)
+        return {"recompute_granularity": "selective"}
+    return {}

@@ -18,7 +18,8 @@ def pack_batch(groups: list[Group], rank: int, world: int) -> dict[str, torch.Te
 
     ``ids`` [B, L] the tokens; ``mask``, ``behavior`` [B, W] per predicted position from
     the first position any row's response needs (the sampler's log-probs, and which
-    positions are trained on); ``adv`` [B] each row's group-normalised advantage.
+    positions are trained on); ``adv`` [B] each row's group-normalised advantage;
+    ``lengths`` [B] each row's tokens before its padding.
     """
     rows: list[tuple[list[int], int, list[float], float, list[int] | None]] = []
     for g in groups:
@@ -44,4 +45,25 @@ def pack_batch(groups: list[Group], rank: int, world: int) -> dict[str, torch.Te
         mask[i, span] = 1.0 if token_mask is None else torch.tensor(token_mask, dtype=torch.float32)
         behavior[i, span] = torch.tensor(lps, dtype=torch.float32)
     adv_rows = torch.tensor([r[3] for r in rows], dtype=torch.float32)
-    return {"ids": ids, "mask": mask, "behavior": behavior, "adv": adv_rows}
+    lengths = torch.tensor([len(r[0]) for r in rows], dtype=torch.long)
+    return {"ids": ids, "mask": mask, "behavior": behavior, "adv": adv_rows, "lengths": lengths}
+
+
+def micro_batches(
+    idx: list[int], lengths: list[int], rows: int | None, max_tokens: int | None
+) -> list[list[int]]:
+    """A minibatch's rows ``idx`` in pieces for gradient accumulation: ``rows`` at a time
+    in order, or (``max_tokens``) longest first, each piece at most ``max_tokens``
+    tokens counting its padding (rows x its longest row), a longer row alone.
+    ``lengths[i]`` is row ``i``'s length. Neither: one piece."""
+    if max_tokens is None:
+        step = rows or len(idx) or 1
+        return [idx[i : i + step] for i in range(0, len(idx), step)]
+    pieces: list[list[int]] = []
+    for i in sorted(idx, key=lambda i: -lengths[i]):
+        # longest first: a piece's first row is its longest
+        if pieces and (len(pieces[-1]) + 1) * lengths[pieces[-1][0]] <= max_tokens:
+            pieces[-1].append(i)
+        else:
+            pieces.append([i])
+    return pieces

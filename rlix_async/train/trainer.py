@@ -10,7 +10,7 @@ rollout shards sync from) before the stage is released.
 Devices: one per rank, ``cuda:{LOCAL_RANK}`` among those the process sees (the
 launcher sets ``CUDA_VISIBLE_DEVICES`` to the pipeline's actor_train devices).
 Precision: parameters in ``TrainConfig.dtype``; under ``bfloat16`` the optimizer
-keeps float32 main weights and moments (``train/main_params.py``), under
+keeps float32 main weights and moments (``train/precision.py``), under
 ``bfloat16_pure`` nothing in float32; log-probs, importance ratios, advantages and
 the loss always in float32.
 
@@ -28,7 +28,6 @@ import gc
 import os
 import random
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,23 +50,18 @@ from rlix_async.train.host_buffers import (
     install_state,
     state_tensors,
 )
-from rlix_async.train.main_params import (
+from rlix_async.train.packing import micro_batches, pack_batch
+from rlix_async.train.precision import (
+    DTYPES,
     MainParamsAdamW,
+    cast_floats,
+    cast_parameters,
     drop_main_params,
     needs_main_params,
 )
-from rlix_async.train.packing import pack_batch
 
 if TYPE_CHECKING:
     from rlix_async.config.lora import LoraConfig
-
-# bfloat16: bf16 parameters with float32 main copies in the optimizer (main_params.py);
-# bfloat16_pure: bf16 parameters and Adam state, nothing else
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "bfloat16_pure": torch.bfloat16,
-    "float32": torch.float32,
-}
 
 
 def trainer_device(
@@ -93,24 +87,6 @@ def trainer_device(
             f"rank, so this node's ranks need {local_world}"
         )
     return f"cuda:{local_rank}"
-
-
-def cast_floats(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Floating-point tensors in ``dtype`` (no copy when they already are), others as they are."""
-    return {
-        k: v.detach().to(dtype) if v.is_floating_point() else v.detach() for k, v in tensors.items()
-    }
-
-
-def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """Every parameter in ``dtype``, initialised as in float32 (same seed, same weights, rounded).
-
-    Parameters only: buffers (the rotary frequencies) keep float32, as from_pretrained
-    and vLLM keep them; rounded to bf16 they would shift every position's angle.
-    """
-    for p in model.parameters():
-        p.data = p.data.to(dtype)
-    return model
 
 
 class TorchTrainer:
@@ -195,10 +171,18 @@ class TorchTrainer:
 
     def _build_model(self) -> torch.nn.Module:
         if self.model_cfg.path:
-            return load_hf_model(self.model_cfg.path, self.dtype)
-        from rlix_async.models.tiny import tiny_llama
+            model = load_hf_model(self.model_cfg.path, self.dtype)
+        else:
+            from rlix_async.models.tiny import tiny_llama
 
-        return cast_parameters(tiny_llama(self.seed, **self.model_cfg.tiny), self.dtype)
+            model = cast_parameters(tiny_llama(self.seed, **self.model_cfg.tiny), self.dtype)
+        if self.cfg.recompute == "full":
+            # each decoder layer's activations again in the backward pass; non-reentrant:
+            # works under DDP and when the inputs need no grad (a LoRA adapter's base)
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        return model
 
     @property
     def offloaded(self) -> bool:
@@ -467,29 +451,36 @@ class TorchTrainer:
         tokens = t["mask"][idx].sum()
         if dist.is_initialized() and self.world > 1:
             dist.all_reduce(tokens)
-        micro = idx.split(self.cfg.micro_batch_size) if self.cfg.micro_batch_size else [idx]
+        lengths = t["lengths"].tolist()
+        micro = micro_batches(
+            idx.tolist(), lengths, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch
+        )
+        first = t["ids"].shape[1] - 1 - t["mask"].shape[1]  # before the first predicted position
         self.optim.zero_grad(set_to_none=True)
         entropy_sum = 0.0
-        for j, mi in enumerate(micro):
+        for j, rows in enumerate(micro):
+            mi = torch.tensor(rows, device=self.device)
+            # up to this piece's own longest row: the padding after it costs nothing
+            w = max(max(lengths[r] for r in rows) - 1 - first, 1)
             # gradients add up over the micro-batches; DDP reduces once, after the last
             last = j == len(micro) - 1
             with contextlib.nullcontext() if last or not ddp else model.no_sync():  # type: ignore[operator]
-                logp, ent = self._logp_entropy(model, t["ids"][mi], t["mask"].shape[1], is_old)
+                logp, ent = self._logp_entropy(model, t["ids"][mi, : first + 1 + w], w, is_old)
                 if is_old:
-                    old[mi] = logp.detach()
-                    entropy_sum += float((ent * t["mask"][mi]).sum())
+                    old[mi, :w] = logp.detach()
+                    entropy_sum += float((ent * t["mask"][mi, :w]).sum())
                 loss, s = policy_loss(
                     logp,
-                    old[mi],
+                    old[mi, :w],
                     t["adv"][mi],
-                    t["mask"][mi],
+                    t["mask"][mi, :w],
                     self.cfg.loss,
-                    behavior_logp=t["behavior"][mi],
-                    ref_logp=ref[mi] if ref is not None else None,
+                    behavior_logp=t["behavior"][mi, :w],
+                    ref_logp=ref[mi, :w] if ref is not None else None,
                     tokens=tokens / self.world if ddp else tokens,
                 )
                 loss.backward()
-            share = len(mi) / len(idx) / minibatches
+            share = len(rows) / len(idx) / minibatches
             stats["loss"] += loss.item() / minibatches
             stats["clip_frac"] += s["clip_frac"] * share
             stats["is_weight_mean"] += s["is_weight_mean"] * share

@@ -344,6 +344,24 @@ def test_megatron_parameters_and_cache_follow_the_configured_dtype() -> None:
     assert {v.dtype for v in t.weights_for_cache().values()} == {torch.bfloat16}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["selective", "full"])
+def test_megatron_recompute_takes_the_same_step(kind: Any) -> None:
+    """Megatron's activation recomputation (core attention, or whole layers) changes
+    the memory, not the step."""
+    pytest.importorskip("megatron.core")
+    from rlix_async.train.megatron import MegatronTrainer
+
+    steps = [
+        MegatronTrainer(
+            TrainConfig(backend="megatron", minibatches=1, recompute=r), SMALL, seed=0
+        ).train_step(BATCH)
+        for r in ("none", kind)
+    ]
+    assert steps[1]["loss"] == pytest.approx(steps[0]["loss"], rel=1e-6, abs=1e-7)
+    assert steps[1]["grad_norm"] == pytest.approx(steps[0]["grad_norm"], rel=1e-5)
+
+
 def _uneven_batch() -> list[Group]:
     """Responses of different lengths: ranks holding different rows hold different
     numbers of tokens."""
@@ -374,25 +392,53 @@ def _gradients_at_the_update(t: TorchTrainer) -> list[dict[str, torch.Tensor]]:
     return seen
 
 
-def test_micro_batches_add_up_to_the_same_update() -> None:
-    """What the rule is about: the gradients accumulated over micro-batches are the
-    minibatch's. (Not the weights after AdamW: its first step scales every component
-    to about +-lr, so a component near zero turns summation-order noise into a
-    difference of lr.) fp32 sums in another order differ by a few ulps of the terms:
-    the tolerance is 1e-5 of the largest component."""
+@pytest.mark.parametrize(
+    "split",
+    [
+        {"micro_batch_size": 1},
+        {"max_tokens_per_micro_batch": 16},  # pieces [8, 8], [8, 3], [3, 3] tokens
+        {"recompute": "full"},
+    ],
+)
+def test_micro_batches_and_recompute_add_up_to_the_same_update(split: dict[str, Any]) -> None:
+    """What the rule is about: the gradients accumulated over micro-batches (by rows, or
+    by a token budget with each piece cut to its own longest row), or with every layer's
+    activations recomputed, are the minibatch's. (Not the weights after AdamW: its first
+    step scales every component to about +-lr, so a component near zero turns
+    summation-order noise into a difference of lr.) fp32 sums in another order differ
+    by a few ulps of the terms: the tolerance is 1e-5 of the largest component."""
     a = TorchTrainer(TrainConfig(minibatches=1), ModelConfig(vocab_size=64, layers=1, hidden=64))
     b = TorchTrainer(
-        TrainConfig(minibatches=1, micro_batch_size=1),
-        ModelConfig(vocab_size=64, layers=1, hidden=64),
+        TrainConfig(minibatches=1, **split), ModelConfig(vocab_size=64, layers=1, hidden=64)
     )
     ga, gb = _gradients_at_the_update(a), _gradients_at_the_update(b)
-    sa, sb = a.train_step(_uneven_batch()), b.train_step(_uneven_batch())
+    batch = _uneven_batch() * 3  # rows of 8 and 3 tokens, three of each
+    sa, sb = a.train_step(batch), b.train_step(batch)
     assert abs(sa["grad_norm"] - sb["grad_norm"]) < 1e-5 * sa["grad_norm"]
     assert abs(sa["loss"] - sb["loss"]) < 1e-6
     assert len(ga) == len(gb) == 1 and ga[0].keys() == gb[0].keys()
     scale = max(float(g.abs().max()) for g in ga[0].values())
     for name, g in ga[0].items():
         assert torch.allclose(g, gb[0][name], rtol=1e-4, atol=1e-5 * scale), name
+
+
+def test_full_recompute_runs_each_layer_again_in_the_backward_pass() -> None:
+    """Recompute is on, not only allowed: the decoder layer runs twice per update pass."""
+    calls = {}
+    for kind in ("none", "full"):
+        t = TorchTrainer(
+            TrainConfig(minibatches=1, recompute=kind),  # type: ignore[arg-type]
+            ModelConfig(vocab_size=64, layers=1, hidden=64),
+        )
+        seen: list[bool] = []
+        # a pre-hook: a recompute stops as soon as it has what backward needs, before
+        # the layer's forward returns
+        t.model.model.layers[0].register_forward_pre_hook(
+            lambda *_, seen=seen: seen.append(torch.is_grad_enabled())
+        )
+        t.train_step(_uneven_batch())
+        calls[kind] = sum(seen)  # the passes that build a graph: the update's, and its redo
+    assert calls == {"none": 1, "full": 2}
 
 
 def test_the_first_minibatch_takes_pi_old_from_its_own_update_pass() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import msgspec
@@ -379,3 +380,25 @@ def test_pure_bf16_training_is_warned_at_launch_naming_the_learning_rate() -> No
     cfg = convert({"pipelines": pipes}, LaunchConfig, "x")
     (line,) = precision_warnings(cfg)
     assert line.startswith("pipeline b: train.dtype bfloat16_pure") and "lr 1e-06" in line
+
+
+@pytest.mark.parametrize(
+    ("train", "message"),
+    [
+        (
+            {"micro_batch_size": 2, "max_tokens_per_micro_batch": 4096},
+            "max_tokens_per_micro_batch: cut micro-batches by rows (micro_batch_size) or by "
+            "tokens, not both",
+        ),
+        ({"recompute": "selective"}, "recompute: selective (core attention only) is the megatron"),
+    ],
+)
+def test_memory_levers_that_cannot_work_are_refused_naming_the_field(
+    train: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        convert({"pipelines": [_pipeline(train=train)]}, LaunchConfig, "x")
+    cfg = convert({"pipelines": [_pipeline(train={**train, "backend": "megatron",
+                                                  "micro_batch_size": None})]},
+                  LaunchConfig, "x")  # fmt: skip
+    assert cfg.pipelines[0].train.backend == "megatron"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlix_async.train.main_params import MainParamsAdamW
+from rlix_async.train.precision import MainParamsAdamW
 
 
 @pytest.mark.parametrize("fused", [False, True])

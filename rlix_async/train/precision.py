@@ -1,4 +1,8 @@
-"""Mixed precision: AdamW on float32 main copies of bf16 parameters.
+"""The trainer's precision: its dtypes, casts, and mixed precision's main weights.
+
+``train.dtype`` names a torch dtype for the parameters (``DTYPES``); under
+``bfloat16`` the optimizer is :class:`MainParamsAdamW`, AdamW on float32 main copies
+of the bf16 parameters.
 
 The model's parameters stay bf16 (forward, backward, the weight cache the shards
 sync); each has a float32 main copy and float32 Adam moments in its optimizer state,
@@ -15,11 +19,37 @@ carry it like any optimizer state (``host_buffers.state_tensors`` names it
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch.optim.adamw import adamw
+
+# bfloat16: bf16 parameters with float32 main copies in the optimizer (MainParamsAdamW);
+# bfloat16_pure: bf16 parameters and Adam state, nothing else
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "bfloat16_pure": torch.bfloat16,
+    "float32": torch.float32,
+}
+
+
+def cast_floats(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating-point tensors in ``dtype`` (no copy when they already are), others as they are."""
+    return {
+        k: v.detach().to(dtype) if v.is_floating_point() else v.detach() for k, v in tensors.items()
+    }
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Every parameter in ``dtype``, initialised as in float32 (same seed, same weights, rounded).
+
+    Parameters only: buffers (the rotary frequencies) keep float32, as from_pretrained
+    and vLLM keep them; rounded to bf16 they would shift every position's angle.
+    """
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
 
 
 class MainParamsAdamW(torch.optim.Optimizer):
