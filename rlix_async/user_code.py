@@ -11,12 +11,43 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 
 class LoadError(ImportError):
     """The object named by a spec cannot be loaded; the message says why, in one line."""
+
+
+class CalledExit(RuntimeError):
+    """User code (an env, agent or reward) called ``sys.exit()``: a failure of that call.
+
+    Left as SystemExit it would leave the thread or task it ran in and end the
+    driver's event loop, every pipeline's trajectories in flight with it."""
+
+    def __init__(self, code: object) -> None:
+        super().__init__(code)  # args: the code, so it pickles back from a worker as it was
+        self.code = code
+
+    def __str__(self) -> str:
+        return f"called exit({self.code!r})"
+
+
+def call_guarded(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, its SystemExit a :class:`CalledExit` (for threads and workers)."""
+    try:
+        return fn(*args)
+    except SystemExit as exc:
+        raise CalledExit(exc.code) from None
+
+
+async def await_guarded(awaitable: Awaitable[Any]) -> Any:
+    """``await awaitable``, its SystemExit a :class:`CalledExit`."""
+    try:
+        return await awaitable
+    except SystemExit as exc:
+        raise CalledExit(exc.code) from None
 
 
 def load_object(spec: str) -> Any:

@@ -45,6 +45,7 @@ from rlix_async.rollout.episodes import (
     load_user_object,
     with_budget,
 )
+from rlix_async.user_code import await_guarded
 
 
 class EpisodeOver(Exception):
@@ -194,7 +195,7 @@ class AgentRunner(EpisodeRunner):
         min_version: int | None = None,
     ) -> Episode:
         llm = AgentClient(self, generate, sampling, min_version)
-        task = asyncio.ensure_future(self.agent.fn(row, llm, **self.agent.args))
+        task = asyncio.ensure_future(await_guarded(self.agent.fn(row, llm, **self.agent.args)))
         # whatever it ends with is read here or below: never "exception never retrieved"
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:

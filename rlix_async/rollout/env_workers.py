@@ -35,7 +35,13 @@ _LOOP: asyncio.AbstractEventLoop | None = None  # in a worker: its envs' event l
 
 
 def _in_worker(spec: str, env_args: dict[str, Any], episode: int, method: str, arg: Any) -> Any:
-    """One env call, in a worker process."""
+    """One env call, in a worker process (an exit() there is the call's failure)."""
+    from rlix_async.user_code import call_guarded
+
+    return call_guarded(_call_env, spec, env_args, episode, method, arg)
+
+
+def _call_env(spec: str, env_args: dict[str, Any], episode: int, method: str, arg: Any) -> Any:
     global _LOOP
     if method == "__init__":
         from rlix_async.user_code import load_object

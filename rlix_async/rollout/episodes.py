@@ -43,7 +43,7 @@ from rlix_async.rollout.chat import ChatError, ChatTurns, Messages
 from rlix_async.rollout.env_workers import EnvProcesses, RemoteEnv
 from rlix_async.rollout.threads import BoundedThreads, NoFreeThread
 from rlix_async.shards.router import Trajectory
-from rlix_async.user_code import LoadError, load_object
+from rlix_async.user_code import LoadError, await_guarded, call_guarded, load_object
 
 log = logging.getLogger("rlix_async.episodes")
 ROW_REPR_LIMIT = 300
@@ -306,9 +306,11 @@ class EpisodeRunner:
         try:
             if inspect.iscoroutinefunction(fn):
                 async with asyncio.timeout(self.step_timeout_s) as deadline:
-                    return await fn(*args)
+                    return await await_guarded(fn(*args))
             try:  # bounded: timed-out calls may hold every thread
-                future = await self._threads.start(fn, *args, wait_s=self.step_timeout_s * 10)
+                future = await self._threads.start(
+                    call_guarded, fn, *args, wait_s=self.step_timeout_s * 10
+                )
             except NoFreeThread as exc:
                 raise EnvFailure(f"{self.name}: {exc}") from None
             t0 = time.monotonic()
@@ -317,7 +319,7 @@ class EpisodeRunner:
                 async with asyncio.timeout(self.step_timeout_s) as deadline:
                     result = await asyncio.shield(asyncio.wrap_future(future))
                     if inspect.isawaitable(result):  # an async method behind a decorator
-                        result = await result
+                        result = await await_guarded(result)
                     return result
             finally:
                 self._threads.let_go(future)  # timed out (or cancelled): its thread is held

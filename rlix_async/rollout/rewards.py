@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlix_async.rollout.threads import BoundedThreads
-from rlix_async.user_code import LoadError, load_object
+from rlix_async.user_code import LoadError, await_guarded, call_guarded, load_object
 
 logger = logging.getLogger("rlix_async.rewards")
 
@@ -310,7 +310,7 @@ class RewardRunner:
     async def _in_thread(self, prompt: str, response: str, row: dict[str, Any]) -> Any:
         # a free thread: bounded, since timed-out calls may hold every one forever
         future = await self._threads.start(
-            self.reward, prompt, response, row, wait_s=self.timeout_s * 10
+            call_guarded, self.reward, prompt, response, row, wait_s=self.timeout_s * 10
         )
         try:
             async with asyncio.timeout(self.timeout_s) as deadline:
@@ -328,7 +328,7 @@ class RewardRunner:
             if self.reward.is_async:
                 try:
                     async with asyncio.timeout(self.timeout_s) as deadline:
-                        result = await self.reward(prompt, response, row)
+                        result = await await_guarded(self.reward(prompt, response, row))
                 except TimeoutError:
                     if deadline.expired():
                         raise _TimedOut from None

@@ -102,6 +102,19 @@ async def test_a_failing_agent_fails_its_episode_only(caplog: pytest.LogCaptureF
         await runner(silent).run({}, scripted_generate([], []))
 
 
+async def exits(row: dict[str, Any], llm: AgentClient) -> float:
+    await llm.start("q").generate()
+    raise SystemExit(2)
+
+
+async def test_an_agent_calling_exit_fails_its_episode_not_the_driver() -> None:
+    """Its task would otherwise re-raise SystemExit out of the driver's event loop."""
+    with pytest.raises(EnvFailure, match=r"raised CalledExit: called exit\(2\)"):
+        await runner(exits).run({}, scripted_generate(["a"], []))
+    ep = await runner(tool_agent).run({"question": "2+2?"}, scripted_generate(["x", "4"], []))
+    assert ep.reward == 1.0  # the loop goes on
+
+
 async def test_only_the_agents_own_time_between_turns_is_bounded() -> None:
     async def slow_generate(prompt_ids: list[int], max_tokens: int, **_: Any) -> Any:
         await asyncio.sleep(0.6)  # the engine's time: longer than the bound, and fine

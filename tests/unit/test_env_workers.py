@@ -32,6 +32,8 @@ class Counter:
         self.turns += 1  # state kept in the worker across the episode's calls
         if self.row.get("die"):
             os._exit(3)
+        if self.row.get("exit"):
+            raise SystemExit(7)
         if self.row.get("hang"):
             time.sleep(2.0)
         return StepResult("more", 1.0, self.turns == 3, {"pid": os.getpid()})
@@ -71,6 +73,10 @@ async def test_a_worker_that_dies_or_hangs_fails_only_its_episodes(tmp_path: Pat
             await r.run({"die": True}, scripted_generate(["a"], []))
         ok = await r.run({}, scripted_generate(["a", "b", "c"], []))  # a new worker serves
         assert ok.turns == 3 and r.processes.replaced == 1
+        # exit() in the env: that call's failure, in a worker that lives on
+        with pytest.raises(EnvFailure, match=r"raised CalledExit: called exit\(7\)"):
+            await r.run({"exit": True}, scripted_generate(["a"], []))
+        assert r.processes.replaced == 1
         pids = [w.pid.result() for w in r.processes.workers]
         hung = asyncio.ensure_future(r.run({"hang": True}, scripted_generate(["a"], [])))
         await asyncio.sleep(0.3)  # the hanging episode holds worker 0; another runs beside

@@ -161,6 +161,28 @@ async def test_a_failing_env_fails_its_episode_only_and_is_logged_once_with_its_
     assert ep.reward == 0.25 and ep.turns == 1 and ep.cut == ""  # and gymnasium's, numpy bools
 
 
+class Exits(Echo):
+    def step(self, action: str) -> StepResult:  # plain: runs in a thread
+        raise SystemExit(3)
+
+
+class AsyncExits(Echo):
+    async def step(self, action: str) -> StepResult:
+        import sys
+
+        sys.exit("bye")
+
+
+async def test_an_env_calling_exit_fails_its_episode_not_the_driver() -> None:
+    """SystemExit from an env (in a thread or on the loop) would leave the driver's
+    event loop and take every pipeline's trajectories with it."""
+    for cls, code in ((Exits, "3"), (AsyncExits, "'bye'")):
+        with pytest.raises(EnvFailure, match=rf"step\(\) raised CalledExit: called exit\({code}\)"):
+            await runner(cls).run({"q": 1}, scripted_generate(["a"], []))
+    ep = await runner(Echo).run({"q": 1}, scripted_generate(["stop"], []))
+    assert ep.turns == 1  # and the loop goes on
+
+
 def test_a_bad_env_is_one_line_at_load() -> None:
     with pytest.raises(EnvError, match="no such file"):
         load_env("/nonexistent/env.py:Env")

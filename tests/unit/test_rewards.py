@@ -166,6 +166,20 @@ async def test_a_raising_reward_is_counted_logged_once_and_the_runner_goes_on(
     runner.close()
 
 
+async def test_a_reward_calling_exit_is_a_failed_score_not_the_drivers_end() -> None:
+    def quits(prompt: str, response: str, row: dict[str, Any]) -> float:
+        sys.exit(4)
+
+    async def quits_async(prompt: str, response: str, row: dict[str, Any]) -> float:
+        raise SystemExit(5)
+
+    for fn, code in ((quits, 4), (quits_async, 5)):
+        runner = runner_for(fn)
+        score = await runner.score("p", "r", {})
+        assert score.failed and score.error == f"raised CalledExit: called exit({code})"
+        runner.close()
+
+
 async def test_a_sync_reward_that_times_out_fails_within_a_second(
     released: threading.Event,
 ) -> None:
