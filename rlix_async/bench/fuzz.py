@@ -1,5 +1,7 @@
 """``rlix-async bench fuzz``: hostile input against a listener, then a real use of it.
 
+Target ``env`` (broken environments against the driver) is ``bench/fuzz_env.py``.
+
 Target ``stream``: the sealed weight stream's plain tcp listener
 (``weights/stream.py``), the one door of the weights path that is not behind CURVE.
 A real owner (a weight cache in shared memory, version 1 built) serves it. Each input
@@ -124,10 +126,17 @@ async def fuzz_stream(inputs: int, seed: int = 0, concurrency: int = 8) -> dict[
     }
 
 
-def run_fuzz_bench(target: str, inputs: int, seed: int) -> dict[str, Any]:
-    if target != "stream":
-        raise ValueError(f"unknown fuzz target {target!r} (stream)")
+def run_fuzz_bench(target: str, inputs: int, seed: int, model: str | None = None) -> dict[str, Any]:
+    """``stream`` (this module) or ``env`` (``bench/fuzz_env.py``: ``model`` is a
+    directory whose tokenizer has a chat template)."""
     from rlix_async.aio import run
 
+    if target == "env":
+        from rlix_async.bench.fuzz_env import fuzz_env
+
+        assert model is not None, "the env target needs a tokenizer directory"
+        return run(fuzz_env(model, inputs, seed))
+    if target != "stream":
+        raise ValueError(f"unknown fuzz target {target!r} (stream, env)")
     socket.setdefaulttimeout(10)
     return run(fuzz_stream(inputs, seed))

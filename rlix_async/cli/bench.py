@@ -27,9 +27,22 @@ def _rpc(args: argparse.Namespace) -> int:
 def _fuzz(args: argparse.Namespace) -> int:
     from rlix_async.bench.fuzz import run_fuzz_bench
 
-    r = run_fuzz_bench(args.target, args.inputs, args.seed)
+    model = None
+    if args.target == "env":
+        from rlix_async.models.pretrained import convert
+
+        model = args.model or str(convert("smollm2-135m-instruct"))
+    r = run_fuzz_bench(args.target, args.inputs, args.seed, model)
     if args.json:
         print(json.dumps(r, indent=2))
+    elif r["target"] == "env":
+        print(
+            f"env: {r['inputs']} broken episodes in {r['hostile_s']} s "
+            f"({', '.join(f'{k} {v}' for k, v in r['kinds'].items())}); "
+            f"{r['workers_replaced']} env workers replaced; the driver's loop lagged at most "
+            f"{r['loop_lag_max_s']} s; then {r['then_served']} good episodes finished"
+            + "".join(f"\n  problem: {p}" for p in r["problems"])
+        )
     else:
         print(
             f"{r['target']}: {r['inputs']} hostile connections in {r['hostile_s']} s "
@@ -376,8 +389,19 @@ def _register_fuzz(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="hostile connections against a listener, then a real use of it (exit 1: it "
         "stopped serving, lost bytes or leaked any)",
     )
-    p.add_argument("--target", choices=["stream"], default="stream", help="the sealed stream")
-    p.add_argument("--inputs", type=positive_int, default=10_000, help="hostile connections")
+    p.add_argument(
+        "--target",
+        choices=["stream", "env"],
+        default="stream",
+        help="stream: the sealed weight stream's listener; env: broken environments in "
+        "env worker processes against the driver's episode runner",
+    )
+    p.add_argument(
+        "--inputs", type=positive_int, default=10_000, help="hostile connections or episodes"
+    )
+    p.add_argument(
+        "--model", help="env: a directory whose tokenizer has a chat template (default: SmolLM2)"
+    )
     p.add_argument("--seed", type=int, default=0)
     _json_flag(p)
     p.set_defaults(func=_fuzz)

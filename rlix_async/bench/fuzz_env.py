@@ -1,0 +1,208 @@
+"""``rlix-async bench fuzz --target env``: broken environments against the driver.
+
+An environment is user code, run in ``env_workers`` processes that talk to the
+driver over their pools' pipes. A broken one must fail its own episodes and never
+the driver, whose event loop carries every other episode, the heartbeats and the
+training. Each input is one episode through the real ``EpisodeRunner`` and
+``EnvProcesses`` (two worker processes), whose env misbehaves in one way drawn at
+random:
+
+- ``garbage``: ``step`` returns something that is not a step (None, text, a dict, a
+  tuple of the wrong length, a NaN or boolean reward, ``done`` that is no flag);
+- ``raises``: ``step`` raises (ValueError, KeyError, RecursionError, MemoryError, ...);
+- ``exits``: ``step`` calls ``sys.exit()``;
+- ``dies``: the worker process ends (``os._exit``): its other episodes fail with it;
+- ``hangs``: ``step`` sleeps past the step timeout: its worker is stopped, likewise,
+  and calls queued behind it run out of time;
+- ``unpicklable``: ``step`` returns what cannot cross the pipe;
+- ``bad_reset``: ``reset`` returns no turn (None, a number, bytes, a list of non-messages);
+- ``init_raises``: the env's constructor raises;
+- ``huge``: a 64 KiB observation (the episode is cut at its token budget);
+- ``good``: a well-behaved episode.
+
+The model's turns come from a stand-in ``generate`` (a fixed answer): the fuzz is of
+the env boundary, not of the engine. Episodes run 16 at a time. It passes when no
+exception other than the runner's ``EnvFailure`` leaves an episode, no episode
+outlives its bound, every hostile episode failed (``huge`` aside: cut), a good one
+failed only beside a worker that died, was stopped or hung, the driver's loop never
+stalled a second, and afterwards a batch of good episodes all finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+KINDS = (
+    "garbage", "raises", "exits", "dies", "hangs", "unpicklable", "bad_reset",
+    "init_raises", "huge", "good",
+)  # fmt: skip
+# dies and hangs cost a worker process each (and its episodes; a hang its timeout too):
+# drawn less often
+WEIGHTS = (10, 10, 10, 2, 1, 10, 10, 10, 4, 20)
+# A call's bound counts its time queued behind its worker's other calls and, on a new
+# worker, the worker's start (a spawned interpreter importing the env: about a second
+# here): under that, a replaced worker is stopped again before it serves anything.
+STEP_TIMEOUT_S = 3.0
+EPISODE_BOUND_S = 60.0  # far past any episode's own bounds: reaching it is a failure
+CONCURRENCY = 16
+FINAL_GOOD = 20
+# a good episode on a worker that died or was stopped, or queued behind a hung call
+COLLATERAL = ("WorkerDied", "was replaced", "took longer than")
+
+HOSTILE_ENV = """
+import math, os, random, sys, time
+from rlix_async import StepResult
+
+GARBAGE = [
+    lambda r: None, lambda r: "done", lambda r: {"reward": 1.0}, lambda r: (1, 2),
+    lambda r: ("obs", 1.0, True, {}, 5, 6), lambda r: StepResult("o", math.nan, True),
+    lambda r: StepResult("o", True, True), lambda r: StepResult("o", 1.0, "maybe"),
+    lambda r: StepResult("o", "1.0", True), lambda r: StepResult("o", math.inf, True),
+    lambda r: [r.random()] * 3, lambda r: r.randbytes(16),
+]
+BAD_TURNS = [None, 42, b"bytes", [1, 2], [{"role": 7}], {"content": None}]
+ERRORS = [ValueError, KeyError, RecursionError, MemoryError, ZeroDivisionError, OSError]
+
+
+class Hostile:
+    def __init__(self, row):
+        self.kind, self.rng = row["kind"], random.Random(row["seed"])
+        if self.kind == "init_raises":
+            raise self.rng.choice(ERRORS)("no env for you")
+
+    def reset(self):
+        if self.kind == "bad_reset":
+            return self.rng.choice(BAD_TURNS)
+        return "What is 2 + 2?"
+
+    def step(self, action):
+        kind = self.kind
+        if kind == "garbage":
+            return self.rng.choice(GARBAGE)(self.rng)
+        if kind == "raises":
+            raise self.rng.choice(ERRORS)("broken env")
+        if kind == "exits":
+            sys.exit(self.rng.choice([0, 1, "bye"]))
+        if kind == "dies":
+            os._exit(self.rng.choice([0, 1, 137]))
+        if kind == "hangs":
+            time.sleep(30)
+        if kind == "unpicklable":
+            return StepResult("o", 1.0, True, {"f": lambda: 0})
+        if kind == "huge":
+            return StepResult("x" * 65536, 1.0, False)
+        return StepResult("ok", 1.0, True)
+"""
+
+
+async def fuzz_env(tokenizer_dir: str, inputs: int, seed: int, workers: int = 2) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from rlix_async.rollout.chat import ChatTurns
+    from rlix_async.rollout.env_workers import EnvProcesses
+    from rlix_async.rollout.episodes import EnvFailure, EpisodeRunner, load_env
+    from rlix_async.shards.router import Trajectory
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    answer = list(tokenizer("4", add_special_tokens=False)["input_ids"])
+
+    async def generate(prompt_ids: list[int], sampling: Any, **_: Any) -> Trajectory:
+        out = answer[: sampling.max_tokens]
+        return Trajectory(list(prompt_ids), out, [-1.0] * len(out), [0] * len(out))
+
+    def decode(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+    rng = random.Random(seed)
+    outcomes: Counter[str] = Counter()
+    bad: list[str] = []  # what must not happen, described
+    with tempfile.TemporaryDirectory(prefix="rlix-fuzz-env-") as tmp:
+        (Path(tmp) / "hostile.py").write_text(HOSTILE_ENV)
+        spec = f"{Path(tmp) / 'hostile.py'}:Hostile"
+        processes = EnvProcesses(workers, spec, {})
+        runner = EpisodeRunner(
+            load_env(spec), ChatTurns(tokenizer), decode, max_turns=3, max_tokens=8,
+            max_episode_tokens=256, step_timeout_s=STEP_TIMEOUT_S, processes=processes,
+        )  # fmt: skip
+        lag = _LoopLag()
+        lag.start()
+        gate = asyncio.Semaphore(CONCURRENCY)
+
+        async def one(kind: str, n: int) -> None:
+            async with gate:
+                try:
+                    episode = await asyncio.wait_for(
+                        runner.run({"kind": kind, "seed": n}, generate), EPISODE_BOUND_S
+                    )
+                except EnvFailure as exc:
+                    collateral = any(c in str(exc) for c in COLLATERAL)
+                    outcomes[f"{kind}: failed" + (" beside a lost worker" * collateral)] += 1
+                    if kind in ("good", "huge") and not collateral:
+                        bad.append(f"{kind} episode failed: {exc}")
+                    return
+                except TimeoutError:
+                    bad.append(f"{kind} episode still running after {EPISODE_BOUND_S:g} s")
+                    return
+                except Exception as exc:  # escaped the runner: the fuzz's finding
+                    bad.append(f"{kind} episode raised {type(exc).__name__}: {exc}")
+                    return
+                outcomes[f"{kind}: finished ({episode.cut or 'done'})"] += 1
+                if kind not in ("good", "huge"):
+                    bad.append(f"{kind} episode finished ({episode.cut or 'done'})")
+
+        started = time.perf_counter()
+        kinds = rng.choices(KINDS, WEIGHTS, k=inputs)
+        try:
+            await asyncio.gather(*(one(k, n) for n, k in enumerate(kinds)))
+            hostile_s = time.perf_counter() - started
+            final = [one("good", inputs + n) for n in range(FINAL_GOOD)]
+            before = outcomes["good: finished (done)"]
+            await asyncio.gather(*final)
+            served = outcomes["good: finished (done)"] - before
+        finally:
+            lag.stop()
+            runner.close()
+    if served != FINAL_GOOD:
+        bad.append(f"afterwards {served} of {FINAL_GOOD} good episodes finished")
+    if lag.max_s >= 1.0:
+        bad.append(f"the driver's loop stalled {lag.max_s:.2f} s")
+    return {
+        "target": "env",
+        "inputs": inputs,
+        "kinds": dict(sorted(Counter(kinds).items())),
+        "outcomes": dict(sorted(outcomes.items())),
+        "workers_replaced": processes.replaced,
+        "loop_lag_max_s": round(lag.max_s, 3),
+        "hostile_s": round(hostile_s, 2),
+        "then_served": served,
+        "problems": bad[:20],
+        "ok": not bad,
+    }
+
+
+class _LoopLag:
+    """How late a 10 ms sleep on the driver's loop wakes up, at worst."""
+
+    def __init__(self) -> None:
+        self.max_s = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._tick())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(0.01)
+            self.max_s = max(self.max_s, loop.time() - t0 - 0.01)
