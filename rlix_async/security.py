@@ -149,14 +149,19 @@ class Allowance:
         if self.devices is not None:
             lines.append(f"devices {format_devices(self.devices)}")
         if self.max_weight is not None:
-            lines.append(f"max_weight {self.max_weight:g}")
+            lines.append(f"max_weight {_number(self.max_weight)}")
         if self.max_priority is not None:
             lines.append(f"max_priority {self.max_priority}")
         if self.groups:
             lines.append(f"groups {','.join(sorted(self.groups))}")
         if self.max_hold_s is not None:
-            lines.append(f"max_hold {self.max_hold_s:g}")
+            lines.append(f"max_hold {_number(self.max_hold_s)}")
         return "".join(f"{line}\n" for line in lines)
+
+
+def _number(x: float) -> str:
+    """As written, whole numbers without a point (``:g`` would round 1234567)."""
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
 def parse_allowance(text: str, name: str = "?") -> Allowance:

@@ -106,84 +106,94 @@ async def fuzz_env(tokenizer_dir: str, inputs: int, seed: int, workers: int = 2)
 
     from rlix_async.rollout.chat import ChatTurns
     from rlix_async.rollout.env_workers import EnvProcesses
-    from rlix_async.rollout.episodes import EnvFailure, EpisodeRunner, load_env
-    from rlix_async.shards.router import Trajectory
+    from rlix_async.rollout.episodes import EpisodeRunner, load_env
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    answer = list(tokenizer("4", add_special_tokens=False)["input_ids"])
-
-    async def generate(prompt_ids: list[int], sampling: Any, **_: Any) -> Trajectory:
-        out = answer[: sampling.max_tokens]
-        return Trajectory(list(prompt_ids), out, [-1.0] * len(out), [0] * len(out))
-
-    def decode(ids: list[int]) -> str:
-        return str(tokenizer.decode(ids, skip_special_tokens=True))
-
-    rng = random.Random(seed)
-    outcomes: Counter[str] = Counter()
-    bad: list[str] = []  # what must not happen, described
+    kinds = random.Random(seed).choices(KINDS, WEIGHTS, k=inputs)
     with tempfile.TemporaryDirectory(prefix="rlix-fuzz-env-") as tmp:
         (Path(tmp) / "hostile.py").write_text(HOSTILE_ENV)
         spec = f"{Path(tmp) / 'hostile.py'}:Hostile"
         processes = EnvProcesses(workers, spec, {})
         runner = EpisodeRunner(
-            load_env(spec), ChatTurns(tokenizer), decode, max_turns=3, max_tokens=8,
-            max_episode_tokens=256, step_timeout_s=STEP_TIMEOUT_S, processes=processes,
+            load_env(spec), ChatTurns(tokenizer), _Fuzzer.decoder(tokenizer), max_turns=3,
+            max_tokens=8, max_episode_tokens=256, step_timeout_s=STEP_TIMEOUT_S,
+            processes=processes,
         )  # fmt: skip
+        fuzz = _Fuzzer(runner, tokenizer)
         lag = _LoopLag()
         lag.start()
-        gate = asyncio.Semaphore(CONCURRENCY)
-
-        async def one(kind: str, n: int) -> None:
-            async with gate:
-                try:
-                    episode = await asyncio.wait_for(
-                        runner.run({"kind": kind, "seed": n}, generate), EPISODE_BOUND_S
-                    )
-                except EnvFailure as exc:
-                    collateral = any(c in str(exc) for c in COLLATERAL)
-                    outcomes[f"{kind}: failed" + (" beside a lost worker" * collateral)] += 1
-                    if kind in ("good", "huge") and not collateral:
-                        bad.append(f"{kind} episode failed: {exc}")
-                    return
-                except TimeoutError:
-                    bad.append(f"{kind} episode still running after {EPISODE_BOUND_S:g} s")
-                    return
-                except Exception as exc:  # escaped the runner: the fuzz's finding
-                    bad.append(f"{kind} episode raised {type(exc).__name__}: {exc}")
-                    return
-                outcomes[f"{kind}: finished ({episode.cut or 'done'})"] += 1
-                if kind not in ("good", "huge"):
-                    bad.append(f"{kind} episode finished ({episode.cut or 'done'})")
-
         started = time.perf_counter()
-        kinds = rng.choices(KINDS, WEIGHTS, k=inputs)
         try:
-            await asyncio.gather(*(one(k, n) for n, k in enumerate(kinds)))
+            await asyncio.gather(*(fuzz.one(k, n) for n, k in enumerate(kinds)))
             hostile_s = time.perf_counter() - started
-            final = [one("good", inputs + n) for n in range(FINAL_GOOD)]
-            before = outcomes["good: finished (done)"]
-            await asyncio.gather(*final)
-            served = outcomes["good: finished (done)"] - before
+            before = fuzz.outcomes["good: finished (done)"]
+            await asyncio.gather(*(fuzz.one("good", inputs + n) for n in range(FINAL_GOOD)))
+            served = fuzz.outcomes["good: finished (done)"] - before
         finally:
             lag.stop()
             runner.close()
     if served != FINAL_GOOD:
-        bad.append(f"afterwards {served} of {FINAL_GOOD} good episodes finished")
+        fuzz.bad.append(f"afterwards {served} of {FINAL_GOOD} good episodes finished")
     if lag.max_s >= 1.0:
-        bad.append(f"the driver's loop stalled {lag.max_s:.2f} s")
+        fuzz.bad.append(f"the driver's loop stalled {lag.max_s:.2f} s")
     return {
         "target": "env",
         "inputs": inputs,
         "kinds": dict(sorted(Counter(kinds).items())),
-        "outcomes": dict(sorted(outcomes.items())),
+        "outcomes": dict(sorted(fuzz.outcomes.items())),
         "workers_replaced": processes.replaced,
         "loop_lag_max_s": round(lag.max_s, 3),
         "hostile_s": round(hostile_s, 2),
         "then_served": served,
-        "problems": bad[:20],
-        "ok": not bad,
+        "problems": fuzz.bad[:20],
+        "ok": not fuzz.bad,
     }
+
+
+class _Fuzzer:
+    """Runs episodes ``CONCURRENCY`` at a time and sorts how each ended."""
+
+    def __init__(self, runner: Any, tokenizer: Any) -> None:
+        self.runner = runner
+        self.answer = list(tokenizer("4", add_special_tokens=False)["input_ids"])
+        self.outcomes: Counter[str] = Counter()
+        self.bad: list[str] = []  # what must not happen, described
+        self.gate = asyncio.Semaphore(CONCURRENCY)
+
+    @staticmethod
+    def decoder(tokenizer: Any) -> Any:
+        return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
+
+    async def generate(self, prompt_ids: list[int], sampling: Any, **_: Any) -> Any:
+        """The model's stand-in: the same short answer every turn."""
+        from rlix_async.shards.router import Trajectory
+
+        out = self.answer[: sampling.max_tokens]
+        return Trajectory(list(prompt_ids), out, [-1.0] * len(out), [0] * len(out))
+
+    async def one(self, kind: str, n: int) -> None:
+        from rlix_async.rollout.episodes import EnvFailure
+
+        async with self.gate:
+            try:
+                episode = await asyncio.wait_for(
+                    self.runner.run({"kind": kind, "seed": n}, self.generate), EPISODE_BOUND_S
+                )
+            except EnvFailure as exc:
+                collateral = any(c in str(exc) for c in COLLATERAL)
+                self.outcomes[f"{kind}: failed" + (" beside a lost worker" * collateral)] += 1
+                if kind in ("good", "huge") and not collateral:
+                    self.bad.append(f"{kind} episode failed: {exc}")
+                return
+            except TimeoutError:
+                self.bad.append(f"{kind} episode still running after {EPISODE_BOUND_S:g} s")
+                return
+            except Exception as exc:  # escaped the runner: the fuzz's finding
+                self.bad.append(f"{kind} episode raised {type(exc).__name__}: {exc}")
+                return
+            self.outcomes[f"{kind}: finished ({episode.cut or 'done'})"] += 1
+            if kind not in ("good", "huge"):
+                self.bad.append(f"{kind} episode finished ({episode.cut or 'done'})")
 
 
 class _LoopLag:

@@ -549,3 +549,11 @@ async def test_a_revoked_key_is_dropped_and_cannot_come_back(
         assert isinstance(await b._call(m.StatusRequest()), m.StatusReply)
         await a.close()
         await b.close()
+
+
+def test_an_allowance_file_keeps_its_numbers_as_written() -> None:
+    from rlix_async.security import Allowance, parse_allowance
+
+    allow = Allowance(max_weight=1234567.0, max_hold_s=0.6)
+    assert allow.text() == "max_weight 1234567\nmax_hold 0.6\n"  # not 1.23457e+06
+    assert parse_allowance(allow.text()) == allow
