@@ -120,11 +120,21 @@ class EnvProcesses:
         except (BrokenProcessPool, RuntimeError):
             self._replace(index, worker)
             raise WorkerDied(f"env worker {index} died") from None
+        waiting = asyncio.wrap_future(future)
+        # read whatever it ends with, also after this call stopped waiting (a timeout):
+        # never "exception never retrieved"
+        waiting.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
-            return await asyncio.shield(asyncio.wrap_future(future))
+            return await asyncio.shield(waiting)
         except BrokenProcessPool:
             self._replace(index, worker)
             raise WorkerDied(f"env worker {index} died during {method}()") from None
+        except asyncio.CancelledError:
+            if not future.cancelled():
+                raise  # this episode was cancelled
+            # the call was queued on a worker that another episode's hang or death
+            # stopped: that pool cancelled it (found by bench fuzz --target env)
+            raise WorkerDied(f"env worker {index} was replaced before {method}() ran") from None
         finally:
             # timed out (or cancelled): a queued call is dropped; one that runs can only
             # be stopped with its process

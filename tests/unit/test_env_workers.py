@@ -122,3 +122,24 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as fh:  # a zombie (exited, not yet reaped) is gone
         return fh.read().split()[2] != "Z"
+
+
+@pytest.mark.timeout(120)
+async def test_calls_queued_on_a_stopped_worker_fail_their_episodes_not_cancel_them(
+    tmp_path: Path,
+) -> None:
+    """Stopping a hung worker cancels the calls queued behind it in its pool: each is
+    that episode's WorkerDied, never a CancelledError that would leave the episode as
+    if the pipeline had cancelled it (found by bench fuzz --target env)."""
+    r = runner(tmp_path, 1, step_timeout_s=1.0)
+    try:
+        hung = asyncio.ensure_future(r.run({"hang": True}, scripted_generate(["a"], [])))
+        await asyncio.sleep(0.5)  # its step runs; these queue behind it on the one worker
+        queued = [r.run({}, scripted_generate(["a", "b", "c"], [])) for _ in range(4)]
+        results = await asyncio.gather(hung, *queued, return_exceptions=True)
+        assert all(isinstance(x, EnvFailure) for x in results), results
+        assert sum("WorkerDied" in str(x) for x in results[1:]) >= 2
+        ok = await r.run({}, scripted_generate(["a", "b", "c"], []))  # the new worker serves
+        assert ok.turns == 3
+    finally:
+        r.close()
