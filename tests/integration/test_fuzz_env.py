@@ -1,6 +1,8 @@
 """``bench fuzz --target env`` in the suite: a few hundred broken episodes through the
 real episode runner and env worker processes (the 10,000-input run is in docs/PERF.md).
-The tokenizer is the tiny offline one (helpers/tiny_text.py), saved as a directory."""
+The tokenizer is the tiny offline one (helpers/tiny_text.py), saved as a directory.
+Slow tier: it keeps both cores busy, and beside the multinode test it starved a shard
+worker's heartbeats (declared dead at 2.5 s) in a CI run."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from helpers.tiny_text import tiny_tokenizer
 from rlix_async.bench.fuzz import run_fuzz_bench
 
 
+@pytest.mark.slow  # processes at full tilt: kept off the heavy tests' worker in CI
 @pytest.mark.timeout(240)
 def test_broken_envs_fail_their_own_episodes_and_the_driver_serves_on(tmp_path: Path) -> None:
     tiny_tokenizer().save_pretrained(tmp_path / "tok")
