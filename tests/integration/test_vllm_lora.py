@@ -48,7 +48,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 RANK, ALPHA = 8, 16.0
 PROMPTS = [[5, 70, 80, 90, 100, 33], [17, 9, 200, 42], [7, 7, 130]]
 NEW = 8
-LONG = 96  # tokens of the request a replacement runs beside
+LONG = 124  # tokens of the request two replacements run beside (130 + 124 <= max_model_len)
 
 
 def export(model: torch.nn.Module) -> dict[str, torch.Tensor]:
