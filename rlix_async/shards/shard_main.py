@@ -101,21 +101,23 @@ async def serve(cfg: ShardConfig) -> int:
 
 
 def _check_start(cfg: ShardConfig) -> bool:
-    """Before anything loads: the installed vLLM is one this package supports (a warning
-    line for a newer one), and the worker sees exactly its devices. Returns whether it
-    runs on CUDA. Raises a one-line DeviceBindingError or VllmVersionError."""
+    """Before anything loads: the worker sees exactly its devices, and the installed
+    vLLM is one this package supports (a warning line for a newer one). The devices come
+    first: a launch that shows a worker the wrong devices is wrong whatever is
+    installed. Returns whether it runs on CUDA. Raises a one-line DeviceBindingError or
+    VllmVersionError."""
     if cfg.engine.kind != "vllm":
         check_binding(cfg.devices, cfg.tensor_parallel_size, None)
         return False
+    # Counted without initialising CUDA here: vLLM forks its engine core from this
+    # process (see cuda_device_count).
+    seen = cuda_device_count()
+    check_binding(cfg.devices, cfg.tensor_parallel_size, seen if seen else None)
     warning = vllm_api.check_version()
     if cfg.members:  # adapters from memory use vLLM internals: checked now
         vllm_api.check_internals()
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    # Counted without initialising CUDA here: vLLM forks its engine core from this
-    # process (see cuda_device_count).
-    seen = cuda_device_count()
-    check_binding(cfg.devices, cfg.tensor_parallel_size, seen if seen else None)
     return seen > 0
 
 

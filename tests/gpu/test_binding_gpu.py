@@ -64,7 +64,7 @@ def test_a_shard_that_sees_the_wrong_devices_refuses_to_start(tmp_path: Path) ->
             "shard",
             "pipeline=p",
             "rank=0",
-            "model=/unused",
+            f"model={tmp_path}",  # a directory: never read, the devices are refused first
             "devices=[0, 1]",
             "tensor_parallel_size=2",
         ],

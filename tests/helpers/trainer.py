@@ -54,21 +54,29 @@ def mass_below_8(trainer: TorchTrainer) -> float:
     return float(torch.softmax(logits.float(), -1)[:8].sum())
 
 
-def state_snapshot(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
-    """Every tensor of the training state (model and optimizer), copied to the host."""
-    out = {
-        f"model.{k}": v.detach().to("cpu", copy=True) for k, v in trainer.model.state_dict().items()
-    }
+def state_snapshot(trainer: TorchTrainer) -> dict[str, object]:
+    """Every entry of the training state (model and optimizer), tensors copied to the
+    host. Other entries are kept as they are: Megatron's layers put ``_extra_state``
+    (None without Transformer Engine) in their state dicts."""
+
+    def host(v: object) -> object:
+        return v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+
+    out = {f"model.{k}": host(v) for k, v in trainer.model.state_dict().items()}
     for i, state in trainer.optim.state_dict()["state"].items():
-        out.update({f"optim.{i}.{k}": v.to("cpu", copy=True) for k, v in state.items()})
+        out.update({f"optim.{i}.{k}": host(v) for k, v in state.items()})
     return out
 
 
-def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    """Same keys, dtypes and values, bit for bit."""
+def assert_same_state(got: dict[str, object], want: dict[str, object]) -> None:
+    """Same keys; tensors of the same dtypes and values, bit for bit; other entries equal."""
     assert got.keys() == want.keys()
     for k, v in want.items():
-        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+        g = got[k]
+        if isinstance(v, torch.Tensor):
+            assert isinstance(g, torch.Tensor) and g.dtype == v.dtype and torch.equal(g, v), k
+        else:
+            assert g == v, k
 
 
 CYCLES = r"""
