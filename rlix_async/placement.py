@@ -225,6 +225,7 @@ def place_processes(
         journal=str(out / "journal.jsonl"),
         keys=keys,
         scheduler=cfg.scheduler,
+        heartbeat_interval_s=cfg.heartbeat_interval_s,
     )
     coord_path = out / "coordinator.yaml"
     plan = [

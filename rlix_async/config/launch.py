@@ -25,6 +25,16 @@ class LaunchConfig(Config, frozen=True):
     scheduler: Annotated[SchedulerConfig, doc("The coordinator's leases and timers.")] = (
         SchedulerConfig()
     )
+    heartbeat_interval_s: Annotated[
+        float,
+        doc(
+            "The coordinator's heartbeat period: a process silent 2.5 periods is declared "
+            "dead, and every process adopts the longer wait from the coordinator's welcome. "
+            "Raise it where hosts are loaded enough to starve a process for seconds.",
+            gt=0,
+            le=60,
+        ),
+    ] = 1.0
 
     def __post_init__(self) -> None:
         check_launch(self.pipelines, self.cluster, self.engine)

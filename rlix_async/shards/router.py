@@ -7,7 +7,12 @@
   ``Sampling`` and the remaining ``max_tokens``; tokens, logprobs and the weight version of every token are
   kept, so preemption wastes no decoded token. A shard that dies mid-request
   loses only that attempt's tokens (they never reached us); the request is
-  resumed from what we have. A resumed attempt costs a prefill of
+  resumed from what we have, on another shard: the rank whose connection failed is
+  not picked again until the coordinator reports the ranks anew or ``SUSPECT_S``
+  pass (the router may see the loss seconds before the coordinator declares the
+  worker dead, and a connect to a dead host waits its whole timeout), and a request
+  that queued to connect to a rank that has left the plan fails over at once.
+  A resumed attempt costs a prefill of
   ``prompt + partial`` on its new shard: ``resumed`` counts the resumed
   attempts a shard answered and ``reprefill_tokens`` the prompt tokens they sent.
 - A caller that cancels ``generate`` (a timeout, a pipeline dropping a group)
@@ -45,6 +50,8 @@ from rlix_async.security import ClientKeys
 from rlix_async.transport import CallTimeout, ConnectionLost, RpcClient, TransportConfig
 
 log = logging.getLogger(__name__)
+
+SUSPECT_S = 10.0  # a rank whose connection failed is left alone this long at most
 
 
 @dataclass
@@ -95,6 +102,8 @@ class Router:
         self._clients: dict[str, RpcClient] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._n_clients = 0
+        # rank -> (the ranks the coordinator reported, when) as its connection failed
+        self._suspects: dict[int, tuple[list[int], float]] = {}
         self._ids = uuid.uuid4().hex[:8]
         self._n = 0
         self._tasks = Supervisor("router")
@@ -116,7 +125,7 @@ class Router:
             ready = [
                 (r, self.pipeline.endpoints[r])
                 for r in self.pipeline.active_ranks
-                if r in self.pipeline.endpoints and r not in avoid
+                if r in self.pipeline.endpoints and r not in avoid and self._trusted(r)
             ]
             if ready:
                 return min(ready, key=lambda re: (self.load.get(re[0], 0), re[0]))
@@ -125,10 +134,26 @@ class Router:
             except TimeoutError:
                 continue
 
+    def _trusted(self, rank: int) -> bool:
+        """Whether ``rank`` may be picked: its connection has not failed since the
+        coordinator last reported the ranks (and not within ``SUSPECT_S``)."""
+        suspect = self._suspects.get(rank)
+        if suspect is None:
+            return True
+        ranks, since = suspect
+        if ranks != self.pipeline.active_ranks or time.monotonic() - since > SUSPECT_S:
+            del self._suspects[rank]
+            return True
+        return False
+
     async def _client(self, rank: int, endpoint: str) -> RpcClient:
         """One connection per shard, shared by all requests (connects once)."""
         lock = self._locks.setdefault(endpoint, asyncio.Lock())
         async with lock:  # concurrent requests must not each open their own
+            if rank not in self.pipeline.active_ranks or not self._trusted(rank):
+                # it left the plan (or failed) while this request queued behind a
+                # connect: each queued request would wait out its own connect timeout
+                raise ConnectionError(f"shard {rank} left the plan or failed meanwhile")
             c = self._clients.get(endpoint)
             if c is None or not c.connected:
                 if c is not None:
@@ -219,6 +244,7 @@ class Router:
             return None
         except (ConnectionLost, CallTimeout, ConnectionError) as exc:
             log.warning("shard %d failed mid-request (%s); resuming elsewhere", rank, exc)
+            self._suspects.setdefault(rank, (list(self.pipeline.active_ranks), time.monotonic()))
             traj.resumes += 1
             await self._settle()
             return None

@@ -35,6 +35,7 @@ CONFIG = """
 out: {out}
 cluster: {{nodes: 3, gpus_per_node: 3}}
 scheduler: {{lease_timeout_s: 8}}
+heartbeat_interval_s: 2  # three hosts' worth of processes start on 2 cores (CI: beside another test)
 engine: {{kind: vllm, kv_cache_mb: 16, max_model_len: 64}}
 pipelines:
   - id: near

@@ -335,6 +335,20 @@ def test_each_node_runs_its_share_wired_across_nodes(tmp_path: Path) -> None:
     assert {c.keys for c in [*one.values(), *two.values()]} == {"/k"}  # type: ignore[attr-defined]
 
 
+def test_the_launchs_heartbeat_period_reaches_the_coordinator(tmp_path: Path) -> None:
+    """A loaded host needs a longer wait before its processes are declared dead: the
+    launch's ``heartbeat_interval_s`` is the coordinator's (its welcome hands the
+    timeout to every client)."""
+    from rlix_async.config import LaunchConfig, load_config
+    from rlix_async.placement import place_processes
+
+    path = tmp_path / "c.yaml"
+    path.write_text(CROSSING.format(out=tmp_path / "out") + "heartbeat_interval_s: 2.5\n")
+    plan = place_processes(load_config(path, LaunchConfig), tmp_path / "out", "tcp://10.0.0.1:7600")
+    coordinator = plan[0].config
+    assert plan[0].role == "coordinator" and coordinator.heartbeat_interval_s == 2.5  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize(
     ("train", "infer", "said"),
     # (a shard's bundle across nodes is refused by the topology check already)
