@@ -119,20 +119,27 @@ class Router:
             await c.close()
         self._clients.clear()
 
-    async def _pick(self, avoid: set[int]) -> tuple[int, str]:
-        """The least-loaded awake shard not in ``avoid``; waits while there is none."""
+    async def _pick(self, req: _Request) -> tuple[int, str]:
+        """The least-loaded awake shard that has not refused ``req`` as behind; waits
+        while there is none. Checked on every pass, since the ranks change while it
+        waits: when every shard it could pick has refused (the one that had not just
+        died or left the plan), it asks them again after a moment (a sync may be on
+        its way) instead of waiting for a rank that will never come."""
         while True:
-            ready = [
+            usable = [
                 (r, self.pipeline.endpoints[r])
                 for r in self.pipeline.active_ranks
-                if r in self.pipeline.endpoints and r not in avoid and self._trusted(r)
+                if r in self.pipeline.endpoints and self._trusted(r)
             ]
+            ready = [(r, e) for r, e in usable if r not in req.stale]
             if ready:
                 return min(ready, key=lambda re: (self.load.get(re[0], 0), re[0]))
-            try:
-                await self.pipeline.wait_ranks_change(timeout=1.0)
-            except TimeoutError:
+            if usable:  # every one of them is behind: wait for a sync, then retry
+                req.stale.clear()
+                await self._settle()
                 continue
+            with contextlib.suppress(TimeoutError):
+                await self.pipeline.wait_ranks_change(timeout=1.0)
 
     def _trusted(self, rank: int) -> bool:
         """Whether ``rank`` may be picked: its connection has not failed since the
@@ -194,9 +201,6 @@ class Router:
         while len(traj.token_ids) < sampling.max_tokens:
             if traj.resumes > self.max_resumes:
                 raise RuntimeError(f"request {req.rid} cut {traj.resumes} times; giving up")
-            if req.stale and req.stale >= set(self.pipeline.active_ranks):
-                req.stale.clear()  # every awake shard is behind: wait for a sync, then retry
-                await self._settle()
             answered = await self._attempt(traj, req)
             if answered is None:
                 continue
@@ -221,7 +225,7 @@ class Router:
         """One attempt on the least-loaded awake shard: its rank and answer, or None to
         try again (refused before decoding, or the shard failed: ``traj`` then counts a
         resume). Raises when the request cannot be served."""
-        rank, endpoint = await self._pick(req.stale)
+        rank, endpoint = await self._pick(req)
         self.load[rank] = self.load.get(rank, 0) + 1
         attempt = f"{req.rid}.{traj.resumes}"
         left = msgspec.structs.replace(

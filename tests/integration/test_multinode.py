@@ -135,6 +135,11 @@ def test_two_pipelines_train_across_hosts_and_one_survives_losing_a_host(tmp_pat
         # far's first steps (a checkpoint at 5): its rollouts came from a shard on the
         # other host over tcp, its weights went there from its trainer's weight server
         _wait("far's checkpoint", lambda: len(_metrics(out, "far")) >= 6, tmp_path, first)
+        # and near's shard on host 2 pulled a version over tcp (a tiny model steps in
+        # a fraction of a second: far can reach its checkpoint before that shard syncs)
+        _wait("near's second shard to sync across hosts", lambda: any(
+            e["ev"] == "synced" and e["pipeline"] == "near" and e["rank"] == 1
+            and e.get("version") is not None for e in _journal(out)), tmp_path, first)  # fmt: skip
 
         # Host 2 loses power at once (far is mid-run): far's trainer and near's second
         # shard die with it.
