@@ -274,7 +274,7 @@ class Driver:
             times[f"time_{name}_s"] = round(now - clock, 4)
             clock = now
 
-        if step % self.cfg.checkpoint_every == 0 or step == self.cfg.steps:
+        if checkpoint_due(step, self.cfg):
             # the buffer as of now, taken on the event loop: the collector keeps adding to
             # it while the checkpoint is written, and the ledger must name what it holds
             buffered = list(self.buffer.groups)
@@ -403,12 +403,20 @@ def _announcing(channel: BatchChannel | None, body: Callable[[], None]) -> None:
         channel.announce_exit("finished")
 
 
-def build_trainer(cfg: PipelineConfig, rank: int, world: int) -> TorchTrainer:
+def build_trainer(
+    cfg: PipelineConfig, rank: int, world: int, store: dist.Store | None = None
+) -> TorchTrainer:
     trainer_cls: type[TorchTrainer] = TorchTrainer
+    backend: dict[str, Any] = {}
     if cfg.train.backend == "megatron":
         from rlix_async.train.megatron import MegatronTrainer
 
         trainer_cls = MegatronTrainer
+        backend = {
+            "tp": cfg.clusters["actor_train"].tp,
+            "store": store,
+            "checkpoint_due": lambda step: checkpoint_due(step, cfg),
+        }
     # in host memory until the first grant: the devices are not the pipeline's yet
     return trainer_cls(
         cfg.train,
@@ -421,7 +429,13 @@ def build_trainer(cfg: PipelineConfig, rank: int, world: int) -> TorchTrainer:
         top_p=cfg.rollout.top_p,
         lora=cfg.lora,
         total_steps=cfg.steps,
+        **backend,
     )
+
+
+def checkpoint_due(step: int, cfg: PipelineConfig) -> bool:
+    """Whether the run checkpoints after training step ``step`` (counted from 1)."""
+    return step % cfg.checkpoint_every == 0 or step == cfg.steps
 
 
 def run_pipeline(
@@ -465,7 +479,7 @@ def _run_rank(
     recipe: Recipe | None,
 ) -> None:
     torch.manual_seed(cfg.seed)
-    trainer = build_trainer(cfg, rank, world)
+    trainer = build_trainer(cfg, rank, world, store)
     ckpt = None
     ckpt_dir = cfg.run_dir / "ckpt"
     if resume and (path := latest_checkpoint(ckpt_dir)) is not None:

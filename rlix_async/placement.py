@@ -63,7 +63,19 @@ class PlacedProcess:
             "argv": self.argv,
             "config_path": str(self.config_path) if self.config_path else None,
             "config": msgspec.to_builtins(self.config) if self.config is not None else None,
+            **({"ranks": self.trainer_ranks()} if self.role == "trainer" else {}),
         }
+
+    def trainer_ranks(self) -> list[dict[str, int]]:
+        """A trainer's torchrun ranks: each one's node, device and place in the model's
+        layout (``tp`` consecutive ranks hold one replica; pipeline parallel is 1)."""
+        tp = (
+            self.config.clusters["actor_train"].tp if isinstance(self.config, PipelineConfig) else 1
+        )
+        return [
+            {"rank": r, "node": self.node, "device": d, "tp": r % tp, "pp": 0, "dp": r // tp}
+            for r, d in enumerate(self.devices)
+        ]
 
 
 def visible_devices(devices: list[int] | tuple[int, ...], gpus_per_node: int) -> str:

@@ -270,11 +270,7 @@ class PipelineConfig(Config, frozen=True):
                 raise invalid("clusters", f"{name} is required")
         train = self.clusters["actor_train"]
         if train.tp != 1:
-            raise invalid(
-                "clusters.actor_train.tp",
-                f"{train.tp}: the trainer backends are data parallel only (one rank per "
-                "device); tensor-parallel training is not built, use tp: 1",
-            )
+            check_tensor_parallel(self)
         if self.nproc is not None and self.nproc != len(train.devices):
             raise invalid(
                 "nproc",
@@ -295,6 +291,33 @@ class PipelineConfig(Config, frozen=True):
         if self.data is not None:
             return None
         return self.task or TargetTokensTask()
+
+
+def check_tensor_parallel(p: PipelineConfig) -> None:
+    """A trainer at tensor parallel T > 1: the megatron backend, whole attention heads and
+    query groups per rank (read from the model directory's config.json, or the tiny
+    model's heads of 64). One rank per device: T consecutive ranks hold one replica."""
+    tp = p.clusters["actor_train"].tp
+    at = "clusters.actor_train.tp"
+    if p.train.backend != "megatron":
+        raise invalid(at, f"{tp}: tensor-parallel training is the megatron backend's; the "
+                      "torch backend is data parallel only (use tp: 1)")  # fmt: skip
+    if p.model.path is None:
+        heads = groups = p.model.hidden // 64
+    else:
+        import json
+
+        try:
+            c = json.loads((Path(p.model.path) / "config.json").read_text())
+            heads = int(c["num_attention_heads"])
+            groups = int(c.get("num_key_value_heads") or heads)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise invalid(
+                "model.path", f"no readable config.json to split over tp={tp} ({exc})"
+            ) from None
+    if heads % tp or groups % tp:
+        raise invalid(at, f"{tp}: the model has {heads} attention heads in {groups} query "
+                      f"groups; tensor parallel must divide both")  # fmt: skip
 
 
 def check_recipe(p: PipelineConfig) -> None:

@@ -98,7 +98,13 @@ def validate_cluster(name: str, spec: ClusterSpec, shape: ClusterShape) -> None:
     where = f"cluster {name}"
     if name not in CLUSTER_NAMES:
         raise TopologyError(f"{where}: unknown cluster name (expected one of {CLUSTER_NAMES})")
-    if spec.tp not in SMALL_TP and spec.tp % gpn != 0:
+    if name == "actor_train":  # a trainer's tensor-parallel group lives on one node
+        if spec.tp > gpn:
+            raise TopologyError(
+                f"{where}: tp={spec.tp} > gpus_per_node={gpn}: a trainer's tensor-parallel "
+                "group must fit one node"
+            )
+    elif spec.tp not in SMALL_TP and spec.tp % gpn != 0:
         raise TopologyError(
             f"{where}: tp={spec.tp} must be in {SMALL_TP} or a multiple of gpus_per_node={gpn}"
         )

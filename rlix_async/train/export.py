@@ -12,6 +12,10 @@ A LoRA checkpoint holds the adapter alone and records its base directory and LoR
 config (train/lora.py): export merges the adapter into that base and writes the
 merged model, a plain HF directory. Its base is the one it recorded, or, with
 ``--config``, that pipeline's ``model.path`` (a base moved since training).
+
+A megatron-backend checkpoint holds the whole model in Megatron's names at any
+tensor-parallel layout (train/megatron.py gathers it): export converts it to the base's
+HF Llama names (the fused qkv split per query group, the fused gate/up split).
 """
 
 from __future__ import annotations
@@ -40,12 +44,15 @@ def export_checkpoint(ckpt: Path, hf_dir: Path, *, config: Path | None = None) -
     except Exception as exc:  # a torn or foreign file: say which, in one line
         raise ExportError(f"{ckpt}: not a pipeline checkpoint ({type(exc).__name__})") from None
     run_dir = ckpt.resolve().parent.parent  # OUT/<id>/ckpt/step_N.pt
+    backend = "torch"
     if lora is not None and config is None and lora.get("base"):
         base = Path(lora["base"])  # an adapter names its base: no pipeline config needed
     else:
-        base = _base_from_config(ckpt, config or run_dir / "pipeline.yaml", run_dir)
+        base, backend = _base_from_config(config or run_dir / "pipeline.yaml", run_dir)
     if not (base / "config.json").is_file():
         raise ExportError(f"{base}: the base model directory is gone (config.json missing)")
+    if backend == "megatron":
+        state = _hf_names(ckpt, base, state)
     if (hf_dir / "config.json").exists():
         raise ExportError(f"{hf_dir}: already holds a model; choose an empty directory")
     model = _merged(ckpt, base, lora, state) if lora is not None else _full(ckpt, base, state)
@@ -65,8 +72,8 @@ def export_checkpoint(ckpt: Path, hf_dir: Path, *, config: Path | None = None) -
     return hf_dir
 
 
-def _base_from_config(ckpt: Path, config: Path, run_dir: Path) -> Path:
-    """The base model directory of the pipeline config ``config``."""
+def _base_from_config(config: Path, run_dir: Path) -> tuple[Path, str]:
+    """The base model directory of the pipeline config ``config``, and its backend."""
     from rlix_async.config import ConfigError, PipelineConfig, load_config
 
     if not config.is_file():
@@ -75,12 +82,19 @@ def _base_from_config(ckpt: Path, config: Path, run_dir: Path) -> Path:
         cfg = load_config(str(config), PipelineConfig)
     except ConfigError as exc:
         raise ExportError(str(exc)) from None
-    if cfg.train.backend != "torch":
-        raise ExportError(
-            f"{ckpt}: a {cfg.train.backend} checkpoint; export reads torch-backend "
-            "checkpoints (HF names) only"
-        )
-    return Path(cfg.model.path) if cfg.model.path else run_dir / "model"
+    base = Path(cfg.model.path) if cfg.model.path else run_dir / "model"
+    return base, cfg.train.backend
+
+
+def _hf_names(ckpt: Path, base: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """A megatron checkpoint's model in the base's HF Llama names."""
+    from rlix_async.train.megatron import MegatronModelError, llama_shape, megatron_to_hf
+
+    try:
+        s = llama_shape(str(base))
+        return megatron_to_hf(state, s["heads"], s["groups"], s["head_dim"])
+    except (MegatronModelError, KeyError, RuntimeError) as exc:
+        raise ExportError(f"{ckpt}: not a megatron checkpoint of {base} ({exc})") from None
 
 
 def _full(ckpt: Path, base: Path, state: dict[str, Any]) -> Any:

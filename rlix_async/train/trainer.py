@@ -115,6 +115,9 @@ class TorchTrainer:
         self.model_cfg = model or ModelConfig()
         self.seed = seed
         self.rank, self.world = rank, world
+        # the replica this rank is and how many share each batch (a tensor-parallel
+        # backend has several ranks per replica)
+        self.dp_rank, self.dp_world = rank, world
         # torchrun sets both; without them the rank arguments stand in (every rank on this node)
         self.local_rank = int(os.environ.get("LOCAL_RANK", rank))
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -220,8 +223,19 @@ class TorchTrainer:
                 self.model, frozen
             )
         self._ddp = torch.nn.parallel.DistributedDataParallel(
-            self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            self.model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            process_group=self._dp_group(),
         )
+
+    def _dp_group(self) -> dist.ProcessGroup | None:
+        """The replicas' group (None: the default group)."""
+        return None
+
+    def _clip_grads(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        """The gradients' total norm before clipping, after clipping them to
+        ``max_grad_norm`` (torch's rule: scaled by max / (norm + 1e-6) when above)."""
+        return torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
 
     def forward_logits(
         self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None
@@ -354,7 +368,8 @@ class TorchTrainer:
             clock.append(time.perf_counter())
             return round(clock[-1] - clock[-2], 4)
 
-        t = {k: v.to(self.device) for k, v in pack_batch(groups, self.rank, self.world).items()}
+        share = pack_batch(groups, self.dp_rank, self.dp_world)
+        t = {k: v.to(self.device) for k, v in share.items()}
         n = t["ids"].shape[0]
         order = torch.arange(n, device=self.device)
         parts = [p for p in order.chunk(max(1, min(self.cfg.minibatches, n))) if len(p)]
@@ -446,11 +461,11 @@ class TorchTrainer:
         (and its entropy, returned summed over response tokens, is pi_old's)."""
         model = self._ddp or self.model
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        # the minibatch's response tokens over every rank: each token weighs the same
-        # whichever rank holds it (DDP averages gradients, hence the world factor)
+        # the minibatch's response tokens over every replica: each token weighs the same
+        # whichever replica holds it (DDP averages gradients, hence the replicas factor)
         tokens = t["mask"][idx].sum()
-        if dist.is_initialized() and self.world > 1:
-            dist.all_reduce(tokens)
+        if dist.is_initialized() and self.dp_world > 1:
+            dist.all_reduce(tokens, group=self._dp_group())
         lengths = t["lengths"].tolist()
         micro = micro_batches(
             idx.tolist(), lengths, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch
@@ -477,7 +492,7 @@ class TorchTrainer:
                     self.cfg.loss,
                     behavior_logp=t["behavior"][mi, :w],
                     ref_logp=ref[mi, :w] if ref is not None else None,
-                    tokens=tokens / self.world if ddp else tokens,
+                    tokens=tokens / self.dp_world if ddp else tokens,
                 )
                 loss.backward()
             share = len(rows) / len(idx) / minibatches
@@ -485,9 +500,7 @@ class TorchTrainer:
             stats["clip_frac"] += s["clip_frac"] * share
             stats["is_weight_mean"] += s["is_weight_mean"] * share
             stats["kl"] += s["kl"] * share
-        norm = torch.nn.utils.clip_grad_norm_(
-            lora_utils.trainable(self.model), self.cfg.max_grad_norm
-        )
+        norm = self._clip_grads(list(lora_utils.trainable(self.model)))
         # A non-finite gradient would write NaN into every weight and every later
         # rollout: skip that update and count it. Under DDP the gradients are
         # all-reduced before this, so every rank sees the same norm and skips alike.
@@ -531,11 +544,11 @@ class TorchTrainer:
                 "lora": lora_utils.record(self.lora, self.model_cfg.path, self.dtype),
             }
         else:
-            model_state = self.model.state_dict()
+            model_state = self._model_state()
         torch.save(
             {
                 "model": model_state,
-                "optim": self.optim.state_dict(),
+                "optim": self._optim_state(),
                 "step": self.step,
                 "rng": {
                     "torch": torch.get_rng_state(),
@@ -559,7 +572,7 @@ class TorchTrainer:
         values only, so a file we did not write cannot run code as it is read."""
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         self._load_model(path, ckpt)
-        self.optim.load_state_dict(ckpt["optim"])
+        self._load_optim(ckpt["optim"])
         if not isinstance(self.optim, MainParamsAdamW):
             drop_main_params(self.optim)
         self.step = int(ckpt["step"])
@@ -568,6 +581,17 @@ class TorchTrainer:
         if "cuda" in ckpt["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"], self.device)
         return ckpt
+
+    def _model_state(self) -> dict[str, Any]:
+        """The model's state as a checkpoint keeps it."""
+        return self.model.state_dict()
+
+    def _optim_state(self) -> dict[str, Any]:
+        """The optimizer's state as a checkpoint keeps it."""
+        return self.optim.state_dict()
+
+    def _load_optim(self, state: dict[str, Any]) -> None:
+        self.optim.load_state_dict(state)
 
     def _load_model(self, path: Path, ckpt: dict[str, Any]) -> None:
         if self.lora is not None or "lora" in ckpt:  # either: a mismatch is refused there

@@ -150,24 +150,32 @@ def test_twenty_megatron_cycles_under_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_pipeline_trains_with_the_megatron_backend_under_launch(tmp_path: Path) -> None:
-    """Scripted shards (a test double; vLLM runs in tests/integration/test_demo.py), real everything else."""
+@pytest.mark.parametrize(
+    ("tp", "devices", "hidden"),
+    [(1, [0, 1], 64), (2, [0, 1, 2, 3], 128)],  # data parallel 2; tensor parallel 2 x dp 2
+)
+def test_a_pipeline_trains_with_the_megatron_backend_under_launch(
+    tmp_path: Path, tp: int, devices: list[int], hidden: int
+) -> None:
+    """Scripted shards (a test double; vLLM runs in tests/integration/test_demo.py), real
+    everything else: one torchrun rank per device, ``tp`` consecutive ranks a replica.
+    The last step's checkpoint exports to an HF directory transformers loads."""
     out = tmp_path / "out"
     cfg = tmp_path / "p.yaml"
     cfg.write_text(
         f"""
 out: {out}
-cluster: {{nodes: 1, gpus_per_node: 2}}
+cluster: {{nodes: 1, gpus_per_node: {len(devices)}}}
 engine: {{kind: custom, custom: "{SCRIPTED_ENGINE}"}}
 pipelines:
   - id: mg{abs(hash(str(tmp_path))) % 10000}
     steps: 2
     train: {{backend: megatron}}
     rollout: {{groups_per_step: 2, group_size: 2, max_tokens: 4}}
-    model: {{vocab_size: 1000, layers: 1, hidden: 64}}
+    model: {{vocab_size: 999, layers: 1, hidden: {hidden}}}
     clusters:
-      actor_train: {{tp: 1, devices: [0, 1]}}  # two torchrun ranks
-      actor_infer: {{tp: 1, devices: [0, 1]}}
+      actor_train: {{tp: {tp}, devices: {devices}}}
+      actor_infer: {{tp: 1, devices: {devices}}}
 """
     )
     run = subprocess.run(
@@ -180,3 +188,14 @@ pipelines:
     (metrics,) = out.glob("mg*/metrics.jsonl")
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+    (ckpt,) = metrics.parent.glob("ckpt/step_2.pt")
+    hf = tmp_path / "hf"
+    done = subprocess.run(
+        [sys.executable, "-m", "rlix_async.cli", "export", str(ckpt), "--hf", str(hf)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf)
+    assert model.config.vocab_size == 999 and model.config.num_attention_heads == hidden // 64

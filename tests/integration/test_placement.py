@@ -76,6 +76,30 @@ def test_dry_run_binds_every_process_to_its_devices_on_two_nodes(tmp_path: Path)
                 seen |= set(p["devices"])
 
 
+def test_dry_run_shows_each_trainer_ranks_place_in_the_tensor_parallel_layout(
+    tmp_path: Path,
+) -> None:
+    """Megatron at tensor parallel 2 over 4 devices: ranks 0-1 and 2-3 are the two
+    replicas (data parallel 2); one torchrun rank per device."""
+    text = """
+out: {out}
+cluster: {{nodes: 2, gpus_per_node: 4}}
+pipelines:
+  - id: big
+    train: {{backend: megatron}}
+    model: {{hidden: 128}}
+    clusters:
+      actor_train: {{tp: 2, devices: [4, 5, 6, 7]}}
+      actor_infer: {{tp: 1, devices: [0, 1]}}
+"""
+    plan = dry_run(tmp_path, text)["processes"]
+    (trainer,) = [p for p in plan if p["role"] == "trainer"]
+    assert "--nproc-per-node=4" in trainer["argv"]
+    assert [(r["node"], r["device"], r["tp"], r["pp"], r["dp"]) for r in trainer["ranks"]] == [
+        (1, 4, 0, 0, 0), (1, 5, 1, 0, 0), (1, 6, 0, 0, 1), (1, 7, 1, 0, 1),
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("allowed", ["4,5,6,7", "GPU-aa,GPU-bb,GPU-cc,GPU-dd"])
 def test_a_restricted_environment_gives_each_process_only_entries_of_its_list(
     tmp_path: Path, allowed: str
@@ -166,7 +190,32 @@ def test_dry_run_says_when_the_users_own_binding_goes_to_every_process(tmp_path:
         ),
         (
             ["pipelines[0].clusters.actor_train.tp=2"],
-            "pipelines[0].clusters.actor_train.tp: 2: the trainer backends are data parallel",
+            "pipelines[0].clusters.actor_train.tp: 2: tensor-parallel training is the megatron "
+            "backend's",
+        ),
+        (
+            ["pipelines[0].train.backend=megatron", "pipelines[0].clusters.actor_train.tp=2"],
+            "pipelines[0].model.path: no readable config.json to split over tp=2",
+        ),
+        (
+            [
+                "pipelines[0].train.backend=megatron",
+                "pipelines[0].model.path=null",
+                "pipelines[0].model.hidden=192",
+                "pipelines[0].clusters.actor_train.tp=2",
+            ],
+            "pipelines[0].clusters.actor_train.tp: 2: the model has 3 attention heads in 3 "
+            "query groups; tensor parallel must divide both",
+        ),
+        (
+            [
+                "pipelines[0].train.backend=megatron",
+                "pipelines[0].model.path=null",
+                "pipelines[0].model.hidden=512",  # 8 heads
+                "pipelines[0].clusters.actor_train.tp=8",
+                "pipelines[0].clusters.actor_train.devices=[0,1,2,3,4,5,6,7]",
+            ],
+            "tp=8 > gpus_per_node=4: a trainer's tensor-parallel group must fit one node",
         ),
         (
             ["pipelines[0].clusters.actor_train.devices=[8]"],

@@ -1,0 +1,134 @@
+"""How a Megatron ``GPTModel``'s weights split over tensor-parallel ranks, as pure
+functions on state dicts (the trainer gathers and scatters with them; tests check them
+without a process group).
+
+The layout is megatron-core's local spec without sequence parallelism:
+
+- column-parallel weights split their rows (dim 0): the fused ``linear_qkv`` (whole
+  query groups per rank: a group's q heads, k and v stay together, so rank r's rows are
+  the r-th contiguous block), the output layer and the word embedding (rows = the
+  vocabulary, padded to a multiple of the tensor-parallel size);
+- ``linear_fc1`` is column-parallel too, but fuses [gate; up]: rank r holds
+  [gate_r; up_r], the r-th block of each half, because the SwiGLU halves its *local*
+  output;
+- row-parallel weights (``linear_proj``, ``linear_fc2``) split their columns (dim 1);
+- norms are whole on every rank.
+
+The "full" state is the one-rank (tp=1) state with the true vocabulary, so a
+checkpoint or a cache built at any layout is the same bytes; ``shard`` and ``merge``
+are exact inverses (tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+_ROWS = ("self_attention.linear_qkv.weight",)  # whole query groups per rank
+_COLUMNS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_GLU = "mlp.linear_fc1.weight"
+
+
+class LayoutError(ValueError):
+    """A model shape the tensor-parallel size cannot split. One line."""
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of ``tp`` (each rank holds as many rows)."""
+    return -(-vocab // tp) * tp
+
+
+def check_shape(heads: int, groups: int, tp: int) -> None:
+    """Whole heads and whole query groups per rank, or LayoutError."""
+    if heads % tp or groups % tp:
+        raise LayoutError(
+            f"tensor parallel {tp} needs the attention heads ({heads}) and query groups "
+            f"({groups}) to be multiples of it"
+        )
+
+
+def split_dim(name: str) -> int | None:
+    """The dimension ``name`` splits along (None: whole on every rank)."""
+    if name in VOCAB_ROWS or name.endswith(_ROWS) or name.endswith(_GLU):
+        return 0
+    if name.endswith(_COLUMNS):
+        return 1
+    return None
+
+
+def shard_tensor(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """Rank ``rank``'s part of the full tensor ``name`` (vocabulary rows padded with
+    zeros first): a contiguous copy of its own, never a view (a view of the full
+    tensor would keep all of it alive, and a column slice is strided: fused optimizer
+    kernels given strided moments update them wrongly)."""
+    dim = split_dim(name)
+    if dim is None or tp == 1:
+        return full
+    if name in VOCAB_ROWS:
+        pad = padded_vocab(full.shape[0], tp) - full.shape[0]
+        if pad:
+            full = torch.cat([full, full.new_zeros(pad, *full.shape[1:])])
+    if name.endswith(_GLU):
+        gate, up = full.chunk(2, 0)
+        return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]])
+    if full.shape[dim] % tp:
+        raise LayoutError(f"{name}: {full.shape[dim]} rows do not split over {tp} ranks")
+    return full.chunk(tp, dim)[rank].clone(memory_format=torch.contiguous_format)
+
+
+def merge_tensor(name: str, parts: Sequence[torch.Tensor], vocab: int) -> torch.Tensor:
+    """The full tensor ``name`` from every rank's part, in rank order (the inverse of
+    :func:`shard_tensor`; vocabulary padding removed)."""
+    dim = split_dim(name)
+    if dim is None or len(parts) == 1:
+        full = parts[0]
+    elif name.endswith(_GLU):
+        halves = [p.chunk(2, 0) for p in parts]
+        full = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    else:
+        full = torch.cat(list(parts), dim)
+    return full[:vocab] if name in VOCAB_ROWS else full
+
+
+def shard(full: Mapping[str, object], rank: int, tp: int) -> dict[str, object]:
+    """Rank ``rank``'s state dict from the full one (other entries, e.g. Megatron's
+    ``_extra_state``, are kept as they are)."""
+    return {
+        k: shard_tensor(k, v, rank, tp) if isinstance(v, torch.Tensor) else v
+        for k, v in full.items()
+    }
+
+
+def merge(parts: Sequence[Mapping[str, object]], vocab: int) -> dict[str, object]:
+    """The full state dict from every rank's, in rank order."""
+    out: dict[str, object] = {}
+    for k, v in parts[0].items():
+        if isinstance(v, torch.Tensor):
+            out[k] = merge_tensor(k, [p[k] for p in parts], vocab)  # type: ignore[misc]
+        else:
+            out[k] = v
+    return out
+
+
+def shard_optimizer(
+    full: Mapping[str, object], names: Sequence[str], rank: int, tp: int
+) -> dict[str, object]:
+    """Rank ``rank``'s optimizer state dict from the full one: each parameter's state
+    tensors (moments, main copies) split as the parameter does; its step count and the
+    parameter groups as they are. ``names``: the parameters in the optimizer's order."""
+    state = full["state"]
+    assert isinstance(state, Mapping)
+    return {
+        "state": {
+            i: {
+                k: shard_tensor(names[i], v, rank, tp)
+                if isinstance(v, torch.Tensor) and v.dim()
+                else v
+                for k, v in s.items()
+            }
+            for i, s in state.items()
+        },
+        "param_groups": full["param_groups"],
+    }

@@ -1,0 +1,21 @@
+"""Fixed GRPO batches for the tensor-parallel runs (tests/helpers/megatron_tp.py):
+two groups per step with rewards that differ within each group, over the tiny model's
+vocabulary (below 63)."""
+
+from __future__ import annotations
+
+from rlix_async.train.buffer import Group
+
+
+def _group(prompt: list[int], seed: int) -> Group:
+    responses = [[(seed * 7 + i * 5 + j * 3) % 60 + 2 for j in range(4 + i)] for i in range(4)]
+    logprobs = [[-3.0 - 0.1 * j for j in range(len(r))] for r in responses]
+    versions = [[0] * len(r) for r in responses]
+    return Group(prompt, responses, logprobs, versions, [1.0, 0.0, 0.5, 0.25])
+
+
+BATCHES = [
+    [_group([1, 2, 3], 1), _group([4, 5], 2)],
+    [_group([6, 7, 8, 9], 3), _group([10, 11], 4)],
+    [_group([12, 13], 5), _group([14, 15, 16], 6)],
+]

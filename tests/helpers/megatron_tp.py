@@ -1,0 +1,61 @@
+"""One run of the Megatron trainer at a tensor-parallel size, under torchrun (every
+rank runs this): ``python -m torch.distributed.run --standalone --nproc-per-node=W
+megatron_tp.py OUT MODEL TP STEPS [CKPT]``. Rank 0 writes OUT/run.pt: the weight cache
+before and after the steps, the logits of a fixed input at the start, each step's
+figures, and a checkpoint after the first step (OUT/ckpt_1.pt). With CKPT it resumes
+from there first. Used by tests/integration/test_megatron_tp.py."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+out, model_dir, tp, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+ckpt = Path(sys.argv[5]) if len(sys.argv) > 5 else None
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+from helpers.megatron_batches import BATCHES  # noqa: E402
+from rlix_async.config import ModelConfig, TrainConfig  # noqa: E402
+from rlix_async.train.megatron import MegatronTrainer  # noqa: E402
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+out.mkdir(parents=True, exist_ok=True)
+store = dist.FileStore(str(out / f"store-{tp}-{world}-{ckpt is not None}"), world)
+torch.manual_seed(0)
+trainer = MegatronTrainer(
+    TrainConfig(backend="megatron", dtype="float32", lr=1e-3, minibatches=2),
+    ModelConfig(path=model_dir),
+    seed=0,
+    rank=rank,
+    world=world,
+    tp=tp,
+    store=store,
+    checkpoint_due=lambda step: step == 1,
+)
+if ckpt is not None:
+    trainer.load(ckpt)
+# copies: at tp=1 the cache's tensors are views of the parameters the steps change
+start = {k: v.clone() for k, v in trainer.weights_for_cache().items()} if rank == 0 else None
+record: dict[str, object] = {"cache_start": start}
+ids = torch.tensor([[5, 9, 13, 2, 7, 30]])
+trainer.init_group(store)
+with torch.no_grad():
+    trainer.model.eval()
+    record["logits"] = trainer.forward_logits(trainer.model, ids).detach().clone()
+    trainer.model.train()
+figures = []
+for s in range(steps):
+    if s:
+        trainer.init_group(store)
+    figures.append(trainer.train_step(BATCHES[trainer.step % len(BATCHES)]))
+    trainer.destroy_group()
+    if rank == 0 and trainer.step == 1 and ckpt is None:
+        trainer.save(out / "ckpt_1.pt", {})
+record["figures"] = figures
+if rank == 0:
+    record["cache_end"] = trainer.weights_for_cache()
+    torch.save(record, out / "run.pt")
