@@ -47,15 +47,17 @@ with torch.no_grad():
     trainer.model.eval()
     record["logits"] = trainer.forward_logits(trainer.model, ids).detach().clone()
     trainer.model.train()
-figures = []
+figures: list[dict[str, float]] = []
+times: list[dict[str, float]] = []  # where each step's time went (step_times)
 for s in range(steps):
     if s:
         trainer.init_group(store)
     figures.append(trainer.train_step(BATCHES[trainer.step % len(BATCHES)]))
+    times.append(dict(trainer.step_times))
     trainer.destroy_group()
     if rank == 0 and trainer.step == 1 and ckpt is None:
         trainer.save(out / "ckpt_1.pt", {})
-record["figures"] = figures
+record["figures"], record["times"] = figures, times
 if rank == 0:
     record["cache_end"] = trainer.weights_for_cache()
     torch.save(record, out / "run.pt")

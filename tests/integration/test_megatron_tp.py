@@ -76,3 +76,12 @@ def test_a_tp2_checkpoint_resumes_exactly_at_tp2_and_at_tp1(runs: dict[str, dict
     resharded = runs["tp1_from_tp2"]["figures"][0]
     assert resharded["loss"] == pytest.approx(second["loss"], rel=1e-4, abs=1e-6)
     assert resharded["grad_norm"] == pytest.approx(second["grad_norm"], rel=1e-4)
+
+
+def test_twenty_cycles_at_tensor_parallel_2_leak_nothing(tmp_path: Path) -> None:
+    """Per step: the parallel state and every group built and destroyed, the gather onto
+    rank 0; RSS flat after warm-up on both ranks (tests/helpers/trainer.py)."""
+    from helpers.trainer import run_cycles
+
+    rows = run_cycles(tmp_path, "megatron_tp2", timeout=380)
+    assert rows[0]["weights"] and not rows[1]["weights"]
