@@ -162,7 +162,7 @@ def check_recipes(cfg: LaunchConfig) -> None:
     Megatron pipeline's model directory is one it can build, before any process starts:
     a bad file or reward is a LaunchError (exit 2), not a torchrun crash loop."""
     from rlix_async.rollout.prompts import RecipeError, load_recipe
-    from rlix_async.train.megatron import MegatronModelError, llama_shape
+    from rlix_async.train.megatron_hf import MegatronModelError, llama_shape
 
     for i, p in enumerate(cfg.pipelines):
         if p.train.backend == "megatron" and p.model.path:

@@ -88,7 +88,7 @@ def _base_from_config(config: Path, run_dir: Path) -> tuple[Path, str]:
 
 def _hf_names(ckpt: Path, base: Path, state: dict[str, Any]) -> dict[str, Any]:
     """A megatron checkpoint's model in the base's HF Llama names."""
-    from rlix_async.train.megatron import MegatronModelError, llama_shape, megatron_to_hf
+    from rlix_async.train.megatron_hf import MegatronModelError, llama_shape, megatron_to_hf
 
     try:
         s = llama_shape(str(base))

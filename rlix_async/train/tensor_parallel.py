@@ -132,3 +132,46 @@ def shard_optimizer(
         },
         "param_groups": full["param_groups"],
     }
+
+
+def hf_part(
+    name: str, shape: Sequence[int], rank: int, tp: int, dims: Mapping[str, int]
+) -> tuple[int, int, int] | None:
+    """Which part of the HF Llama tensor ``name`` (of ``shape``) rank ``rank`` needs:
+    (dim, start, stop), None for the whole tensor. ``dims``: the model's ``heads``,
+    ``groups``, ``head_dim``, ``ffn`` and ``vocab_size``. Whole query groups per rank
+    (a group's q heads are contiguous in q_proj), so converting the parts with the
+    rank's own head and group counts gives exactly its Megatron part."""
+    if tp == 1:
+        return None
+    rows = {
+        "self_attn.q_proj.weight": dims["heads"] * dims["head_dim"],
+        "self_attn.k_proj.weight": dims["groups"] * dims["head_dim"],
+        "self_attn.v_proj.weight": dims["groups"] * dims["head_dim"],
+        "mlp.gate_proj.weight": dims["ffn"],
+        "mlp.up_proj.weight": dims["ffn"],
+    }
+    columns = {
+        "self_attn.o_proj.weight": dims["heads"] * dims["head_dim"],
+        "mlp.down_proj.weight": dims["ffn"],
+    }
+    for suffix, n in rows.items():
+        if name.endswith(suffix):
+            return 0, rank * n // tp, (rank + 1) * n // tp
+    for suffix, n in columns.items():
+        if name.endswith(suffix):
+            return 1, rank * n // tp, (rank + 1) * n // tp
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        per = padded_vocab(dims["vocab_size"], tp) // tp  # the last rank's may run past
+        return 0, min(rank * per, shape[0]), min((rank + 1) * per, shape[0])
+    return None
+
+
+def pad_vocab_rows(local: dict[str, torch.Tensor], vocab: int, tp: int) -> None:
+    """A rank's vocabulary rows read from an HF file, padded with zero rows to its share
+    of the padded vocabulary (only the last rank's run short), in place."""
+    per = padded_vocab(vocab, tp) // tp
+    for name in VOCAB_ROWS:
+        t = local.get(name)
+        if t is not None and t.shape[0] < per:
+            local[name] = torch.cat([t, t.new_zeros(per - t.shape[0], *t.shape[1:])])

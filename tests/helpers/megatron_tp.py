@@ -2,12 +2,16 @@
 rank runs this): ``python -m torch.distributed.run --standalone --nproc-per-node=W
 megatron_tp.py OUT MODEL TP STEPS [CKPT]``. Rank 0 writes OUT/run.pt: the weight cache
 before and after the steps, the logits of a fixed input at the start, each step's
-figures, and a checkpoint after the first step (OUT/ckpt_1.pt). With CKPT it resumes
-from there first. Used by tests/integration/test_megatron_tp.py."""
+figures and times, and a checkpoint after the first step (OUT/ckpt_1.pt). With CKPT it resumes
+from there first. Every rank writes OUT/rss-RANK.json: its
+peak RSS after building the trainer and after the steps. Used by
+tests/integration/test_megatron_tp.py and for docs/PERF.md's figures."""
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 import sys
 from pathlib import Path
 
@@ -36,6 +40,7 @@ trainer = MegatronTrainer(
     store=store,
     checkpoint_due=lambda step: step == 1,
 )
+peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10  # bytes (Linux: KiB)
 if ckpt is not None:
     trainer.load(ckpt)
 # copies: at tp=1 the cache's tensors are views of the parameters the steps change
@@ -58,6 +63,8 @@ for s in range(steps):
     if rank == 0 and trainer.step == 1 and ckpt is None:
         trainer.save(out / "ckpt_1.pt", {})
 record["figures"], record["times"] = figures, times
+peak_steps = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+(out / f"rss-{rank}.json").write_text(json.dumps({"load": peak_load, "steps": peak_steps}))
 if rank == 0:
     record["cache_end"] = trainer.weights_for_cache()
     torch.save(record, out / "run.pt")

@@ -86,7 +86,7 @@ def test_megatron_loads_an_hf_llama_directory_with_identical_logits(
 def test_megatron_refuses_a_model_family_it_would_build_wrong(tmp_path: Path) -> None:
     from helpers.tiny_text import save_tiny_model
 
-    from rlix_async.train.megatron import MegatronModelError, llama_shape
+    from rlix_async.train.megatron_hf import MegatronModelError, llama_shape
 
     path = save_tiny_model(tmp_path / "q", "qwen2")
     with pytest.raises(MegatronModelError, match=r"Llama-family checkpoints .* not qwen2"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlix_async.train.megatron import hf_to_megatron, megatron_to_hf
+from rlix_async.train.megatron_hf import hf_to_megatron, megatron_to_hf
 
 
 def hf_llama(

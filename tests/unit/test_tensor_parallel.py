@@ -128,3 +128,31 @@ def test_a_rank_part_is_a_compact_copy_of_its_own() -> None:
         if isinstance(part, torch.Tensor) and split_dim(name) is not None:
             assert part.is_contiguous(), name
             assert part.untyped_storage().data_ptr() != full[name].untyped_storage().data_ptr()  # type: ignore[union-attr]
+
+
+def test_a_ranks_slices_of_the_hf_file_convert_to_its_part_exactly() -> None:
+    """Loading reads only a rank's slices of each HF tensor (hf_part) and converts them
+    with the rank's own head and group counts: the result is exactly that rank's part
+    of the whole model, padding rows included."""
+    from rlix_async.train.megatron_hf import hf_to_megatron, megatron_to_hf
+    from rlix_async.train.tensor_parallel import hf_part, pad_vocab_rows
+
+    whole = {k: v for k, v in full_state(seed=2).items() if isinstance(v, torch.Tensor)}
+    hf = megatron_to_hf(whole, HEADS, GROUPS, HEAD_DIM)
+    dims = {"heads": HEADS, "groups": GROUPS, "head_dim": HEAD_DIM, "ffn": FFN, "vocab_size": VOCAB}
+    tp = 3  # one query group per rank; the vocabulary of 37 padded to 39
+    for rank in range(tp):
+        parts = {}
+        for name, t in hf.items():
+            where = hf_part(name, t.shape, rank, tp, dims)
+            if where is None:
+                parts[name] = t
+            else:
+                dim, lo, hi = where
+                parts[name] = t[lo:hi] if dim == 0 else t[:, lo:hi]
+        local = hf_to_megatron(parts, HEADS // tp, GROUPS // tp, HEAD_DIM, tied=False)
+        pad_vocab_rows(local, VOCAB, tp)
+        want = shard(whole, rank, tp)
+        assert local.keys() == want.keys()
+        for k, v in want.items():
+            assert torch.equal(local[k], v), (rank, k)  # type: ignore[arg-type]
