@@ -6,29 +6,15 @@ tp=1 (resharding). The vocabulary (63) is odd, so tp=2 pads it and must unpad it
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.megatron_tp_runs import run_tp
 
 pytest.importorskip("megatron.core")
 
-SCRIPT = Path(__file__).parent.parent / "helpers" / "megatron_tp.py"
 SHAPE = {"vocab_size": 63, "layers": 2, "hidden": 128}  # 2 heads, 2 query groups
-
-
-def _run(out: Path, model: Path, tp: int, world: int, steps: int, ckpt: Path | None = None) -> dict:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={world}", str(SCRIPT), str(out), str(model), str(tp), str(steps)]  # fmt: skip
-    done = subprocess.run(
-        [*cmd, *([str(ckpt)] if ckpt else [])], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out / "run.pt", weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +23,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
     root = tmp_path_factory.mktemp("tp")
     model = save_tiny_llama(root / "model", seed=3, **SHAPE)
-    one = _run(root / "tp1", model, 1, 1, 2)
-    two = _run(root / "tp2", model, 2, 2, 2)
+    one = run_tp(root / "tp1", model, 1, 1, 2)
+    two = run_tp(root / "tp2", model, 2, 2, 2)
     return {
         "tp1": one,
         "tp2": two,
-        "tp2_resumed": _run(root / "tp2r", model, 2, 2, 1, root / "tp2" / "ckpt_1.pt"),
-        "tp1_from_tp2": _run(root / "tp1r", model, 1, 1, 1, root / "tp2" / "ckpt_1.pt"),
+        "tp2_resumed": run_tp(root / "tp2r", model, 2, 2, 1, root / "tp2" / "ckpt_1.pt"),
+        "tp1_from_tp2": run_tp(root / "tp1r", model, 1, 1, 1, root / "tp2" / "ckpt_1.pt"),
     }
 
 

@@ -1,0 +1,36 @@
+"""Run tests/helpers/megatron_tp.py under torchrun and read what rank 0 recorded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SCRIPT = Path(__file__).parent / "megatron_tp.py"
+
+
+def run_tp(
+    out: Path,
+    model: Path,
+    tp: int,
+    world: int,
+    steps: int,
+    ckpt: Path | None = None,
+    *,
+    cuda: bool = False,
+) -> dict[str, Any]:
+    """``world`` ranks at tensor parallel ``tp`` (``cuda``: one device per rank, NCCL;
+    else every device hidden, gloo)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(world))) if cuda else ""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world}", str(SCRIPT), str(out), str(model), str(tp), str(steps)]  # fmt: skip
+    done = subprocess.run(
+        [*cmd, *([str(ckpt)] if ckpt else [])], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out / "run.pt", weights_only=True)  # type: ignore[no-any-return]
