@@ -51,9 +51,16 @@ def _simulate(args: argparse.Namespace) -> int:
     import msgspec
 
     from rlix_async.config import ConfigError, Scenario, load_config
-    from rlix_async.sim.policies import BASELINES, compare, policies_for, simulate
+    from rlix_async.sim.policies import (
+        BASELINES,
+        compare,
+        default_engine,
+        policies_for,
+        simulate,
+    )
 
     sc = load_config(args.scenario, Scenario, args.overrides)
+    args.engine = args.engine or default_engine(sc)
     if args.staleness is not None:  # the same scenario, every pipeline that asynchronous
         if args.staleness < 0:
             raise UsageError("--staleness must be >= 0")
@@ -70,7 +77,11 @@ def _simulate(args: argparse.Namespace) -> int:
     try:
         out = {
             pol: simulate(
-                sc, pol, seed=args.seed, journal=args.journal if pol == "timeshare" else None
+                sc,
+                pol,
+                seed=args.seed,
+                journal=args.journal if pol == "timeshare" else None,
+                engine=args.engine,
             )
             for pol in policies
         }
@@ -78,8 +89,10 @@ def _simulate(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     summary = compare(out) if "timeshare" in out else {}
     if args.json:
-        print(json.dumps({"policies": out, **summary}, indent=2))
+        print(json.dumps({"engine": args.engine, "policies": out, **summary}, indent=2))
         return 0
+    if args.engine != "fixed":
+        print(f"engine model: {args.engine}")
     width = max(10, *map(len, out))
     for pol, r in out.items():
         print(
@@ -111,10 +124,12 @@ def _simulate_seeds(sc: Scenario, args: argparse.Namespace) -> int:
 
     if args.seeds < 1 or args.policy != "all" or args.journal:
         raise UsageError("--seeds N compares all policies and writes no journal")
-    out = seed_sweep(sc, range(args.seed, args.seed + args.seeds))
+    out = seed_sweep(sc, range(args.seed, args.seed + args.seeds), engine=args.engine)
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(json.dumps({"engine": args.engine, **out}, indent=2))
         return 0
+    if args.engine != "fixed":
+        print(f"engine model: {args.engine}")
     for r in out["runs"]:
         worst = max(r["slowdown"].values(), default=0.0)
         fw = (
@@ -188,6 +203,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--seeds", type=int, metavar="N", help="all policies on seeds SEED..SEED+N-1: the spread"
+    )
+    p.add_argument(
+        "--engine",
+        choices=["fixed", "batched"],
+        help="fixed: each trajectory its drawn time whatever its shard runs; batched: a "
+        "shard decodes its trajectories together (the scenario's engine: curve, else an "
+        "H100 serving an 8B model). Default: batched where the scenario has engine:",
     )
     add_overrides(p, "progress_interval_s=10")
     p.set_defaults(func=_simulate)

@@ -52,6 +52,37 @@ class RolloutTimes(Config, frozen=True):
     max_s: Annotated[float, doc("Trajectories are cut at this many seconds.", gt=0)] = 3600.0
 
 
+class EngineCurve(Config, frozen=True):
+    """How a shard's decode time grows with its batch (``simulate --engine batched``).
+
+    One decode iteration of ``batch`` sequences holding ``context`` tokens lasts
+    base_s + per_sequence_s x batch + per_context_token_s x context; a trajectory
+    joining a shard is prefilled first. Rollout times keep meaning a trajectory alone
+    on an idle engine; ``slots_per_shard`` is the batch cap."""
+
+    base_s: Annotated[
+        float, doc("Seconds of one decode iteration, whatever its batch (weights read).", gt=0)
+    ]
+    per_sequence_s: Annotated[
+        float, doc("Seconds each running sequence adds to an iteration.", ge=0)
+    ] = 0.0
+    per_context_token_s: Annotated[
+        float, doc("Seconds each cached token of the batch adds to an iteration.", ge=0)
+    ] = 0.0
+    prefill_per_token_s: Annotated[
+        float,
+        doc(
+            "Seconds to prefill one token (a new trajectory's prompt; a resumed one's "
+            "prompt and output again); the shard decodes nothing meanwhile.",
+            ge=0,
+        ),
+    ] = 0.0
+    prompt_tokens: Annotated[
+        int, doc("Prompt tokens of each trajectory (prefilled when it starts).", ge=0)
+    ] = 512
+    source: Annotated[str, doc("Where the figures come from (free text).")] = ""
+
+
 class ScenarioPipeline(Config, frozen=True):
     id: PipelineId
     clusters: Annotated[
@@ -133,6 +164,13 @@ class Scenario(Config, frozen=True):
     cluster: Annotated[ClusterShape, doc("Nodes and devices per node.")]
     pipelines: Annotated[list[ScenarioPipeline], doc("The pipelines.", min_length=1)]
     switch: Annotated[SwitchCosts, doc("What moving a shard costs.")] = SwitchCosts()
+    engine: Annotated[
+        EngineCurve | None,
+        doc(
+            "The batching engine's curve: with it, simulate defaults to --engine batched; "
+            "without, to fixed (each trajectory its own time, whatever the shard runs)."
+        ),
+    ] = None
     plan_interval_s: Annotated[
         float,
         doc(

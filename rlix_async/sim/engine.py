@@ -156,6 +156,7 @@ class Simulation:
             "trained": self._trained,
             "plan": self._plan,
             "aged": self._aged,
+            **self._more_handlers(),
         }
         # The loop allocates much (a snapshot and a plan per plan event) and frees it
         # as it goes, in no reference cycle: collecting as often as usual would only
@@ -174,7 +175,7 @@ class Simulation:
                     for sid in self._touched:
                         self._recount_shards(self.servers[sid])
                     self._touched.clear()
-                elif kind == "ready":
+                elif kind in ("ready", "tick"):  # (tick: a batching shard's, sim/batched.py)
                     self._recount_shards(self.servers[data[0]])
                 else:
                     p = self.pipes[data[0]]
@@ -188,6 +189,10 @@ class Simulation:
         if unfinished:
             raise RuntimeError(f"simulation stalled with unfinished pipelines {unfinished}")
         return self.report()
+
+    def _more_handlers(self) -> dict[str, Callable[..., None]]:
+        """Events a subclass adds (the batching engine's shard ticks)."""
+        return {}
 
     def _account(self, t: float) -> None:
         self.busy_device_s += self._busy_total * (t - self._last_t)

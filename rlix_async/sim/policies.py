@@ -41,6 +41,32 @@ from rlix_async.config import ConfigError, Scenario, ScenarioPipeline
 from rlix_async.protocols.topology import ClusterSpec, validate_topology
 from rlix_async.sim.engine import Simulation
 
+ENGINES = ("fixed", "batched")  # sim/engine.py's model, sim/batched.py's
+
+
+def default_engine(scenario: Scenario) -> str:
+    """batched where the scenario gives its engine's curve; else fixed, so old scenarios
+    reproduce their figures exactly."""
+    return "batched" if scenario.engine is not None else "fixed"
+
+
+def make_simulation(
+    scenario: Scenario,
+    pipes: list[ScenarioPipeline] | None = None,
+    *,
+    seed: int = 0,
+    engine: str = "fixed",
+) -> Simulation:
+    """A simulation of ``scenario`` (or of ``pipes`` in it) under that engine model."""
+    if engine == "batched":
+        from rlix_async.sim.batched import BatchedSimulation
+
+        return BatchedSimulation(scenario, pipes, seed=seed)
+    if engine != "fixed":
+        raise ValueError(f"unknown engine model {engine!r}: {' or '.join(ENGINES)}")
+    return Simulation(scenario, pipes, seed=seed)
+
+
 POLICIES = ("exclusive", "static", "timeshare")
 FULL_WEIGHT = "full_weight"
 BASELINES = ("exclusive", "static", FULL_WEIGHT)  # what compare() divides timeshare by
@@ -109,11 +135,15 @@ def static_split(scenario: Scenario) -> list[ScenarioPipeline]:
 
 
 def _alone(
-    scenario: Scenario, pipes: list[ScenarioPipeline], seed: int, devices: int | None = None
+    scenario: Scenario,
+    pipes: list[ScenarioPipeline],
+    seed: int,
+    devices: int | None = None,
+    engine: str = "fixed",
 ) -> dict[str, Any]:
     """Each pipeline simulated by itself; the results summed as one cluster of
     ``devices`` (default: the devices the runs used)."""
-    runs = [Simulation(scenario, [p], seed=seed).run() for p in pipes]
+    runs = [make_simulation(scenario, [p], seed=seed, engine=engine).run() for p in pipes]
     makespan = max(r["makespan_s"] for r in runs)
     devices = devices or sum(r["devices"] for r in runs)
     steps = sum(r["steps"] for r in runs)
@@ -140,10 +170,13 @@ def simulate(
     *,
     seed: int = 0,
     journal: str | Path | None = None,
+    engine: str = "fixed",
 ) -> dict[str, Any]:
-    """One policy's results (see the module docstring for the policies)."""
+    """One policy's results (see the module docstring for the policies) under the
+    ``engine`` model (``ENGINES``)."""
     if policy in ("timeshare", FULL_WEIGHT):
-        sim = Simulation(scenario if policy == "timeshare" else full_weight(scenario), seed=seed)
+        sc = scenario if policy == "timeshare" else full_weight(scenario)
+        sim = make_simulation(sc, seed=seed, engine=engine)
         out = sim.run()
         if journal is not None:
             sim.write_journal(journal)
@@ -154,9 +187,9 @@ def simulate(
         # The split is simulated pipeline by pipeline in the declared scenario (its
         # shape, costs and pipeline order): members of one base on different slices
         # are no scenario of their own, each is alone on its slice.
-        return _alone(scenario, split, seed, scenario.cluster.num_devices)
+        return _alone(scenario, split, seed, scenario.cluster.num_devices, engine)
     if policy == "exclusive":
-        return _alone(scenario, scenario.pipelines, seed)
+        return _alone(scenario, scenario.pipelines, seed, engine=engine)
     raise ValueError(f"unknown policy {policy!r}: {', '.join(BASELINES)}, timeshare or all")
 
 
@@ -215,11 +248,13 @@ def sharing_slowdowns(
     return out if len(out) >= 2 else {}
 
 
-def seed_sweep(scenario: Scenario, seeds: range) -> dict[str, Any]:
+def seed_sweep(scenario: Scenario, seeds: range, engine: str = "fixed") -> dict[str, Any]:
     """All policies on each seed: gains, step slowdowns, fair-share index."""
     runs = []
     for s in seeds:
-        each = {pol: simulate(scenario, pol, seed=s) for pol in policies_for(scenario)}
+        each = {
+            pol: simulate(scenario, pol, seed=s, engine=engine) for pol in policies_for(scenario)
+        }
         runs.append({"seed": s, **compare(each)})
 
     def spread(key: str) -> dict[str, float]:
