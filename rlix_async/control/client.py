@@ -260,6 +260,13 @@ class PipelineClient:
             self._progress.pop(stream, None)
         await self.rpc.notify(m.ClearProgress(pipeline_id=self.pipeline_id, stream=stream))
 
+    @property
+    def peer_timeout_s(self) -> float:
+        """How long the coordinator lets a peer stay silent before it declares it dead
+        (the heartbeat timeout its welcome gave): a router suspecting a shard waits
+        that long for the coordinator's word."""
+        return self.rpc.heartbeat_timeout_s
+
     async def wait_ranks_change(self, timeout: float) -> list[int]:
         self._ranks_changed.clear()
         async with asyncio.timeout(timeout):  # unlike wait_for, never swallows a cancel

@@ -8,10 +8,12 @@
   kept, so preemption wastes no decoded token. A shard that dies mid-request
   loses only that attempt's tokens (they never reached us); the request is
   resumed from what we have, on another shard: the rank whose connection failed is
-  not picked again until the coordinator reports the ranks anew or ``SUSPECT_S``
-  pass (the router may see the loss seconds before the coordinator declares the
-  worker dead, and a connect to a dead host waits its whole timeout), and a request
-  that queued to connect to a rank that has left the plan fails over at once.
+  not picked again until it leaves the plan or serves at another endpoint (a new
+  worker) or three times the coordinator's
+  heartbeat timeout pass (at least ``SUSPECT_S``: a blip, the coordinator never lost
+  it), since the router may see the loss before the coordinator declares the worker
+  dead and a connect to a dead host waits its whole timeout; and a request that
+  queued to connect to a rank that failed or left the plan fails over at once.
   A resumed attempt costs a prefill of
   ``prompt + partial`` on its new shard: ``resumed`` counts the resumed
   attempts a shard answered and ``reprefill_tokens`` the prompt tokens they sent.
@@ -51,7 +53,7 @@ from rlix_async.transport import CallTimeout, ConnectionLost, RpcClient, Transpo
 
 log = logging.getLogger(__name__)
 
-SUSPECT_S = 10.0  # a rank whose connection failed is left alone this long at most
+SUSPECT_S = 10.0  # a rank whose connection failed is left alone at least this long
 
 
 @dataclass
@@ -102,8 +104,8 @@ class Router:
         self._clients: dict[str, RpcClient] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._n_clients = 0
-        # rank -> (the ranks the coordinator reported, when) as its connection failed
-        self._suspects: dict[int, tuple[list[int], float]] = {}
+        # rank -> (its endpoint, when) as its connection failed (module docstring)
+        self._suspects: dict[int, tuple[str, float]] = {}
         self._ids = uuid.uuid4().hex[:8]
         self._n = 0
         self._tasks = Supervisor("router")
@@ -126,6 +128,8 @@ class Router:
         died or left the plan), it asks them again after a moment (a sync may be on
         its way) instead of waiting for a rank that will never come."""
         while True:
+            for r in [r for r in self._suspects if r not in self.pipeline.active_ranks]:
+                self._trusted(r)  # it left the plan: forgotten
             usable = [
                 (r, self.pipeline.endpoints[r])
                 for r in self.pipeline.active_ranks
@@ -142,13 +146,18 @@ class Router:
                 await self.pipeline.wait_ranks_change(timeout=1.0)
 
     def _trusted(self, rank: int) -> bool:
-        """Whether ``rank`` may be picked: its connection has not failed since the
-        coordinator last reported the ranks (and not within ``SUSPECT_S``)."""
+        """Whether ``rank`` may be picked: its connection has not failed while it stayed
+        in the plan, within the suspicion window (module docstring)."""
         suspect = self._suspects.get(rank)
         if suspect is None:
             return True
-        ranks, since = suspect
-        if ranks != self.pipeline.active_ranks or time.monotonic() - since > SUSPECT_S:
+        endpoint, since = suspect
+        window = max(SUSPECT_S, 3 * self.pipeline.peer_timeout_s)
+        if (
+            rank not in self.pipeline.active_ranks  # it left the plan
+            or self.pipeline.endpoints.get(rank) != endpoint  # another worker serves it
+            or time.monotonic() - since > window
+        ):
             del self._suspects[rank]
             return True
         return False
@@ -248,7 +257,8 @@ class Router:
             return None
         except (ConnectionLost, CallTimeout, ConnectionError) as exc:
             log.warning("shard %d failed mid-request (%s); resuming elsewhere", rank, exc)
-            self._suspects.setdefault(rank, (list(self.pipeline.active_ranks), time.monotonic()))
+            if not isinstance(exc, CallTimeout):  # slow is not dead
+                self._suspects.setdefault(rank, (endpoint, time.monotonic()))
             traj.resumes += 1
             await self._settle()
             return None

@@ -82,6 +82,12 @@ class RpcClient(_Endpoint):
         self._hb_timeout = self.config.heartbeat_timeout_s
 
     @property
+    def heartbeat_timeout_s(self) -> float:
+        """How long a silent peer is tolerated: ours, or the server's (from its welcome)
+        where longer, as the server declares a silent client dead only after that."""
+        return self._hb_timeout
+
+    @property
     def connected(self) -> bool:
         return self._ready.is_set()
 
