@@ -104,6 +104,27 @@ def _weights(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays JSON
+    from rlix_async.bench.engine_curve import format_engine_result, run_engine_bench
+
+    try:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    except ValueError:
+        batches = ()
+    if not batches or min(batches) < 1:
+        raise UsageError("--batches: comma-separated sizes >= 1")
+    model = args.model
+    if model is None:
+        from rlix_async.models.pretrained import convert
+
+        model = str(convert("smollm2-135m-instruct"))
+    r = run_engine_bench(model, batches, tokens=args.tokens, repeats=args.repeats)
+    print(json.dumps(r, indent=2) if args.json else format_engine_result(r))
+    return 0
+
+
 def _weights_vllm(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays JSON
@@ -336,6 +357,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--seed", type=int, default=0)
     _json_flag(p)
     p.set_defaults(func=_plan)
+    p = bsub.add_parser(
+        "engine", help="vLLM decode time against batch size, and the simulator's fitted curve"
+    )
+    p.add_argument("--model", help="HF directory (default: SmolLM2-135M-Instruct, converted)")
+    p.add_argument("--batches", default="1,2,4,8,16", help="batch sizes, comma-separated")
+    p.add_argument("--tokens", type=positive_int, default=24, help="decoded per request")
+    p.add_argument("--repeats", type=positive_int, default=1, help="runs per point (median)")
+    _json_flag(p)
+    p.set_defaults(func=_engine)
     p = bsub.add_parser("weights", help="weight sync: shared memory, tcp, raw ZMQ, memcpy")
     p.add_argument(
         "--receiver",

@@ -211,3 +211,33 @@ def test_the_cli_picks_the_engine_model(tmp_path: Path, capsys: pytest.CaptureFi
     assert capsys.readouterr().out.startswith("engine model: batched\n")
     assert main(["simulate", str(curved), "--engine", "fixed", "--seeds", "2"]) == 0
     assert "engine model" not in capsys.readouterr().out
+
+
+def test_bench_engine_refuses_bad_batches_before_starting_an_engine(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "engine", "--batches", "1,0"]) == 2
+    assert "--batches" in capsys.readouterr().err
+
+
+def test_bench_engine_prints_its_points_and_fit() -> None:
+    from rlix_async.bench.engine_curve import format_engine_result
+
+    r = {
+        "model": "m",
+        "device": "cpu",
+        "tokens": 24,
+        "points": [
+            {"prompt_tokens": 16, "batch": 1, "iteration_ms": 30.0, "tokens_per_s": 33.3},
+        ],
+        "fit": {
+            "base_s": 0.03,
+            "per_sequence_s": 0.001,
+            "per_context_token_s": 1e-6,
+            "prefill_per_token_s": 0.002,
+            "worst_relative_error": 0.05,
+        },
+    }
+    r["points"][0]["ttft_ms"] = 54.0
+    text = format_engine_result(r)
+    assert "30.000 ms + 1.000 ms x batch" in text and "33.3" in text
