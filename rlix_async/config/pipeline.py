@@ -304,6 +304,7 @@ def check_tensor_parallel(p: PipelineConfig) -> None:
                       "torch backend is data parallel only (use tp: 1)")  # fmt: skip
     if p.model.path is None:
         heads = groups = p.model.hidden // 64
+        ffn = 2 * p.model.hidden
     else:
         import json
 
@@ -311,6 +312,7 @@ def check_tensor_parallel(p: PipelineConfig) -> None:
             c = json.loads((Path(p.model.path) / "config.json").read_text())
             heads = int(c["num_attention_heads"])
             groups = int(c.get("num_key_value_heads") or heads)
+            ffn = int(c["intermediate_size"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise invalid(
                 "model.path", f"no readable config.json to split over tp={tp} ({exc})"
@@ -318,6 +320,8 @@ def check_tensor_parallel(p: PipelineConfig) -> None:
     if heads % tp or groups % tp:
         raise invalid(at, f"{tp}: the model has {heads} attention heads in {groups} query "
                       f"groups; tensor parallel must divide both")  # fmt: skip
+    if ffn % tp:
+        raise invalid(at, f"{tp}: the model's MLP width {ffn} does not split over it")
 
 
 def check_recipe(p: PipelineConfig) -> None:

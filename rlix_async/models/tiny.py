@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import Any
 
 
-def tiny_llama_config(vocab_size: int = 512, layers: int = 2, hidden: int = 128) -> Any:
+def tiny_llama_config(
+    vocab_size: int = 512, layers: int = 2, hidden: int = 128, tied: bool = False
+) -> Any:
+    """``tied``: the output layer is the embedding (as in SmolLM2)."""
     import transformers
 
     return transformers.LlamaConfig(
@@ -22,7 +25,7 @@ def tiny_llama_config(vocab_size: int = 512, layers: int = 2, hidden: int = 128)
         num_key_value_heads=hidden // 64,
         head_dim=64,  # vLLM CPU attention supports 32/64/80/96/112/128...
         max_position_embeddings=512,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         bos_token_id=0,
         eos_token_id=None,
         pad_token_id=0,

@@ -387,6 +387,12 @@ class MegatronTrainer(TorchTrainer):
     def _load_model(self, path: Path, ckpt: dict[str, Any]) -> None:
         """A checkpoint holds the whole (tp=1) model whatever its layout: this rank's
         part of it, and on rank 0 the whole for the cache."""
+        rows = ckpt["model"].get("embedding.word_embeddings.weight")
+        if isinstance(rows, torch.Tensor) and rows.shape[0] != self._shape["vocab_size"]:
+            raise MegatronModelError(
+                f"{path}: its vocabulary has {rows.shape[0]} rows, the model "
+                f"{self._shape['vocab_size']}"
+            )
         self._install(self.model, ckpt["model"], path)
         if self.tp > 1 and self.rank == 0:
             self._full = {k: v for k, v in ckpt["model"].items() if isinstance(v, torch.Tensor)}

@@ -187,6 +187,8 @@ def read_hf_part(
     for f in files:
         with safe_open(str(root / f), framework="pt") as h:
             for name in h.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # a buffer older conversions saved; transformers skips it too
                 sl = h.get_slice(name)
                 part = hf_part(name, sl.get_shape(), rank, tp, shape)
                 if part is None:

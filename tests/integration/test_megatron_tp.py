@@ -25,9 +25,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     model = save_tiny_llama(root / "model", seed=3, **SHAPE)
     one = run_tp(root / "tp1", model, 1, 1, 2)
     two = run_tp(root / "tp2", model, 2, 2, 2)
+    tied = save_tiny_llama(root / "tied", seed=4, tied=True, **SHAPE)
     return {
         "tp1": one,
         "tp2": two,
+        # two replicas each, of a model whose output layer is its embedding
+        "tp1_dp2_tied": run_tp(root / "tp1dp2", tied, 1, 2, 2),
+        "tp2_dp2_tied": run_tp(root / "tp2dp2", tied, 2, 4, 2),
         "tp2_resumed": run_tp(root / "tp2r", model, 2, 2, 1, root / "tp2" / "ckpt_1.pt"),
         "tp1_from_tp2": run_tp(root / "tp1r", model, 1, 1, 1, root / "tp2" / "ckpt_1.pt"),
     }
@@ -62,6 +66,26 @@ def test_a_tp2_checkpoint_resumes_exactly_at_tp2_and_at_tp1(runs: dict[str, dict
     resharded = runs["tp1_from_tp2"]["figures"][0]
     assert resharded["loss"] == pytest.approx(second["loss"], rel=1e-4, abs=1e-6)
     assert resharded["grad_norm"] == pytest.approx(second["grad_norm"], rel=1e-4)
+    # the second minibatch's update used the resharded moments: the weights agree too
+    for k, v in runs["tp2"]["cache_end"].items():
+        torch.testing.assert_close(runs["tp1_from_tp2"]["cache_end"][k], v, atol=1e-5, rtol=1e-4)
+
+
+def test_two_replicas_of_tp2_with_tied_embeddings_train_as_two_of_tp1(
+    runs: dict[str, dict],
+) -> None:
+    """Data parallel 2 at tp=2 (4 ranks) against dp=2 at tp=1: each replica's tokens
+    counted once (not once per tensor-parallel rank), DDP averaging over the replicas
+    only, and the tied output layer split as the embedding is."""
+    one, two = runs["tp1_dp2_tied"], runs["tp2_dp2_tied"]
+    assert "lm_head.weight" not in one["cache_start"]  # tied: the shards use the embedding
+    for k, v in one["cache_start"].items():
+        assert torch.equal(two["cache_start"][k], v), k
+    for a, b in zip(one["figures"], two["figures"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    for k, v in one["cache_end"].items():
+        torch.testing.assert_close(two["cache_end"][k], v, atol=1e-5, rtol=1e-4)
 
 
 def test_twenty_cycles_at_tensor_parallel_2_leak_nothing(tmp_path: Path) -> None:
