@@ -273,7 +273,15 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 def _argv(pid: int) -> list[str]:
-    return [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    """The process's argv. Empty for a moment after Popen returns: the kernel closes
+    the child's close-on-exec pipe (Popen's signal that exec succeeded) before it has
+    set up the new program's arguments, so a loaded machine can read in between."""
+    deadline = time.monotonic() + 10
+    while True:
+        argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+        if argv or time.monotonic() > deadline:
+            return argv
+        time.sleep(0.01)
 
 
 @pytest.mark.timeout(120)
