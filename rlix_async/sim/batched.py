@@ -147,13 +147,10 @@ class BatchedSimulation(Simulation):
         for rank in sorted(s.ready):
             changed = False
             while s.slots.get(rank, 0) < s.slots_per_shard:
-                for pid in s.next_members():
-                    work = self._tokens(self.pipes[pid])
-                    if work is not None:
-                        break
-                else:
+                taken = s.take_turn(lambda pid: self._tokens(self.pipes[pid]))
+                if taken is None:
                     break  # no member has a trajectory to start
-                s.turn = s.members.index(pid) + 1
+                pid, work = taken
                 sh = self._shards.get((s.id, rank))
                 if sh is None:
                     sh = self._shards[(s.id, rank)] = _Shard(self.now, self.now)

@@ -264,13 +264,10 @@ class Simulation:
         member's long tail and another's fresh batch share a shard."""
         for rank in sorted(s.ready):
             while s.slots.get(rank, 0) < s.slots_per_shard:
-                for pid in s.next_members():
-                    work = self._work(self.pipes[pid])
-                    if work is not None:
-                        break
-                else:
+                taken = s.take_turn(lambda pid: self._work(self.pipes[pid]))
+                if taken is None:
                     return  # no member has a trajectory to start
-                s.turn = s.members.index(pid) + 1
+                pid, work = taken
                 start = s.loaded_at(pid, rank, self.now)
                 tid = next(self._tids)
                 self.pipes[pid].inflight[tid] = (rank, start + work, 0)

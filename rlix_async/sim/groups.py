@@ -11,9 +11,13 @@ both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from rlix_async.protocols.topology import ClusterSpec
+
+W = TypeVar("W")
 
 
 @dataclass
@@ -37,6 +41,16 @@ class Server:
         """Every member once, starting with the one whose turn it is."""
         k = self.turn % len(self.members)
         return self.members[k:] + self.members[:k]
+
+    def take_turn(self, work_of: Callable[[str], W | None]) -> tuple[str, W] | None:
+        """The next member in turn with a trajectory to start (``work_of``: its work, or
+        None) and that work; the turn moves past it. None: no member has one."""
+        for pid in self.next_members():
+            work = work_of(pid)
+            if work is not None:
+                self.turn = self.members.index(pid) + 1
+                return pid, work
+        return None
 
     def loaded_at(self, member: str, rank: int, now: float) -> float:
         """When a trajectory of ``member`` started now on ``rank`` can run."""
