@@ -129,7 +129,7 @@ class Router:
         its way) instead of waiting for a rank that will never come."""
         while True:
             for r in [r for r in self._suspects if r not in self.pipeline.active_ranks]:
-                self._trusted(r)  # it left the plan: forgotten
+                del self._suspects[r]  # it left the plan: whoever serves it next is new
             usable = [
                 (r, self.pipeline.endpoints[r])
                 for r in self.pipeline.active_ranks
@@ -146,16 +146,16 @@ class Router:
                 await self.pipeline.wait_ranks_change(timeout=1.0)
 
     def _trusted(self, rank: int) -> bool:
-        """Whether ``rank`` may be picked: its connection has not failed while it stayed
-        in the plan, within the suspicion window (module docstring)."""
+        """Whether ``rank`` (in the plan) may be picked: its connection has not failed
+        at its current endpoint within the suspicion window (module docstring; _pick
+        forgets the ranks that left the plan)."""
         suspect = self._suspects.get(rank)
         if suspect is None:
             return True
         endpoint, since = suspect
         window = max(SUSPECT_S, 3 * self.pipeline.peer_timeout_s)
         if (
-            rank not in self.pipeline.active_ranks  # it left the plan
-            or self.pipeline.endpoints.get(rank) != endpoint  # another worker serves it
+            self.pipeline.endpoints.get(rank) != endpoint  # another worker serves it
             or time.monotonic() - since > window
         ):
             del self._suspects[rank]

@@ -331,7 +331,8 @@ class MegatronTrainer(TorchTrainer):
         dist.all_gather(parts, local, group=group)
         if self.rank != 0:
             return None
-        return merge_tensor(name, parts, self._shape["vocab_size"]).to("cpu", copy=True)
+        # the merge is a new tensor: to the host once (no second copy when already there)
+        return merge_tensor(name, parts, self._shape["vocab_size"]).to("cpu")
 
     def _gather_model(self) -> dict[str, torch.Tensor] | None:
         if self.dp_rank != 0:  # the other replicas hold the same weights
@@ -362,8 +363,10 @@ class MegatronTrainer(TorchTrainer):
         return {"state": state, "param_groups": local["param_groups"]} if self.rank == 0 else None
 
     def _model_state(self) -> dict[str, Any]:
+        """The whole (tp=1) model in Megatron's names: this rank's own at tp=1, else the
+        one gathered onto rank 0 at every step (checkpoints and the cache read it)."""
         if self.tp == 1:
-            return super()._model_state()
+            return self.model.state_dict()
         if self._full is None:
             raise RuntimeError("only rank 0 holds the whole model (gathered at every step)")
         return self._full
@@ -402,13 +405,7 @@ class MegatronTrainer(TorchTrainer):
 
     def weights_for_cache(self) -> dict[str, torch.Tensor]:
         s = self._shape
-        if self.tp == 1:
-            full: Mapping[str, torch.Tensor | None] = self.model.state_dict()
-        elif self._full is None:
-            raise RuntimeError("only rank 0 holds the whole model (gathered at every step)")
-        else:
-            full = self._full
-        hf = megatron_to_hf(full, s["heads"], s["groups"], s["head_dim"])
+        hf = megatron_to_hf(self._model_state(), s["heads"], s["groups"], s["head_dim"])
         return cast_floats(hf, self.dtype)
 
 

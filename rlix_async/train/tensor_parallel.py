@@ -67,9 +67,7 @@ def shard_tensor(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Ten
     if dim is None or tp == 1:
         return full
     if name in VOCAB_ROWS:
-        pad = padded_vocab(full.shape[0], tp) - full.shape[0]
-        if pad:
-            full = torch.cat([full, full.new_zeros(pad, *full.shape[1:])])
+        full = _zero_rows_to(full, padded_vocab(full.shape[0], tp))
     if name.endswith(_GLU):
         gate, up = full.chunk(2, 0)
         return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]])
@@ -172,6 +170,12 @@ def pad_vocab_rows(local: dict[str, torch.Tensor], vocab: int, tp: int) -> None:
     of the padded vocabulary (only the last rank's run short), in place."""
     per = padded_vocab(vocab, tp) // tp
     for name in VOCAB_ROWS:
-        t = local.get(name)
-        if t is not None and t.shape[0] < per:
-            local[name] = torch.cat([t, t.new_zeros(per - t.shape[0], *t.shape[1:])])
+        if name in local:
+            local[name] = _zero_rows_to(local[name], per)
+
+
+def _zero_rows_to(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` (``t`` itself when it has them)."""
+    if t.shape[0] >= rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
