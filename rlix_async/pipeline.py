@@ -414,6 +414,7 @@ def build_trainer(
         trainer_cls = MegatronTrainer
         backend = {
             "tp": cfg.clusters["actor_train"].tp,
+            "pp": cfg.clusters["actor_train"].pp,
             "store": store,
             "checkpoint_due": lambda step: checkpoint_due(step, cfg),
         }

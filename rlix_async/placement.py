@@ -31,7 +31,7 @@ import msgspec
 
 from rlix_async.config import CoordinatorConfig, LaunchConfig, PipelineConfig, ShardConfig
 from rlix_async.config.launch_rules import base_groups
-from rlix_async.protocols.topology import INFER, TRAIN
+from rlix_async.protocols.topology import INFER, TRAIN, ClusterSpec
 
 Role = Literal["coordinator", "shard", "trainer"]
 
@@ -68,12 +68,23 @@ class PlacedProcess:
 
     def trainer_ranks(self) -> list[dict[str, int]]:
         """A trainer's torchrun ranks: each one's node, device and place in the model's
-        layout (``tp`` consecutive ranks hold one replica; pipeline parallel is 1)."""
-        tp = (
-            self.config.clusters["actor_train"].tp if isinstance(self.config, PipelineConfig) else 1
+        layout (Megatron's order tp-pp-dp: ``tp`` consecutive ranks per pipeline stage,
+        ``tp`` x ``pp`` consecutive ranks per replica)."""
+        spec = (
+            self.config.clusters["actor_train"]
+            if isinstance(self.config, PipelineConfig)
+            else ClusterSpec()
         )
+        tp, pp = spec.tp, spec.pp
         return [
-            {"rank": r, "node": self.node, "device": d, "tp": r % tp, "pp": 0, "dp": r // tp}
+            {
+                "rank": r,
+                "node": self.node,
+                "device": d,
+                "tp": r % tp,
+                "pp": r // tp % pp,
+                "dp": r // (tp * pp),
+            }
             for r, d in enumerate(self.devices)
         ]
 

@@ -269,8 +269,8 @@ class PipelineConfig(Config, frozen=True):
             if name not in self.clusters:
                 raise invalid("clusters", f"{name} is required")
         train = self.clusters["actor_train"]
-        if train.tp != 1:
-            check_tensor_parallel(self)
+        if train.tp != 1 or train.pp != 1:
+            check_model_parallel(self)
         if self.nproc is not None and self.nproc != len(train.devices):
             raise invalid(
                 "nproc",
@@ -293,18 +293,21 @@ class PipelineConfig(Config, frozen=True):
         return self.task or TargetTokensTask()
 
 
-def check_tensor_parallel(p: PipelineConfig) -> None:
-    """A trainer at tensor parallel T > 1: the megatron backend, whole attention heads and
-    query groups per rank (read from the model directory's config.json, or the tiny
-    model's heads of 64). One rank per device: T consecutive ranks hold one replica."""
-    tp = p.clusters["actor_train"].tp
-    at = "clusters.actor_train.tp"
+def check_model_parallel(p: PipelineConfig) -> None:
+    """A trainer at tensor parallel T or pipeline parallel P > 1: the megatron backend,
+    whole attention heads and query groups per tensor-parallel rank, whole layers per
+    stage (read from the model directory's config.json, or the tiny model's shape, heads
+    of 64). One rank per device: T x P consecutive ranks hold one replica."""
+    spec = p.clusters["actor_train"]
+    tp, pp = spec.tp, spec.pp
+    key, size = ("clusters.actor_train.tp", tp) if tp != 1 else ("clusters.actor_train.pp", pp)
+    what = f"tp={tp}" if tp != 1 else f"pp={pp}"
     if p.train.backend != "megatron":
-        raise invalid(at, f"{tp}: tensor-parallel training is the megatron backend's; the "
-                      "torch backend is data parallel only (use tp: 1)")  # fmt: skip
+        raise invalid(key, f"{size}: tensor- and pipeline-parallel training is the megatron "
+                      "backend's; the torch backend is data parallel only (use tp: 1, pp: 1)")  # fmt: skip
     if p.model.path is None:
         heads = groups = p.model.hidden // 64
-        ffn = 2 * p.model.hidden
+        ffn, layers = 2 * p.model.hidden, p.model.layers
     else:
         import json
 
@@ -312,16 +315,23 @@ def check_tensor_parallel(p: PipelineConfig) -> None:
             c = json.loads((Path(p.model.path) / "config.json").read_text())
             heads = int(c["num_attention_heads"])
             groups = int(c.get("num_key_value_heads") or heads)
-            ffn = int(c["intermediate_size"])
+            ffn, layers = int(c["intermediate_size"]), int(c["num_hidden_layers"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise invalid(
-                "model.path", f"no readable config.json to split over tp={tp} ({exc})"
+                "model.path", f"no readable config.json to split over {what} ({exc})"
             ) from None
+    at = "clusters.actor_train.tp"
     if heads % tp or groups % tp:
         raise invalid(at, f"{tp}: the model has {heads} attention heads in {groups} query "
                       f"groups; tensor parallel must divide both")  # fmt: skip
     if ffn % tp:
         raise invalid(at, f"{tp}: the model's MLP width {ffn} does not split over it")
+    if layers % pp:
+        raise invalid("clusters.actor_train.pp", f"{pp}: the model's {layers} layers do not "
+                      "split into as many per stage")  # fmt: skip
+    if len(spec.devices) % (tp * pp):
+        raise invalid("clusters.actor_train.devices", f"{len(spec.devices)} devices: a replica "
+                      f"spans tp x pp = {tp * pp}, so they must be a multiple of it")  # fmt: skip
 
 
 def check_recipe(p: PipelineConfig) -> None:

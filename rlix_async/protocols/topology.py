@@ -81,6 +81,14 @@ class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         tuple[Annotated[int, msgspec.Meta(ge=0)], ...],
         msgspec.Meta(description="Global device ids, sorted; rank r is devices[r*tp:(r+1)*tp]."),
     ] = ()
+    pp: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            description="Pipeline-parallel size (actor_train, megatron backend): stages per "
+            "model replica; a replica spans tp x pp devices.",
+        ),
+    ] = 1
 
     @property
     def dp(self) -> int:
@@ -104,6 +112,8 @@ def validate_cluster(name: str, spec: ClusterSpec, shape: ClusterShape) -> None:
                 f"{where}: tp={spec.tp} > gpus_per_node={gpn}: a trainer's tensor-parallel "
                 "group must fit one node"
             )
+    elif spec.pp != 1:
+        raise TopologyError(f"{where}: pp={spec.pp}: pipeline parallel is actor_train's only")
     elif spec.tp not in SMALL_TP and spec.tp % gpn != 0:
         raise TopologyError(
             f"{where}: tp={spec.tp} must be in {SMALL_TP} or a multiple of gpus_per_node={gpn}"
@@ -118,9 +128,10 @@ def validate_cluster(name: str, spec: ClusterSpec, shape: ClusterShape) -> None:
             f"{where}: devices {bad} do not exist (cluster has {shape.num_devices}: "
             f"{shape.nodes} nodes x {gpn})"
         )
-    if len(spec.devices) % spec.tp:
+    if len(spec.devices) % (spec.tp * spec.pp):
         raise TopologyError(
-            f"{where}: {len(spec.devices)} devices is not a multiple of tp={spec.tp}"
+            f"{where}: {len(spec.devices)} devices is not a multiple of "
+            + (f"tp x pp = {spec.tp} x {spec.pp}" if spec.pp > 1 else f"tp={spec.tp}")
         )
     for rank, bundle in enumerate(spec.bundles()):
         if bundle[-1] - bundle[0] != len(bundle) - 1:

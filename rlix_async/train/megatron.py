@@ -9,15 +9,23 @@ refused by :func:`llama_shape` with a one-line reason. Weights leave in HF
 ``LlamaForCausalLM`` names (``megatron_to_hf``) because that is what vLLM's
 loader takes; both conversions are exact (tests compare logits).
 
-Tensor parallel (``tp``, the actor_train cluster's): ``tp`` consecutive ranks hold one
-replica, split as ``train/tensor_parallel.py`` says; replicas are data parallel (torch
-DDP over the data-parallel group). The logits are gathered over the tensor-parallel
-group (Megatron's ``parallel_output=False``) so every loss, entropy and log-prob is
-computed as at tp=1; the gradient norm sums the split weights' squares over the group.
-Ranks build the model together (the group is up while the trainer is constructed),
-and after every step the first replica's ranks gather the full weights onto rank 0,
-which builds the weight cache from them; at checkpoint steps the optimizer state too,
-so a checkpoint is the tp=1 state at any layout and resumes at any other. On CPU it
+Model parallel (``tp`` and ``pp``, the actor_train cluster's): ``tp`` x ``pp``
+consecutive ranks hold one replica (Megatron's rank order tp-pp-dp): ``tp`` consecutive
+ranks per pipeline stage, split as ``train/tensor_parallel.py`` says, and ``pp`` stages
+holding whole layers as ``train/pipeline_parallel.py`` says. Replicas are data
+parallel: torch DDP over the data-parallel group at pp=1; under pipeline parallel the
+gradients are averaged over it after Megatron's 1F1B schedule (DDP fixes at forward
+time whether a backward reduces, which the schedule's interleaving defeats). The
+logits are gathered over the tensor-parallel group (Megatron's
+``parallel_output=False``) so every loss, entropy and log-prob is computed as at tp=1,
+on the last stage; the step's figures are broadcast from there. The gradient norm
+counts every weight once over the model-parallel group (split weights by part, the
+last stage's copy of a tied embedding not at all), and the two copies' gradients are
+summed over the embedding group. Ranks build the model together (the group is up while
+the trainer is constructed), and after every step the first replica's ranks gather the
+full weights onto rank 0 (each stage onto its first rank, then to rank 0), which
+builds the weight cache from them; at checkpoint steps the optimizer state too, so a
+checkpoint is the tp=1/pp=1 state at any layout and resumes at any other. On CPU it
 needs ``megatron_cpu_compat`` (megatron-core 0.16.1 assumes CUDA in two places).
 Its CUDA RNG tracker is seeded (``model_parallel_cuda_manual_seed``) with the parallel
 state; on CPU the compat module keeps that tracker's states on the CPU generator.
@@ -42,8 +50,18 @@ from rlix_async.train.megatron_hf import (
     llama_shape,
     megatron_to_hf,
     read_hf_part,
+    stage_reads,
+)
+from rlix_async.train.pipeline_parallel import (
+    EMBEDDING,
+    check_layers,
+    from_stage,
+    full_param_order,
+    global_name,
+    to_stage,
 )
 from rlix_async.train.precision import cast_floats, cast_parameters
+from rlix_async.train.stage_transfer import recv_tensors, send_tensors
 from rlix_async.train.tensor_parallel import (
     check_shape,
     merge_tensor,
@@ -53,7 +71,7 @@ from rlix_async.train.tensor_parallel import (
     shard_optimizer,
     split_dim,
 )
-from rlix_async.train.trainer import TorchTrainer
+from rlix_async.train.trainer import Piece, TorchTrainer
 
 
 def _tiny_shape(model: ModelConfig) -> dict[str, Any]:
@@ -92,39 +110,53 @@ class MegatronTrainer(TorchTrainer):
         model: ModelConfig | None = None,
         *,
         tp: int = 1,
+        pp: int = 1,
         store: dist.Store | None = None,
         checkpoint_due: Callable[[int], bool] | None = None,
         **kw: Any,
     ) -> None:
-        """``tp`` consecutive ranks per replica; with ``tp`` > 1 every rank constructs
-        its trainer at the same time, meeting on ``store``. ``checkpoint_due(step)``:
-        whether the step just trained is checkpointed (the optimizer state is gathered
-        for rank 0 then)."""
+        """``tp`` x ``pp`` consecutive ranks per replica; with more than one every rank
+        constructs its trainer at the same time, meeting on ``store``.
+        ``checkpoint_due(step)``: whether the step just trained is checkpointed (the
+        optimizer state is gathered for rank 0 then)."""
         world = int(kw.get("world", 1))
-        if tp > 1 and (store is None or world % tp):
-            raise ValueError(f"tensor parallel {tp} needs a store and a multiple of {tp} ranks")
-        self.tp = tp
+        if tp * pp > 1 and (store is None or world % (tp * pp)):
+            raise ValueError(
+                f"tensor x pipeline parallel {tp} x {pp} needs a store and a multiple of "
+                f"{tp * pp} ranks"
+            )
+        self.tp, self.pp = tp, pp
         self._store = store
         self.checkpoint_due = checkpoint_due or (lambda step: False)
-        self._full: dict[str, torch.Tensor] | None = None  # rank 0, tp > 1: the whole model
+        self._full: dict[str, torch.Tensor] | None = None  # rank 0, model parallel: the whole model
         self._full_optim: dict[str, Any] | None = None  # and at checkpoint steps its optimizer
         try:
             super().__init__(cfg, model, **kw)
-            self.dp_rank, self.dp_world = self.rank // tp, self.world // tp
-            if tp > 1:
+            self.dp_rank, self.dp_world = self.rank // (tp * pp), self.world // (tp * pp)
+            if self.model_parallel:
                 self._full = self._gather_model()
         finally:
-            if tp > 1:
+            if self.model_parallel:
                 self.destroy_group()
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether a replica spans several ranks."""
+        return self.tp * self.pp > 1
 
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp
 
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage."""
+        return self.rank // self.tp % self.pp
+
     def _dp_group(self) -> dist.ProcessGroup | None:
         from megatron.core import parallel_state
 
-        return parallel_state.get_data_parallel_group() if self.tp > 1 else None
+        return parallel_state.get_data_parallel_group() if self.model_parallel else None
 
     def _parallel_state(self, store: dist.Store | None, backend: str | None = None) -> None:
         """Megatron's parallel state over a fresh group on ``store`` (None: a private
@@ -142,7 +174,9 @@ class MegatronTrainer(TorchTrainer):
                 world_size=self.world if store is not None else 1,
             )
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(self.tp if store is not None else 1, 1)
+            tp, pp = (self.tp, self.pp) if store is not None else (1, 1)
+            # tp-pp-dp: a replica is tp x pp consecutive ranks (the launcher's layout)
+            parallel_state.initialize_model_parallel(tp, pp, order="tp-pp-dp")
         _seed_rng_tracker(self.seed)
 
     def _build_model(self) -> torch.nn.Module:
@@ -152,6 +186,7 @@ class MegatronTrainer(TorchTrainer):
         path = self.model_cfg.path
         self._shape = llama_shape(path) if path else _tiny_shape(self.model_cfg)
         check_shape(self._shape["heads"], self._shape["groups"], self.tp)
+        check_layers(self._shape["layers"], self.pp)
         model = self._gpt_model()
         if path:
             self._load_hf(model, path)
@@ -168,7 +203,7 @@ class MegatronTrainer(TorchTrainer):
         # building the model needs Megatron's parallel state: a private one-rank group,
         # or with tensor parallel the real one, up until the constructor's end
         # (gloo: the model is built, loaded and gathered in host memory)
-        self._parallel_state(self._store if self.tp > 1 else None, "gloo")
+        self._parallel_state(self._store if self.model_parallel else None, "gloo")
         torch.manual_seed(self.seed)
         tc = TransformerConfig(
             num_layers=s["layers"],
@@ -192,7 +227,9 @@ class MegatronTrainer(TorchTrainer):
             persist_layer_norm=False,
             bias_dropout_fusion=False,
             apply_rope_fusion=False,
+            calculate_per_token_loss=True,  # each piece's loss is weighed already
             **_recompute(self.cfg.recompute),
+            **self._pipeline_config(),
         )
         model = GPTModel(
             config=tc,
@@ -203,22 +240,46 @@ class MegatronTrainer(TorchTrainer):
             rotary_base=s["rope_base"],
             share_embeddings_and_output_weights=s["tied"],
             parallel_output=False,  # every rank gets the whole vocabulary's logits
+            pre_process=self.stage == 0,
+            post_process=self.stage == self.pp - 1,
         )
-        if self.tp == 1:
+        if not self.model_parallel:
             self.destroy_group()  # the time-sharing cycle creates groups per step
         return cast_parameters(model, self.dtype)  # the local spec's norms ignore params_dtype
 
+    def _pipeline_config(self) -> dict[str, Any]:
+        """TransformerConfig's pipeline settings: stages exchange activations of each
+        piece's own shape (pieces differ in rows and width)."""
+        if self.pp == 1:
+            return {}
+        return {
+            "pipeline_model_parallel_size": self.pp,
+            "pipeline_dtype": self.dtype,
+            "variable_seq_lengths": True,
+            "moe_token_dispatcher_type": "alltoall",  # allgather refuses variable lengths
+        }
+
+    def _to_stage(self, full: Mapping[str, object]) -> dict[str, object]:
+        s = self._shape
+        return to_stage(full, self.stage, self.pp, s["layers"], s["tied"])
+
     def _load_hf(self, model: torch.nn.Module, path: str) -> None:
         """The directory's weights into ``model``, every parameter accounted for. Under
-        tensor parallel each rank reads only its own slices of a safetensors
-        directory (its memory holds its part of the model, not all of it)."""
+        model parallel each rank reads only its own stage's tensors and its own slices
+        of them from a safetensors directory (its memory holds its part of the model,
+        not all of it)."""
         s = self._shape
-        if self.tp > 1 and (part := read_hf_part(path, s, self.tp_rank, self.tp)) is not None:
+        wanted = stage_reads(self.stage, self.pp, s["layers"], s["tied"])
+        if (
+            self.model_parallel
+            and (part := read_hf_part(path, s, self.tp_rank, self.tp, wanted)) is not None
+        ):
             local = hf_to_megatron(
                 part, s["heads"] // self.tp, s["groups"] // self.tp, s["head_dim"], tied=s["tied"]
             )
-            pad_vocab_rows(local, s["vocab_size"], self.tp)
-            self._install(model, local, path, whole=False)
+            mine = self._to_stage(local)
+            pad_vocab_rows(mine, s["vocab_size"], self.tp)  # type: ignore[arg-type]
+            self._install(model, mine, path, whole=False)
             return
         hf = load_hf_model(path, torch.float32)
         weights = hf_to_megatron(
@@ -234,9 +295,9 @@ class MegatronTrainer(TorchTrainer):
         source: object,
         whole: bool = True,
     ) -> None:
-        """The full (tp=1) ``state``, this rank's part of it (``whole=False``: ``state``
-        is that part already), into ``model``; every parameter accounted for."""
-        mine = shard(state, self.tp_rank, self.tp) if whole else dict(state)
+        """The full (tp=1/pp=1) ``state``, this rank's part of it (``whole=False``:
+        ``state`` is that part already), into ``model``; every parameter accounted for."""
+        mine = shard(self._to_stage(state), self.tp_rank, self.tp) if whole else dict(state)
         mine = {k: v for k, v in mine.items() if v is not None}
         missing, unexpected = model.load_state_dict(mine, strict=False)
         missing = [k for k in missing if "_extra_state" not in k]  # TE/fp8 metadata
@@ -257,7 +318,7 @@ class MegatronTrainer(TorchTrainer):
     def init_group(self, store: dist.Store | None) -> None:
         self._require_on_device("init_group()")
         self._parallel_state(store if self.world > 1 else None)
-        if self.dp_world > 1:
+        if self.dp_world > 1 and self.pp == 1:
             self._wrap_ddp()
 
     def destroy_group(self) -> None:
@@ -271,44 +332,128 @@ class MegatronTrainer(TorchTrainer):
         self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None
     ) -> torch.Tensor:
         """Megatron's GPTModel computes every position's logits; the last ``keep`` are
-        returned."""
-        n = ids.shape[1]
-        pos = torch.arange(n, device=ids.device).unsqueeze(0).expand_as(ids)
-        causal = torch.triu(torch.ones(n, n, device=ids.device), diagonal=1).bool()[None, None]
-        logits = model(ids, pos, attention_mask=causal)[..., : self._shape["vocab_size"]]
+        returned. One stage: under pipeline parallel, pieces go through ``_forward``."""
+        if self.pp > 1:
+            raise RuntimeError("forward_logits() under pipeline parallel: use _forward()")
+        logits = _run(model, ids)[..., : self._shape["vocab_size"]]
         return logits if keep is None else logits[:, -keep:]
+
+    def _forward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
+        if self.pp == 1:
+            super()._forward(model, pieces)
+        else:
+            self._schedule(model, pieces, forward_only=True)
+
+    def _forward_backward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
+        if self.pp == 1:
+            super()._forward_backward(model, pieces)
+            return
+        self._schedule(model, pieces, forward_only=False)
+        self._reduce_grads()
+
+    def _schedule(self, model: torch.nn.Module, pieces: list[Piece], forward_only: bool) -> None:
+        """Megatron's 1F1B pipeline schedule over ``pieces`` (each stage runs its layers;
+        the last one hands each piece's logits to its ``take`` and backpropagates what
+        that returns, unless ``forward_only``)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        vocab = self._shape["vocab_size"]
+        one = torch.ones((), dtype=torch.int)
+
+        def step(it: Any, stage_model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+            piece = next(it)
+            out = _run(stage_model, piece.ids)
+
+            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                # calculate_per_token_loss: the schedule neither divides nor scales it
+                return piece.take(logits[:, -(piece.width + 1) :, :vocab]), one, {}
+
+            return out, loss_func
+
+        get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iter(pieces),
+            model=[model],
+            num_microbatches=len(pieces),
+            seq_length=0,  # variable_seq_lengths: each piece's shape crosses with it
+            micro_batch_size=0,
+            forward_only=forward_only,
+        )
+
+    def _grads_averaged(self) -> bool:
+        return self._ddp is not None or (self.pp > 1 and self.dp_world > 1)
+
+    def _reduce_grads(self) -> None:
+        """After a pipelined backward: the replicas' gradients averaged over the
+        data-parallel group (one flat buffer per dtype) and a tied embedding's two
+        copies' gradients summed over the embedding group (first and last stage)."""
+        from megatron.core import parallel_state
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        if self.dp_world > 1:
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+            for grads in by_dtype.values():
+                flat = _flatten_dense_tensors(grads)
+                dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
+                flat.div_(self.dp_world)
+                for g, r in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+                    g.copy_(r)
+        if self._shape["tied"] and parallel_state.is_rank_in_embedding_group():
+            weight = self.model.shared_embedding_or_output_weight()  # type: ignore[operator]
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         if not dist.is_initialized():  # running alone: a private one-rank group
-            if self.tp > 1:
-                raise RuntimeError("a tensor-parallel step needs init_group(store) first")
+            if self.model_parallel:
+                raise RuntimeError("a model-parallel step needs init_group(store) first")
             self._parallel_state(None)
             try:
                 return super().train_step(groups)
             finally:
                 self.destroy_group()
         stats = super().train_step(groups)
-        if self.tp > 1:  # while the group is up: the cache and checkpoint need it whole
+        if self.pp > 1:
+            stats = self._from_last_stage(stats)
+        if self.model_parallel:  # while the group is up: the cache and checkpoint need it whole
             t0 = time.perf_counter()
             self._full = self._gather_model()
             self._full_optim = self._gather_optimizer() if self.checkpoint_due(self.step) else None
             self.step_times["time_gather_s"] = round(time.perf_counter() - t0, 4)
         return stats
 
+    def _from_last_stage(self, stats: dict[str, float]) -> dict[str, float]:
+        """The step's figures as the last stage computed them (only it sees logits)."""
+        from megatron.core import parallel_state
+
+        keys = sorted(stats)
+        values = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.broadcast(
+            values,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return dict(zip(keys, values.tolist(), strict=True))
+
     def _clip_grads(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
-        if self.tp == 1:
+        if not self.model_parallel:
             return super()._clip_grads(params)
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         # each split weight's squares once per rank, each whole one (the same on every
-        # rank) only on tensor-parallel rank 0: summed over the group, every weight once
+        # rank of a stage) only on tensor-parallel rank 0, a tied embedding's last-stage
+        # copy (``shared``) never: summed over the stages' ranks, every weight once
         grads = [(p, p.grad) for p in params if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float32, device=self.device)
         for p, g in grads:
-            if param_is_not_tensor_parallel_duplicate(p):
+            if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
                 squares += g.float().pow(2).sum()
-        dist.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
+        dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
         norm = squares.sqrt()
         if torch.isfinite(norm):
             coef = (self.cfg.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -317,19 +462,19 @@ class MegatronTrainer(TorchTrainer):
         return norm
 
     def _gather(self, name: str, local: torch.Tensor) -> torch.Tensor | None:
-        """The full tensor ``name`` on rank 0 (None elsewhere) from the parts of this
-        replica's tensor-parallel group (every rank of the first replica takes part)."""
+        """The full tensor ``name`` on the stage's first rank (None elsewhere) from the
+        parts of its tensor-parallel group (every rank of the first replica takes part)."""
         from megatron.core import parallel_state
 
         if split_dim(name) is None:
-            return local.detach().to("cpu", copy=True) if self.rank == 0 else None
+            return local.detach().to("cpu", copy=True) if self.tp_rank == 0 else None
         group = parallel_state.get_tensor_model_parallel_group()
         local = local.detach().contiguous()
         if dist.get_backend(group) == "gloo":  # the constructor's group: host tensors
             local = local.cpu()
         parts = [torch.empty_like(local) for _ in range(self.tp)]
         dist.all_gather(parts, local, group=group)
-        if self.rank != 0:
+        if self.tp_rank != 0:
             return None
         # the merge is a new tensor: to the host once (no second copy when already there)
         return merge_tensor(name, parts, self._shape["vocab_size"]).to("cpu")
@@ -337,42 +482,77 @@ class MegatronTrainer(TorchTrainer):
     def _gather_model(self) -> dict[str, torch.Tensor] | None:
         if self.dp_rank != 0:  # the other replicas hold the same weights
             return None
-        out = {}
+        local = {}
         for name, v in self.model.state_dict().items():
             if isinstance(v, torch.Tensor):
                 full = self._gather(name, v)
                 if full is not None:
-                    out[name] = full
-        return out if self.rank == 0 else None
+                    local[name] = full
+        s = self._shape
+        return self._onto_rank0(from_stage(local, self.stage, self.pp, s["layers"], s["tied"]))
+
+    def _onto_rank0(self, mine: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        """Every stage's ``mine`` (its first rank's, named as in the whole model) on rank 0
+        (None elsewhere)."""
+        if self.tp_rank != 0:
+            return None
+        if self.stage > 0:
+            send_tensors(mine, 0, self.device)  # type: ignore[arg-type]
+            return None
+        out: dict[str, torch.Tensor] = dict(mine)  # type: ignore[arg-type]
+        for stage in range(1, self.pp):
+            out.update(recv_tensors(stage * self.tp, self.device))  # its first rank
+        return out
 
     def _param_names(self) -> list[str]:
         """The trainable parameters' names in the optimizer's order."""
         return [n for n, p in self.model.named_parameters() if p.requires_grad]
 
+    def _full_param_names(self) -> list[str]:
+        """The whole (tp=1/pp=1) model's, in its optimizer's order."""
+        return full_param_order(self._param_names(), self._shape["layers"], self._shape["tied"])
+
     def _gather_optimizer(self) -> dict[str, Any] | None:
+        """The whole model's optimizer state on rank 0, as a tp=1/pp=1 trainer's."""
         if self.dp_rank != 0:
             return None
         local = self.optim.state_dict()
         names = self._param_names()
-        state: dict[int, dict[str, Any]] = {}
-        for i, s in local["state"].items():
-            state[i] = {}
-            for k, v in s.items():
-                full = self._gather(names[i], v) if isinstance(v, torch.Tensor) and v.dim() else v
-                state[i][k] = full
-        return {"state": state, "param_groups": local["param_groups"]} if self.rank == 0 else None
+        s = self._shape
+        flat: dict[str, torch.Tensor] = {}
+        for i, state in local["state"].items():
+            name = global_name(names[i], self.stage, self.pp, s["layers"], s["tied"])
+            for k, v in state.items():
+                full = self._gather(names[i], v) if v.dim() else v.detach().clone()
+                if full is not None and name is not None:
+                    flat[f"{name}/{k}"] = full
+        whole = self._onto_rank0(flat)
+        if whole is None:
+            return None
+        order = self._full_param_names()
+        state_of: dict[int, dict[str, Any]] = {}
+        index = {n: i for i, n in enumerate(order)}
+        for key, v in whole.items():
+            name, _, k = key.rpartition("/")
+            state_of.setdefault(index[name], {})[k] = v
+        (group,) = local["param_groups"]  # one group: AdamW over every trainable weight
+        return {
+            "state": dict(sorted(state_of.items())),
+            "param_groups": [{**group, "params": list(range(len(order)))}],
+        }
 
     def _model_state(self) -> dict[str, Any]:
-        """The whole (tp=1) model in Megatron's names: this rank's own at tp=1, else the
-        one gathered onto rank 0 at every step (checkpoints and the cache read it)."""
-        if self.tp == 1:
+        """The whole (tp=1/pp=1) model in Megatron's names: this rank's own without
+        model parallel, else the one gathered onto rank 0 at every step (checkpoints and
+        the cache read it)."""
+        if not self.model_parallel:
             return self.model.state_dict()
         if self._full is None:
             raise RuntimeError("only rank 0 holds the whole model (gathered at every step)")
         return self._full
 
     def _optim_state(self) -> dict[str, Any]:
-        if self.tp == 1:
+        if not self.model_parallel:
             return super()._optim_state()
         if self._full_optim is None:
             raise RuntimeError(
@@ -388,8 +568,8 @@ class MegatronTrainer(TorchTrainer):
             self._full_optim = None  # whole on rank 0 only until it is written
 
     def _load_model(self, path: Path, ckpt: dict[str, Any]) -> None:
-        """A checkpoint holds the whole (tp=1) model whatever its layout: this rank's
-        part of it, and on rank 0 the whole for the cache."""
+        """A checkpoint holds the whole (tp=1/pp=1) model whatever its layout: this
+        rank's part of it, and on rank 0 the whole for the cache."""
         rows = ckpt["model"].get("embedding.word_embeddings.weight")
         if isinstance(rows, torch.Tensor) and rows.shape[0] != self._shape["vocab_size"]:
             raise MegatronModelError(
@@ -397,11 +577,25 @@ class MegatronTrainer(TorchTrainer):
                 f"{self._shape['vocab_size']}"
             )
         self._install(self.model, ckpt["model"], path)
-        if self.tp > 1 and self.rank == 0:
+        if self.model_parallel and self.rank == 0:
             self._full = {k: v for k, v in ckpt["model"].items() if isinstance(v, torch.Tensor)}
 
     def _load_optim(self, state: dict[str, Any]) -> None:
-        super()._load_optim(shard_optimizer(state, self._param_names(), self.tp_rank, self.tp))
+        """This rank's part of the whole model's optimizer ``state`` (a tied embedding's
+        last-stage copy starts from the embedding's)."""
+        names = self._param_names()
+        if self.pp > 1:
+            s = self._shape
+            index = {n: i for i, n in enumerate(self._full_param_names())}
+            whole = state["state"]
+            mine = {}
+            for j, n in enumerate(names):
+                g = global_name(n, self.stage, self.pp, s["layers"], s["tied"]) or EMBEDDING
+                if index[g] in whole:
+                    mine[j] = whole[index[g]]
+            (group,) = state["param_groups"]
+            state = {"state": mine, "param_groups": [{**group, "params": list(range(len(names)))}]}
+        super()._load_optim(shard_optimizer(state, names, self.tp_rank, self.tp))
 
     def weights_for_cache(self) -> dict[str, torch.Tensor]:
         s = self._shape
@@ -417,3 +611,12 @@ def _recompute(kind: str) -> dict[str, Any]:
     if kind == "selective":  # core attention only (Megatron's default module list)
         return {"recompute_granularity": "selective"}
     return {}
+
+
+def _run(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A GPTModel (or one stage of it) on ``ids`` with explicit positions and causal
+    mask (its default mask is built on "cuda")."""
+    n = ids.shape[1]
+    pos = torch.arange(n, device=ids.device).unsqueeze(0).expand_as(ids)
+    causal = torch.triu(torch.ones(n, n, device=ids.device), diagonal=1).bool()[None, None]
+    return model(ids, pos, attention_mask=causal)

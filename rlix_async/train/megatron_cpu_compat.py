@@ -14,10 +14,21 @@ Two spots of megatron-core assume a GPU:
 
 The default causal mask is built on "cuda" too; callers pass an explicit mask
 instead (see ``MegatronTrainer.forward_logits``).
+
+Pipeline parallel adds three more, each confined to the module that needs it:
+
+- the schedules allocate their token counter with ``torch.zeros(..., device="cuda")``
+  and ``p2p_communication`` calls ``torch.cuda.synchronize()`` after exchanging
+  shapes: both modules see a ``torch`` whose ``zeros`` maps "cuda" to the host and
+  whose ``cuda.synchronize`` has nothing to wait for;
+- with tied embeddings on different stages, ``setup_embeddings_and_output_layer``
+  moves the last stage's copy ``.cuda()`` before summing it over the embedding group:
+  during that call ``Tensor.cuda`` leaves a tensor where it is.
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -52,4 +63,47 @@ def apply() -> None:
     mrandom._get_cuda_rng_state = get_state
     mrandom._set_cuda_rng_state = set_state
     mrandom.CudaRNGStatesTracker.add = add  # type: ignore[method-assign]
+    _pipeline_on_host()
     _applied = True
+
+
+class _HostCuda(types.SimpleNamespace):
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def synchronize(*_: Any, **__: Any) -> None:
+        return None
+
+
+class _HostTorch(types.ModuleType):
+    """``torch`` as megatron-core's schedules and p2p code see it on a host without CUDA."""
+
+    cuda = _HostCuda()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kw: Any) -> torch.Tensor:
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kw)
+
+
+def _pipeline_on_host() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    host = _HostTorch("torch")
+    schedules.torch = host  # type: ignore[attr-defined]
+    p2p_communication.torch = host  # type: ignore[attr-defined]
+    setup = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_on_host(self: Any) -> None:
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t  # type: ignore[method-assign,assignment]
+        try:
+            setup(self)
+        finally:
+            torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_on_host  # type: ignore[method-assign]

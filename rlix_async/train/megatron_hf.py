@@ -7,12 +7,13 @@ check and ``rlix-async export``."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlix_async.train.pipeline_parallel import stage_layers
 from rlix_async.train.tensor_parallel import hf_part
 
 
@@ -168,11 +169,33 @@ def hf_to_megatron(
     return out
 
 
+def stage_reads(stage: int, pp: int, layers: int, tied: bool) -> Callable[[str], bool]:
+    """Which HF Llama tensors pipeline stage ``stage`` of ``pp`` holds: its layers, the
+    embedding on the first stage, the final norm and output layer on the last (with
+    tied embeddings the last stage's output layer is the embedding, so it reads that)."""
+    mine = stage_layers(layers, pp, stage)
+    first, last = stage == 0, stage == pp - 1
+
+    def wanted(name: str) -> bool:
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) in mine
+        if name == "model.embed_tokens.weight":
+            return first or (last and tied)
+        return last  # model.norm, lm_head
+
+    return wanted
+
+
 def read_hf_part(
-    path: str, shape: Mapping[str, Any], rank: int, tp: int
+    path: str,
+    shape: Mapping[str, Any],
+    rank: int,
+    tp: int,
+    wanted: Callable[[str], bool] = lambda name: True,
 ) -> dict[str, torch.Tensor] | None:
-    """Rank ``rank``'s slices of every tensor of the safetensors files of ``path``, in
-    float32 (None: the directory has none, e.g. only .bin files: read whole)."""
+    """Rank ``rank``'s slices of the ``wanted`` tensors of the safetensors files of
+    ``path``, in float32 (None: the directory has none, e.g. only .bin files: read
+    whole)."""
     from safetensors import safe_open
 
     root = Path(path)
@@ -187,7 +210,7 @@ def read_hf_part(
     for f in files:
         with safe_open(str(root / f), framework="pt") as h:
             for name in h.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                if name.endswith("rotary_emb.inv_freq"):
+                if name.endswith("rotary_emb.inv_freq") or not wanted(name):
                     continue  # a buffer older conversions saved; transformers skips it too
                 sl = h.get_slice(name)
                 part = hf_part(name, sl.get_shape(), rank, tp, shape)

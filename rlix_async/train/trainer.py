@@ -28,8 +28,9 @@ import gc
 import os
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,19 @@ from rlix_async.train.precision import (
 
 if TYPE_CHECKING:
     from rlix_async.config.lora import LoraConfig
+
+Take = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Piece(NamedTuple):
+    """One forward pass of a step: the token ``ids`` (rows x positions), how many of
+    their last tokens are predicted (``width``), and what ``take`` does with the logits
+    of the ``width`` + 1 positions before them (a loss to backpropagate, or a zero
+    after storing log-probs)."""
+
+    ids: torch.Tensor
+    width: int
+    take: Take
 
 
 def trainer_device(
@@ -157,7 +171,7 @@ class TorchTrainer:
             )
         # the KL penalty's reference: the starting weights, frozen (a resume rebuilds it
         # from the same start, so checkpoints need not hold it). An adapter's start is
-        # its base, which the model holds already: no copy, see _reference_logp
+        # its base, which the model holds already: no copy, see _before_update
         self.reference: torch.nn.Module | None = None
         if self.cfg.loss.kl_coef > 0 and lora is None:
             self.reference = self._frozen_copy()
@@ -319,9 +333,12 @@ class TorchTrainer:
     def _distributions(self, model: torch.nn.Module, ids: torch.Tensor, width: int) -> torch.Tensor:
         """log-softmax [B, width, V] of the sampling distribution (float32 from any logits
         dtype) at the positions predicting ``ids``' last ``width`` tokens."""
-        logits = self.forward_logits(model, ids, keep=width + 1)[:, :-1]
+        return self._sampling(self.forward_logits(model, ids, keep=width + 1), ids, width)
+
+    def _sampling(self, logits: torch.Tensor, ids: torch.Tensor, width: int) -> torch.Tensor:
+        """:meth:`_distributions` from the logits of ``ids``' last ``width`` + 1 positions."""
         return sampling_log_softmax(
-            logits, temperature=self.temperature, top_p=self.top_p, keep=ids[:, -width:]
+            logits[:, :-1], temperature=self.temperature, top_p=self.top_p, keep=ids[:, -width:]
         )
 
     def _logp(
@@ -329,33 +346,36 @@ class TorchTrainer:
     ) -> torch.Tensor:
         """log p of ``ids``' last ``width`` tokens (all but the first when None)."""
         width = ids.shape[1] - 1 if width is None else width
-        full = self._distributions(model, ids, width)
+        return self._picked(self._distributions(model, ids, width), ids, width)
+
+    @staticmethod
+    def _picked(full: torch.Tensor, ids: torch.Tensor, width: int) -> torch.Tensor:
+        """The log-probs of ``ids``' last ``width`` tokens in the distributions ``full``."""
         return full.gather(-1, ids[:, -width:].unsqueeze(-1)).squeeze(-1)
 
-    def _logp_entropy(
-        self, model: torch.nn.Module, ids: torch.Tensor, width: int, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The sampled tokens' log-probs and, if asked, each position's entropy (from the
-        same distributions, detached: a statistic, not part of the loss)."""
-        if not with_entropy:
-            return self._logp(model, ids, width), None
-        full = self._distributions(model, ids, width)
-        with torch.no_grad():
-            ent = entropy(full.detach())
-        return full.gather(-1, ids[:, -width:].unsqueeze(-1)).squeeze(-1), ent
+    def _forward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
+        """Each piece's logits (of its ``ids``' last ``width`` + 1 positions) to its
+        ``take``, one piece at a time (callers decide about gradients)."""
+        for p in pieces:
+            p.take(self.forward_logits(model, p.ids, keep=p.width + 1))
+
+    def _forward_backward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
+        """Each piece's forward pass, its ``take`` (a loss) and the backward pass of it:
+        gradients add up over the pieces; under DDP they are reduced once, after the
+        last."""
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        for j, p in enumerate(pieces):
+            last = j == len(pieces) - 1
+            with contextlib.nullcontext() if last or not ddp else model.no_sync():  # type: ignore[operator]
+                p.take(self.forward_logits(model, p.ids, keep=p.width + 1)).backward()
+
+    def _grads_averaged(self) -> bool:
+        """Whether the replicas' gradients are averaged (DDP) rather than left alone."""
+        return self._ddp is not None
 
     @property
     def has_reference(self) -> bool:
         return self.reference is not None or (self.lora is not None and self.cfg.loss.kl_coef > 0)
-
-    def _reference_logp(self, ids: torch.Tensor, width: int) -> torch.Tensor:
-        """The KL reference's log-probs: the starting weights. An adapter starts as a
-        no-op (lora_B is zero), so its reference is the base: the model, adapter off."""
-        if self.lora is not None:
-            with lora_utils.base_only(self.model):
-                return self._logp(self.model, ids, width)
-        assert self.reference is not None
-        return self._logp(self.reference, ids, width)
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         """One training step: ``cfg.minibatches`` optimizer updates on ``groups``; its
@@ -429,20 +449,33 @@ class TorchTrainer:
         self.model.eval()
         old = torch.zeros_like(t["mask"])
         ref = torch.zeros_like(t["mask"]) if self.has_reference else None
-        entropy_sum = 0.0
+        entropy_sum = torch.zeros((), dtype=torch.float64)
+        width = t["mask"].shape[1]
+
+        def piece(out: torch.Tensor, idx: torch.Tensor, entropy_too: bool) -> Piece:
+            """The rows ``idx``: their log-probs into ``out`` (and their entropy summed)."""
+            ids = t["ids"][idx]
+
+            def take(logits: torch.Tensor) -> torch.Tensor:
+                full = self._sampling(logits, ids, width)
+                out[idx] = self._picked(full, ids, width)
+                if entropy_too:
+                    entropy_sum.add_((entropy(full) * t["mask"][idx]).sum().cpu())
+                return logits.new_zeros(())
+
+            return Piece(ids, width, take)
+
         with torch.no_grad():
-            width = t["mask"].shape[1]
             if ref is not None:
-                for idx in parts:
-                    ref[idx] = self._reference_logp(t["ids"][idx], width)
-            for idx in old_parts:
-                ids = t["ids"][idx]
-                full = self._distributions(self.model, ids, width)
-                old[idx] = full.gather(-1, ids[:, -width:].unsqueeze(-1)).squeeze(-1)
-                entropy_sum += float((entropy(full) * t["mask"][idx]).sum())
-                del full
+                if self.lora is not None:  # an adapter's reference: the base, adapter off
+                    with lora_utils.base_only(self.model):
+                        self._forward(self.model, [piece(ref, i, False) for i in parts])
+                else:
+                    assert self.reference is not None
+                    self._forward(self.reference, [piece(ref, i, False) for i in parts])
+            self._forward(self.model, [piece(old, i, True) for i in old_parts])
         self.model.train()
-        return old, ref, entropy_sum
+        return old, ref, float(entropy_sum)
 
     def _update(
         self,
@@ -460,9 +493,9 @@ class TorchTrainer:
         weights are still pi_old, so the update pass's log-probs are the old ones too
         (and its entropy, returned summed over response tokens, is pi_old's)."""
         model = self._ddp or self.model
-        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        averaged = self._grads_averaged()
         # the minibatch's response tokens over every replica: each token weighs the same
-        # whichever replica holds it (DDP averages gradients, hence the replicas factor)
+        # whichever replica holds it (averaged gradients: hence the replicas factor)
         tokens = t["mask"][idx].sum()
         if dist.is_initialized() and self.dp_world > 1:
             dist.all_reduce(tokens, group=self._dp_group())
@@ -472,18 +505,16 @@ class TorchTrainer:
         )
         first = t["ids"].shape[1] - 1 - t["mask"].shape[1]  # before the first predicted position
         self.optim.zero_grad(set_to_none=True)
-        entropy_sum = 0.0
-        for j, rows in enumerate(micro):
-            mi = torch.tensor(rows, device=self.device)
-            # up to this piece's own longest row: the padding after it costs nothing
-            w = max(max(lengths[r] for r in rows) - 1 - first, 1)
-            # gradients add up over the micro-batches; DDP reduces once, after the last
-            last = j == len(micro) - 1
-            with contextlib.nullcontext() if last or not ddp else model.no_sync():  # type: ignore[operator]
-                logp, ent = self._logp_entropy(model, t["ids"][mi, : first + 1 + w], w, is_old)
-                if is_old:
+        entropy_sum = torch.zeros((), dtype=torch.float64)
+
+        def loss_of(mi: torch.Tensor, ids: torch.Tensor, w: int) -> Take:
+            def take(logits: torch.Tensor) -> torch.Tensor:
+                full = self._sampling(logits, ids, w)
+                logp = self._picked(full, ids, w)
+                if is_old:  # pi_old's log-probs and entropy are this pass's
                     old[mi, :w] = logp.detach()
-                    entropy_sum += float((ent * t["mask"][mi, :w]).sum())
+                    with torch.no_grad():
+                        entropy_sum.add_((entropy(full.detach()) * t["mask"][mi, :w]).sum().cpu())
                 loss, s = policy_loss(
                     logp,
                     old[mi, :w],
@@ -492,14 +523,25 @@ class TorchTrainer:
                     self.cfg.loss,
                     behavior_logp=t["behavior"][mi, :w],
                     ref_logp=ref[mi, :w] if ref is not None else None,
-                    tokens=tokens / self.dp_world if ddp else tokens,
+                    tokens=tokens / self.dp_world if averaged else tokens,
                 )
-                loss.backward()
-            share = len(rows) / len(idx) / minibatches
-            stats["loss"] += loss.item() / minibatches
-            stats["clip_frac"] += s["clip_frac"] * share
-            stats["is_weight_mean"] += s["is_weight_mean"] * share
-            stats["kl"] += s["kl"] * share
+                share = len(mi) / len(idx) / minibatches
+                stats["loss"] += loss.item() / minibatches
+                stats["clip_frac"] += s["clip_frac"] * share
+                stats["is_weight_mean"] += s["is_weight_mean"] * share
+                stats["kl"] += s["kl"] * share
+                return loss
+
+            return take
+
+        pieces = []
+        for rows in micro:
+            mi = torch.tensor(rows, device=self.device)
+            # up to this piece's own longest row: the padding after it costs nothing
+            w = max(max(lengths[r] for r in rows) - 1 - first, 1)
+            ids = t["ids"][mi, : first + 1 + w]
+            pieces.append(Piece(ids, w, loss_of(mi, ids, w)))
+        self._forward_backward(model, pieces)
         norm = self._clip_grads(list(lora_utils.trainable(self.model)))
         # A non-finite gradient would write NaN into every weight and every later
         # rollout: skip that update and count it. Under DDP the gradients are
@@ -511,7 +553,7 @@ class TorchTrainer:
             stats["grad_norm"] += float(norm) / minibatches
         else:
             stats["skipped_updates"] += 1
-        return entropy_sum
+        return float(entropy_sum)
 
     def weights_for_cache(self) -> dict[str, torch.Tensor]:
         """HF names, as vLLM's ``load_weights`` expects them, in the trainer's dtype.

@@ -1,8 +1,9 @@
-"""One run of the Megatron trainer at a tensor-parallel size, under torchrun (every
-rank runs this): ``python -m torch.distributed.run --standalone --nproc-per-node=W
-megatron_tp.py OUT MODEL TP STEPS [CKPT]``. Rank 0 writes OUT/run.pt: the weight cache
-before and after the steps, the logits of a fixed input at the start, each step's
-figures and times, and a checkpoint after the first step (OUT/ckpt_1.pt). With CKPT it resumes
+"""One run of the Megatron trainer at a tensor (and pipeline) parallel size, under
+torchrun (every rank runs this): ``python -m torch.distributed.run --standalone
+--nproc-per-node=W megatron_tp.py OUT MODEL TP[xPP] STEPS [CKPT]``. Rank 0 writes
+OUT/run.pt: the weight cache before and after the steps, each step's figures and
+times, and a checkpoint after the first step (OUT/ckpt_1.pt); the last stage's first
+rank writes the logits of a fixed input at the start (OUT/logits.pt). With CKPT it resumes
 from there first. Every rank writes OUT/rss-RANK.json: its
 peak RSS after building the trainer and after the steps. Used by
 tests/integration/test_megatron_tp.py and for docs/PERF.md's figures."""
@@ -18,25 +19,31 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-out, model_dir, tp, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+out, model_dir, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[4])
+tp_text, _, pp_text = sys.argv[3].partition("x")
+tp, pp = int(tp_text), int(pp_text or 1)
 ckpt = Path(sys.argv[5]) if len(sys.argv) > 5 else None
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 from helpers.megatron_batches import BATCHES  # noqa: E402
 from rlix_async.config import ModelConfig, TrainConfig  # noqa: E402
 from rlix_async.train.megatron import MegatronTrainer  # noqa: E402
+from rlix_async.train.trainer import Piece  # noqa: E402
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 out.mkdir(parents=True, exist_ok=True)
-store = dist.FileStore(str(out / f"store-{tp}-{world}-{ckpt is not None}"), world)
+store = dist.FileStore(str(out / f"store-{tp}x{pp}-{world}-{ckpt is not None}"), world)
 torch.manual_seed(0)
 trainer = MegatronTrainer(
-    TrainConfig(backend="megatron", dtype="float32", lr=1e-3, minibatches=2),
+    TrainConfig(  # two micro-batches per minibatch at one replica: the schedule interleaves
+        backend="megatron", dtype="float32", lr=1e-3, minibatches=2, micro_batch_size=2
+    ),
     ModelConfig(path=model_dir),
     seed=0,
     rank=rank,
     world=world,
     tp=tp,
+    pp=pp,
     store=store,
     checkpoint_due=lambda step: step == 1,
 )
@@ -48,10 +55,20 @@ start = {k: v.clone() for k, v in trainer.weights_for_cache().items()} if rank =
 record: dict[str, object] = {"cache_start": start}
 ids = torch.tensor([[5, 9, 13, 2, 7, 30]])
 trainer.init_group(store)
+logits: list[torch.Tensor] = []  # on the last stage: every position's
+
+
+def keep(x: torch.Tensor) -> torch.Tensor:
+    logits.append(x.detach().clone())
+    return x.new_zeros(())
+
+
 with torch.no_grad():
     trainer.model.eval()
-    record["logits"] = trainer.forward_logits(trainer.model, ids).detach().clone()
+    trainer._forward(trainer.model, [Piece(ids, ids.shape[1] - 1, keep)])
     trainer.model.train()
+if logits and trainer.tp_rank == 0 and trainer.dp_rank == 0:
+    torch.save(logits[0], out / "logits.pt")
 figures: list[dict[str, float]] = []
 times: list[dict[str, float]] = []  # where each step's time went (step_times)
 for s in range(steps):

@@ -21,16 +21,19 @@ def run_tp(
     steps: int,
     ckpt: Path | None = None,
     *,
+    pp: int = 1,
     cuda: bool = False,
 ) -> dict[str, Any]:
-    """``world`` ranks at tensor parallel ``tp`` (``cuda``: one device per rank, NCCL;
-    else every device hidden, gloo)."""
+    """``world`` ranks at tensor parallel ``tp`` and pipeline parallel ``pp``
+    (``cuda``: one device per rank, NCCL; else every device hidden, gloo)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(world))) if cuda else ""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={world}", str(SCRIPT), str(out), str(model), str(tp), str(steps)]  # fmt: skip
+           f"--nproc-per-node={world}", str(SCRIPT), str(out), str(model), f"{tp}x{pp}", str(steps)]  # fmt: skip
     done = subprocess.run(
         [*cmd, *([str(ckpt)] if ckpt else [])], env=env, capture_output=True, text=True, timeout=240
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out / "run.pt", weights_only=True)  # type: ignore[no-any-return]
+    record: dict[str, Any] = torch.load(out / "run.pt", weights_only=True)
+    record["logits"] = torch.load(out / "logits.pt", weights_only=True)
+    return record

@@ -151,15 +151,19 @@ def test_twenty_megatron_cycles_under_torchrun(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("tp", "devices", "hidden"),
-    [(1, [0, 1], 64), (2, [0, 1, 2, 3], 128)],  # data parallel 2; tensor parallel 2 x dp 2
+    ("tp", "pp", "devices", "hidden"),
+    [
+        (1, 1, [0, 1], 64),  # data parallel 2
+        (2, 1, [0, 1, 2, 3], 128),  # tensor parallel 2 x dp 2
+        (2, 2, [0, 1, 2, 3], 128),  # tensor parallel 2 x pipeline parallel 2
+    ],
 )
 def test_a_pipeline_trains_with_the_megatron_backend_under_launch(
-    tmp_path: Path, tp: int, devices: list[int], hidden: int
+    tmp_path: Path, tp: int, pp: int, devices: list[int], hidden: int
 ) -> None:
     """Scripted shards (a test double; vLLM runs in tests/integration/test_demo.py), real
-    everything else: one torchrun rank per device, ``tp`` consecutive ranks a replica.
-    The last step's checkpoint exports to an HF directory transformers loads."""
+    everything else: one torchrun rank per device, ``tp`` x ``pp`` consecutive ranks a
+    replica. The last step's checkpoint exports to an HF directory transformers loads."""
     out = tmp_path / "out"
     cfg = tmp_path / "p.yaml"
     cfg.write_text(
@@ -172,9 +176,9 @@ pipelines:
     steps: 2
     train: {{backend: megatron}}
     rollout: {{groups_per_step: 2, group_size: 2, max_tokens: 4}}
-    model: {{vocab_size: 999, layers: 1, hidden: {hidden}}}
+    model: {{vocab_size: 999, layers: {pp}, hidden: {hidden}}}
     clusters:
-      actor_train: {{tp: {tp}, devices: {devices}}}
+      actor_train: {{tp: {tp}, pp: {pp}, devices: {devices}}}
       actor_infer: {{tp: 1, devices: {devices}}}
 """
     )
@@ -199,3 +203,4 @@ pipelines:
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf)
     assert model.config.vocab_size == 999 and model.config.num_attention_heads == hidden // 64
+    assert model.config.num_hidden_layers == pp

@@ -98,6 +98,16 @@ pipelines:
     assert [(r["node"], r["device"], r["tp"], r["pp"], r["dp"]) for r in trainer["ranks"]] == [
         (1, 4, 0, 0, 0), (1, 5, 1, 0, 0), (1, 6, 0, 0, 1), (1, 7, 1, 0, 1),
     ]  # fmt: skip
+    # pipeline parallel 2 of two layers: tp=1 ranks 0-1 are one replica's stages, as
+    # Megatron's tp-pp-dp order (the trainer's) places them
+    text = text.replace("hidden: 128", "hidden: 128, layers: 2").replace(
+        "tp: 2, devices: [4", "pp: 2, devices: [4"
+    )
+    plan = dry_run(tmp_path, text)["processes"]
+    (trainer,) = [p for p in plan if p["role"] == "trainer"]
+    assert [(r["device"], r["tp"], r["pp"], r["dp"]) for r in trainer["ranks"]] == [
+        (4, 0, 0, 0), (5, 0, 1, 0), (6, 0, 0, 1), (7, 0, 1, 1),
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("allowed", ["4,5,6,7", "GPU-aa,GPU-bb,GPU-cc,GPU-dd"])
@@ -190,8 +200,39 @@ def test_dry_run_says_when_the_users_own_binding_goes_to_every_process(tmp_path:
         ),
         (
             ["pipelines[0].clusters.actor_train.tp=2"],
-            "pipelines[0].clusters.actor_train.tp: 2: tensor-parallel training is the megatron "
-            "backend's",
+            "pipelines[0].clusters.actor_train.tp: 2: tensor- and pipeline-parallel training is "
+            "the megatron backend's",
+        ),
+        (
+            ["pipelines[0].clusters.actor_train.pp=2"],
+            "pipelines[0].clusters.actor_train.pp: 2: tensor- and pipeline-parallel training is "
+            "the megatron backend's",
+        ),
+        (
+            [
+                "pipelines[0].train.backend=megatron",
+                "pipelines[0].model.path=null",
+                "pipelines[0].model.layers=3",
+                "pipelines[0].clusters.actor_train.pp=2",
+            ],
+            "pipelines[0].clusters.actor_train.pp: 2: the model's 3 layers do not split into "
+            "as many per stage",
+        ),
+        (
+            [
+                "pipelines[0].train.backend=megatron",
+                "pipelines[0].model.path=null",
+                "pipelines[0].model.layers=2",
+                "pipelines[0].clusters.actor_train.pp=2",
+                "pipelines[0].clusters.actor_train.devices=[0,1,2]",
+            ],
+            "pipelines[0].clusters.actor_train.devices: 3 devices: a replica spans tp x pp = 2, "
+            "so they must be a multiple of it",
+        ),
+        (
+            ["pipelines[0].clusters.actor_infer.pp=2"],
+            "pipelines[0].clusters: cluster actor_infer: pp=2: pipeline parallel is "
+            "actor_train's only",
         ),
         (
             ["pipelines[0].train.backend=megatron", "pipelines[0].clusters.actor_train.tp=2"],
