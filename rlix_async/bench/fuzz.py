@@ -1,6 +1,7 @@
 """``rlix-async bench fuzz``: hostile input against a listener, then a real use of it.
 
-Target ``env`` (broken environments against the driver) is ``bench/fuzz_env.py``.
+Target ``env`` (broken environments against the driver) is ``bench/fuzz_env.py``;
+target ``store`` (the trainer ranks' sealed store) is ``bench/fuzz_store.py``.
 
 Target ``stream``: the sealed weight stream's plain tcp listener
 (``weights/stream.py``), the one door of the weights path that is not behind CURVE.
@@ -127,8 +128,9 @@ async def fuzz_stream(inputs: int, seed: int = 0, concurrency: int = 8) -> dict[
 
 
 def run_fuzz_bench(target: str, inputs: int, seed: int, model: str | None = None) -> dict[str, Any]:
-    """``stream`` (this module) or ``env`` (``bench/fuzz_env.py``: ``model`` is a
-    directory whose tokenizer has a chat template)."""
+    """``stream`` (this module), ``store`` (``bench/fuzz_store.py``) or ``env``
+    (``bench/fuzz_env.py``: ``model`` is a directory whose tokenizer has a chat
+    template)."""
     from rlix_async.aio import run
 
     if target == "env":
@@ -136,7 +138,11 @@ def run_fuzz_bench(target: str, inputs: int, seed: int, model: str | None = None
 
         assert model is not None, "the env target needs a tokenizer directory"
         return run(fuzz_env(model, inputs, seed))
+    if target == "store":
+        from rlix_async.bench.fuzz_store import fuzz_store
+
+        return fuzz_store(inputs, seed)
     if target != "stream":
-        raise ValueError(f"unknown fuzz target {target!r} (stream, env)")
+        raise ValueError(f"unknown fuzz target {target!r} (stream, env, store)")
     socket.setdefaulttimeout(10)
     return run(fuzz_stream(inputs, seed))

@@ -43,6 +43,15 @@ def _fuzz(args: argparse.Namespace) -> int:
             f"{r['loop_lag_max_s']} s; then {r['then_served']} good episodes finished"
             + "".join(f"\n  problem: {p}" for p in r["problems"])
         )
+    elif r["target"] == "store":
+        print(
+            f"store: {r['inputs']} hostile connections in {r['hostile_s']} s "
+            f"({', '.join(f'{k} {v}' for k, v in r['kinds'].items())}); refused {r['refused']}, "
+            f"bytes sent to them beyond the nonce {r['bytes_to_hostile']}, keys they wrote "
+            f"{len(r['foreign_keys'])}; meanwhile two ranks handed over "
+            f"{r['batches_handed_over']} batches "
+            f"{'intact' if r['then_served_intact'] else 'NOT INTACT'}"
+        )
     else:
         print(
             f"{r['target']}: {r['inputs']} hostile connections in {r['hostile_s']} s "
@@ -421,10 +430,11 @@ def _register_fuzz(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--target",
-        choices=["stream", "env"],
+        choices=["stream", "env", "store"],
         default="stream",
         help="stream: the sealed weight stream's listener; env: broken environments in "
-        "env worker processes against the driver's episode runner",
+        "env worker processes against the driver's episode runner; store: the trainer "
+        "ranks' sealed store while two ranks use it",
     )
     p.add_argument(
         "--inputs", type=positive_int, default=10_000, help="hostile connections or episodes"

@@ -92,6 +92,8 @@ class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def dp(self) -> int:
+        """Bundles of ``tp`` devices (ranks as the planner counts them; a trainer's
+        data-parallel size is this divided by ``pp``)."""
         return len(self.devices) // self.tp
 
     def bundle(self, rank: int) -> tuple[int, ...]:

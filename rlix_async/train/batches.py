@@ -1,7 +1,8 @@
 """How rank 0 hands each step's batch to the other trainer ranks: their store.
 
-The store is rank 0's TCPStore on loopback (``train/rendezvous.py``), which only
-processes on the node can reach; still, nothing read from it is unpickled: a batch
+The store is rank 0's sealed store on loopback (``train/rendezvous.py``,
+``train/trainer_store.py``), which only processes holding the run's secret can use;
+still, nothing read from it is unpickled: a batch
 is msgpack checked against the ``Group`` schema on decode (``train/buffer.py``), and bytes
 that are not one fail with a ValueError naming the key. Keys, for the batch of
 trainer version ``v``:

@@ -177,7 +177,34 @@ class MegatronTrainer(TorchTrainer):
             tp, pp = (self.tp, self.pp) if store is not None else (1, 1)
             # tp-pp-dp: a replica is tp x pp consecutive ranks (the launcher's layout)
             parallel_state.initialize_model_parallel(tp, pp, order="tp-pp-dp")
+            self._rebind_groups()
         _seed_rng_tracker(self.seed)
+
+    def _rebind_groups(self) -> None:
+        """Point every module of the built models at the process groups just made.
+
+        Megatron's modules keep the groups they were built with (``tp_group``,
+        ``pp_group``, ``embd_group``, ``cp_group``, ``pg_collection``), but the
+        time-sharing cycle destroys those after every step: without this the layers
+        would keep using the constructor's gloo group in every later step's NCCL
+        group's place. A group attribute this cannot map is an error, not a stale
+        link left behind."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+        for model in (getattr(self, "model", None), getattr(self, "reference", None)):
+            for module in model.modules() if model is not None else ():
+                for name, value in list(vars(module).items()):
+                    if isinstance(value, ProcessGroupCollection):
+                        setattr(module, name, groups)
+                    elif isinstance(value, dist.ProcessGroup):
+                        new = getattr(groups, name.removesuffix("_group"), None)
+                        if not name.endswith("_group") or not isinstance(new, dist.ProcessGroup):
+                            raise RuntimeError(
+                                f"{type(module).__name__}.{name}: a process group the Megatron "
+                                "trainer does not rebuild with each step's groups"
+                            )
+                        setattr(module, name, new)
 
     def _build_model(self) -> torch.nn.Module:
         from rlix_async.train import megatron_cpu_compat
@@ -245,6 +272,11 @@ class MegatronTrainer(TorchTrainer):
         )
         if not self.model_parallel:
             self.destroy_group()  # the time-sharing cycle creates groups per step
+        # with tied embeddings on two stages Megatron sums the copies .cuda(): the model
+        # is built in host memory, onto the device at the first reload
+        for p in model.parameters():
+            if p.device.type != "cpu":
+                p.data = p.data.cpu()
         return cast_parameters(model, self.dtype)  # the local spec's norms ignore params_dtype
 
     def _pipeline_config(self) -> dict[str, Any]:
@@ -523,7 +555,7 @@ class MegatronTrainer(TorchTrainer):
         for i, state in local["state"].items():
             name = global_name(names[i], self.stage, self.pp, s["layers"], s["tied"])
             for k, v in state.items():
-                full = self._gather(names[i], v) if v.dim() else v.detach().clone()
+                full = self._gather(names[i], v) if v.dim() else v.detach().to("cpu", copy=True)
                 if full is not None and name is not None:
                     flat[f"{name}/{k}"] = full
         whole = self._onto_rank0(flat)

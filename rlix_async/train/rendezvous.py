@@ -1,18 +1,19 @@
-"""Where a pipeline's trainer ranks meet: a store of their own, on loopback only.
+"""Where a pipeline's trainer ranks meet: a sealed store of their own, on loopback only.
 
 torchrun's agent store cannot be trusted with a step: its server binds every
 interface whatever host it is given (TCPStore's server ignores it) and admits
 anyone, so a peer on the network could post a batch or join a step's process
 group. The ranks use it only to find rank 0's private store:
 
-1. rank 0 binds a socket to 127.0.0.1 itself and hands it to a TCPStore
-   (``master_listen_fd``: the server then listens there and nowhere else), writes
-   the port and a fresh nonce to a 0600 file in the run directory, puts the nonce in
+1. rank 0 starts a sealed store (``train/trainer_store.py``: only a process holding
+   its fresh 32-byte secret can open a session) on 127.0.0.1, writes the port, the
+   secret and a fresh nonce to a 0600 file in the run directory, puts the nonce in
    its own store, then posts the nonce on the agent store;
 2. a follower waits for the agent store's nonce, reads the file, and goes on only if
    the file's nonce is the posted one (a file left by an earlier launch, or a nonce
-   someone else posted, is refused in one line); it connects on loopback and reads
-   the nonce back from the store it reached.
+   someone else posted, is refused in one line); it opens a session with the
+   file's secret (which also proves the server holds it) and reads the nonce back
+   from the store it reached.
 
 Every per-step process group and the batch hand-over (``train/batches.py``) live
 on that store, and the ranks' own gloo/NCCL links are pinned to the loopback
@@ -26,7 +27,9 @@ What this does not close: the nonce proves freshness, not who posted it (torchru
 store hands it to anyone). An attacker who reaches torchrun's agent store can
 disturb the launch (post a wrong or an old nonce, join its rendezvous): the
 followers stop within ``RENDEZVOUS_S``, nothing is trained on. Any process on the
-node can reach a loopback port, as it can reach torchrun's.
+node can reach a loopback port, but without the secret (readable by the run's user
+only) its connection is closed at its first frame and the ranks' sessions go on
+(``tests/integration/test_trainer_store.py``).
 """
 
 from __future__ import annotations
@@ -34,12 +37,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
+
+from rlix_async.train.trainer_store import SECRET_BYTES, SealedStore, StoreServer
 
 STORE_FILE = ".trainer-store.json"
 NONCE_KEY = "rlix/trainer-store"  # on the agent store: rank 0's store is up
@@ -67,7 +71,7 @@ def meet(
     run_dir: Path,
     timeout_s: float,
     rendezvous_s: float = RENDEZVOUS_S,
-) -> dist.TCPStore:
+) -> SealedStore:
     """This rank's handle on rank 0's loopback store (``agent``: torchrun's). Finding
     it takes at most ``rendezvous_s``; ``timeout_s`` bounds each later blocking call."""
     if local_world != world:
@@ -87,33 +91,28 @@ def meet(
         raise RendezvousError(f"rank {rank}: meeting the other ranks failed: {why}") from None
 
 
-def _host(agent: dist.Store, world: int, path: Path, timeout: timedelta) -> dist.TCPStore:
-    """Rank 0: its store up on loopback, its port in the file, then the nonce posted."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(64)
-        port = listener.getsockname()[1]
-        store = dist.TCPStore(
-            "127.0.0.1", port, world, is_master=True, timeout=timeout,
-            wait_for_workers=False, master_listen_fd=listener.fileno(),
-        )  # fmt: skip
-        listener.detach()  # the store's server serves on this descriptor and owns it
+def _host(agent: dist.Store, world: int, path: Path, timeout: timedelta) -> SealedStore:
+    """Rank 0: its sealed store up on loopback, its port and secret in the file, then the
+    nonce posted. The server lives as long as the store handle (rank 0's process)."""
+    secret = secrets.token_bytes(SECRET_BYTES)
+    server = StoreServer(secret, "127.0.0.1")
+    store = SealedStore("127.0.0.1", server.port, secret, timeout)
+    store.server = server  # type: ignore[attr-defined]
     nonce = secrets.token_hex(16)
     store.set(OWN_NONCE_KEY, nonce)
-    _write_private(path, json.dumps({"port": port, "nonce": nonce}))
+    _write_private(path, json.dumps({"port": server.port, "nonce": nonce, "secret": secret.hex()}))
     agent.set(NONCE_KEY, nonce)
     return store
 
 
-def _join(
-    agent: dist.Store, rank: int, world: int, path: Path, timeout: timedelta
-) -> dist.TCPStore:
+def _join(agent: dist.Store, rank: int, world: int, path: Path, timeout: timedelta) -> SealedStore:
     """A follower: the posted nonce, the file that must carry it, the store it names."""
     agent.wait([NONCE_KEY], timeout)
     nonce = agent.get(NONCE_KEY).decode(errors="replace")
     try:
         found = json.loads(path.read_text())
         port, written = int(found["port"]), str(found["nonce"])
+        secret = bytes.fromhex(found["secret"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise RendezvousError(
             f"rank {rank}: cannot read rank 0's store file {path}: {exc}"
@@ -123,7 +122,7 @@ def _join(
             f"rank {rank}: the nonce on torchrun's store is not the one rank 0 wrote to "
             f"{path}: a stale file, or someone else wrote to torchrun's store"
         )
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    store = SealedStore("127.0.0.1", port, secret, timeout)
     if store.get(OWN_NONCE_KEY).decode(errors="replace") != nonce:
         raise RendezvousError(f"rank {rank}: 127.0.0.1:{port} is not rank 0's store")
     return store

@@ -37,6 +37,8 @@ def send_tensors(tensors: Mapping[str, torch.Tensor], dst: int, device: torch.de
     dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(wire), dst)
     for t in tensors.values():
         dist.send(t.detach().to(wire).contiguous(), dst)
+    if wire.type == "cuda":  # NCCL's send is queued: done before the group may go
+        torch.cuda.synchronize(wire)
 
 
 def recv_tensors(src: int, device: torch.device) -> dict[str, torch.Tensor]:

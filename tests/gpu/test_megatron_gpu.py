@@ -103,16 +103,23 @@ def test_twenty_megatron_cycles_on_two_devices(tmp_path) -> None:  # type: ignor
 
 
 @pytest.mark.gpu2
-def test_megatron_at_tensor_parallel_2_on_two_devices_matches_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """NCCL's tensor-parallel group on two devices against one device: the cache built
-    from the gathered weights is the same bytes, logits and a step's loss agree."""
+@pytest.mark.parametrize(("tp", "pp", "tied"), [(2, 1, False), (1, 2, True)])
+def test_megatron_model_parallel_on_two_devices_matches_one(  # type: ignore[no-untyped-def]
+    tmp_path, tp: int, pp: int, tied: bool
+) -> None:
+    """NCCL's tensor-parallel group (or the 1F1B schedule's sends and receives between
+    two stages, with the tied embedding's copies on both) on two devices against one
+    device: the cache built from the gathered weights is the same bytes, logits and a
+    step's loss agree."""
     from helpers.megatron_tp_runs import run_tp
 
     from rlix_async.models.tiny import save_tiny_llama
 
-    model = save_tiny_llama(tmp_path / "model", seed=3, vocab_size=63, layers=2, hidden=128)
+    model = save_tiny_llama(
+        tmp_path / "model", seed=3, vocab_size=63, layers=2, hidden=128, tied=tied
+    )
     one = run_tp(tmp_path / "tp1", model, 1, 1, 2, cuda=True)
-    two = run_tp(tmp_path / "tp2", model, 2, 2, 2, cuda=True)
+    two = run_tp(tmp_path / "two", model, tp, 2, 2, pp=pp, cuda=True)
     for k, v in one["cache_start"].items():
         assert torch.equal(two["cache_start"][k].cpu(), v.cpu()), k
     torch.testing.assert_close(two["logits"].cpu(), one["logits"].cpu(), atol=1e-4, rtol=1e-4)

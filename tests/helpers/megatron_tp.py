@@ -69,17 +69,37 @@ with torch.no_grad():
     trainer.model.train()
 if logits and trainer.tp_rank == 0 and trainer.dp_rank == 0:
     torch.save(logits[0], out / "logits.pt")
+
+
+def stale_groups() -> int:
+    """Process groups rank 0's model holds that are not this step's (Megatron's modules
+    keep the groups they were built with; the trainer must point them at each step's)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    current = {id(g) for g in vars(ProcessGroupCollection.use_mpu_process_groups()).values()}
+    held = []
+    for m in trainer.model.modules():
+        for v in vars(m).values():
+            if isinstance(v, dist.ProcessGroup):
+                held.append(v)
+            elif isinstance(v, ProcessGroupCollection):
+                held += [g for g in vars(v).values() if isinstance(g, dist.ProcessGroup)]
+    return sum(id(g) not in current for g in held)
+
+
+stale: list[int] = [stale_groups()]  # the first step's groups, then each later step's
 figures: list[dict[str, float]] = []
 times: list[dict[str, float]] = []  # where each step's time went (step_times)
 for s in range(steps):
     if s:
         trainer.init_group(store)
+        stale.append(stale_groups())
     figures.append(trainer.train_step(BATCHES[trainer.step % len(BATCHES)]))
     times.append(dict(trainer.step_times))
     trainer.destroy_group()
     if rank == 0 and trainer.step == 1 and ckpt is None:
         trainer.save(out / "ckpt_1.pt", {})
-record["figures"], record["times"] = figures, times
+record["figures"], record["times"], record["stale_groups"] = figures, times, stale
 peak_steps = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
 (out / f"rss-{rank}.json").write_text(json.dumps({"load": peak_load, "steps": peak_steps}))
 if rank == 0:

@@ -1,5 +1,5 @@
-"""The trainer's ranks meet on rank 0's loopback store, not on torchrun's (which binds
-every interface): real TCPStores, real sockets, ranks as threads of one process."""
+"""The trainer's ranks meet on rank 0's sealed loopback store, not on torchrun's (which
+binds every interface): real stores, real sockets, ranks as threads of one process."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from rlix_async.train.rendezvous import NONCE_KEY, STORE_FILE, RendezvousError, forget, meet
+from rlix_async.train.trainer_store import SECRET_BYTES, StoreServer
 
 
 @pytest.fixture
@@ -49,6 +50,7 @@ def test_the_ranks_share_a_store_that_only_loopback_reaches(
     port = stores[0].port
     written = tmp_path / STORE_FILE
     assert json.loads(written.read_text())["port"] == port
+    assert len(bytes.fromhex(json.loads(written.read_text())["secret"])) == 32
     assert stat.S_IMODE(written.stat().st_mode) == 0o600
     assert _reachable("127.0.0.1", port)
     # 127.0.0.2 is this host too, but not the address the store listens on; a store
@@ -63,7 +65,9 @@ def test_a_follower_refuses_a_file_whose_nonce_was_not_posted(
 ) -> None:
     """A file left by an earlier launch (or a nonce someone else posted on torchrun's
     open store) never leads a follower to a store."""
-    (tmp_path / STORE_FILE).write_text(json.dumps({"port": agent.port, "nonce": "0" * 32}))
+    (tmp_path / STORE_FILE).write_text(
+        json.dumps({"port": agent.port, "nonce": "0" * 32, "secret": "00" * SECRET_BYTES})
+    )
     agent.set(NONCE_KEY, "1" * 32)
     with pytest.raises(RendezvousError, match="not the one rank 0 wrote"):
         meet(agent, 1, 2, 2, tmp_path, 5)
@@ -87,9 +91,11 @@ def test_a_follower_sent_to_a_store_that_is_not_rank0s_stops_within_the_bound(
 ) -> None:
     """A stale file and an old nonce replayed on torchrun's store name a store without
     rank 0's nonce: the follower stops in one line within the rendezvous bound."""
-    elsewhere = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    elsewhere = StoreServer(b"\x01" * SECRET_BYTES)  # another run's, with another secret
     nonce = "2" * 32
-    (tmp_path / STORE_FILE).write_text(json.dumps({"port": elsewhere.port, "nonce": nonce}))
+    (tmp_path / STORE_FILE).write_text(
+        json.dumps({"port": elsewhere.port, "nonce": nonce, "secret": "02" * SECRET_BYTES})
+    )
     agent.set(NONCE_KEY, nonce)
     t0 = time.monotonic()
     with pytest.raises(RendezvousError, match="rank 1: meeting the other ranks failed"):

@@ -1,0 +1,168 @@
+"""The trainer ranks' sealed store (train/trainer_store.py): real sockets, a real server
+thread, real gloo groups built on it. Only a process holding the run's secret gets a
+session; everything else is closed at its first frame while the ranks go on."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlix_async.train.trainer_store import (
+    MAGIC,
+    NONCE_BYTES,
+    SECRET_BYTES,
+    SealedStore,
+    StoreServer,
+)
+
+T = timedelta(seconds=10)
+
+
+@pytest.fixture
+def server() -> StoreServer:
+    return StoreServer(secrets.token_bytes(SECRET_BYTES), handshake_s=0.5)
+
+
+def test_a_session_does_what_a_store_does(server: StoreServer) -> None:
+    a = SealedStore("127.0.0.1", server.port, server.secret, T)
+    b = SealedStore("127.0.0.1", server.port, server.secret, T)
+    a.set("batch/0", b"rows")
+    assert b.get("batch/0") == b"rows" and b.check(["batch/0"]) and not b.check(["x"])
+    assert a.add("beat/0", 1) == 1 and b.add("beat/0", 2) == 3 and a.get("beat/0") == b"3"
+    assert a.compare_set("c", b"", b"v1") == b"v1" and a.compare_set("c", b"no", b"v2") == b"v1"
+    assert b.num_keys() == 3 and b.delete_key("c") and not b.delete_key("c")
+    # a blocking get waits for another session's set; wait() too
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(b.get, "late")
+        time.sleep(0.2)
+        a.set("late", b"x")
+        assert waiting.result(timeout=5) == b"x"
+    b.wait(["late", "batch/0"])
+    b.set_timeout(timedelta(seconds=0.3))
+    started = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="not set within"):
+        b.get("never")
+    assert time.monotonic() - started < 2.0
+
+
+def test_each_thread_has_its_own_session(server: StoreServer) -> None:
+    """Rank 0's heartbeat thread adds while its main thread blocks in get()."""
+    store = SealedStore("127.0.0.1", server.port, server.secret, T)
+    with ThreadPoolExecutor(1) as pool:
+        blocked = pool.submit(store.get, "batch/1")
+        time.sleep(0.2)
+        for _ in range(5):  # from this thread, while the other one waits
+            store.add("beat/0", 1)
+        store.set("batch/1", b"ok")
+        assert blocked.result(timeout=5) == b"ok"
+
+
+def _hostile(port: int, kind: str, secret_of_someone_else: bytes, replay: bytes) -> bytes:
+    """One hostile connection; what the server sent back beyond its nonce."""
+    from rlix_async.train.trainer_store import _Channel, session_key
+
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        got = b""
+        try:
+            if kind == "garbage":
+                sock.sendall(secrets.token_bytes(40))
+            elif kind == "wrong_secret":
+                ours = secrets.token_bytes(NONCE_BYTES)
+                sock.sendall(MAGIC + ours)
+                theirs = sock.recv(NONCE_BYTES)
+                key = session_key(secret_of_someone_else, ours, theirs)
+                _Channel(sock, key, b"\x00" * 4, b"\x00\x00\x00\x01").send(["hello"])
+                got = sock.recv(1 << 16)
+            elif kind == "replayed":  # a real session's first frame, in a new session
+                sock.sendall(MAGIC + secrets.token_bytes(NONCE_BYTES))
+                sock.recv(NONCE_BYTES)
+                sock.sendall(replay)
+                got = sock.recv(1 << 16)
+            elif kind == "silent":
+                got = sock.recv(1 << 16)  # closed by the server after its handshake time
+        except OSError:
+            pass
+        return got
+
+
+def test_without_the_secret_a_connection_is_closed_and_the_group_finishes_its_step(
+    server: StoreServer,
+) -> None:
+    """Two ranks (threads, each its own gloo group handle) meet and all-reduce on the
+    sealed store while hostile connections arrive: each hostile one is closed without
+    a byte beyond the server's nonce, none writes a key, the step completes."""
+    with pytest.raises(dist.DistNetworkError, match=r"did not open|closed"):
+        SealedStore("127.0.0.1", server.port, secrets.token_bytes(SECRET_BYTES), T)
+    # a real session's first frame, to replay
+    sniffed = bytearray()
+    real = socket.create_connection(("127.0.0.1", server.port))
+    ours = secrets.token_bytes(NONCE_BYTES)
+    real.sendall(MAGIC + ours)
+    from rlix_async.train.trainer_store import _Channel, session_key
+
+    channel = _Channel(real, session_key(server.secret, ours, real.recv(NONCE_BYTES)),
+                       b"\x00" * 4, b"\x00\x00\x00\x01")  # fmt: skip
+
+    class Tap:
+        def sendall(self, data: bytes) -> None:
+            sniffed.extend(data)
+            real.sendall(data)
+
+    channel.sock = Tap()  # type: ignore[assignment]
+    channel.send(["hello"])
+    real.close()
+
+    results: list[torch.Tensor] = []
+    stop = threading.Event()
+    leaked: list[bytes] = []
+
+    def attack() -> None:
+        kinds = ("garbage", "wrong_secret", "replayed", "silent")
+        i = 0
+        while not stop.is_set():
+            leaked.append(
+                _hostile(server.port, kinds[i % 4], secrets.token_bytes(32), bytes(sniffed))
+            )
+            i += 1
+
+    def rank(r: int) -> None:
+        store = SealedStore("127.0.0.1", server.port, server.secret, T)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("step/1", store), r, 2, T)
+        t = torch.full((4,), float(r + 1))
+        pg.allreduce([t]).wait()
+        store.set(f"done/{r}", b"1")
+        results.append(t)
+
+    attackers = [threading.Thread(target=attack) for _ in range(3)]
+    for a in attackers:
+        a.start()
+    time.sleep(0.3)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(rank, range(2)))
+    stop.set()
+    for a in attackers:
+        a.join(timeout=10)
+    assert [t.tolist() for t in results] == [[3.0] * 4] * 2
+    assert len(leaked) >= 8 and not any(leaked), leaked[:3]
+    assert server.refused >= len(leaked)
+    legit = {k for k in server.stored_keys() if k.startswith(("done/", "step/1"))}
+    assert legit == set(server.stored_keys())  # nothing else written by anyone
+
+
+def test_the_store_survives_a_few_hundred_hostile_connections_while_ranks_use_it() -> None:
+    """`rlix-async bench fuzz --target store` in small (PERF has 10,000): every kind
+    refused, nothing sent to any, no key of theirs, every batch handed over intact."""
+    from rlix_async.bench.fuzz_store import KINDS, fuzz_store
+
+    r = fuzz_store(280, seed=1)
+    assert all(r["kinds"][k] > 0 for k in KINDS), r["kinds"]
+    assert r["refused"] == 280 and r["bytes_to_hostile"] == 0 and r["foreign_keys"] == []
+    assert r["batches_handed_over"] > 0 and r["then_served_intact"] and r["ok"]
