@@ -1,5 +1,5 @@
-"""The batch hand-over between trainer ranks (rlix_async/train/batches.py) over a real
-TCPStore, as torchrun's agent serves it: msgpack checked against the Group schema (never
+"""The batch hand-over between trainer ranks (rlix_async/train/batches.py) over rank 0's
+real sealed store (train/trainer_store.py), as the ranks meet on it: msgpack checked against the Group schema (never
 pickle), keys deleted once every follower is done, and no wait that cannot end: a
 follower stops when rank 0 announces its exit or dies, rank 0 when a follower does."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import secrets
 import signal
 import subprocess
 import sys
@@ -18,10 +19,10 @@ from pathlib import Path
 
 import msgspec
 import pytest
-import torch.distributed as dist
 
 from rlix_async.train.batches import BatchChannel, RankGone
 from rlix_async.train.buffer import Group
+from rlix_async.train.trainer_store import SECRET_BYTES, SealedStore, StoreServer
 
 BATCH = [
     Group([1, 2], [[3, 4], [5]], [[-0.5, -1.25], [-2.0]], [[0, 1], [1]], [1.0, 0.0], 2, "r0-g1"),
@@ -30,17 +31,18 @@ BATCH = [
 
 
 @pytest.fixture
-def master() -> Iterator[dist.TCPStore]:
-    yield dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+def master() -> Iterator[SealedStore]:
+    """Rank 0's sealed store (train/trainer_store.py), as the ranks meet on it."""
+    server = StoreServer(secrets.token_bytes(SECRET_BYTES))
+    yield SealedStore("127.0.0.1", server.port, server.secret, timedelta(seconds=30))
+    server.close()
 
 
-def _client(master: dist.TCPStore) -> dist.TCPStore:
-    return dist.TCPStore(
-        "127.0.0.1", master.port, 2, is_master=False, timeout=timedelta(seconds=30)
-    )
+def _client(master: SealedStore) -> SealedStore:
+    return SealedStore("127.0.0.1", master.port, master._secret, timedelta(seconds=30))
 
 
-def _channel(master: dist.TCPStore, rank: int, **kw: float) -> BatchChannel:
+def _channel(master: SealedStore, rank: int, **kw: float) -> BatchChannel:
     # bounds short enough that a test whose rule broke fails instead of hanging
     return BatchChannel(
         _client(master), rank, 2, **({"batch_timeout_s": 20.0, "done_timeout_s": 20.0} | kw)
@@ -48,7 +50,7 @@ def _channel(master: dist.TCPStore, rank: int, **kw: float) -> BatchChannel:
 
 
 def test_a_batch_crosses_as_msgpack_and_its_keys_are_deleted_after_the_step(
-    master: dist.TCPStore,
+    master: SealedStore,
 ) -> None:
     rank0, follower = _channel(master, 0), _channel(master, 1)
     keys_before = master.num_keys()
@@ -63,7 +65,7 @@ def test_a_batch_crosses_as_msgpack_and_its_keys_are_deleted_after_the_step(
 
 
 def test_bytes_that_are_not_a_batch_fail_naming_the_key_and_run_nothing(
-    master: dist.TCPStore, tmp_path: Path
+    master: SealedStore, tmp_path: Path
 ) -> None:
     follower = _channel(master, 1)
     marker = tmp_path / "ran"
@@ -89,7 +91,7 @@ def test_bytes_that_are_not_a_batch_fail_naming_the_key_and_run_nothing(
     assert not marker.exists()
 
 
-def test_a_follower_stops_at_once_when_rank0_announces_its_exit(master: dist.TCPStore) -> None:
+def test_a_follower_stops_at_once_when_rank0_announces_its_exit(master: SealedStore) -> None:
     rank0, follower = _channel(master, 0), _channel(master, 1)
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(follower.receive, 3)
@@ -107,7 +109,8 @@ import sys, time
 from datetime import timedelta
 import torch.distributed as dist
 from rlix_async.train.batches import BatchChannel
-store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, is_master=False, timeout=timedelta(seconds=30))
+from rlix_async.train.trainer_store import SealedStore
+store = SealedStore("127.0.0.1", int(sys.argv[1]), bytes.fromhex(sys.argv[2]), timedelta(seconds=30))
 BatchChannel(store, 0, 2, beat_s=0.2).start_beat()
 print("beating", flush=True)
 time.sleep(300)
@@ -115,10 +118,12 @@ time.sleep(300)
 
 
 def test_a_follower_waits_while_rank0_beats_and_stops_once_it_is_killed(
-    master: dist.TCPStore,
+    master: SealedStore,
 ) -> None:
     rank0 = subprocess.Popen(
-        [sys.executable, "-c", BEATING, str(master.port)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", BEATING, str(master.port), master._secret.hex()],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert rank0.stdout is not None and rank0.stdout.readline() == "beating\n"
@@ -140,10 +145,10 @@ def test_a_follower_waits_while_rank0_beats_and_stops_once_it_is_killed(
 
 
 HOSTING = """
-import sys, time
-import torch.distributed as dist
-store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
-print(store.port, flush=True)
+import secrets, time
+from rlix_async.train.trainer_store import StoreServer
+server = StoreServer(secrets.token_bytes(32))
+print(server.port, server.secret.hex(), flush=True)
 time.sleep(300)
 """
 
@@ -154,8 +159,8 @@ def test_a_follower_stops_in_one_line_when_rank0_takes_the_store_with_it() -> No
     rank0 = subprocess.Popen([sys.executable, "-c", HOSTING], stdout=subprocess.PIPE, text=True)
     try:
         assert rank0.stdout is not None
-        port = int(rank0.stdout.readline())
-        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=30))
+        port, secret = rank0.stdout.readline().split()
+        store = SealedStore("127.0.0.1", int(port), bytes.fromhex(secret), timedelta(seconds=30))
         follower = BatchChannel(store, 1, 2)
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(follower.receive, 0)
@@ -171,7 +176,7 @@ def test_a_follower_stops_in_one_line_when_rank0_takes_the_store_with_it() -> No
         rank0.wait(timeout=10)
 
 
-def test_every_wait_has_a_bound(master: dist.TCPStore) -> None:
+def test_every_wait_has_a_bound(master: SealedStore) -> None:
     follower = _channel(master, 1, batch_timeout_s=0.5)
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"batch of step 1: nothing after 0 s \(batch/0\)"):
@@ -183,7 +188,7 @@ def test_every_wait_has_a_bound(master: dist.TCPStore) -> None:
 
 
 def test_rank0_stops_waiting_for_a_follower_that_failed_but_not_for_one_that_finished(
-    master: dist.TCPStore,
+    master: SealedStore,
 ) -> None:
     rank0, follower = _channel(master, 0), _channel(master, 1)
     follower.announce_exit("failed: OSError: out of memory")
