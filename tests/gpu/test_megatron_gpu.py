@@ -96,10 +96,12 @@ def test_a_bf16_megatron_step_on_the_device_is_finite_and_moves_the_weights() ->
 
 
 @pytest.mark.gpu2
-def test_twenty_megatron_cycles_on_two_devices(tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("backend", ["megatron", "megatron_tp2", "megatron_pp2"])
+def test_twenty_megatron_cycles_on_two_devices(tmp_path, backend: str) -> None:  # type: ignore[no-untyped-def]
+    """Data, tensor and pipeline parallel 2 over NCCL: nothing left on the devices."""
     from helpers.trainer import run_cycles
 
-    run_cycles(tmp_path, "megatron", cuda=True)
+    run_cycles(tmp_path, backend, cuda=True)
 
 
 @pytest.mark.gpu2

@@ -86,6 +86,7 @@ from rlix_async.train.buffer import Group
 from rlix_async.train.trainer import TorchTrainer
 out_dir, backend = sys.argv[1], sys.argv[2]
 tp = 2 if backend == "megatron_tp2" else 1  # both ranks one replica
+pp = 2 if backend == "megatron_pp2" else 1  # both ranks one replica, one stage each
 kw = {}
 if backend.startswith("megatron"):
     from megatron.core import parallel_state
@@ -94,9 +95,9 @@ else:
     Trainer = TorchTrainer
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
-if tp > 1:
-    kw = {"tp": tp, "store": store}
-model = ModelConfig(vocab_size=63 if tp > 1 else 64, layers=1, hidden=64 * tp)
+if tp * pp > 1:
+    kw = {"tp": tp, "pp": pp, "store": store}
+model = ModelConfig(vocab_size=63 if tp > 1 else 64, layers=pp, hidden=64 * tp)
 t = Trainer(TrainConfig(), model, rank=rank, world=world, **kw)
 cuda = t.device.type == "cuda"
 g = [Group([1, 2], [[3, 4, 5], [6, 7, 8]], [[-4.0] * 3] * 2, [[0] * 3] * 2, [1.0, 0.0])] * 2
@@ -107,8 +108,8 @@ for i in range(20):
     t.reload(); t.init_group(store)
     losses.append(t.train_step(g)["loss"])
     t.destroy_group(); t.offload()
-    # after the offload, as the pipeline publishes (rank 0 holds the whole model at tp > 1)
-    w = t.weights_for_cache() if tp == 1 or rank == 0 else {}
+    # after the offload, as the pipeline publishes (rank 0 holds the whole model at tp x pp > 1)
+    w = t.weights_for_cache() if tp * pp == 1 or rank == 0 else {}
     assert not dist.is_initialized()
     if backend.startswith("megatron"):
         assert not parallel_state.model_parallel_is_initialized()
@@ -129,7 +130,8 @@ def run_cycles(
     tmp_path: Path, backend: str, timeout: float = 280, cuda: bool = False
 ) -> list[dict]:
     """20 train/export/offload/destroy cycles on 2 torchrun ranks; asserts nothing leaked.
-    ``backend``: torch, megatron (data parallel 2) or megatron_tp2 (tensor parallel 2).
+    ``backend``: torch, megatron (data parallel 2), megatron_tp2 (tensor parallel 2) or
+    megatron_pp2 (pipeline parallel 2).
 
     ``cuda=False`` hides every CUDA device (gloo on the host, whatever the machine);
     ``cuda=True`` needs two devices, one per rank, and checks device memory too.
@@ -157,7 +159,7 @@ def run_cycles(
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    if backend != "megatron_tp2":  # (at tp=2 rank 0 alone holds the whole model)
+    if backend not in ("megatron_tp2", "megatron_pp2"):  # (else rank 0 alone holds it whole)
         assert rows[0]["weights"] == rows[1]["weights"]  # DDP kept the replicas identical
     assert [r["device"] for r in rows] == (["cuda:0", "cuda:1"] if cuda else ["cpu", "cpu"])
     for r in rows:

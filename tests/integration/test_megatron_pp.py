@@ -9,6 +9,8 @@ megatron_batches.py), so the schedule interleaves forward and backward passes.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers.megatron_tp_runs import run_tp
@@ -95,3 +97,13 @@ def test_a_pp2_checkpoint_resumes_exactly_at_pp2_and_resharded(runs: dict[str, d
         # the second minibatch's update used the resharded moments: the weights agree
         for k, v in runs[run]["cache_end"].items():
             torch.testing.assert_close(runs[resumed]["cache_end"][k], v, atol=1e-5, rtol=1e-4)
+
+
+def test_twenty_cycles_at_pipeline_parallel_2_leak_nothing(tmp_path: Path) -> None:
+    """Per step: the parallel state, the 1F1B schedule's groups and the embedding group
+    built and destroyed, the stages gathered onto rank 0; RSS flat after warm-up on
+    both ranks (tests/helpers/trainer.py)."""
+    from helpers.trainer import run_cycles
+
+    rows = run_cycles(tmp_path, "megatron_pp2", timeout=380)
+    assert rows[0]["weights"] and not rows[1]["weights"]
