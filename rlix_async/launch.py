@@ -46,7 +46,7 @@ from rlix_async.placement import (
     node_share,
     place_processes,
     shard_cores,
-    trainer_process,
+    trainer_processes,
 )
 from rlix_async.security import ipc_endpoint
 from rlix_async.weights.shm import remove_pipeline_segments
@@ -284,6 +284,13 @@ class Launcher:
                 done += 1
         return done == len(self.cfg.pipelines)
 
+    def _first_part(self, pid: str) -> bool:
+        """Whether this node runs ``pid``'s rank 0 (its trainer's only node, or the first
+        of those it spans)."""
+        return any(
+            x.role == "trainer" and x.pipeline == pid and x.first_rank == 0 for x in self.plan
+        )
+
     def _mark_done(self, pid: str, code: int) -> None:
         """Tell every node of the run that ``pid`` is over (written atomically)."""
         if self.node is None:
@@ -348,14 +355,17 @@ class Launcher:
         """The pipeline's trainer again, as the plan has it but resuming."""
         planned = next(x for x in self.plan if x.role == "trainer" and x.pipeline == p.id)
         assert isinstance(planned.config, PipelineConfig)
-        again = trainer_process(
+        parts = trainer_processes(
             planned.config,
             self.out,
             self.endpoint,
             self.cfg.cluster.gpus_per_node,
             keys=planned.config.keys,
             resume=resume,
+            trainer_endpoint=planned.config.trainer_endpoint,
         )
+        again = next(x for x in parts if x.node == planned.node)  # this node's part
+        again.config, again.env = planned.config, {**again.env, **planned.env}
         return self._proc(again)
 
     def restart_coordinator(self) -> None:
@@ -420,7 +430,8 @@ class Launcher:
                 continue
             if code == 0:
                 self.exit_codes[pid] = code
-                self._mark_done(pid, code)
+                if self._first_part(pid):  # rank 0 is done after every other rank
+                    self._mark_done(pid, code)
             elif proc.restarts < self.max_pipeline_restarts:
                 log.warning(
                     "pipeline %s died (exit %s); resuming it from its checkpoint", pid, code
@@ -484,6 +495,11 @@ def _check_node(cfg: LaunchConfig, node: NodeRole) -> None:
         raise LaunchError(f"--coordinator {node.coordinator}: nodes meet on tcp://HEAD:PORT")
     if not node.job or not node.job.replace("-", "").replace("_", "").isalnum():
         raise LaunchError(f"--job {node.job!r}: letters, digits, - and _ (the same on every node)")
+    if cfg.node_addresses is not None and cfg.node_addresses[node.node] != node.address:
+        raise LaunchError(
+            f"--address {node.address}: node_addresses[{node.node}] is "
+            f"{cfg.node_addresses[node.node]} (the other nodes reach this one there)"
+        )
     missing = [p.id for p in cfg.pipelines if not p.model.path]
     if missing:
         raise LaunchError(

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from rlix_async.config import ConfigError, PipelineConfig, load_config
 from rlix_async.hooks import ClusterHooks
 from rlix_async.observe.loggers import flush_at_exit
+from rlix_async.protocols.topology import SPAN_ADDRESS, SPAN_FIRST_RANK, SPAN_WORLD
 from rlix_async.rollout.collector import Collector
 from rlix_async.rollout.evaluate import Evaluator, eval_due
 from rlix_async.rollout.ledger import LEDGER, Ledger
@@ -51,7 +52,15 @@ from rlix_async.rollout.records import RunRecords
 from rlix_async.train.batches import BatchChannel, RankGone
 from rlix_async.train.buffer import Group, ReplayBuffer, StalenessBound
 from rlix_async.train.checkpoints import latest_checkpoint, prune_checkpoints
-from rlix_async.train.rendezvous import RendezvousError, forget, meet, pin_links_to_loopback
+from rlix_async.train.rendezvous import (
+    RendezvousError,
+    forget,
+    meet,
+    meet_across,
+    pin_links_to,
+    pin_links_to_loopback,
+    trainer_store_secret,
+)
 from rlix_async.train.trainer import TorchTrainer
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.tcp import WeightServer
@@ -442,12 +451,22 @@ def checkpoint_due(step: int, cfg: PipelineConfig) -> bool:
 def run_pipeline(
     cfg: PipelineConfig, *, resume: bool = False, recipe: Recipe | None = None
 ) -> None:
-    """This rank's part of the pipeline (torchrun sets RANK and WORLD_SIZE)."""
+    """This rank's part of the pipeline (torchrun sets RANK and WORLD_SIZE; a trainer
+    spanning nodes runs a torchrun job per node, told its place by the launcher)."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if (span := os.environ.get(SPAN_WORLD)) is not None:
+        rank = int(os.environ[SPAN_FIRST_RANK]) + int(os.environ.get("LOCAL_RANK", "0"))
+        world = int(span)
     store: dist.Store | None = None
     channel: BatchChannel | None = None
-    if world > 1:  # rank 0's loopback store outlives every per-step group
+    if world > 1 and cfg.trainer_endpoint is not None:  # across nodes: rank 0's store
+        assert cfg.keys is not None, "a trainer across nodes has the run's keys (launch --node)"
+        pin_links_to(os.environ[SPAN_ADDRESS])
+        job = os.environ["RLIX_JOB"]
+        secret = trainer_store_secret(cfg.keys, cfg.id, job)
+        store = meet_across(cfg.trainer_endpoint, secret, rank, job, STORE_TIMEOUT_S)
+    elif world > 1:  # rank 0's loopback store outlives every per-step group
         agent = dist.TCPStore(  # torchrun's: only to find rank 0's (train/rendezvous.py)
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
@@ -458,6 +477,7 @@ def run_pipeline(
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         pin_links_to_loopback()
         store = meet(agent, rank, world, local_world, cfg.run_dir, STORE_TIMEOUT_S)
+    if store is not None:
         channel = BatchChannel(store, rank, world)
         if rank == 0:  # from now: loading the model and checkpoint may take a while
             channel.start_beat()
@@ -486,6 +506,8 @@ def _run_rank(
     if resume and (path := latest_checkpoint(ckpt_dir)) is not None:
         ckpt = trainer.load(path)
         print(f"{cfg.id}: resumed from {path} (step {trainer.step})", flush=True)
+    if resume and store is not None:
+        _same_resume_step(store, rank, trainer.step)
 
     if rank != 0:
         assert store is not None and channel is not None
@@ -504,6 +526,20 @@ def _run_rank(
             recipe.close()
 
 
+def _same_resume_step(store: dist.Store, rank: int, step: int) -> None:
+    """Every rank resumed from the same step (a rank on a node that cannot read rank
+    0's checkpoint directory would train from another state)."""
+    if rank == 0:
+        store.set("resume/step", str(step))
+        return
+    theirs = int(store.get("resume/step"))
+    if theirs != step:
+        raise RuntimeError(
+            f"rank {rank} resumed at step {step} but rank 0 at step {theirs}: every node of "
+            "a trainer must read the same checkpoint directory (out on a shared file system)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rlix_async.pipeline")
     ap.add_argument("--config", required=True, help="pipeline config (YAML or JSON)")
@@ -517,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, PipelineConfig, args.overrides)
         if not cfg.coordinator:
             raise ConfigError(f"{args.config}: coordinator: required (the coordinator's endpoint)")
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = int(os.environ.get(SPAN_WORLD) or os.environ.get("WORLD_SIZE", "1"))
         if world != cfg.ranks:
             raise ConfigError(
                 f"{args.config}: torchrun started {world} ranks but actor_train has "

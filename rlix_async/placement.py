@@ -31,7 +31,14 @@ import msgspec
 
 from rlix_async.config import CoordinatorConfig, LaunchConfig, PipelineConfig, ShardConfig
 from rlix_async.config.launch_rules import base_groups
-from rlix_async.protocols.topology import INFER, TRAIN, ClusterSpec
+from rlix_async.protocols.topology import (
+    INFER,
+    SPAN_ADDRESS,
+    SPAN_FIRST_RANK,
+    SPAN_WORLD,
+    TRAIN,
+    ClusterSpec,
+)
 
 Role = Literal["coordinator", "shard", "trainer"]
 
@@ -51,6 +58,7 @@ class PlacedProcess:
     config: msgspec.Struct | None = None  # handed over as a file at config_path
     config_path: Path | None = None
     log_path: Path | None = None
+    first_rank: int = 0  # a trainer's: the global rank of its first local rank
 
     def to_builtins(self) -> dict[str, Any]:
         return {
@@ -85,7 +93,7 @@ class PlacedProcess:
                 "pp": r // tp % pp,
                 "dp": r // (tp * pp),
             }
-            for r, d in enumerate(self.devices)
+            for r, d in enumerate(self.devices, start=self.first_rank)
         ]
 
 
@@ -301,10 +309,24 @@ def place_processes(
                 )
             )
     group_of = {p.id: gid for gid, ms in groups.items() for p in ms}
-    for p in cfg.pipelines:
+    for i, p in enumerate(cfg.pipelines):
         p = msgspec.structs.replace(p, base_group=group_of.get(p.id))
-        plan.append(trainer_process(p, out, coordinator, gpn, keys=keys, resume=resume))
+        plan += trainer_processes(
+            p, out, coordinator, gpn, keys=keys, resume=resume,
+            trainer_endpoint=trainer_endpoint(cfg, i),
+        )  # fmt: skip
     return plan
+
+
+def trainer_endpoint(cfg: LaunchConfig, index: int) -> str | None:
+    """Where pipeline ``index``'s rank 0 serves its ranks' store when its trainer spans
+    nodes: its first node's address (``node_addresses``), ``trainer_port + index``."""
+    p = cfg.pipelines[index]
+    gpn = cfg.cluster.gpus_per_node
+    nodes = sorted({d // gpn for d in p.clusters[TRAIN].devices})
+    if len(nodes) == 1 or cfg.node_addresses is None:
+        return None
+    return f"tcp://{cfg.node_addresses[nodes[0]]}:{cfg.trainer_port + index}"
 
 
 def shard_owners(
@@ -326,7 +348,7 @@ def shard_owners(
     return out
 
 
-def trainer_process(
+def trainer_processes(
     p: PipelineConfig,
     out: Path,
     coordinator: str,
@@ -334,42 +356,59 @@ def trainer_process(
     *,
     keys: str | None = None,
     resume: bool = False,
-) -> PlacedProcess:
-    """A pipeline's torchrun job: one rank per ``actor_train`` device, on their node."""
+    trainer_endpoint: str | None = None,
+) -> list[PlacedProcess]:
+    """A pipeline's trainer: one rank per ``actor_train`` device, a torchrun job on each
+    node its devices span (ranks numbered across nodes in device order). Across nodes
+    the ranks meet on rank 0's sealed store at ``trainer_endpoint`` (its node's address),
+    not on torchrun's (each node's job is ``--standalone``); the first part is rank 0's,
+    with the driver, the pipeline's log and its config file."""
     train = p.clusters[TRAIN].devices
     nodes = sorted({d // gpus_per_node for d in train})
-    if len(nodes) > 1:
+    if len(nodes) > 1 and trainer_endpoint is None:
         raise NodePlanError(
-            f"pipeline {p.id}: actor_train devices {list(train)} span nodes {nodes}; its "
-            "trainer is one torchrun job on one node (--standalone)"
+            f"pipeline {p.id}: actor_train devices {list(train)} span nodes {nodes}; a "
+            "trainer across nodes needs node_addresses (launch --node)"
         )
-    run = msgspec.structs.replace(p, out=str(out), coordinator=coordinator, keys=keys)
-    path = out / p.id / "pipeline.yaml"
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={p.ranks}",
-        "-m",
-        "rlix_async.pipeline",
-        "--config",
-        str(path),
-    ]
-    if resume:
-        argv.append("--resume")
-    return PlacedProcess(
-        role="trainer",
-        name=f"pipeline {p.id}",
-        argv=argv,
-        node=train[0] // gpus_per_node,
-        pipeline=p.id,
-        devices=list(train),
-        env={"CUDA_VISIBLE_DEVICES": visible_devices(train, gpus_per_node)},
-        config=run,
-        config_path=path,
-        log_path=out / "logs" / f"pipeline-{p.id}.log",
+    run = msgspec.structs.replace(
+        p,
+        out=str(out),
+        coordinator=coordinator,
+        keys=keys,
+        trainer_endpoint=trainer_endpoint if len(nodes) > 1 else None,
     )
+    parts = []
+    first = 0
+    for node in nodes:
+        mine = [d for d in train if d // gpus_per_node == node]
+        suffix = "" if node == nodes[0] else f"-node{node}"
+        path = out / p.id / f"pipeline{suffix}.yaml"
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={len(mine)}", "-m", "rlix_async.pipeline", "--config", str(path),
+        ]  # fmt: skip
+        if resume:
+            argv.append("--resume")
+        env = {"CUDA_VISIBLE_DEVICES": visible_devices(mine, gpus_per_node)}
+        if len(nodes) > 1:  # where this node's ranks stand among all of them
+            env |= {SPAN_FIRST_RANK: str(first), SPAN_WORLD: str(len(train))}
+        parts.append(
+            PlacedProcess(
+                role="trainer",
+                name=f"pipeline {p.id}" + (f" (node {node})" if suffix else ""),
+                argv=argv,
+                node=node,
+                pipeline=p.id,
+                devices=mine,
+                env=env,
+                config=run,
+                config_path=path,
+                log_path=out / "logs" / f"pipeline-{p.id}{suffix}.log",
+                first_rank=first,
+            )
+        )
+        first += len(mine)
+    return parts
 
 
 def node_share(plan: list[PlacedProcess], node: int, address: str) -> list[PlacedProcess]:
@@ -383,8 +422,8 @@ def node_share(plan: list[PlacedProcess], node: int, address: str) -> list[Place
     shard_nodes: dict[str, set[int]] = {}  # per pipeline: where its rollouts run
     served: dict[str, list[str]] = {}  # shard owner -> the pipelines it serves
     for proc in plan:
-        if proc.role == "trainer" and proc.pipeline is not None:
-            trainer_node[proc.pipeline] = proc.node
+        if proc.role == "trainer" and proc.pipeline is not None and proc.first_rank == 0:
+            trainer_node[proc.pipeline] = proc.node  # rank 0's: the driver and its cache
         elif proc.role == "shard" and isinstance(proc.config, ShardConfig):
             # a base group's shard serves its members (each with its own trainer)
             served[proc.config.pipeline] = proc.config.members or [proc.config.pipeline]
@@ -401,10 +440,16 @@ def node_share(plan: list[PlacedProcess], node: int, address: str) -> list[Place
         assert proc.pipeline is not None and proc.config is not None
         if proc.role == "shard" and {trainer_node[q] for q in served[proc.pipeline]} != {proc.node}:
             proc.config = msgspec.structs.replace(proc.config, data_endpoint=f"tcp://{address}:*")
-        if proc.role == "trainer" and shard_nodes.get(proc.pipeline, set()) - {proc.node}:
+        if (
+            proc.role == "trainer"
+            and proc.first_rank == 0
+            and shard_nodes.get(proc.pipeline, set()) - {proc.node}
+        ):
             proc.config = msgspec.structs.replace(
                 proc.config, weights_endpoint=f"tcp://{address}:*"
             )
+        if proc.role == "trainer" and SPAN_WORLD in proc.env:
+            proc.env[SPAN_ADDRESS] = address  # its collective links use this interface
         mine.append(proc)
     return mine
 

@@ -35,6 +35,23 @@ class LaunchConfig(Config, frozen=True):
             le=60,
         ),
     ] = 1.0
+    node_addresses: Annotated[
+        list[str] | None,
+        doc(
+            "Each node's address as the other nodes reach it, node 0 first (`launch "
+            "--node K --address` must be entry K). Needed when a trainer's actor_train "
+            "devices span nodes: its ranks on other nodes find rank 0's store there."
+        ),
+    ] = None
+    trainer_port: Annotated[
+        int,
+        doc(
+            "A trainer spanning nodes serves its ranks' sealed store on its first node's "
+            "address at this port plus the pipeline's index in `pipelines`.",
+            ge=1024,
+            le=65000,
+        ),
+    ] = 29700
 
     def __post_init__(self) -> None:
-        check_launch(self.pipelines, self.cluster, self.engine)
+        check_launch(self.pipelines, self.cluster, self.engine, self.node_addresses)

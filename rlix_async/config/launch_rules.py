@@ -22,17 +22,24 @@ from rlix_async.protocols.topology import (
 
 
 def check_launch(
-    pipelines: Sequence[PipelineConfig], cluster: ClusterShape, engine: EngineConfig
+    pipelines: Sequence[PipelineConfig],
+    cluster: ClusterShape,
+    engine: EngineConfig,
+    node_addresses: Sequence[str] | None = None,
 ) -> None:
     """Every rule a launch needs across its pipelines, cluster and engine: one-line
     config errors before any process starts."""
+    if node_addresses is not None and len(node_addresses) != cluster.nodes:
+        raise invalid(
+            "node_addresses", f"{len(node_addresses)} addresses for {cluster.nodes} nodes"
+        )
     seen: set[str] = set()
     for i, p in enumerate(pipelines):
         at = f"pipelines[{i}]"
         if p.id in seen:
             raise invalid(f"{at}.id", f"duplicate pipeline id {p.id!r}")
         seen.add(p.id)
-        for key in ("out", "coordinator", "keys", "base_group"):
+        for key in ("out", "coordinator", "keys", "base_group", "trainer_endpoint"):
             if getattr(p, key) is not None:
                 raise invalid(f"{at}.{key}", "set by the launcher; remove it")
         check_topology(f"{at}.clusters", p.clusters, cluster)
@@ -58,15 +65,24 @@ def check_launch(
                 f"{p.rollout.max_tokens} leaves no room for a prompt in "
                 f"engine.max_model_len {engine.max_model_len}",
             )
-        train = p.clusters["actor_train"].devices
-        nodes = sorted({d // cluster.gpus_per_node for d in train})
-        if len(nodes) > 1:
-            raise invalid(
-                f"{at}.clusters.actor_train.devices",
-                f"{list(train)} span nodes {nodes}: a trainer runs on one node "
-                f"(torchrun --standalone; gpus_per_node={cluster.gpus_per_node})",
-            )
+        check_trainer_nodes(at, p, cluster, node_addresses)
     check_base_groups(pipelines, engine)
+
+
+def check_trainer_nodes(
+    at: str, p: PipelineConfig, cluster: ClusterShape, node_addresses: Sequence[str] | None
+) -> None:
+    """A trainer spanning nodes: its other nodes find rank 0's store at an address the
+    config lists. (Its tensor-parallel groups are whole bundles, which never cross a
+    node: the topology rules.)"""
+    spec = p.clusters["actor_train"]
+    nodes = sorted({d // cluster.gpus_per_node for d in spec.devices})
+    if len(nodes) > 1 and node_addresses is None:
+        raise invalid(
+            f"{at}.clusters.actor_train.devices",
+            f"{list(spec.devices)} span nodes {nodes}: a trainer across nodes needs "
+            "node_addresses (each node's address, node 0 first)",
+        )
 
 
 def check_topology(at: str, clusters: dict[ClusterName, ClusterSpec], shape: ClusterShape) -> None:

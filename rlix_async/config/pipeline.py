@@ -253,6 +253,14 @@ class PipelineConfig(Config, frozen=True):
             "by `rlix-async launch --node` when the pipeline's shards span nodes."
         ),
     ] = None
+    trainer_endpoint: Annotated[
+        Endpoint | None,
+        doc(
+            "tcp://ADDRESS:PORT where rank 0 serves its ranks' sealed store when the "
+            "trainer spans nodes (the secret comes from the driver key and the run's job "
+            "id). Set by `rlix-async launch --node` from node_addresses and trainer_port."
+        ),
+    ] = None
 
     @property
     def ranks(self) -> int:

@@ -73,6 +73,14 @@ class ClusterShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.nodes * self.gpus_per_node
 
 
+# What a launcher tells each node's torchrun job of a trainer spanning nodes: the
+# global rank of its first local rank, the ranks in all, and the node's address (its
+# collective links use the interface holding it).
+SPAN_FIRST_RANK = "RLIX_TRAINER_FIRST_RANK"
+SPAN_WORLD = "RLIX_TRAINER_WORLD"
+SPAN_ADDRESS = "RLIX_NODE_ADDRESS"
+
+
 class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tp: Annotated[
         int, msgspec.Meta(ge=1, description="Tensor-parallel size: devices per rank (bundle).")

@@ -18,10 +18,17 @@ group. The ranks use it only to find rank 0's private store:
 Every per-step process group and the batch hand-over (``train/batches.py``) live
 on that store, and the ranks' own gloo/NCCL links are pinned to the loopback
 interface (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``; a value the user set
-stands). So the trainer's ranks share one node: a torchrun job spanning nodes is
-refused here (the launcher refuses it before starting anything). The store lives
-in rank 0's process: when rank 0 leaves, the file goes, and a follower still
-waiting on the store stops with one line (``train/batches.py``).
+stands). A torchrun job spanning nodes is refused here. The store lives in rank 0's
+process: when rank 0 leaves, the file goes, and a follower still waiting on the
+store stops with one line (``train/batches.py``).
+
+A trainer across nodes (:func:`meet_across`) is a ``--standalone`` torchrun job per
+node, told by the launcher where its ranks stand; no torchrun store spans the nodes.
+Rank 0 serves the sealed store on its node's address at a port the config fixes
+(``trainer_endpoint``); every rank derives the same secret from the pipeline's
+driver key and the run's job id (:func:`trainer_store_secret`), so no file has to
+cross nodes, and the job id read back proves the store is this run's. The ranks'
+links use the interface holding the node's address (:func:`pin_links_to`).
 
 What this does not close: the nonce proves freshness, not who posted it (torchrun's
 store hands it to anyone). An attacker who reaches torchrun's agent store can
@@ -37,6 +44,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -55,6 +63,96 @@ RENDEZVOUS_S = 120.0
 
 class RendezvousError(RuntimeError):
     """The ranks could not meet on their private store (one line says why)."""
+
+
+def pin_links_to(address: str) -> None:
+    """Across nodes: the collective links on the interface holding this node's address
+    (the one the other nodes reach it by), unless the user chose one (loopback, which
+    cannot reach another node, does not count as a choice here)."""
+    name = interface_of(address)
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if os.environ.get(var, "lo") in ("", "lo"):
+            os.environ[var] = name
+
+
+def interface_of(address: str) -> str:
+    """The network interface whose IPv4 address is ``address`` (RendezvousError if none)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    raise RendezvousError(f"no network interface of this node holds {address}")
+
+
+def trainer_store_secret(keys_dir: str, pipeline: str, job: str) -> bytes:
+    """The sealed store's secret for a trainer spanning nodes: every node of it derives
+    the same one from the pipeline's driver key (which each holds: launchers/README.md)
+    and the run's job id; nobody without that key can."""
+    import hashlib
+    import hmac
+
+    from rlix_async.security import ClientKeys
+
+    _, keys = ClientKeys.load_first(keys_dir, f"driver-{pipeline}", "client")
+    label = b"rlix-trainer-store\0" + pipeline.encode() + b"\0" + job.encode()
+    return hmac.new(keys.secret, label, hashlib.sha256).digest()
+
+
+def meet_across(
+    endpoint: str,
+    secret: bytes,
+    rank: int,
+    job: str,
+    timeout_s: float,
+    rendezvous_s: float = RENDEZVOUS_S,
+) -> SealedStore:
+    """The ranks of a trainer spanning nodes meet on rank 0's sealed store at
+    ``endpoint`` (tcp://ADDRESS:PORT on rank 0's node), every one of them holding
+    ``secret`` (:func:`trainer_store_secret`); the job id read back proves the store
+    is this run's. A follower retries until rank 0's store admits it, at most
+    ``rendezvous_s``."""
+    host, _, port_text = endpoint.removeprefix("tcp://").rpartition(":")
+    port = int(port_text)
+    if rank == 0:
+        try:
+            server = StoreServer(secret, host, port)
+        except OSError as exc:
+            raise RendezvousError(
+                f"rank 0: cannot serve the ranks' store at {endpoint}: {exc}"
+            ) from None
+        store = SealedStore(host, port, secret, timedelta(seconds=timeout_s))
+        store.server = server  # type: ignore[attr-defined]
+        store.set(OWN_NONCE_KEY, job)
+        return store
+    deadline = time.monotonic() + rendezvous_s
+    while True:
+        try:
+            store = SealedStore(host, port, secret, timedelta(seconds=rendezvous_s))
+            break
+        except dist.DistError as exc:
+            if time.monotonic() > deadline:
+                why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise RendezvousError(
+                    f"rank {rank}: rank 0's store at {endpoint} did not admit it within "
+                    f"{rendezvous_s:.0f} s (not up, or another run's secret): {why}"
+                ) from None
+            time.sleep(0.5)
+    try:
+        found = store.get(OWN_NONCE_KEY).decode(errors="replace")
+    except dist.DistError as exc:
+        raise RendezvousError(f"rank {rank}: rank 0's store at {endpoint}: {exc}") from None
+    if found != job:
+        raise RendezvousError(f"rank {rank}: the store at {endpoint} is job {found}'s, not {job}'s")
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
 
 
 def pin_links_to_loopback() -> None:
@@ -76,8 +174,8 @@ def meet(
     it takes at most ``rendezvous_s``; ``timeout_s`` bounds each later blocking call."""
     if local_world != world:
         raise RendezvousError(
-            f"the trainer's {world} ranks span nodes ({local_world} on this one): a "
-            "pipeline's trainer runs on one node (its ranks meet on loopback)"
+            f"the trainer's {world} ranks span nodes ({local_world} on this one) under one "
+            "torchrun job: the launcher runs a trainer across nodes as a job per node"
         )
     path = run_dir / STORE_FILE
     try:

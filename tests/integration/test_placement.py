@@ -110,6 +110,35 @@ pipelines:
     ]  # fmt: skip
 
 
+def test_a_trainer_across_nodes_is_a_torchrun_job_per_node_meeting_at_rank0s_address(
+    tmp_path: Path,
+) -> None:
+    """actor_train devices [3, 4] on two nodes: node 0 runs rank 0 (the driver, the
+    pipeline's log and config) and node 1 rank 1, each a --standalone job told its place;
+    both meet on rank 0's store at node 0's listed address."""
+    plan = dry_run(
+        tmp_path, TWO_NODES, "pipelines[0].clusters.actor_train.devices=[3,4]",
+        'node_addresses=["10.0.0.1","10.0.0.2"]', "trainer_port=29800",
+    )["processes"]  # fmt: skip
+    parts = [p for p in plan if p["role"] == "trainer" and p["pipeline"] == "math"]
+    assert [(p["node"], p["devices"], p["env"]["CUDA_VISIBLE_DEVICES"]) for p in parts] == [
+        (0, [3], "3"), (1, [4], "0"),
+    ]  # fmt: skip
+    assert [[(r["rank"], r["node"], r["device"]) for r in p["ranks"]] for p in parts] == [
+        [(0, 0, 3)], [(1, 1, 4)],
+    ]  # fmt: skip
+    assert [p["env"]["RLIX_TRAINER_FIRST_RANK"] for p in parts] == ["0", "1"]
+    assert {p["env"]["RLIX_TRAINER_WORLD"] for p in parts} == {"2"}
+    assert all("--nproc-per-node=1" in p["argv"] for p in parts)
+    assert {p["config"]["trainer_endpoint"] for p in parts} == {"tcp://10.0.0.1:29800"}
+    assert parts[0]["config_path"].endswith("math/pipeline.yaml")
+    assert parts[1]["config_path"].endswith("math/pipeline-node1.yaml")
+    # a trainer on one node has no endpoint and no span variables
+    (code,) = [p for p in plan if p["role"] == "trainer" and p["pipeline"] == "code"]
+    assert code["config"]["trainer_endpoint"] is None
+    assert "RLIX_TRAINER_WORLD" not in code["env"]
+
+
 @pytest.mark.parametrize("allowed", ["4,5,6,7", "GPU-aa,GPU-bb,GPU-cc,GPU-dd"])
 def test_a_restricted_environment_gives_each_process_only_entries_of_its_list(
     tmp_path: Path, allowed: str
@@ -191,7 +220,11 @@ def test_dry_run_says_when_the_users_own_binding_goes_to_every_process(tmp_path:
         (
             ["pipelines[0].clusters.actor_train.devices=[3,4]"],
             "pipelines[0].clusters.actor_train.devices: [3, 4] span nodes [0, 1]: a trainer "
-            "runs on one node",
+            "across nodes needs node_addresses",
+        ),
+        (
+            ['node_addresses=["10.0.0.1"]'],
+            "node_addresses: 1 addresses for 2 nodes",
         ),
         (
             ["pipelines[1].nproc=1"],
@@ -478,6 +511,9 @@ def test_a_trainer_or_shard_split_over_nodes_is_refused_before_anything_starts(
         (["--node", "1", "--coordinator", "tcp://10.0.0.1:7600", "--address", "10.0.0.2",
           "--keys", "KEYS", "--job", "j"], "server.key: missing"),
         (["--address", "10.0.0.2"], "go with --node K"),
+        (["--node", "1", "--coordinator", "tcp://10.0.0.1:7600", "--address", "10.0.0.3",
+          "--keys", "KEYS", "--job", "j", 'node_addresses=["10.0.0.1","10.0.0.2","10.0.0.4"]'],
+         "--address 10.0.0.3: node_addresses[1] is 10.0.0.2"),
     ],
 )  # fmt: skip
 def test_a_node_launch_with_bad_flags_is_one_line_and_exit_2(

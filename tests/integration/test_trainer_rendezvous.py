@@ -108,3 +108,37 @@ def test_rank0_leaving_takes_the_file_with_it(agent: dist.TCPStore, tmp_path: Pa
     assert (tmp_path / STORE_FILE).exists()
     forget(tmp_path)
     assert not (tmp_path / STORE_FILE).exists()
+
+
+def test_ranks_across_nodes_meet_with_a_secret_each_derives(tmp_path: Path) -> None:
+    """meet_across (a trainer spanning nodes; ranks as threads on loopback here): every
+    rank derives the same secret from the driver key and the job; another job's rank,
+    or one without the key, is not admitted within the bound."""
+    from rlix_async.security import keygen
+    from rlix_async.train.rendezvous import meet_across, trainer_store_secret
+
+    keys, other = tmp_path / "keys", tmp_path / "other"
+    keygen(keys)
+    keygen(other)
+    secret = trainer_store_secret(str(keys), "span", "job1")
+    assert secret == trainer_store_secret(str(keys), "span", "job1")
+    assert secret != trainer_store_secret(str(keys), "span", "job2")
+    assert secret != trainer_store_secret(str(other), "span", "job1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    with ThreadPoolExecutor(2) as pool:
+        follower = pool.submit(meet_across, endpoint, secret, 1, "job1", 10)
+        time.sleep(0.5)  # the follower retries until rank 0 serves
+        leader = pool.submit(meet_across, endpoint, secret, 0, "job1", 10)
+        stores = [leader.result(timeout=20), follower.result(timeout=20)]
+    stores[0].set("batch/0", b"rows")
+    assert stores[1].get("batch/0") == b"rows"
+    wrong = trainer_store_secret(str(other), "span", "job1")
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match="did not admit it within 1 s"):
+        meet_across(endpoint, wrong, 1, "job1", 10, rendezvous_s=1)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(RendezvousError, match="job job1's, not job9's"):
+        meet_across(endpoint, secret, 1, "job9", 10, rendezvous_s=1)
