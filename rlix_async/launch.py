@@ -48,6 +48,7 @@ from rlix_async.placement import (
     shard_cores,
     trainer_processes,
 )
+from rlix_async.protocols.topology import SPAN_WORLD
 from rlix_async.security import ipc_endpoint
 from rlix_async.weights.shm import remove_pipeline_segments
 
@@ -284,6 +285,12 @@ class Launcher:
                 done += 1
         return done == len(self.cfg.pipelines)
 
+    def _spans_nodes(self, pid: str) -> bool:
+        """Whether ``pid``'s trainer runs on several nodes (this node has one part)."""
+        return any(
+            x.role == "trainer" and x.pipeline == pid and SPAN_WORLD in x.env for x in self.plan
+        )
+
     def _first_part(self, pid: str) -> bool:
         """Whether this node runs ``pid``'s rank 0 (its trainer's only node, or the first
         of those it spans)."""
@@ -432,7 +439,7 @@ class Launcher:
                 self.exit_codes[pid] = code
                 if self._first_part(pid):  # rank 0 is done after every other rank
                     self._mark_done(pid, code)
-            elif proc.restarts < self.max_pipeline_restarts:
+            elif proc.restarts < self.max_pipeline_restarts and not self._spans_nodes(pid):
                 log.warning(
                     "pipeline %s died (exit %s); resuming it from its checkpoint", pid, code
                 )
@@ -440,7 +447,15 @@ class Launcher:
             else:
                 self.exit_codes[pid] = code
                 self._mark_done(pid, code)
-                raise RuntimeError(f"pipeline {pid} failed (exit {code}); see {proc.log_path}")
+                whole = (
+                    " (a trainer across nodes is not restarted a node at a time: run every "
+                    "node's launch again with --resume)"
+                    if self._spans_nodes(pid)
+                    else ""
+                )
+                raise RuntimeError(
+                    f"pipeline {pid} failed (exit {code}); see {proc.log_path}{whole}"
+                )
         return not self._finished()
 
     def run(self, poll_s: float = 0.5, on_poll: Callable[[Launcher], None] | None = None) -> None:
@@ -495,6 +510,17 @@ def _check_node(cfg: LaunchConfig, node: NodeRole) -> None:
         raise LaunchError(f"--coordinator {node.coordinator}: nodes meet on tcp://HEAD:PORT")
     if not node.job or not node.job.replace("-", "").replace("_", "").isalnum():
         raise LaunchError(f"--job {node.job!r}: letters, digits, - and _ (the same on every node)")
+    gpn = cfg.cluster.gpus_per_node
+    for p in cfg.pipelines:
+        nodes = {d // gpn for d in p.clusters["actor_train"].devices}
+        key = Path(node.keys) / f"driver-{p.id}.key_secret"
+        if len(nodes) > 1 and node.node in nodes and not key.exists():
+            raise LaunchError(
+                f"{key}: missing; pipeline {p.id}'s trainer spans nodes {sorted(nodes)}, and "
+                "each of them derives its ranks' store secret from the pipeline's own "
+                f"driver key (rlix-async keygen KEYS --client driver-{p.id} --role driver "
+                f"--pipeline {p.id}; copy it to those nodes)"
+            )
     if cfg.node_addresses is not None and cfg.node_addresses[node.node] != node.address:
         raise LaunchError(
             f"--address {node.address}: node_addresses[{node.node}] is "

@@ -448,16 +448,21 @@ def checkpoint_due(step: int, cfg: PipelineConfig) -> bool:
     return step % cfg.checkpoint_every == 0 or step == cfg.steps
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank among the trainer's and their number: torchrun's RANK and
+    WORLD_SIZE, or for a trainer spanning nodes (a torchrun job per node) the place
+    the launcher gave this node's job plus the local rank."""
+    if (span := os.environ.get(SPAN_WORLD)) is not None:
+        first = int(os.environ[SPAN_FIRST_RANK])
+        return first + int(os.environ.get("LOCAL_RANK", "0")), int(span)
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def run_pipeline(
     cfg: PipelineConfig, *, resume: bool = False, recipe: Recipe | None = None
 ) -> None:
-    """This rank's part of the pipeline (torchrun sets RANK and WORLD_SIZE; a trainer
-    spanning nodes runs a torchrun job per node, told its place by the launcher)."""
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if (span := os.environ.get(SPAN_WORLD)) is not None:
-        rank = int(os.environ[SPAN_FIRST_RANK]) + int(os.environ.get("LOCAL_RANK", "0"))
-        world = int(span)
+    """This rank's part of the pipeline (see :func:`rank_and_world`)."""
+    rank, world = rank_and_world()
     store: dist.Store | None = None
     channel: BatchChannel | None = None
     if world > 1 and cfg.trainer_endpoint is not None:  # across nodes: rank 0's store
@@ -553,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, PipelineConfig, args.overrides)
         if not cfg.coordinator:
             raise ConfigError(f"{args.config}: coordinator: required (the coordinator's endpoint)")
-        world = int(os.environ.get(SPAN_WORLD) or os.environ.get("WORLD_SIZE", "1"))
+        rank, world = rank_and_world()
         if world != cfg.ranks:
             raise ConfigError(
                 f"{args.config}: torchrun started {world} ranks but actor_train has "
@@ -563,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         # rank 0's collector reads the data and calls the reward: checked before any rank
         # loads a model (the launcher checked them too, before starting anything)
         recipe = None
-        if cfg.data is not None and int(os.environ.get("RANK", "0")) == 0:
+        if cfg.data is not None and rank == 0:
             recipe = load_recipe(cfg)
     except (ConfigError, RecipeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -52,6 +52,13 @@ from rlix_async.train.megatron_hf import (
     read_hf_part,
     stage_reads,
 )
+from rlix_async.train.megatron_model import (
+    gpt_model,
+    rebind_groups,
+    run_model,
+    seed_rng_tracker,
+    tiny_shape,
+)
 from rlix_async.train.pipeline_parallel import (
     EMBEDDING,
     check_layers,
@@ -60,45 +67,17 @@ from rlix_async.train.pipeline_parallel import (
     global_name,
     to_stage,
 )
-from rlix_async.train.precision import cast_floats, cast_parameters
+from rlix_async.train.precision import cast_floats
 from rlix_async.train.stage_transfer import recv_tensors, send_tensors
 from rlix_async.train.tensor_parallel import (
     check_shape,
     merge_tensor,
     pad_vocab_rows,
-    padded_vocab,
     shard,
     shard_optimizer,
     split_dim,
 )
 from rlix_async.train.trainer import Piece, TorchTrainer
-
-
-def _tiny_shape(model: ModelConfig) -> dict[str, Any]:
-    m = model.tiny
-    heads = m["hidden"] // 64
-    return {
-        **m,
-        "heads": heads,
-        "groups": heads,
-        "head_dim": 64,
-        "ffn": 2 * m["hidden"],
-        "eps": 1e-6,
-        "rope_base": 10000.0,
-        "tied": False,
-        "max_len": 4096,
-    }
-
-
-def _seed_rng_tracker(seed: int) -> None:
-    """Seed Megatron's model-parallel RNG tracker once per process: attention forks it
-    around dropout, and an unseeded tracker raises there at the first forward. Kept
-    across the per-step rebuilds of the parallel state (which leave it alone), so
-    random streams continue from step to step instead of restarting."""
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
-
-    if not get_cuda_rng_tracker().is_initialized():
-        model_parallel_cuda_manual_seed(seed)
 
 
 class MegatronTrainer(TorchTrainer):
@@ -177,41 +156,20 @@ class MegatronTrainer(TorchTrainer):
             tp, pp = (self.tp, self.pp) if store is not None else (1, 1)
             # tp-pp-dp: a replica is tp x pp consecutive ranks (the launcher's layout)
             parallel_state.initialize_model_parallel(tp, pp, order="tp-pp-dp")
-            self._rebind_groups()
-        _seed_rng_tracker(self.seed)
+            rebind_groups(self._models())
+        seed_rng_tracker(self.seed)
 
-    def _rebind_groups(self) -> None:
-        """Point every module of the built models at the process groups just made.
-
-        Megatron's modules keep the groups they were built with (``tp_group``,
-        ``pp_group``, ``embd_group``, ``cp_group``, ``pg_collection``), but the
-        time-sharing cycle destroys those after every step: without this the layers
-        would keep using the constructor's gloo group in every later step's NCCL
-        group's place. A group attribute this cannot map is an error, not a stale
-        link left behind."""
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        groups = ProcessGroupCollection.use_mpu_process_groups()
-        for model in (getattr(self, "model", None), getattr(self, "reference", None)):
-            for module in model.modules() if model is not None else ():
-                for name, value in list(vars(module).items()):
-                    if isinstance(value, ProcessGroupCollection):
-                        setattr(module, name, groups)
-                    elif isinstance(value, dist.ProcessGroup):
-                        new = getattr(groups, name.removesuffix("_group"), None)
-                        if not name.endswith("_group") or not isinstance(new, dist.ProcessGroup):
-                            raise RuntimeError(
-                                f"{type(module).__name__}.{name}: a process group the Megatron "
-                                "trainer does not rebuild with each step's groups"
-                            )
-                        setattr(module, name, new)
+    def _models(self) -> list[torch.nn.Module]:
+        """The GPTModels built so far (the policy, the KL reference)."""
+        models = (getattr(self, "model", None), getattr(self, "reference", None))
+        return [m for m in models if m is not None]
 
     def _build_model(self) -> torch.nn.Module:
         from rlix_async.train import megatron_cpu_compat
 
         megatron_cpu_compat.apply()  # before Megatron is imported or used (CPU only)
         path = self.model_cfg.path
-        self._shape = llama_shape(path) if path else _tiny_shape(self.model_cfg)
+        self._shape = llama_shape(path) if path else tiny_shape(self.model_cfg)
         check_shape(self._shape["heads"], self._shape["groups"], self.tp)
         check_layers(self._shape["layers"], self.pp)
         model = self._gpt_model()
@@ -220,76 +178,17 @@ class MegatronTrainer(TorchTrainer):
         return model
 
     def _gpt_model(self) -> torch.nn.Module:
-        """A GPTModel of ``self._shape``, seeded initial weights, in the trainer's dtype."""
-        import torch.nn.functional as F
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
-        s = self._shape
+        """A GPTModel (this rank's stage and tensor-parallel part) of ``self._shape``,
+        seeded initial weights, in the trainer's dtype, in host memory."""
         # building the model needs Megatron's parallel state: a private one-rank group,
-        # or with tensor parallel the real one, up until the constructor's end
+        # or under model parallel the real one, up until the constructor's end
         # (gloo: the model is built, loaded and gathered in host memory)
         self._parallel_state(self._store if self.model_parallel else None, "gloo")
         torch.manual_seed(self.seed)
-        tc = TransformerConfig(
-            num_layers=s["layers"],
-            hidden_size=s["hidden"],
-            num_attention_heads=s["heads"],
-            num_query_groups=s["groups"],
-            kv_channels=s["head_dim"],
-            ffn_hidden_size=s["ffn"],
-            normalization="RMSNorm",
-            layernorm_epsilon=s["eps"],
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            add_bias_linear=False,
-            use_cpu_initialization=True,
-            params_dtype=self.dtype,
-            bf16=self.dtype == torch.bfloat16,  # attention softmax in float32 on bf16 inputs
-            attention_dropout=0.0,
-            hidden_dropout=0.0,
-            bias_activation_fusion=False,
-            masked_softmax_fusion=False,
-            persist_layer_norm=False,
-            bias_dropout_fusion=False,
-            apply_rope_fusion=False,
-            calculate_per_token_loss=True,  # each piece's loss is weighed already
-            **_recompute(self.cfg.recompute),
-            **self._pipeline_config(),
-        )
-        model = GPTModel(
-            config=tc,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-            vocab_size=padded_vocab(s["vocab_size"], self.tp),
-            max_sequence_length=s["max_len"],
-            position_embedding_type="rope",
-            rotary_base=s["rope_base"],
-            share_embeddings_and_output_weights=s["tied"],
-            parallel_output=False,  # every rank gets the whole vocabulary's logits
-            pre_process=self.stage == 0,
-            post_process=self.stage == self.pp - 1,
-        )
+        model = gpt_model(self._shape, self.dtype, self.cfg.recompute, self.tp, self.pp, self.stage)
         if not self.model_parallel:
             self.destroy_group()  # the time-sharing cycle creates groups per step
-        # with tied embeddings on two stages Megatron sums the copies .cuda(): the model
-        # is built in host memory, onto the device at the first reload
-        for p in model.parameters():
-            if p.device.type != "cpu":
-                p.data = p.data.cpu()
-        return cast_parameters(model, self.dtype)  # the local spec's norms ignore params_dtype
-
-    def _pipeline_config(self) -> dict[str, Any]:
-        """TransformerConfig's pipeline settings: stages exchange activations of each
-        piece's own shape (pieces differ in rows and width)."""
-        if self.pp == 1:
-            return {}
-        return {
-            "pipeline_model_parallel_size": self.pp,
-            "pipeline_dtype": self.dtype,
-            "variable_seq_lengths": True,
-            "moe_token_dispatcher_type": "alltoall",  # allgather refuses variable lengths
-        }
+        return model
 
     def _to_stage(self, full: Mapping[str, object]) -> dict[str, object]:
         s = self._shape
@@ -367,7 +266,7 @@ class MegatronTrainer(TorchTrainer):
         returned. One stage: under pipeline parallel, pieces go through ``_forward``."""
         if self.pp > 1:
             raise RuntimeError("forward_logits() under pipeline parallel: use _forward()")
-        logits = _run(model, ids)[..., : self._shape["vocab_size"]]
+        logits = run_model(model, ids)[..., : self._shape["vocab_size"]]
         return logits if keep is None else logits[:, -keep:]
 
     def _forward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
@@ -394,7 +293,7 @@ class MegatronTrainer(TorchTrainer):
 
         def step(it: Any, stage_model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             piece = next(it)
-            out = _run(stage_model, piece.ids)
+            out = run_model(stage_model, piece.ids)
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
                 # calculate_per_token_loss: the schedule neither divides nor scales it
@@ -633,22 +532,3 @@ class MegatronTrainer(TorchTrainer):
         s = self._shape
         hf = megatron_to_hf(self._model_state(), s["heads"], s["groups"], s["head_dim"])
         return cast_floats(hf, self.dtype)
-
-
-def _recompute(kind: str) -> dict[str, Any]:
-    """TransformerConfig's activation recomputation for ``train.recompute``."""
-    if kind == "full":  # every layer's activations, one layer per checkpoint
-        return {"recompute_granularity": "full", "recompute_method": "uniform",
-                "recompute_num_layers": 1}  # fmt: skip
-    if kind == "selective":  # core attention only (Megatron's default module list)
-        return {"recompute_granularity": "selective"}
-    return {}
-
-
-def _run(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """A GPTModel (or one stage of it) on ``ids`` with explicit positions and causal
-    mask (its default mask is built on "cuda")."""
-    n = ids.shape[1]
-    pos = torch.arange(n, device=ids.device).unsqueeze(0).expand_as(ids)
-    causal = torch.triu(torch.ones(n, n, device=ids.device), diagonal=1).bool()[None, None]
-    return model(ids, pos, attention_mask=causal)

@@ -95,13 +95,20 @@ def interface_of(address: str) -> str:
 def trainer_store_secret(keys_dir: str, pipeline: str, job: str) -> bytes:
     """The sealed store's secret for a trainer spanning nodes: every node of it derives
     the same one from the pipeline's driver key (which each holds: launchers/README.md)
-    and the run's job id; nobody without that key can."""
+    and the run's job id; nobody without that key can (never the shared ``client``
+    key, which shard hosts and the CLI may hold too)."""
     import hashlib
     import hmac
 
     from rlix_async.security import ClientKeys
 
-    _, keys = ClientKeys.load_first(keys_dir, f"driver-{pipeline}", "client")
+    name = f"driver-{pipeline}"
+    if not (Path(keys_dir) / f"{name}.key_secret").exists():  # never a shared key
+        raise RendezvousError(
+            f"{keys_dir}/{name}.key_secret: missing; a trainer across nodes derives its "
+            "ranks' store secret from its pipeline's own driver key"
+        )
+    keys = ClientKeys.load(keys_dir, name)
     label = b"rlix-trainer-store\0" + pipeline.encode() + b"\0" + job.encode()
     return hmac.new(keys.secret, label, hashlib.sha256).digest()
 

@@ -15,14 +15,20 @@ with AES-256-GCM under a key only holders of the 32-byte secret can derive:
    within ``HANDSHAKE_S``, or whose first frame does not open is closed: nothing is
    read or written for it and the ranks' sessions go on.
 
-The server runs in rank 0's process (one thread per session, a bounded number of
-handshakes at once). Each thread of a client process gets its own session, so a
-blocking ``get`` on one thread never holds up another (rank 0's heartbeat).
+The server runs in rank 0's process (one thread per session). At most
+``MAX_HANDSHAKES`` connections may be proving themselves at once; a new one evicts
+the oldest (a rank's handshake takes milliseconds, so connections held open
+without one cannot lock the ranks out). Each thread of a client process gets its
+own session, so a blocking ``get`` on one thread never holds up another (rank 0's
+heartbeat). Every call has a deadline on the client too (its wait plus a margin,
+``CALL_S`` for the others, and TCP keepalive): when rank 0's node vanishes without
+closing anything, a rank's next call fails within it instead of hanging.
 Requests and replies are msgpack (msgspec); values are bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -42,9 +48,10 @@ MAGIC = b"rlixts01"
 SECRET_BYTES = 32
 NONCE_BYTES = 16
 HANDSHAKE_S = 10.0  # a peer that has not finished its handshake by then is dropped
-MAX_HANDSHAKES = 32  # sessions still proving themselves at once; more are refused
+MAX_HANDSHAKES = 32  # connections proving themselves at once; a new one evicts the oldest
 MAX_FRAME = 1 << 30  # a step's batch is far smaller
 HELLO_FRAME = 64  # a session's first frame: the sealed ["hello"]
+CALL_S = 30.0  # a call that does not wait for a key answers in milliseconds
 _TO_SERVER, _TO_CLIENT = b"\x00\x00\x00\x00", b"\x00\x00\x00\x01"
 _LEN = struct.Struct(">I")
 
@@ -64,9 +71,10 @@ class _Channel:
         self.sent = self.received = 0
 
     def send(self, message: Any) -> None:
+        plain = msgspec.msgpack.encode(message)  # before the counter moves: may raise
         nonce = self.sends + self.sent.to_bytes(8, "big")
         self.sent += 1
-        sealed = self.aead.encrypt(nonce, msgspec.msgpack.encode(message), None)
+        sealed = self.aead.encrypt(nonce, plain, None)
         self.sock.sendall(_LEN.pack(len(sealed)) + sealed)
 
     def receive(self, limit: int = MAX_FRAME, deadline: float | None = None) -> Any:
@@ -113,7 +121,9 @@ class StoreServer:
         self.secret, self.handshake_s = secret, handshake_s
         self._data: dict[str, bytes] = {}
         self._changed = threading.Condition()
-        self._handshakes = threading.BoundedSemaphore(max_handshakes)
+        self.max_handshakes = max_handshakes
+        self._pending: dict[socket.socket, None] = {}  # proving themselves, oldest first
+        self._lock = threading.Lock()
         self.refused = 0  # connections closed before or at their first frame
         self._listener = socket.create_server((host, port), backlog=64)
         self.host, self.port = host, self._listener.getsockname()[1]
@@ -132,21 +142,32 @@ class StoreServer:
                 conn, _ = self._listener.accept()
             except OSError:  # closed
                 return
-            if not self._handshakes.acquire(blocking=False):
-                self.refused += 1
+            with self._lock:
+                if len(self._pending) >= self.max_handshakes:  # the oldest makes room
+                    oldest = next(iter(self._pending))
+                    del self._pending[oldest]
+                    with contextlib.suppress(OSError):
+                        oldest.shutdown(socket.SHUT_RDWR)  # its thread's read fails now
+                self._pending[conn] = None
+            try:
+                threading.Thread(target=self._session, args=(conn,), daemon=True).start()
+            except RuntimeError:  # no thread to spare: this connection goes
+                self._settled(conn, refused=True)
                 conn.close()
-                continue
-            threading.Thread(target=self._session, args=(conn,), daemon=True).start()
+
+    def _settled(self, conn: socket.socket, refused: bool) -> None:
+        with self._lock:
+            self._pending.pop(conn, None)
+            self.refused += refused
 
     def _session(self, conn: socket.socket) -> None:
         with conn:
             try:
                 channel = self._handshake(conn)
             except (OSError, ConnectionError, InvalidTag, ValueError, msgspec.DecodeError):
-                self.refused += 1
+                self._settled(conn, refused=True)
                 return
-            finally:
-                self._handshakes.release()
+            self._settled(conn, refused=False)
             try:
                 while True:
                     channel.send(self._serve(channel.receive()))
@@ -264,14 +285,17 @@ class SealedStore(dist.Store):
                 raise dist.DistNetworkError(
                     f"trainer store {self.host}:{self.port}: {exc}"
                 ) from None
-            sock.settimeout(None)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             key = session_key(self._secret, ours, theirs)
             channel = self._local.channel = _Channel(sock, key, _TO_SERVER, _TO_CLIENT)
             self._exchange(channel, "hello")  # every session opens with it
         return channel
 
-    def _exchange(self, channel: _Channel, op: str, *args: Any) -> Any:
+    def _exchange(self, channel: _Channel, op: str, *args: Any, wait_s: float = 0.0) -> Any:
+        """One request and its reply, within ``wait_s`` (the server's own wait for a
+        key) plus ``CALL_S``."""
         try:
+            channel.sock.settimeout(wait_s + CALL_S)
             channel.send([op, *args])
             status, result = channel.receive()
         except (OSError, ConnectionError, InvalidTag, ValueError) as exc:
@@ -285,17 +309,18 @@ class SealedStore(dist.Store):
             raise dist.DistStoreError(f"trainer store: {result}")
         return result
 
-    def _call(self, op: str, *args: Any) -> Any:
-        return self._exchange(self._channel(), op, *args)
+    def _call(self, op: str, *args: Any, wait_s: float = 0.0) -> Any:
+        return self._exchange(self._channel(), op, *args, wait_s=wait_s)
 
     def _timeout_s(self, timeout: timedelta | None = None) -> float:
-        return (timeout or self.timeout).total_seconds()
+        return (timeout if timeout is not None else self.timeout).total_seconds()
 
     def set(self, key: str, value: bytes | str) -> None:
         self._call("set", key, value.encode() if isinstance(value, str) else bytes(value))
 
     def get(self, key: str) -> bytes:
-        return bytes(self._call("get", key, self._timeout_s()))
+        wait = self._timeout_s()
+        return bytes(self._call("get", key, wait, wait_s=wait))
 
     def add(self, key: str, amount: int) -> int:
         return int(self._call("add", key, amount))
@@ -310,7 +335,8 @@ class SealedStore(dist.Store):
         return bool(self._call("check", list(keys)))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._call("wait", list(keys), self._timeout_s(timeout))
+        wait = self._timeout_s(timeout)
+        self._call("wait", list(keys), wait, wait_s=wait)
 
     def delete_key(self, key: str) -> bool:
         return bool(self._call("delete_key", key))

@@ -85,6 +85,11 @@ def test_a_pipeline_parallel_trainer_spans_two_hosts(tmp_path: Path) -> None:
     model = save_tiny_llama(tmp_path / "model", seed=0, vocab_size=1024, layers=2, hidden=64)
     keys = tmp_path / "keys"
     subprocess.run([*CLI, "keygen", str(keys)], check=True, capture_output=True, timeout=60)
+    # the pipeline's own driver key, on both of its trainer's hosts (one shared dir here)
+    subprocess.run(
+        [*CLI, "keygen", str(keys), "--client", "driver-span", "--role", "driver",
+         "--pipeline", "span"], check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
     out = tmp_path / "out"
     cfg = tmp_path / "cluster.yaml"
     with make_hosts(3, tmp_path / "hosts") as hosts:

@@ -514,6 +514,10 @@ def test_a_trainer_or_shard_split_over_nodes_is_refused_before_anything_starts(
         (["--node", "1", "--coordinator", "tcp://10.0.0.1:7600", "--address", "10.0.0.3",
           "--keys", "KEYS", "--job", "j", 'node_addresses=["10.0.0.1","10.0.0.2","10.0.0.4"]'],
          "--address 10.0.0.3: node_addresses[1] is 10.0.0.2"),
+        (["--node", "1", "--coordinator", "tcp://10.0.0.1:7600", "--address", "10.0.0.2",
+          "--keys", "KEYS", "--job", "j", 'node_addresses=["10.0.0.1","10.0.0.2","10.0.0.4"]',
+          "pipelines[0].clusters.actor_train.devices=[2,4]"],
+         "driver-near.key_secret: missing; pipeline near's trainer spans nodes [1, 2]"),
     ],
 )  # fmt: skip
 def test_a_node_launch_with_bad_flags_is_one_line_and_exit_2(

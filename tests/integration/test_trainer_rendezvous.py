@@ -118,8 +118,12 @@ def test_ranks_across_nodes_meet_with_a_secret_each_derives(tmp_path: Path) -> N
     from rlix_async.train.rendezvous import meet_across, trainer_store_secret
 
     keys, other = tmp_path / "keys", tmp_path / "other"
-    keygen(keys)
-    keygen(other)
+    for d in (keys, other):
+        keygen(d, ["driver-span"], role="driver", pipelines=["span"])
+    shared = tmp_path / "shared"  # only the shared client key: not enough
+    keygen(shared)
+    with pytest.raises(RendezvousError, match=r"driver-span\.key_secret: missing"):
+        trainer_store_secret(str(shared), "span", "job1")
     secret = trainer_store_secret(str(keys), "span", "job1")
     assert secret == trainer_store_secret(str(keys), "span", "job1")
     assert secret != trainer_store_secret(str(keys), "span", "job2")

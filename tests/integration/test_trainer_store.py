@@ -166,3 +166,74 @@ def test_the_store_survives_a_few_hundred_hostile_connections_while_ranks_use_it
     assert all(r["kinds"][k] > 0 for k in KINDS), r["kinds"]
     assert r["refused"] == 280 and r["bytes_to_hostile"] == 0 and r["foreign_keys"] == []
     assert r["batches_handed_over"] > 0 and r["then_served_intact"] and r["ok"]
+
+
+def test_connections_held_without_a_handshake_cannot_lock_the_ranks_out() -> None:
+    """More silent connections than handshake slots: each new one evicts the oldest, so
+    a rank's session (milliseconds to prove itself) still opens."""
+    server = StoreServer(secrets.token_bytes(SECRET_BYTES), max_handshakes=4)
+    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(12)]
+    try:
+        store = SealedStore("127.0.0.1", server.port, server.secret, T)
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+        deadline = time.monotonic() + 5
+        while server.refused < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.refused >= 8  # the evicted ones
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_a_call_to_a_store_that_stopped_answering_fails_within_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """rank 0's node gone without closing anything: the next call fails in one line
+    (within CALL_S) instead of hanging, so train/batches.py can say rank 0 is gone."""
+    import rlix_async.train.trainer_store as ts
+
+    server = StoreServer(secrets.token_bytes(SECRET_BYTES))
+    store = SealedStore("127.0.0.1", server.port, server.secret, T)
+    monkeypatch.setattr(ts, "CALL_S", 0.5)
+    monkeypatch.setattr(StoreServer, "_serve", lambda self, request: time.sleep(60))
+    # (the session's thread bound _serve before it began to wait for this request)
+    assert store.check(["k"]) is False
+    started = time.monotonic()
+    with pytest.raises(dist.DistNetworkError, match="timed out"):
+        store.check(["k"])
+    assert time.monotonic() - started < 5
+
+
+def test_the_two_directions_of_a_session_never_share_a_nonce() -> None:
+    """A request and its reply are sealed under one key: their GCM nonces must differ
+    (a repeated nonce under one key gives away both plaintexts and the tag key)."""
+    from rlix_async.train.trainer_store import _TO_CLIENT, _TO_SERVER, _Channel
+
+    a, b = socket.socketpair()
+    key = secrets.token_bytes(32)
+    client, srv = _Channel(a, key, _TO_SERVER, _TO_CLIENT), _Channel(b, key, _TO_CLIENT, _TO_SERVER)
+    used: list[bytes] = []
+    for channel in (client, srv):
+        real = channel.aead
+
+        class Recording:
+            def __init__(self, aead) -> None:  # type: ignore[no-untyped-def]
+                self.aead = aead
+
+            def encrypt(self, nonce: bytes, data: bytes, aad: None) -> bytes:
+                used.append(nonce)
+                return self.aead.encrypt(nonce, data, aad)
+
+            def decrypt(self, nonce: bytes, data: bytes, aad: None) -> bytes:
+                return self.aead.decrypt(nonce, data, aad)
+
+        channel.aead = Recording(real)  # type: ignore[assignment]
+    for i in range(3):
+        client.send(["get", f"k{i}"])
+        assert srv.receive() == ["get", f"k{i}"]
+        srv.send(["ok", i])
+        assert client.receive() == ["ok", i]
+    assert len(used) == 6 and len(set(used)) == 6
+    a.close()
+    b.close()
