@@ -59,6 +59,7 @@ from rlix_async.train.megatron_model import (
     seed_rng_tracker,
     tiny_shape,
 )
+from rlix_async.train.packing import Piece
 from rlix_async.train.pipeline_parallel import (
     EMBEDDING,
     check_layers,
@@ -77,7 +78,7 @@ from rlix_async.train.tensor_parallel import (
     shard_optimizer,
     split_dim,
 )
-from rlix_async.train.trainer import Piece, TorchTrainer
+from rlix_async.train.trainer import TorchTrainer
 
 
 class MegatronTrainer(TorchTrainer):

@@ -1,4 +1,5 @@
-"""A step's batch as tensors: each rank's rows of prompt + response, left-aligned, padded.
+"""A step's batch as tensors: each rank's rows of prompt + response, left-aligned, padded,
+and the pieces a step's forward passes take (micro-batches, ``Piece``).
 
 Pure (no device, no model): the trainer moves the result to its device in one go.
 Built in host memory because one small copy per row would be a transfer each; every
@@ -6,6 +7,9 @@ float is float32 whatever the model's dtype.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -67,3 +71,17 @@ def micro_batches(
         else:
             pieces.append([i])
     return pieces
+
+
+Take = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Piece(NamedTuple):
+    """One forward pass of a step: the token ``ids`` (rows x positions), how many of
+    their last tokens are predicted (``width``), and what ``take`` does with the logits
+    of the ``width`` + 1 positions before them (a loss to backpropagate, or a zero
+    after storing log-probs)."""
+
+    ids: torch.Tensor
+    width: int
+    take: Take

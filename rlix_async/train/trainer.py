@@ -26,11 +26,9 @@ import contextlib
 import copy
 import gc
 import os
-import random
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -45,13 +43,15 @@ from rlix_async.train.algo import (
     sampling_log_softmax,
 )
 from rlix_async.train.buffer import Group
+from rlix_async.train.checkpoints import rng_state, set_rng_state
+from rlix_async.train.devices import trainer_device
 from rlix_async.train.host_buffers import (
     PinnedHostBuffers,
     StateKey,
     install_state,
     state_tensors,
 )
-from rlix_async.train.packing import micro_batches, pack_batch
+from rlix_async.train.packing import Piece, Take, micro_batches, pack_batch
 from rlix_async.train.precision import (
     DTYPES,
     MainParamsAdamW,
@@ -63,44 +63,6 @@ from rlix_async.train.precision import (
 
 if TYPE_CHECKING:
     from rlix_async.config.lora import LoraConfig
-
-Take = Callable[[torch.Tensor], torch.Tensor]
-
-
-class Piece(NamedTuple):
-    """One forward pass of a step: the token ``ids`` (rows x positions), how many of
-    their last tokens are predicted (``width``), and what ``take`` does with the logits
-    of the ``width`` + 1 positions before them (a loss to backpropagate, or a zero
-    after storing log-probs)."""
-
-    ids: torch.Tensor
-    width: int
-    take: Take
-
-
-def trainer_device(
-    local_rank: int, local_world: int, cuda_count: int, visible_devices: str | None = None
-) -> str:
-    """The device of local rank ``local_rank`` of the ``local_world`` ranks on this node.
-
-    One device per rank, in the order the process sees them: the launcher sets
-    ``CUDA_VISIBLE_DEVICES`` to the pipeline's actor_train devices, so
-    ``cuda:{local_rank}`` is this rank's own. Fewer devices than ranks is a launch
-    error, never wrapped modulo: two ranks on one device make NCCL refuse the group
-    ("Duplicate GPU detected") or, under gloo, share its memory unseen.
-    """
-    if not 0 <= local_rank < local_world:
-        raise ValueError(f"local rank {local_rank} is outside the node's {local_world} ranks")
-    if cuda_count == 0:
-        return "cpu"
-    if cuda_count < local_world:
-        shown = "unset" if visible_devices is None else repr(visible_devices)
-        raise ValueError(
-            f"trainer local rank {local_rank} of {local_world} sees {cuda_count} CUDA "
-            f"device(s) (CUDA_VISIBLE_DEVICES={shown}): the launcher binds one device per "
-            f"rank, so this node's ranks need {local_world}"
-        )
-    return f"cuda:{local_rank}"
 
 
 class TorchTrainer:
@@ -592,16 +554,7 @@ class TorchTrainer:
                 "model": model_state,
                 "optim": self._optim_state(),
                 "step": self.step,
-                "rng": {
-                    "torch": torch.get_rng_state(),
-                    "python": random.getstate(),
-                    # this rank's device generator (dropout, sampling in a custom loss)
-                    **(
-                        {"cuda": torch.cuda.get_rng_state(self.device)}
-                        if self.device.type == "cuda"
-                        else {}
-                    ),
-                },
+                "rng": rng_state(self.device),
                 **extra,
             },
             tmp,
@@ -618,10 +571,7 @@ class TorchTrainer:
         if not isinstance(self.optim, MainParamsAdamW):
             drop_main_params(self.optim)
         self.step = int(ckpt["step"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        random.setstate(ckpt["rng"]["python"])
-        if "cuda" in ckpt["rng"] and self.device.type == "cuda":
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], self.device)
+        set_rng_state(ckpt["rng"], self.device)
         return ckpt
 
     def _model_state(self) -> dict[str, Any]:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from helpers.megatron_batches import BATCHES  # noqa: E402
 from rlix_async.config import ModelConfig, TrainConfig  # noqa: E402
 from rlix_async.train.megatron import MegatronTrainer  # noqa: E402
-from rlix_async.train.trainer import Piece  # noqa: E402
+from rlix_async.train.packing import Piece  # noqa: E402
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 out.mkdir(parents=True, exist_ok=True)

@@ -35,8 +35,9 @@ from rlix_async.train import trainer as trainer_module
 from rlix_async.train.algo import policy_loss
 from rlix_async.train.buffer import Group, ReplayBuffer, StalenessBound
 from rlix_async.train.checkpoints import latest_checkpoint
+from rlix_async.train.devices import trainer_device
 from rlix_async.train.packing import pack_batch
-from rlix_async.train.trainer import TorchTrainer, trainer_device
+from rlix_async.train.trainer import TorchTrainer
 
 SMALL = ModelConfig(vocab_size=64, layers=1, hidden=64)
 BATCH = [Group([1, 2], [[3, 4, 5], [6, 7, 8]], [[-4.0] * 3] * 2, [[0] * 3] * 2, [1.0, 0.0])] * 2
