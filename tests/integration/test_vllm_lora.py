@@ -48,7 +48,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 RANK, ALPHA = 8, 16.0
 PROMPTS = [[5, 70, 80, 90, 100, 33], [17, 9, 200, 42], [7, 7, 130]]
 NEW = 8
-LONG = 124  # tokens of the request two replacements run beside (130 + 124 <= max_model_len)
+# tokens of the request two replacements run beside (130 + 360 <= max_model_len): it must
+# outlive two replacements, a request and an HF forward on a loaded CI machine (124
+# tokens did not, every time)
+LONG = 360
 
 
 def export(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -130,7 +133,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
 async def engine(world: World) -> AsyncIterator[VllmEngine]:
     e = VllmEngine(
         str(world.path),
-        EngineConfig(max_model_len=256, kv_cache_mb=32),
+        EngineConfig(max_model_len=512, kv_cache_mb=32),
         lora=EngineLoraConfig(max_lora_rank=8, max_loras=2),
     )
     yield e
