@@ -29,7 +29,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import IO
@@ -46,7 +46,6 @@ from rlix_async.placement import (
     node_share,
     place_processes,
     shard_cores,
-    trainer_processes,
 )
 from rlix_async.protocols.topology import SPAN_WORLD
 from rlix_async.security import ipc_endpoint
@@ -359,21 +358,11 @@ class Launcher:
             time.sleep(0.5)
 
     def _pipeline_proc(self, p: PipelineConfig, *, resume: bool) -> Proc:
-        """The pipeline's trainer again, as the plan has it but resuming."""
+        """The pipeline's trainer (this node's part of it) again, as the plan has it:
+        its config, devices and environment, ``--resume`` as asked."""
         planned = next(x for x in self.plan if x.role == "trainer" and x.pipeline == p.id)
-        assert isinstance(planned.config, PipelineConfig)
-        parts = trainer_processes(
-            planned.config,
-            self.out,
-            self.endpoint,
-            self.cfg.cluster.gpus_per_node,
-            keys=planned.config.keys,
-            resume=resume,
-            trainer_endpoint=planned.config.trainer_endpoint,
-        )
-        again = next(x for x in parts if x.node == planned.node)  # this node's part
-        again.config, again.env = planned.config, {**again.env, **planned.env}
-        return self._proc(again)
+        argv = [a for a in planned.argv if a != "--resume"] + (["--resume"] if resume else [])
+        return self._proc(replace(planned, argv=argv))
 
     def restart_coordinator(self) -> None:
         assert self.coordinator is not None

@@ -33,9 +33,9 @@ from typing import Any
 KINDS = ("garbage", "truncated", "wrong_secret", "replayed", "forged", "loris", "silent")
 
 
-def _hostile(kind: str, port: int, rng: random.Random, replay: bytes) -> int:
+def hostile_connection(kind: str, port: int, rng: random.Random, replay: bytes) -> int:
     """One hostile connection; the bytes the server sent beyond its nonce (must be 0)."""
-    from rlix_async.train.trainer_store import MAGIC, NONCE_BYTES, _Channel, session_key
+    from rlix_async.train.trainer_store import MAGIC, NONCE_BYTES, client_session
 
     got = 0
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
@@ -48,18 +48,15 @@ def _hostile(kind: str, port: int, rng: random.Random, replay: bytes) -> int:
                 for byte in (MAGIC + rng.randbytes(NONCE_BYTES))[:6]:
                     sock.sendall(bytes([byte]))
                     time.sleep(0.05)
-            elif kind != "silent":
-                ours = rng.randbytes(NONCE_BYTES)
-                sock.sendall(MAGIC + ours)
-                theirs = sock.recv(NONCE_BYTES)
-                if kind == "wrong_secret":
-                    key = session_key(rng.randbytes(32), ours, theirs)
-                    _Channel(sock, key, b"\x00" * 4, b"\x00\x00\x00\x01").send(["hello"])
-                elif kind == "replayed":
-                    sock.sendall(replay)
-                else:  # forged
-                    sock.sendall(rng.randbytes(4) + rng.randbytes(rng.randrange(0, 100)))
-            sock.shutdown(socket.SHUT_WR) if kind in ("garbage", "truncated") else None
+            elif kind == "wrong_secret":
+                client_session(sock, rng.randbytes(32)).send(["hello"])
+            elif kind in ("replayed", "forged"):  # a valid handshake, then a frame of ours
+                sock.sendall(MAGIC + rng.randbytes(NONCE_BYTES))
+                sock.recv(NONCE_BYTES)
+                forged = rng.randbytes(4) + rng.randbytes(rng.randrange(0, 100))
+                sock.sendall(replay if kind == "replayed" else forged)
+            if kind in ("garbage", "truncated"):
+                sock.shutdown(socket.SHUT_WR)
             while chunk := sock.recv(1 << 16):
                 got += len(chunk)
         except OSError:
@@ -67,14 +64,12 @@ def _hostile(kind: str, port: int, rng: random.Random, replay: bytes) -> int:
     return got
 
 
-def _sniff_hello(port: int, secret: bytes) -> bytes:
-    """A real session's first sealed frame, as it crossed the wire."""
-    from rlix_async.train.trainer_store import MAGIC, NONCE_BYTES, _Channel, session_key
+def sniffed_hello(port: int, secret: bytes) -> bytes:
+    """A real session's first sealed frame, as it crossed the wire (to replay)."""
+    from rlix_async.train.trainer_store import client_session
 
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        ours = secrets.token_bytes(NONCE_BYTES)
-        sock.sendall(MAGIC + ours)
-        key = session_key(secret, ours, sock.recv(NONCE_BYTES))
+        channel = client_session(sock, secret)
         wire = bytearray()
 
         class Tap:
@@ -82,7 +77,6 @@ def _sniff_hello(port: int, secret: bytes) -> bytes:
                 wire.extend(data)
                 sock.sendall(data)
 
-        channel = _Channel(sock, key, b"\x00" * 4, b"\x00\x00\x00\x01")
         channel.sock = Tap()  # type: ignore[assignment]
         channel.send(["hello"])
     return bytes(wire)
@@ -94,7 +88,7 @@ def fuzz_store(inputs: int, seed: int = 0, concurrency: int = 8) -> dict[str, An
     rng = random.Random(seed)
     secret = secrets.token_bytes(SECRET_BYTES)
     server = StoreServer(secret, handshake_s=0.2, max_handshakes=16)
-    replay = _sniff_hello(server.port, secret)
+    replay = sniffed_hello(server.port, secret)
     refused_before = server.refused
     t = timedelta(seconds=30)
     leader = SealedStore("127.0.0.1", server.port, secret, t)
@@ -125,7 +119,7 @@ def fuzz_store(inputs: int, seed: int = 0, concurrency: int = 8) -> dict[str, An
     user.start()
     with ThreadPoolExecutor(concurrency) as pool:
         leaked = sum(
-            pool.map(lambda i: _hostile(kinds[i], server.port, random.Random(seeds[i]), replay),
+            pool.map(lambda i: hostile_connection(kinds[i], server.port, random.Random(seeds[i]), replay),
                      range(inputs))
         )  # fmt: skip
     stop.set()

@@ -329,7 +329,7 @@ class MegatronTrainer(TorchTrainer):
                     by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
             for grads in by_dtype.values():
                 flat = _flatten_dense_tensors(grads)
-                dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
+                dist.all_reduce(flat, group=self._dp_group())
                 flat.div_(self.dp_world)
                 for g, r in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                     g.copy_(r)

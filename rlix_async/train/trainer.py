@@ -292,13 +292,10 @@ class TorchTrainer:
 
     # --- one GRPO step -------------------------------------------------------------------
 
-    def _distributions(self, model: torch.nn.Module, ids: torch.Tensor, width: int) -> torch.Tensor:
-        """log-softmax [B, width, V] of the sampling distribution (float32 from any logits
-        dtype) at the positions predicting ``ids``' last ``width`` tokens."""
-        return self._sampling(self.forward_logits(model, ids, keep=width + 1), ids, width)
-
     def _sampling(self, logits: torch.Tensor, ids: torch.Tensor, width: int) -> torch.Tensor:
-        """:meth:`_distributions` from the logits of ``ids``' last ``width`` + 1 positions."""
+        """log-softmax [B, width, V] of the sampling distribution (float32 from any logits
+        dtype) at the positions predicting ``ids``' last ``width`` tokens, from the logits
+        of the ``width`` + 1 positions before them."""
         return sampling_log_softmax(
             logits[:, :-1], temperature=self.temperature, top_p=self.top_p, keep=ids[:, -width:]
         )
@@ -308,7 +305,8 @@ class TorchTrainer:
     ) -> torch.Tensor:
         """log p of ``ids``' last ``width`` tokens (all but the first when None)."""
         width = ids.shape[1] - 1 if width is None else width
-        return self._picked(self._distributions(model, ids, width), ids, width)
+        logits = self.forward_logits(model, ids, keep=width + 1)
+        return self._picked(self._sampling(logits, ids, width), ids, width)
 
     @staticmethod
     def _picked(full: torch.Tensor, ids: torch.Tensor, width: int) -> torch.Tensor:

@@ -103,6 +103,16 @@ def _read(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     return bytes(out)
 
 
+def client_session(sock: socket.socket, secret: bytes) -> _Channel:
+    """The client's side of a session on a connected socket: its hello and nonce out,
+    the server's nonce in, both sealed directions keyed from ``secret`` (the first
+    frame sent on it must be the sealed ``["hello"]``)."""
+    ours = secrets.token_bytes(NONCE_BYTES)
+    sock.sendall(MAGIC + ours)
+    theirs = _read(sock, NONCE_BYTES)
+    return _Channel(sock, session_key(secret, ours, theirs), _TO_SERVER, _TO_CLIENT)
+
+
 class StoreServer:
     """Rank 0's sealed store: keys and values in memory, served on ``host:port`` (port 0:
     any free one) to sessions that hold ``secret``."""
@@ -278,16 +288,13 @@ class SealedStore(dist.Store):
         if channel is None:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=HANDSHAKE_S)
-                ours = secrets.token_bytes(NONCE_BYTES)
-                sock.sendall(MAGIC + ours)
-                theirs = _read(sock, NONCE_BYTES)
+                channel = client_session(sock, self._secret)
             except OSError as exc:
                 raise dist.DistNetworkError(
                     f"trainer store {self.host}:{self.port}: {exc}"
                 ) from None
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            key = session_key(self._secret, ours, theirs)
-            channel = self._local.channel = _Channel(sock, key, _TO_SERVER, _TO_CLIENT)
+            self._local.channel = channel
             self._exchange(channel, "hello")  # every session opens with it
         return channel
 

@@ -4,6 +4,7 @@ session; everything else is closed at its first frame while the ranks go on."""
 
 from __future__ import annotations
 
+import random
 import secrets
 import socket
 import threading
@@ -15,9 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rlix_async.bench.fuzz_store import hostile_connection, sniffed_hello
 from rlix_async.train.trainer_store import (
-    MAGIC,
-    NONCE_BYTES,
     SECRET_BYTES,
     SealedStore,
     StoreServer,
@@ -65,34 +65,6 @@ def test_each_thread_has_its_own_session(server: StoreServer) -> None:
         assert blocked.result(timeout=5) == b"ok"
 
 
-def _hostile(port: int, kind: str, secret_of_someone_else: bytes, replay: bytes) -> bytes:
-    """One hostile connection; what the server sent back beyond its nonce."""
-    from rlix_async.train.trainer_store import _Channel, session_key
-
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        got = b""
-        try:
-            if kind == "garbage":
-                sock.sendall(secrets.token_bytes(40))
-            elif kind == "wrong_secret":
-                ours = secrets.token_bytes(NONCE_BYTES)
-                sock.sendall(MAGIC + ours)
-                theirs = sock.recv(NONCE_BYTES)
-                key = session_key(secret_of_someone_else, ours, theirs)
-                _Channel(sock, key, b"\x00" * 4, b"\x00\x00\x00\x01").send(["hello"])
-                got = sock.recv(1 << 16)
-            elif kind == "replayed":  # a real session's first frame, in a new session
-                sock.sendall(MAGIC + secrets.token_bytes(NONCE_BYTES))
-                sock.recv(NONCE_BYTES)
-                sock.sendall(replay)
-                got = sock.recv(1 << 16)
-            elif kind == "silent":
-                got = sock.recv(1 << 16)  # closed by the server after its handshake time
-        except OSError:
-            pass
-        return got
-
-
 def test_without_the_secret_a_connection_is_closed_and_the_group_finishes_its_step(
     server: StoreServer,
 ) -> None:
@@ -101,36 +73,17 @@ def test_without_the_secret_a_connection_is_closed_and_the_group_finishes_its_st
     a byte beyond the server's nonce, none writes a key, the step completes."""
     with pytest.raises(dist.DistNetworkError, match=r"did not open|closed"):
         SealedStore("127.0.0.1", server.port, secrets.token_bytes(SECRET_BYTES), T)
-    # a real session's first frame, to replay
-    sniffed = bytearray()
-    real = socket.create_connection(("127.0.0.1", server.port))
-    ours = secrets.token_bytes(NONCE_BYTES)
-    real.sendall(MAGIC + ours)
-    from rlix_async.train.trainer_store import _Channel, session_key
-
-    channel = _Channel(real, session_key(server.secret, ours, real.recv(NONCE_BYTES)),
-                       b"\x00" * 4, b"\x00\x00\x00\x01")  # fmt: skip
-
-    class Tap:
-        def sendall(self, data: bytes) -> None:
-            sniffed.extend(data)
-            real.sendall(data)
-
-    channel.sock = Tap()  # type: ignore[assignment]
-    channel.send(["hello"])
-    real.close()
+    replay = sniffed_hello(server.port, server.secret)  # a real session's first frame
 
     results: list[torch.Tensor] = []
     stop = threading.Event()
-    leaked: list[bytes] = []
+    leaked: list[int] = []  # bytes each hostile connection got beyond the server's nonce
 
     def attack() -> None:
         kinds = ("garbage", "wrong_secret", "replayed", "silent")
         i = 0
         while not stop.is_set():
-            leaked.append(
-                _hostile(server.port, kinds[i % 4], secrets.token_bytes(32), bytes(sniffed))
-            )
+            leaked.append(hostile_connection(kinds[i % 4], server.port, random.Random(i), replay))
             i += 1
 
     def rank(r: int) -> None:
