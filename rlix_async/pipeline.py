@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -288,8 +289,9 @@ class Driver:
             # it while the checkpoint is written, and the ledger must name what it holds
             buffered = list(self.buffer.groups)
             extra = {"buffer": self.buffer.state_dict(), **collector.state_dict()}
-            path = self.out / "ckpt" / f"step_{step}.pt"
-            await asyncio.to_thread(self.trainer.save, path, extra)
+            path = await asyncio.to_thread(
+                self.trainer.save, checkpoint_path(self.out, step), extra
+            )
             ledger.checkpoint(step, buffered)  # the step's trajectories are trained for good
             if self.cfg.keep_checkpoints is not None:  # only once the new one is on disk
                 prune_checkpoints(path.parent, self.cfg.keep_checkpoints)
@@ -425,7 +427,9 @@ def build_trainer(
             "tp": cfg.clusters["actor_train"].tp,
             "pp": cfg.clusters["actor_train"].pp,
             "store": store,
-            "checkpoint_due": lambda step: checkpoint_due(step, cfg),
+            "checkpoint_to": lambda step: (
+                checkpoint_path(cfg.run_dir, step) if checkpoint_due(step, cfg) else None
+            ),
         }
     # in host memory until the first grant: the devices are not the pipeline's yet
     return trainer_cls(
@@ -441,6 +445,12 @@ def build_trainer(
         total_steps=cfg.steps,
         **backend,
     )
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    """Where step ``step``'s checkpoint is saved (a model-parallel megatron trainer
+    writes the directory ``step_N`` instead, train/sharded_checkpoint.py)."""
+    return run_dir / "ckpt" / f"step_{step}.pt"
 
 
 def checkpoint_due(step: int, cfg: PipelineConfig) -> bool:

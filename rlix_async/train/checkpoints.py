@@ -1,14 +1,18 @@
-"""A run's checkpoint files: ``ckpt/step_N.pt``, found, ordered and pruned; and the
-random state a checkpoint carries so a resumed run draws what the uninterrupted one
-would have."""
+"""A run's checkpoints: ``ckpt/step_N.pt`` files and sharded ``ckpt/step_N/``
+directories (train/sharded_checkpoint.py), found, ordered and pruned; and the random
+state a checkpoint carries so a resumed run draws what the uninterrupted one would have."""
 
 from __future__ import annotations
 
 import random
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from rlix_async.train.sharded_checkpoint import is_sharded
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -28,9 +32,21 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """N of a checkpoint named ``step_N.pt`` or ``step_N`` (None: another name, e.g. a
+    file or directory still being written)."""
+    m = re.fullmatch(r"step_(\d+)(\.pt)?", path.name)
+    return int(m.group(1)) if m else None
+
+
 def checkpoints(directory: Path) -> list[Path]:
-    """``step_N.pt`` files, oldest step first."""
-    return sorted(directory.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    """``step_N.pt`` files and sharded ``step_N`` directories, oldest step first."""
+    found = [
+        p
+        for p in directory.glob("step_*")
+        if checkpoint_step(p) is not None and (p.is_file() or is_sharded(p))
+    ]
+    return sorted(found, key=lambda p: checkpoint_step(p) or 0)
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
@@ -44,5 +60,8 @@ def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
         raise ValueError(f"keep must be >= 1, got {keep}")
     old = checkpoints(directory)[:-keep]
     for path in old:
-        path.unlink(missing_ok=True)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
     return old

@@ -13,9 +13,11 @@ config (train/lora.py): export merges the adapter into that base and writes the
 merged model, a plain HF directory. Its base is the one it recorded, or, with
 ``--config``, that pipeline's ``model.path`` (a base moved since training).
 
-A megatron-backend checkpoint holds the whole model in Megatron's names at any
-tensor-parallel layout (train/megatron.py gathers it): export converts it to the base's
-HF Llama names (the fused qkv split per query group, the fused gate/up split).
+A megatron-backend checkpoint holds the model in Megatron's names: whole in a
+``step_N.pt`` file, or, from a model-parallel trainer, in a sharded ``step_N/``
+directory of per-rank parts at any tensor x pipeline layout (train/sharded_checkpoint.py),
+which export assembles. Either is converted to the base's HF Llama names (the fused
+qkv split per query group, the fused gate/up split).
 """
 
 from __future__ import annotations
@@ -34,16 +36,25 @@ def export_checkpoint(ckpt: Path, hf_dir: Path, *, config: Path | None = None) -
     """Write the policy of ``ckpt`` to ``hf_dir`` (created; must not hold a model yet)."""
     import torch
 
-    if not ckpt.is_file():
+    from rlix_async.train.sharded_checkpoint import CheckpointError, ShardedCheckpoint
+
+    if ckpt.is_dir():
+        try:
+            state, lora = ShardedCheckpoint(ckpt).full_model(), None
+        except CheckpointError as exc:
+            raise ExportError(str(exc)) from None
+    elif not ckpt.is_file():
         raise ExportError(f"{ckpt}: no such checkpoint")
-    try:
-        data = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
-        state, lora = data["model"], data.get("lora")
-        if lora is not None and not isinstance(lora, dict):
-            raise TypeError("lora")
-    except Exception as exc:  # a torn or foreign file: say which, in one line
-        raise ExportError(f"{ckpt}: not a pipeline checkpoint ({type(exc).__name__})") from None
-    run_dir = ckpt.resolve().parent.parent  # OUT/<id>/ckpt/step_N.pt
+    else:
+        try:
+            data = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
+            state, lora = data["model"], data.get("lora")
+            if lora is not None and not isinstance(lora, dict):
+                raise TypeError("lora")
+        except Exception as exc:  # a torn or foreign file: say which, in one line
+            why = type(exc).__name__
+            raise ExportError(f"{ckpt}: not a pipeline checkpoint ({why})") from None
+    run_dir = ckpt.resolve().parent.parent  # OUT/<id>/ckpt/step_N[.pt]
     backend = "torch"
     if lora is not None and config is None and lora.get("base"):
         base = Path(lora["base"])  # an adapter names its base: no pipeline config needed
@@ -51,7 +62,7 @@ def export_checkpoint(ckpt: Path, hf_dir: Path, *, config: Path | None = None) -
         base, backend = _base_from_config(config or run_dir / "pipeline.yaml", run_dir)
     if not (base / "config.json").is_file():
         raise ExportError(f"{base}: the base model directory is gone (config.json missing)")
-    if backend == "megatron":
+    if backend == "megatron" or ckpt.is_dir():
         state = _hf_names(ckpt, base, state)
     if (hf_dir / "config.json").exists():
         raise ExportError(f"{hf_dir}: already holds a model; choose an empty directory")

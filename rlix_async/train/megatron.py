@@ -24,8 +24,11 @@ last stage's copy of a tied embedding not at all), and the two copies' gradients
 summed over the embedding group. Ranks build the model together (the group is up while
 the trainer is constructed), and after every step the first replica's ranks gather the
 full weights onto rank 0 (each stage onto its first rank, then to rank 0), which
-builds the weight cache from them; at checkpoint steps the optimizer state too, so a
-checkpoint is the tp=1/pp=1 state at any layout and resumes at any other. On CPU it
+builds the weight cache from them. Checkpoints under model parallel are sharded
+(``train/sharded_checkpoint.py``): at a checkpoint step each rank of the first replica
+writes its own slices and optimizer state, named as in the full model, so no rank
+gathers the optimizer state, and a checkpoint resumes at any other layout; the
+gathered ``step_N.pt`` files earlier versions wrote still load. On CPU it
 needs ``megatron_cpu_compat`` (megatron-core 0.16.1 assumes CUDA in two places).
 Its CUDA RNG tracker is seeded (``model_parallel_cuda_manual_seed``) with the parallel
 state; on CPU the compat module keeps that tracker's states on the CPU generator.
@@ -43,7 +46,9 @@ import torch.distributed as dist
 
 from rlix_async.config import ModelConfig, TrainConfig
 from rlix_async.models.hf import load_hf_model
+from rlix_async.train import sharded_checkpoint
 from rlix_async.train.buffer import Group
+from rlix_async.train.checkpoints import rng_state, set_rng_state
 from rlix_async.train.megatron_hf import (
     MegatronModelError,
     hf_to_megatron,
@@ -68,7 +73,8 @@ from rlix_async.train.pipeline_parallel import (
     global_name,
     to_stage,
 )
-from rlix_async.train.precision import cast_floats
+from rlix_async.train.precision import MainParamsAdamW, cast_floats, drop_main_params
+from rlix_async.train.sharded_checkpoint import ShardedCheckpoint, sharded_path
 from rlix_async.train.stage_transfer import recv_tensors, send_tensors
 from rlix_async.train.tensor_parallel import (
     check_shape,
@@ -92,13 +98,14 @@ class MegatronTrainer(TorchTrainer):
         tp: int = 1,
         pp: int = 1,
         store: dist.Store | None = None,
-        checkpoint_due: Callable[[int], bool] | None = None,
+        checkpoint_to: Callable[[int], Path | None] | None = None,
         **kw: Any,
     ) -> None:
         """``tp`` x ``pp`` consecutive ranks per replica; with more than one every rank
         constructs its trainer at the same time, meeting on ``store``.
-        ``checkpoint_due(step)``: whether the step just trained is checkpointed (the
-        optimizer state is gathered for rank 0 then)."""
+        ``checkpoint_to(step)``: the path rank 0 will ``save`` the step just trained
+        to, None when it is not checkpointed (under model parallel every rank writes
+        its part of it while the step's group is up)."""
         world = int(kw.get("world", 1))
         if tp * pp > 1 and (store is None or world % (tp * pp)):
             raise ValueError(
@@ -107,9 +114,9 @@ class MegatronTrainer(TorchTrainer):
             )
         self.tp, self.pp = tp, pp
         self._store = store
-        self.checkpoint_due = checkpoint_due or (lambda step: False)
+        self.checkpoint_to = checkpoint_to or (lambda step: None)
         self._full: dict[str, torch.Tensor] | None = None  # rank 0, model parallel: the whole model
-        self._full_optim: dict[str, Any] | None = None  # and at checkpoint steps its optimizer
+        self._parts_step = -1  # the last step whose parts every rank wrote (sharded checkpoint)
         try:
             super().__init__(cfg, model, **kw)
             self.dp_rank, self.dp_world = self.rank // (tp * pp), self.world // (tp * pp)
@@ -354,9 +361,39 @@ class MegatronTrainer(TorchTrainer):
         if self.model_parallel:  # while the group is up: the cache and checkpoint need it whole
             t0 = time.perf_counter()
             self._full = self._gather_model()
-            self._full_optim = self._gather_optimizer() if self.checkpoint_due(self.step) else None
             self.step_times["time_gather_s"] = round(time.perf_counter() - t0, 4)
+            if (path := self.checkpoint_to(self.step)) is not None:
+                t0 = time.perf_counter()
+                self._write_part(sharded_path(path))
+                self.step_times["time_checkpoint_part_s"] = round(time.perf_counter() - t0, 4)
         return stats
+
+    def _write_part(self, path: Path) -> None:
+        """Every rank of the first replica writes its part of the sharded checkpoint
+        ``path`` (its own model slices and optimizer state, under the full model's
+        names); rank 0 promotes it in ``save`` once the pipeline adds its entries."""
+        if self.rank == 0:
+            sharded_checkpoint.begin(path)
+        dist.barrier()  # the staging directory is fresh before anyone writes into it
+        if self.dp_rank == 0:
+            s = self._shape
+            model = {
+                name: v
+                for k, v in self.model.state_dict().items()
+                if isinstance(v, torch.Tensor)
+                and "_extra_state" not in k
+                and (name := global_name(k, self.stage, self.pp, s["layers"], s["tied"]))
+            }
+            names = self._param_names()
+            optim: dict[str, dict[str, torch.Tensor]] = {}
+            for i, state in self.optim.state_dict()["state"].items():
+                name = global_name(names[i], self.stage, self.pp, s["layers"], s["tied"])
+                if name is not None:  # a tied embedding's last-stage copy: stage 0 has it
+                    optim[name] = dict(state)
+            tensors = sharded_checkpoint.part_tensors(model, optim)
+            sharded_checkpoint.write_part(path, self.stage, self.tp_rank, tensors)
+        dist.barrier()  # every part is on disk before rank 0 may promote the checkpoint
+        self._parts_step = self.step
 
     def _from_last_stage(self, stats: dict[str, float]) -> dict[str, float]:
         """The step's figures as the last stage computed them (only it sees logits)."""
@@ -444,35 +481,6 @@ class MegatronTrainer(TorchTrainer):
         """The whole (tp=1/pp=1) model's, in its optimizer's order."""
         return full_param_order(self._param_names(), self._shape["layers"], self._shape["tied"])
 
-    def _gather_optimizer(self) -> dict[str, Any] | None:
-        """The whole model's optimizer state on rank 0, as a tp=1/pp=1 trainer's."""
-        if self.dp_rank != 0:
-            return None
-        local = self.optim.state_dict()
-        names = self._param_names()
-        s = self._shape
-        flat: dict[str, torch.Tensor] = {}
-        for i, state in local["state"].items():
-            name = global_name(names[i], self.stage, self.pp, s["layers"], s["tied"])
-            for k, v in state.items():
-                full = self._gather(names[i], v) if v.dim() else v.detach().to("cpu", copy=True)
-                if full is not None and name is not None:
-                    flat[f"{name}/{k}"] = full
-        whole = self._onto_rank0(flat)
-        if whole is None:
-            return None
-        order = self._full_param_names()
-        state_of: dict[int, dict[str, Any]] = {}
-        index = {n: i for i, n in enumerate(order)}
-        for key, v in whole.items():
-            name, _, k = key.rpartition("/")
-            state_of.setdefault(index[name], {})[k] = v
-        (group,) = local["param_groups"]  # one group: AdamW over every trainable weight
-        return {
-            "state": dict(sorted(state_of.items())),
-            "param_groups": [{**group, "params": list(range(len(order)))}],
-        }
-
     def _model_state(self) -> dict[str, Any]:
         """The whole (tp=1/pp=1) model in Megatron's names: this rank's own without
         model parallel, else the one gathered onto rank 0 at every step (checkpoints and
@@ -483,25 +491,66 @@ class MegatronTrainer(TorchTrainer):
             raise RuntimeError("only rank 0 holds the whole model (gathered at every step)")
         return self._full
 
-    def _optim_state(self) -> dict[str, Any]:
+    def save(self, path: Path, extra: dict[str, Any]) -> Path:
+        """Under model parallel: the sharded checkpoint whose parts the ranks wrote as
+        the step trained (``checkpoint_to`` named it), completed with the step, the RNG
+        state and ``extra`` and promoted; returns its directory."""
         if not self.model_parallel:
-            return super()._optim_state()
-        if self._full_optim is None:
+            return super().save(path, extra)
+        if self._parts_step != self.step:
             raise RuntimeError(
-                f"the optimizer state of step {self.step} was not gathered: its checkpoint "
-                "must be due (checkpoint_due) when it trains"
+                f"the parts of step {self.step}'s checkpoint were not written: "
+                "checkpoint_to must name it when the step trains"
             )
-        return self._full_optim
+        s = self._shape
+        (group,) = self.optim.state_dict()["param_groups"]  # one: AdamW over every weight
+        meta = {
+            "tp": self.tp,
+            "pp": self.pp,
+            "layers": s["layers"],
+            "tied": s["tied"],
+            "vocab_size": s["vocab_size"],
+            "step": self.step,
+            "rng": rng_state(self.device),
+            "param_group": {k: v for k, v in group.items() if k != "params"},
+            **extra,
+        }
+        return sharded_checkpoint.promote(sharded_path(path), meta)
 
-    def save(self, path: Path, extra: dict[str, Any]) -> None:
-        try:
-            super().save(path, extra)
-        finally:
-            self._full_optim = None  # whole on rank 0 only until it is written
+    def load(self, path: Path) -> dict[str, Any]:
+        if not path.is_dir():
+            return super().load(path)
+        ckpt = ShardedCheckpoint(path)
+        s = self._shape
+        if ckpt.vocab != s["vocab_size"] or int(ckpt.meta["layers"]) != s["layers"]:
+            raise MegatronModelError(
+                f"{path}: its model has {ckpt.meta['layers']} layers and a vocabulary of "
+                f"{ckpt.vocab}, this one {s['layers']} and {s['vocab_size']}"
+            )
+        # this stage's tensors under their local names, from the full model's names
+        wanted = self._to_stage({name: name for name in ckpt.model_names()})
+        local = {k: ckpt.part(str(name), self.tp_rank, self.tp) for k, name in wanted.items()}
+        self._install(self.model, local, path, whole=False)
+        state: dict[int, dict[str, Any]] = {}
+        for j, n in enumerate(self._param_names()):
+            # a tied embedding's last-stage copy starts from the embedding's state
+            name = global_name(n, self.stage, self.pp, s["layers"], s["tied"]) or EMBEDDING
+            entries = ckpt.optim_keys(name)
+            if entries:
+                state[j] = {e: ckpt.part(name, self.tp_rank, self.tp, e) for e in entries}
+        group = {**ckpt.meta["param_group"], "params": list(range(len(self._param_names())))}
+        TorchTrainer._load_optim(self, {"state": state, "param_groups": [group]})
+        if not isinstance(self.optim, MainParamsAdamW):
+            drop_main_params(self.optim)
+        self.step = int(ckpt.meta["step"])
+        set_rng_state(ckpt.meta["rng"], self.device)
+        if self.model_parallel and self.rank == 0:
+            self._full = ckpt.full_model()
+        return ckpt.meta
 
     def _load_model(self, path: Path, ckpt: dict[str, Any]) -> None:
-        """A checkpoint holds the whole (tp=1/pp=1) model whatever its layout: this
-        rank's part of it, and on rank 0 the whole for the cache."""
+        """A ``step_N.pt`` checkpoint holds the whole (tp=1/pp=1) model whatever its
+        layout: this rank's part of it, and on rank 0 the whole for the cache."""
         rows = ckpt["model"].get("embedding.word_embeddings.weight")
         if isinstance(rows, torch.Tensor) and rows.shape[0] != self._shape["vocab_size"]:
             raise MegatronModelError(

@@ -60,6 +60,7 @@ from rlix_async.train.precision import (
     drop_main_params,
     needs_main_params,
 )
+from rlix_async.train.sharded_checkpoint import CheckpointError
 
 if TYPE_CHECKING:
     from rlix_async.config.lora import LoraConfig
@@ -532,11 +533,11 @@ class TorchTrainer:
 
     # --- checkpoint ------------------------------------------------------------------------
 
-    def save(self, path: Path, extra: dict[str, Any]) -> None:
+    def save(self, path: Path, extra: dict[str, Any]) -> Path:
         """Model, optimizer, step and RNG, with ``extra``: plain values only (lists,
-        dicts, numbers, strings, tensors), what ``load`` accepts. With LoRA, "model" is
-        the adapter alone and "lora" says what it was trained on (base directory,
-        config, dtype): the frozen base is never written."""
+        dicts, numbers, strings, tensors), what ``load`` accepts; returns the path
+        written. With LoRA, "model" is the adapter alone and "lora" says what it was
+        trained on (base directory, config, dtype): the frozen base is never written."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         if self.lora is not None:
@@ -558,11 +559,17 @@ class TorchTrainer:
             tmp,
         )
         os.replace(tmp, path)  # a kill mid-save never leaves a torn checkpoint
+        return path
 
     def load(self, path: Path) -> dict[str, Any]:
         """The checkpoint at ``path``, installed; its other entries (buffer, collector
         state) returned. Read with ``weights_only``: tensors, containers and plain
         values only, so a file we did not write cannot run code as it is read."""
+        if path.is_dir():
+            raise CheckpointError(
+                f"{path}: a sharded checkpoint (written by a model-parallel megatron "
+                "trainer): resume it with train.backend: megatron"
+            )
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         self._load_model(path, ckpt)
         self._load_optim(ckpt["optim"])

@@ -2,7 +2,8 @@
 torchrun (every rank runs this): ``python -m torch.distributed.run --standalone
 --nproc-per-node=W megatron_tp.py OUT MODEL TP[xPP] STEPS [CKPT]``. Rank 0 writes
 OUT/run.pt: the weight cache before and after the steps, each step's figures and
-times, and a checkpoint after the first step (OUT/ckpt_1.pt); the last stage's first
+times, and a checkpoint after the first step (OUT/ckpt_1.pt; under model parallel the
+sharded directory OUT/ckpt_1 every rank writes its part of); the last stage's first
 rank writes the logits of a fixed input at the start (OUT/logits.pt). With CKPT it resumes
 from there first. Every rank writes OUT/rss-RANK.json: its
 peak RSS after building the trainer and after the steps. Used by
@@ -45,7 +46,7 @@ trainer = MegatronTrainer(
     tp=tp,
     pp=pp,
     store=store,
-    checkpoint_due=lambda step: step == 1,
+    checkpoint_to=lambda step: out / "ckpt_1.pt" if step == 1 else None,
 )
 peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10  # bytes (Linux: KiB)
 if ckpt is not None:

@@ -192,7 +192,12 @@ pipelines:
     (metrics,) = out.glob("mg*/metrics.jsonl")
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    (ckpt,) = metrics.parent.glob("ckpt/step_2.pt")
+    (ckpt,) = metrics.parent.glob("ckpt/step_2*")
+    if tp * pp == 1:
+        assert ckpt.name == "step_2.pt"
+    else:  # sharded: every rank of the first replica wrote its own part
+        parts = sorted(p.name for p in ckpt.glob("part-*"))
+        assert parts == [f"part-pp{s}-tp{t}.safetensors" for s in range(pp) for t in range(tp)]
     hf = tmp_path / "hf"
     done = subprocess.run(
         [sys.executable, "-m", "rlix_async.cli", "export", str(ckpt), "--hf", str(hf)],

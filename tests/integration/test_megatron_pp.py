@@ -38,10 +38,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "tied_pp2_dp2": run_tp(root / "tpp2dp2", tied, 1, 4, 2, pp=2),
         "tied_tp2_pp2": run_tp(root / "ttp2pp2", tied, 2, 4, 2, pp=2),
     }
-    out["pp2_resumed"] = run_tp(root / "pp2r", model, 1, 2, 1, root / "pp2" / "ckpt_1.pt", pp=2)
-    out["tp1_from_pp2"] = run_tp(root / "tp1r", model, 1, 1, 1, root / "pp2" / "ckpt_1.pt")
+    out["pp2_resumed"] = run_tp(root / "pp2r", model, 1, 2, 1, root / "pp2" / "ckpt_1", pp=2)
+    out["tp1_from_pp2"] = run_tp(root / "tp1r", model, 1, 1, 1, root / "pp2" / "ckpt_1")
     out["tied_tp1_from_tp2_pp2"] = run_tp(
-        root / "ttp1r", tied, 1, 1, 1, root / "ttp2pp2" / "ckpt_1.pt"
+        root / "ttp1r", tied, 1, 1, 1, root / "ttp2pp2" / "ckpt_1"
     )
     return out
 

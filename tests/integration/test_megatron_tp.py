@@ -35,8 +35,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         # two replicas each, of a model whose output layer is its embedding
         "tp1_dp2_tied": run_tp(root / "tp1dp2", tied, 1, 2, 2),
         "tp2_dp2_tied": run_tp(root / "tp2dp2", tied, 2, 4, 2),
-        "tp2_resumed": run_tp(root / "tp2r", model, 2, 2, 1, root / "tp2" / "ckpt_1.pt"),
-        "tp1_from_tp2": run_tp(root / "tp1r", model, 1, 1, 1, root / "tp2" / "ckpt_1.pt"),
+        "tp2_resumed": run_tp(root / "tp2r", model, 2, 2, 1, root / "tp2" / "ckpt_1"),
+        "tp1_from_tp2": run_tp(root / "tp1r", model, 1, 1, 1, root / "tp2" / "ckpt_1"),
     }
 
 
