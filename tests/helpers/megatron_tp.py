@@ -15,6 +15,7 @@ import json
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -99,7 +100,9 @@ for s in range(steps):
     times.append(dict(trainer.step_times))
     trainer.destroy_group()
     if rank == 0 and trainer.step == 1 and ckpt is None:
+        t0 = time.perf_counter()
         trainer.save(out / "ckpt_1.pt", {})
+        record["save_s"] = time.perf_counter() - t0
 record["figures"], record["times"], record["stale_groups"] = figures, times, stale
 peak_steps = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
 (out / f"rss-{rank}.json").write_text(json.dumps({"load": peak_load, "steps": peak_steps}))
