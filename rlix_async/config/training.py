@@ -98,6 +98,16 @@ class TrainConfig(Config, frozen=True):
             "largest activations). none: keep everything."
         ),
     ] = "none"
+    distributed_optimizer: Annotated[
+        bool,
+        doc(
+            "megatron backend: shard the optimizer state (float32 main weights and Adam "
+            "moments, 12 bytes a parameter under bfloat16) over the data-parallel "
+            "replicas by whole parameters (ZeRO stage 1): each keeps and steps its own "
+            "share, then sends those weights to the others. Memory, not maths: the "
+            "same updates."
+        ),
+    ] = False
     loss: Annotated[LossConfig, doc("The policy loss.")] = LossConfig()
 
     def __post_init__(self) -> None:
@@ -105,6 +115,12 @@ class TrainConfig(Config, frozen=True):
             raise invalid(
                 "max_tokens_per_micro_batch",
                 "cut micro-batches by rows (micro_batch_size) or by tokens, not both",
+            )
+        if self.distributed_optimizer and self.backend != "megatron":
+            raise invalid(
+                "distributed_optimizer",
+                "the megatron backend's (its checkpoints are written by every rank); the "
+                "torch backend keeps the whole optimizer on every rank",
             )
         if self.recompute == "selective" and self.backend != "megatron":
             raise invalid(

@@ -1,5 +1,5 @@
-"""A trainer's state by stable names, and the page-locked host memory it lives in
-while offloaded."""
+"""A trainer's state by stable names, the page-locked host memory it lives in while
+offloaded, and the moves between the two (:class:`DeviceOffload`)."""
 
 from __future__ import annotations
 
@@ -110,3 +110,73 @@ class PinnedHostBuffers:
                 )
             pinned.append(raw)
             self.views[key] = raw.view(dtype).view(shape)
+
+
+class DeviceOffload:
+    """A trainer's state (policy, optimizer, KL reference) moved off its device into
+    page-locked host buffers and back.
+
+    The buffers are allocated at the first offload and reused by every later one (new
+    ones only when the set of tensors changes: an offload before the first step has no
+    optimizer state yet); all copies are queued, then waited for once. Afterwards the
+    device holds nothing of the trainer (the CUDA context aside).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.moved: list[StateKey] = []  # what offload() moved; reload() moves it back
+        self._host: PinnedHostBuffers | None = None
+
+    def offload(
+        self,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer,
+        reference: torch.nn.Module | None,
+    ) -> None:
+        self.moved = self._move_to_host(model, optim, reference)
+        torch._C._cuda_clearCublasWorkspaces()  # allocator blocks that empty_cache keeps
+        torch.cuda.empty_cache()
+
+    def _move_to_host(
+        self,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer,
+        reference: torch.nn.Module | None,
+    ) -> list[StateKey]:
+        """Copy every device tensor of the state into its host buffer and put that in its place.
+
+        A method of its own so that, once it returns, nothing references the device
+        tensors any more (a loop variable in ``offload`` would keep the last one alive).
+        """
+        resident = {
+            k: t
+            for k, t in state_tensors(model, optim, reference).items()
+            if t.device == self.device
+        }
+        specs = [(k, t.dtype, t.shape) for k, t in resident.items()]
+        if self._host is None or self._host.specs != specs:
+            self._host = None  # the old pages are unlocked before the new ones are locked
+            self._host = PinnedHostBuffers(specs)
+        host = self._host.views
+        for k, t in resident.items():
+            host[k].copy_(t, non_blocking=True)
+        torch.cuda.synchronize(self.device)  # every copy has landed: the device copies may go
+        install_state(model, optim, reference, {k: host[k] for k in resident})
+        return list(resident)
+
+    def reload(
+        self,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer,
+        reference: torch.nn.Module | None,
+    ) -> None:
+        """What offload() moved back onto the device (a checkpoint loaded meanwhile too)."""
+        state = state_tensors(model, optim, reference)  # everything off the device
+        back = {
+            k: t.to(self.device, non_blocking=True)
+            for k, t in state.items()
+            if t.device != self.device
+        }
+        torch.cuda.synchronize(self.device)  # the host buffers are free for the next offload
+        install_state(model, optim, reference, back)
+        self.moved = []

@@ -49,6 +49,7 @@ from rlix_async.models.hf import load_hf_model
 from rlix_async.train import sharded_checkpoint
 from rlix_async.train.buffer import Group
 from rlix_async.train.checkpoints import rng_state, set_rng_state
+from rlix_async.train.distributed_optimizer import broadcast_owned, owners
 from rlix_async.train.megatron_hf import (
     MegatronModelError,
     hf_to_megatron,
@@ -68,21 +69,18 @@ from rlix_async.train.packing import Piece
 from rlix_async.train.pipeline_parallel import (
     EMBEDDING,
     check_layers,
-    from_stage,
     full_param_order,
     global_name,
     to_stage,
 )
 from rlix_async.train.precision import MainParamsAdamW, cast_floats, drop_main_params
 from rlix_async.train.sharded_checkpoint import ShardedCheckpoint, sharded_path
-from rlix_async.train.stage_transfer import recv_tensors, send_tensors
+from rlix_async.train.stage_transfer import gather_model
 from rlix_async.train.tensor_parallel import (
     check_shape,
-    merge_tensor,
     pad_vocab_rows,
     shard,
-    shard_optimizer,
-    split_dim,
+    shard_tensor,
 )
 from rlix_async.train.trainer import TorchTrainer
 
@@ -119,12 +117,40 @@ class MegatronTrainer(TorchTrainer):
         self._parts_step = -1  # the last step whose parts every rank wrote (sharded checkpoint)
         try:
             super().__init__(cfg, model, **kw)
-            self.dp_rank, self.dp_world = self.rank // (tp * pp), self.world // (tp * pp)
             if self.model_parallel:
                 self._full = self._gather_model()
         finally:
             if self.model_parallel:
                 self.destroy_group()
+
+    def _replica(self, rank: int, world: int) -> tuple[int, int]:
+        return rank // (self.tp * self.pp), world // (self.tp * self.pp)
+
+    def _optimized(self, trainable: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """All of ``trainable``, or with the distributed optimizer the share this
+        replica owns (train/distributed_optimizer.py)."""
+        self._trainable = trainable
+        self._owner: list[int] | None = None
+        if not self.cfg.distributed_optimizer or self.dp_world == 1:
+            return trainable
+        if len(trainable) < self.dp_world:
+            raise ValueError(
+                f"distributed_optimizer: {self.dp_world} replicas share {len(trainable)} "
+                "parameters, so one would hold none; use fewer replicas or turn it off"
+            )
+        self._owner = owners([p.numel() for p in trainable], self.dp_world)
+        return [p for p, o in zip(trainable, self._owner, strict=True) if o == self.dp_rank]
+
+    def _after_optim_step(self) -> None:
+        if self._owner is not None:  # each replica stepped its share: every weight to all
+            span = self.tp * self.pp  # data-parallel rank d's rank: d x span + this offset
+            ranks = [d * span + self.rank % span for d in range(self.dp_world)]
+            broadcast_owned(self._trainable, self._owner, ranks, self._dp_group())
+
+    @property
+    def sharded(self) -> bool:
+        """Whether checkpoints are sharded (every rank holds a part no other has)."""
+        return self.model_parallel or self._owner is not None
 
     @property
     def model_parallel(self) -> bool:
@@ -358,40 +384,46 @@ class MegatronTrainer(TorchTrainer):
         stats = super().train_step(groups)
         if self.pp > 1:
             stats = self._from_last_stage(stats)
-        if self.model_parallel:  # while the group is up: the cache and checkpoint need it whole
+        if self.model_parallel:  # while the group is up: the weight cache needs it whole
             t0 = time.perf_counter()
             self._full = self._gather_model()
             self.step_times["time_gather_s"] = round(time.perf_counter() - t0, 4)
-            if (path := self.checkpoint_to(self.step)) is not None:
-                t0 = time.perf_counter()
-                self._write_part(sharded_path(path))
-                self.step_times["time_checkpoint_part_s"] = round(time.perf_counter() - t0, 4)
+        if self.sharded and (path := self.checkpoint_to(self.step)) is not None:
+            t0 = time.perf_counter()
+            self._write_part(sharded_path(path))
+            self.step_times["time_checkpoint_part_s"] = round(time.perf_counter() - t0, 4)
         return stats
 
     def _write_part(self, path: Path) -> None:
-        """Every rank of the first replica writes its part of the sharded checkpoint
-        ``path`` (its own model slices and optimizer state, under the full model's
-        names); rank 0 promotes it in ``save`` once the pipeline adds its entries."""
+        """This rank's part of the sharded checkpoint ``path``: the first replica's
+        ranks write their model slices and optimizer state, the other replicas' their
+        optimizer state when the distributed optimizer shards it (else nothing), under
+        the full model's names; rank 0 promotes it in ``save``."""
         if self.rank == 0:
             sharded_checkpoint.begin(path)
         dist.barrier()  # the staging directory is fresh before anyone writes into it
-        if self.dp_rank == 0:
+        if self.dp_rank == 0 or self._owner is not None:
             s = self._shape
+
+            def full_name(local: str) -> str | None:
+                return global_name(local, self.stage, self.pp, s["layers"], s["tied"])
+
             model = {
                 name: v
                 for k, v in self.model.state_dict().items()
-                if isinstance(v, torch.Tensor)
+                if self.dp_rank == 0
+                and isinstance(v, torch.Tensor)
                 and "_extra_state" not in k
-                and (name := global_name(k, self.stage, self.pp, s["layers"], s["tied"]))
+                and (name := full_name(k))
             }
-            names = self._param_names()
-            optim: dict[str, dict[str, torch.Tensor]] = {}
-            for i, state in self.optim.state_dict()["state"].items():
-                name = global_name(names[i], self.stage, self.pp, s["layers"], s["tied"])
-                if name is not None:  # a tied embedding's last-stage copy: stage 0 has it
-                    optim[name] = dict(state)
+            names = self._optim_param_names()
+            optim = {  # a tied embedding's last-stage copy: stage 0 has its state
+                name: dict(state)
+                for i, state in self.optim.state_dict()["state"].items()
+                if (name := full_name(names[i])) is not None
+            }
             tensors = sharded_checkpoint.part_tensors(model, optim)
-            sharded_checkpoint.write_part(path, self.stage, self.tp_rank, tensors)
+            sharded_checkpoint.write_part(path, self.stage, self.tp_rank, tensors, self.dp_rank)
         dist.barrier()  # every part is on disk before rank 0 may promote the checkpoint
         self._parts_step = self.step
 
@@ -430,52 +462,34 @@ class MegatronTrainer(TorchTrainer):
                 g.mul_(coef.to(g.dtype))
         return norm
 
-    def _gather(self, name: str, local: torch.Tensor) -> torch.Tensor | None:
-        """The full tensor ``name`` on the stage's first rank (None elsewhere) from the
-        parts of its tensor-parallel group (every rank of the first replica takes part)."""
-        from megatron.core import parallel_state
-
-        if split_dim(name) is None:
-            return local.detach().to("cpu", copy=True) if self.tp_rank == 0 else None
-        group = parallel_state.get_tensor_model_parallel_group()
-        local = local.detach().contiguous()
-        if dist.get_backend(group) == "gloo":  # the constructor's group: host tensors
-            local = local.cpu()
-        parts = [torch.empty_like(local) for _ in range(self.tp)]
-        dist.all_gather(parts, local, group=group)
-        if self.tp_rank != 0:
-            return None
-        # the merge is a new tensor: to the host once (no second copy when already there)
-        return merge_tensor(name, parts, self._shape["vocab_size"]).to("cpu")
-
     def _gather_model(self) -> dict[str, torch.Tensor] | None:
-        if self.dp_rank != 0:  # the other replicas hold the same weights
-            return None
-        local = {}
-        for name, v in self.model.state_dict().items():
-            if isinstance(v, torch.Tensor):
-                full = self._gather(name, v)
-                if full is not None:
-                    local[name] = full
         s = self._shape
-        return self._onto_rank0(from_stage(local, self.stage, self.pp, s["layers"], s["tied"]))
-
-    def _onto_rank0(self, mine: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        """Every stage's ``mine`` (its first rank's, named as in the whole model) on rank 0
-        (None elsewhere)."""
-        if self.tp_rank != 0:
-            return None
-        if self.stage > 0:
-            send_tensors(mine, 0, self.device)  # type: ignore[arg-type]
-            return None
-        out: dict[str, torch.Tensor] = dict(mine)  # type: ignore[arg-type]
-        for stage in range(1, self.pp):
-            out.update(recv_tensors(stage * self.tp, self.device))  # its first rank
-        return out
+        return gather_model(
+            self.model.state_dict(),
+            tp=(self.tp_rank, self.tp),
+            stage=(self.stage, self.pp),
+            first_replica=self.dp_rank == 0,
+            shape=(s["layers"], s["tied"], s["vocab_size"]),
+            device=self.device,
+        )
 
     def _param_names(self) -> list[str]:
-        """The trainable parameters' names in the optimizer's order."""
+        """The trainable parameters' names, in the model's order."""
         return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def _optim_param_names(self) -> list[str]:
+        """The names of the parameters the optimizer holds (with the distributed
+        optimizer this replica's share), in its order."""
+        held = {id(p) for g in self.optim.param_groups for p in g["params"]}
+        return [n for n, p in self.model.named_parameters() if id(p) in held]
+
+    def _install_optim(self, by_name: dict[str, dict[str, Any]], group: dict[str, Any]) -> None:
+        """The optimizer state of the parameters this rank's optimizer holds, from
+        ``by_name`` (this rank's slices by local name); ``group``: lr, betas, ..."""
+        names = self._optim_param_names()
+        state = {j: by_name[n] for j, n in enumerate(names) if n in by_name}
+        group = {**group, "params": list(range(len(names)))}
+        TorchTrainer._load_optim(self, {"state": state, "param_groups": [group]})
 
     def _full_param_names(self) -> list[str]:
         """The whole (tp=1/pp=1) model's, in its optimizer's order."""
@@ -495,7 +509,7 @@ class MegatronTrainer(TorchTrainer):
         """Under model parallel: the sharded checkpoint whose parts the ranks wrote as
         the step trained (``checkpoint_to`` named it), completed with the step, the RNG
         state and ``extra`` and promoted; returns its directory."""
-        if not self.model_parallel:
+        if not self.sharded:
             return super().save(path, extra)
         if self._parts_step != self.step:
             raise RuntimeError(
@@ -510,6 +524,7 @@ class MegatronTrainer(TorchTrainer):
             "layers": s["layers"],
             "tied": s["tied"],
             "vocab_size": s["vocab_size"],
+            "dp": self.dp_world if self._owner is not None else 1,  # optimizer shards
             "step": self.step,
             "rng": rng_state(self.device),
             "param_group": {k: v for k, v in group.items() if k != "params"},
@@ -531,15 +546,14 @@ class MegatronTrainer(TorchTrainer):
         wanted = self._to_stage({name: name for name in ckpt.model_names()})
         local = {k: ckpt.part(str(name), self.tp_rank, self.tp) for k, name in wanted.items()}
         self._install(self.model, local, path, whole=False)
-        state: dict[int, dict[str, Any]] = {}
-        for j, n in enumerate(self._param_names()):
+        by_name = {}
+        for n in self._optim_param_names():  # only what this rank's optimizer holds
             # a tied embedding's last-stage copy starts from the embedding's state
             name = global_name(n, self.stage, self.pp, s["layers"], s["tied"]) or EMBEDDING
             entries = ckpt.optim_keys(name)
             if entries:
-                state[j] = {e: ckpt.part(name, self.tp_rank, self.tp, e) for e in entries}
-        group = {**ckpt.meta["param_group"], "params": list(range(len(self._param_names())))}
-        TorchTrainer._load_optim(self, {"state": state, "param_groups": [group]})
+                by_name[n] = {e: ckpt.part(name, self.tp_rank, self.tp, e) for e in entries}
+        self._install_optim(by_name, ckpt.meta["param_group"])
         if not isinstance(self.optim, MainParamsAdamW):
             drop_main_params(self.optim)
         self.step = int(ckpt.meta["step"])
@@ -562,21 +576,24 @@ class MegatronTrainer(TorchTrainer):
             self._full = {k: v for k, v in ckpt["model"].items() if isinstance(v, torch.Tensor)}
 
     def _load_optim(self, state: dict[str, Any]) -> None:
-        """This rank's part of the whole model's optimizer ``state`` (a tied embedding's
-        last-stage copy starts from the embedding's)."""
-        names = self._param_names()
-        if self.pp > 1:
-            s = self._shape
-            index = {n: i for i, n in enumerate(self._full_param_names())}
-            whole = state["state"]
-            mine = {}
-            for j, n in enumerate(names):
-                g = global_name(n, self.stage, self.pp, s["layers"], s["tied"]) or EMBEDDING
-                if index[g] in whole:
-                    mine[j] = whole[index[g]]
-            (group,) = state["param_groups"]
-            state = {"state": mine, "param_groups": [{**group, "params": list(range(len(names)))}]}
-        super()._load_optim(shard_optimizer(state, names, self.tp_rank, self.tp))
+        """This rank's part of a ``step_N.pt``'s optimizer ``state`` (the whole model's,
+        in its order; a tied embedding's last-stage copy starts from the embedding's)."""
+        s = self._shape
+        order = self._full_param_names() if self.pp > 1 else self._param_names()
+        index = {n: i for i, n in enumerate(order)}
+        whole = state["state"]
+        by_name = {}
+        for n in self._optim_param_names():
+            g = global_name(n, self.stage, self.pp, s["layers"], s["tied"]) or EMBEDDING
+            if index[g] in whole:
+                by_name[n] = {
+                    k: shard_tensor(g, v, self.tp_rank, self.tp)
+                    if isinstance(v, torch.Tensor) and v.dim()
+                    else v
+                    for k, v in whole[index[g]].items()
+                }
+        (group,) = state["param_groups"]
+        self._install_optim(by_name, {k: v for k, v in group.items() if k != "params"})
 
     def weights_for_cache(self) -> dict[str, torch.Tensor]:
         s = self._shape

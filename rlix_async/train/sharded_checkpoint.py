@@ -53,8 +53,16 @@ def staging(path: Path) -> Path:
     return path.parent / f".{path.name}.staging"
 
 
-def part_name(stage: int, tp_rank: int) -> str:
-    return f"part-pp{stage}-tp{tp_rank}.safetensors"
+def part_name(stage: int, tp_rank: int, dp_rank: int = 0) -> str:
+    """The first replica's parts hold the model and optimizer; with the distributed
+    optimizer each other replica's rank writes its share of the optimizer state."""
+    dp = f"-dp{dp_rank}" if dp_rank else ""
+    return f"part-pp{stage}-tp{tp_rank}{dp}.safetensors"
+
+
+def part_names(tp: int, pp: int, dp: int) -> list[str]:
+    """Every part of a checkpoint at ``tp`` x ``pp`` with ``dp`` optimizer shards."""
+    return [part_name(s, t, d) for d in range(dp) for s in range(pp) for t in range(tp)]
 
 
 def begin(path: Path) -> None:
@@ -63,12 +71,14 @@ def begin(path: Path) -> None:
     staging(path).mkdir(parents=True)
 
 
-def write_part(path: Path, stage: int, tp_rank: int, tensors: dict[str, torch.Tensor]) -> None:
+def write_part(
+    path: Path, stage: int, tp_rank: int, tensors: dict[str, torch.Tensor], dp_rank: int = 0
+) -> None:
     """One rank's part into ``path``'s staging directory."""
     from safetensors.torch import save_file
 
     host = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    target = staging(path) / part_name(stage, tp_rank)
+    target = staging(path) / part_name(stage, tp_rank, dp_rank)
     tmp = target.with_suffix(".tmp")
     save_file(host, str(tmp), metadata={"format": FORMAT})
     os.replace(tmp, target)
@@ -76,14 +86,11 @@ def write_part(path: Path, stage: int, tp_rank: int, tensors: dict[str, torch.Te
 
 def promote(path: Path, meta: dict[str, Any]) -> Path:
     """``meta`` beside the parts, then the staging directory renamed to ``path``.
-    ``meta`` names the layout (``tp``, ``pp``): every part of it must be there."""
+    ``meta`` names the layout (``tp``, ``pp``, ``dp`` optimizer shards, 1 when
+    absent): every part of it must be there."""
     stage_dir = staging(path)
-    missing = [
-        name
-        for s in range(meta["pp"])
-        for t in range(meta["tp"])
-        if not (stage_dir / (name := part_name(s, t))).is_file()
-    ]
+    names = part_names(meta["tp"], meta["pp"], meta.get("dp", 1))
+    missing = [name for name in names if not (stage_dir / name).is_file()]
     if missing:
         raise CheckpointError(
             f"{path}: part {missing[0]} was not written here: every trainer node must "
@@ -114,24 +121,25 @@ class ShardedCheckpoint:
             if self.meta.get("format") != FORMAT:
                 raise ValueError(f"format {self.meta.get('format')!r}")
             self.tp, self.pp = int(self.meta["tp"]), int(self.meta["pp"])
+            self.dp = int(self.meta.get("dp", 1))
             self.vocab = int(self.meta["vocab_size"])
         except Exception as exc:  # torn or foreign: say which file, in one line
             raise CheckpointError(f"{path / META}: unreadable ({exc})") from None
         # key -> its parts' handles, by tensor-parallel rank
         self._where: dict[str, dict[int, Any]] = {}
         self._handles = []
-        for s in range(self.pp):
-            for t in range(self.tp):
-                file = path / part_name(s, t)
-                if not file.is_file():
-                    raise CheckpointError(f"{path}: part {file.name} is missing")
-                try:
-                    handle = safe_open(str(file), framework="pt")
-                except Exception as exc:
-                    raise CheckpointError(f"{file}: unreadable ({exc})") from None
-                self._handles.append(handle)
-                for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                    self._where.setdefault(key, {})[t] = handle
+        for name in part_names(self.tp, self.pp, self.dp):
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"{path}: part {name} is missing")
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except Exception as exc:
+                raise CheckpointError(f"{file}: unreadable ({exc})") from None
+            self._handles.append(handle)
+            t = int(name.split("-tp")[1].split("-")[0].split(".")[0])
+            for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                self._where.setdefault(key, {})[t] = handle
 
     def model_names(self) -> list[str]:
         """The full model's tensor names."""

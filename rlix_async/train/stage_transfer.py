@@ -1,6 +1,7 @@
-"""Named tensors from one trainer rank to another over the default process group: how
-each pipeline stage's part of the weights (and, at checkpoint steps, of the optimizer
-state) reaches rank 0, which builds the weight cache and writes checkpoints.
+"""The whole model gathered onto rank 0 of a model-parallel trainer, which builds the
+weight cache from it (:func:`gather_model`): each stage's tensor-parallel parts onto its
+first rank (an all-gather), then each stage's part to rank 0 as named tensors over the
+default process group (:func:`send_tensors`, :func:`recv_tensors`).
 
 A header first (its length, then UTF-8 JSON of each tensor's name, dtype and shape:
 plain values, never pickle), then the tensors in its order. Under NCCL the tensors
@@ -11,9 +12,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from rlix_async.train.pipeline_parallel import from_stage
+from rlix_async.train.tensor_parallel import merge_tensor, split_dim
 
 # what a header may name: the dtypes a trainer's weights and optimizer state have
 _DTYPES = {
@@ -55,4 +60,60 @@ def recv_tensors(src: int, device: torch.device) -> dict[str, torch.Tensor]:
         t = torch.empty(shape, dtype=_DTYPES[dtype], device=wire)
         dist.recv(t, src)
         out[name] = t.cpu()
+    return out
+
+
+def _gather(
+    name: str, local: torch.Tensor, tp_rank: int, tp: int, vocab: int
+) -> torch.Tensor | None:
+    """The full tensor ``name`` on the stage's first rank (None elsewhere) from the
+    parts of its tensor-parallel group."""
+    from megatron.core import parallel_state
+
+    if split_dim(name) is None:
+        return local.detach().to("cpu", copy=True) if tp_rank == 0 else None
+    group = parallel_state.get_tensor_model_parallel_group()
+    local = local.detach().contiguous()
+    if dist.get_backend(group) == "gloo":  # the constructor's group: host tensors
+        local = local.cpu()
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(parts, local, group=group)
+    if tp_rank != 0:
+        return None
+    # the merge is a new tensor: to the host once (no second copy when already there)
+    return merge_tensor(name, parts, vocab).to("cpu")
+
+
+def gather_model(
+    state: Mapping[str, Any],
+    *,
+    tp: tuple[int, int],
+    stage: tuple[int, int],
+    first_replica: bool,
+    shape: tuple[int, bool, int],
+    device: torch.device,
+) -> dict[str, torch.Tensor] | None:
+    """The whole (tp=1/pp=1) model on rank 0, None elsewhere, from every rank's
+    ``state`` (its model's state dict). ``tp``, ``stage``: (this rank's, how many);
+    ``shape``: the model's layers, whether its embeddings are tied, its vocabulary.
+    Every rank of the first replica takes part; the others hold the same weights."""
+    if not first_replica:
+        return None
+    (tp_rank, tp_size), (stage_rank, pp) = tp, stage
+    layers, tied, vocab = shape
+    local = {}
+    for name, v in state.items():
+        if isinstance(v, torch.Tensor):
+            full = _gather(name, v, tp_rank, tp_size, vocab)
+            if full is not None:
+                local[name] = full
+    if tp_rank != 0:
+        return None
+    mine = from_stage(local, stage_rank, pp, layers, tied)
+    if stage_rank > 0:
+        send_tensors(mine, 0, device)  # type: ignore[arg-type]
+        return None
+    out: dict[str, torch.Tensor] = dict(mine)  # type: ignore[arg-type]
+    for other in range(1, pp):
+        out.update(recv_tensors(other * tp_size, device))  # its first rank
     return out

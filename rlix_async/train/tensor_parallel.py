@@ -110,28 +110,6 @@ def merge(parts: Sequence[Mapping[str, object]], vocab: int) -> dict[str, object
     return out
 
 
-def shard_optimizer(
-    full: Mapping[str, object], names: Sequence[str], rank: int, tp: int
-) -> dict[str, object]:
-    """Rank ``rank``'s optimizer state dict from the full one: each parameter's state
-    tensors (moments, main copies) split as the parameter does; its step count and the
-    parameter groups as they are. ``names``: the parameters in the optimizer's order."""
-    state = full["state"]
-    assert isinstance(state, Mapping)
-    return {
-        "state": {
-            i: {
-                k: shard_tensor(names[i], v, rank, tp)
-                if isinstance(v, torch.Tensor) and v.dim()
-                else v
-                for k, v in s.items()
-            }
-            for i, s in state.items()
-        },
-        "param_groups": full["param_groups"],
-    }
-
-
 def hf_part(
     name: str, shape: Sequence[int], rank: int, tp: int, dims: Mapping[str, int]
 ) -> tuple[int, int, int] | None:

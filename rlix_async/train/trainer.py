@@ -45,12 +45,7 @@ from rlix_async.train.algo import (
 from rlix_async.train.buffer import Group
 from rlix_async.train.checkpoints import rng_state, set_rng_state
 from rlix_async.train.devices import trainer_device
-from rlix_async.train.host_buffers import (
-    PinnedHostBuffers,
-    StateKey,
-    install_state,
-    state_tensors,
-)
+from rlix_async.train.host_buffers import DeviceOffload, state_tensors
 from rlix_async.train.packing import Piece, Take, micro_batches, pack_batch
 from rlix_async.train.precision import (
     DTYPES,
@@ -94,7 +89,7 @@ class TorchTrainer:
         self.rank, self.world = rank, world
         # the replica this rank is and how many share each batch (a tensor-parallel
         # backend has several ranks per replica)
-        self.dp_rank, self.dp_world = rank, world
+        self.dp_rank, self.dp_world = self._replica(rank, world)
         # torchrun sets both; without them the rank arguments stand in (every rank on this node)
         self.local_rank = int(os.environ.get("LOCAL_RANK", rank))
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -122,7 +117,7 @@ class TorchTrainer:
         # fused: one kernel over all parameters instead of a dozen ops per tensor (0.07 s
         # against 0.45 s a step for 135M float32 parameters on one CPU core; the default
         # of transformers' Trainer, so of TRL, too)
-        trainable = list(lora_utils.trainable(self.model))
+        trainable = self._optimized(list(lora_utils.trainable(self.model)))
         self.optim: torch.optim.Optimizer
         if self.cfg.dtype != "bfloat16_pure" and needs_main_params(trainable):
             self.optim = MainParamsAdamW(
@@ -140,10 +135,20 @@ class TorchTrainer:
             self.reference = self._frozen_copy()
         self.step = 0
         self.step_times: dict[str, float] = {}  # the last train_step's, by part
-        self._host: PinnedHostBuffers | None = None
-        self._offloaded: list[StateKey] = []  # what offload() moved; reload() moves it back
-        if start_offloaded and self.device.type == "cuda":
-            self._offloaded = list(state_tensors(self.model, self.optim, self.reference))
+        self._memory = DeviceOffload(self.device)
+        if start_offloaded and self.device.type == "cuda":  # built in host memory
+            self._memory.moved = list(state_tensors(self.model, self.optim, self.reference))
+
+    def _replica(self, rank: int, world: int) -> tuple[int, int]:
+        """(this rank's replica, how many replicas share each batch)."""
+        return rank, world
+
+    def _optimized(self, trainable: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """The parameters this rank's optimizer keeps state for and steps."""
+        return trainable
+
+    def _after_optim_step(self) -> None:
+        """After each optimizer step (a distributed optimizer sends what it stepped)."""
 
     def _frozen_copy(self) -> torch.nn.Module:
         """A frozen copy of the policy as it is now, where it is now."""
@@ -166,10 +171,10 @@ class TorchTrainer:
 
     @property
     def offloaded(self) -> bool:
-        return bool(self._offloaded)
+        return bool(self._memory.moved)
 
     def _require_on_device(self, what: str) -> None:
-        if self._offloaded:
+        if self._memory.moved:
             raise RuntimeError(f"{what} on an offloaded trainer: call reload() first")
 
     # --- collective group lifecycle ----------------------------------------------------
@@ -237,59 +242,18 @@ class TorchTrainer:
     # --- device memory -----------------------------------------------------------------
 
     def offload(self) -> None:
-        """Free the device for rollout: the training state into page-locked host buffers.
-
-        The buffers are allocated at the first offload and reused by every later one
-        (new ones only when the set of tensors changes: an offload before the first
-        step has no optimizer state yet); all copies are queued, then waited for once.
-        Afterwards the device holds nothing of the trainer (the CUDA context aside).
-        On CPU: nothing to do.
-        """
-        if self.device.type != "cuda" or self._offloaded:
+        """Free the device for rollout: the training state into page-locked host buffers
+        (``host_buffers.DeviceOffload``). On CPU: nothing to do."""
+        if self.device.type != "cuda" or self._memory.moved:
             return
         if self._ddp is not None:
             raise RuntimeError("offload() while the process group is up: destroy_group() first")
-        self._offloaded = self._move_to_host()
-        torch._C._cuda_clearCublasWorkspaces()  # allocator blocks that empty_cache keeps
-        torch.cuda.empty_cache()
-
-    def _move_to_host(self) -> list[StateKey]:
-        """Copy every device tensor of the state into its host buffer and put that in its place.
-
-        A method of its own so that, once it returns, nothing references the device
-        tensors any more (a loop variable in ``offload`` would keep the last one alive).
-        """
-        resident = {
-            k: t
-            for k, t in state_tensors(self.model, self.optim, self.reference).items()
-            if t.device == self.device
-        }
-        specs = [(k, t.dtype, t.shape) for k, t in resident.items()]
-        if self._host is None or self._host.specs != specs:
-            self._host = None  # the old pages are unlocked before the new ones are locked
-            self._host = PinnedHostBuffers(specs)
-        host = self._host.views
-        for k, t in resident.items():
-            host[k].copy_(t, non_blocking=True)
-        torch.cuda.synchronize(self.device)  # every copy has landed: the device copies may go
-        install_state(self.model, self.optim, self.reference, {k: host[k] for k in resident})
-        return list(resident)
+        self._memory.offload(self.model, self.optim, self.reference)
 
     def reload(self) -> None:
         """Back onto the device: what offload() moved (a checkpoint loaded meanwhile included)."""
-        if not self._offloaded:
-            return
-        state = state_tensors(
-            self.model, self.optim, self.reference
-        )  # everything off the device (a loaded checkpoint too)
-        back = {
-            k: t.to(self.device, non_blocking=True)
-            for k, t in state.items()
-            if t.device != self.device
-        }
-        torch.cuda.synchronize(self.device)  # the host buffers are free for the next offload
-        install_state(self.model, self.optim, self.reference, back)
-        self._offloaded = []
+        if self._memory.moved:
+            self._memory.reload(self.model, self.optim, self.reference)
 
     # --- one GRPO step -------------------------------------------------------------------
 
@@ -376,7 +340,7 @@ class TorchTrainer:
         stats["entropy"] = entropy_sum / float(t["mask"].sum().clamp(min=1.0))
         # the next step starts from zero_grad: kept, the grads would hold a model's size of
         # device memory and be offloaded and reloaded every cycle for nothing
-        self.optim.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         self.step += 1
         self.step_times["time_update_s"] = lap()
         return stats
@@ -465,7 +429,7 @@ class TorchTrainer:
             idx.tolist(), lengths, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch
         )
         first = t["ids"].shape[1] - 1 - t["mask"].shape[1]  # before the first predicted position
-        self.optim.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         entropy_sum = torch.zeros((), dtype=torch.float64)
 
         def loss_of(mi: torch.Tensor, ids: torch.Tensor, w: int) -> Take:
@@ -511,6 +475,7 @@ class TorchTrainer:
             for group in self.optim.param_groups:
                 group["lr"] = self.cfg.lr * self._lr_factor(minibatch)
             self.optim.step()
+            self._after_optim_step()
             stats["grad_norm"] += float(norm) / minibatches
         else:
             stats["skipped_updates"] += 1

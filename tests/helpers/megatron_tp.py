@@ -6,7 +6,9 @@ times, and a checkpoint after the first step (OUT/ckpt_1.pt; under model paralle
 sharded directory OUT/ckpt_1 every rank writes its part of); the last stage's first
 rank writes the logits of a fixed input at the start (OUT/logits.pt). With CKPT it resumes
 from there first. Every rank writes OUT/rss-RANK.json: its
-peak RSS after building the trainer and after the steps. Used by
+peak RSS after building the trainer and after the steps, and how many elements its
+optimizer state holds. RLIX_DISTRIBUTED_OPTIMIZER=1 shards that state over the
+replicas. Used by
 tests/integration/test_megatron_tp.py and for docs/PERF.md's figures."""
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ store = dist.FileStore(str(out / f"store-{tp}x{pp}-{world}-{ckpt is not None}"),
 torch.manual_seed(0)
 trainer = MegatronTrainer(
     TrainConfig(  # two micro-batches per minibatch at one replica: the schedule interleaves
-        backend="megatron", dtype="float32", lr=1e-3, minibatches=2, micro_batch_size=2
+        backend="megatron",
+        dtype="float32",
+        lr=1e-3,
+        minibatches=2,
+        micro_batch_size=2,
+        distributed_optimizer=os.environ.get("RLIX_DISTRIBUTED_OPTIMIZER") == "1",
     ),
     ModelConfig(path=model_dir),
     seed=0,
@@ -105,7 +112,10 @@ for s in range(steps):
         record["save_s"] = time.perf_counter() - t0
 record["figures"], record["times"], record["stale_groups"] = figures, times, stale
 peak_steps = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
-(out / f"rss-{rank}.json").write_text(json.dumps({"load": peak_load, "steps": peak_steps}))
+optim_elems = sum(v.numel() for st in trainer.optim.state.values() for v in st.values() if v.dim())
+(out / f"rss-{rank}.json").write_text(
+    json.dumps({"load": peak_load, "steps": peak_steps, "optim_elems": optim_elems})
+)
 if rank == 0:
     record["cache_end"] = trainer.weights_for_cache()
     torch.save(record, out / "run.pt")

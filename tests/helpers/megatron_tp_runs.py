@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,10 +24,13 @@ def run_tp(
     *,
     pp: int = 1,
     cuda: bool = False,
+    distributed_optimizer: bool = False,
 ) -> dict[str, Any]:
     """``world`` ranks at tensor parallel ``tp`` and pipeline parallel ``pp``
-    (``cuda``: one device per rank, NCCL; else every device hidden, gloo)."""
+    (``cuda``: one device per rank, NCCL; else every device hidden, gloo). The record
+    has each rank's ``rss`` (what OUT/rss-RANK.json holds) too."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["RLIX_DISTRIBUTED_OPTIMIZER"] = "1" if distributed_optimizer else "0"
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(world))) if cuda else ""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={world}", str(SCRIPT), str(out), str(model), f"{tp}x{pp}", str(steps)]  # fmt: skip
@@ -36,4 +40,5 @@ def run_tp(
     assert done.returncode == 0, done.stderr[-3000:]
     record: dict[str, Any] = torch.load(out / "run.pt", weights_only=True)
     record["logits"] = torch.load(out / "logits.pt", weights_only=True)
+    record["rss"] = [json.loads((out / f"rss-{r}.json").read_text()) for r in range(world)]
     return record

@@ -151,19 +151,20 @@ def test_twenty_megatron_cycles_under_torchrun(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("tp", "pp", "devices", "hidden"),
+    ("tp", "pp", "devices", "hidden", "zero"),
     [
-        (1, 1, [0, 1], 64),  # data parallel 2
-        (2, 1, [0, 1, 2, 3], 128),  # tensor parallel 2 x dp 2
-        (2, 2, [0, 1, 2, 3], 128),  # tensor parallel 2 x pipeline parallel 2
+        (1, 1, [0, 1], 64, True),  # data parallel 2, the optimizer state sharded over it
+        (2, 1, [0, 1, 2, 3], 128, False),  # tensor parallel 2 x dp 2
+        (2, 2, [0, 1, 2, 3], 128, False),  # tensor parallel 2 x pipeline parallel 2
     ],
 )
 def test_a_pipeline_trains_with_the_megatron_backend_under_launch(
-    tmp_path: Path, tp: int, pp: int, devices: list[int], hidden: int
+    tmp_path: Path, tp: int, pp: int, devices: list[int], hidden: int, zero: bool
 ) -> None:
     """Scripted shards (a test double; vLLM runs in tests/integration/test_demo.py), real
     everything else: one torchrun rank per device, ``tp`` x ``pp`` consecutive ranks a
-    replica. The last step's checkpoint exports to an HF directory transformers loads."""
+    replica (``zero``: the distributed optimizer). The last step's checkpoint exports
+    to an HF directory transformers loads."""
     out = tmp_path / "out"
     cfg = tmp_path / "p.yaml"
     cfg.write_text(
@@ -174,7 +175,7 @@ engine: {{kind: custom, custom: "{SCRIPTED_ENGINE}"}}
 pipelines:
   - id: mg{abs(hash(str(tmp_path))) % 10000}
     steps: 2
-    train: {{backend: megatron}}
+    train: {{backend: megatron, distributed_optimizer: {str(zero).lower()}}}
     rollout: {{groups_per_step: 2, group_size: 2, max_tokens: 4}}
     model: {{vocab_size: 999, layers: {pp}, hidden: {hidden}}}
     clusters:
@@ -193,10 +194,12 @@ pipelines:
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     (ckpt,) = metrics.parent.glob("ckpt/step_2*")
-    if tp * pp == 1:
-        assert ckpt.name == "step_2.pt"
-    else:  # sharded: every rank of the first replica wrote its own part
-        parts = sorted(p.name for p in ckpt.glob("part-*"))
+    # sharded: every rank of the first replica wrote its own part, and with the
+    # distributed optimizer the other replica's ranks their share of its state
+    parts = sorted(p.name for p in ckpt.glob("part-*"))
+    if zero:
+        assert parts == ["part-pp0-tp0-dp1.safetensors", "part-pp0-tp0.safetensors"]
+    else:
         assert parts == [f"part-pp{s}-tp{t}.safetensors" for s in range(pp) for t in range(tp)]
     hf = tmp_path / "hf"
     done = subprocess.run(

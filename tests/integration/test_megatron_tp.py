@@ -37,6 +37,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "tp2_dp2_tied": run_tp(root / "tp2dp2", tied, 2, 4, 2),
         "tp2_resumed": run_tp(root / "tp2r", model, 2, 2, 1, root / "tp2" / "ckpt_1"),
         "tp1_from_tp2": run_tp(root / "tp1r", model, 1, 1, 1, root / "tp2" / "ckpt_1"),
+        # a one-rank trainer's step_1.pt (the whole model in one file), split at tp=2
+        "tp2_from_tp1": run_tp(root / "tp2from1", model, 2, 2, 1, root / "tp1" / "ckpt_1.pt"),
+        # the distributed optimizer: each replica keeps and steps half the state
+        "zero": run_tp(root / "zero", tied, 2, 4, 2, distributed_optimizer=True),
+        "zero_resumed": run_tp(
+            root / "zeror", tied, 2, 4, 1, root / "zero" / "ckpt_1", distributed_optimizer=True
+        ),
+        "tp1_from_zero": run_tp(root / "tp1z", tied, 1, 2, 1, root / "zero" / "ckpt_1"),
     }
 
 
@@ -98,3 +106,39 @@ def test_twenty_cycles_at_tensor_parallel_2_leak_nothing(tmp_path: Path) -> None
 
     rows = run_cycles(tmp_path, "megatron_tp2", timeout=380)
     assert rows[0]["weights"] and not rows[1]["weights"]
+
+
+def test_a_one_rank_checkpoint_file_resumes_split_at_tp2(runs: dict[str, dict]) -> None:
+    second = runs["tp1"]["figures"][1]
+    resharded = runs["tp2_from_tp1"]["figures"][0]
+    assert resharded["loss"] == pytest.approx(second["loss"], rel=1e-4, abs=1e-6)
+    assert resharded["grad_norm"] == pytest.approx(second["grad_norm"], rel=1e-4)
+    for k, v in runs["tp1"]["cache_end"].items():  # the moments were split right too
+        torch.testing.assert_close(runs["tp2_from_tp1"]["cache_end"][k], v, atol=1e-5, rtol=1e-4)
+
+
+def test_the_distributed_optimizer_makes_the_same_updates_from_half_the_state(
+    runs: dict[str, dict],
+) -> None:
+    """tp=2 x dp=2 with the optimizer state sharded over the two replicas against the
+    same layout without: the same figures and weights bit for bit (each weight is
+    stepped by one replica with the same averaged gradient and sent to the other),
+    each rank holding about half of its replica's state; its checkpoint (every rank's
+    share a part of its own) resumes exactly, and at tp=1 x dp=2 without it."""
+    full, zero = runs["tp2_dp2_tied"], runs["zero"]
+    assert zero["figures"] == full["figures"]
+    torch.testing.assert_close(zero["cache_end"], full["cache_end"], atol=0, rtol=0)
+    held = [r["optim_elems"] for r in zero["rss"]]
+    whole = [r["optim_elems"] for r in full["rss"]]
+    # ranks 0 and 2 (1 and 3) are one tensor-parallel position in the two replicas
+    for mine, other, alone in ((0, 2, 0), (1, 3, 1)):
+        assert held[mine] + held[other] == whole[alone]
+        assert max(held[mine], held[other]) < 0.6 * whole[alone]
+    second = zero["figures"][1]
+    assert runs["zero_resumed"]["figures"][0] == second
+    torch.testing.assert_close(runs["zero_resumed"]["cache_end"], zero["cache_end"], atol=0, rtol=0)
+    alone = runs["tp1_from_zero"]["figures"][0]
+    assert alone["loss"] == pytest.approx(second["loss"], rel=1e-4, abs=1e-6)
+    assert alone["grad_norm"] == pytest.approx(second["grad_norm"], rel=1e-4)
+    for k, v in zero["cache_end"].items():
+        torch.testing.assert_close(runs["tp1_from_zero"]["cache_end"][k], v, atol=1e-5, rtol=1e-4)

@@ -391,6 +391,7 @@ def test_pure_bf16_training_is_warned_at_launch_naming_the_learning_rate() -> No
             "tokens, not both",
         ),
         ({"recompute": "selective"}, "recompute: selective (core attention only) is the megatron"),
+        ({"distributed_optimizer": True}, "distributed_optimizer: the megatron backend's"),
     ],
 )
 def test_memory_levers_that_cannot_work_are_refused_naming_the_field(

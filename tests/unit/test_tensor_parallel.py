@@ -12,7 +12,6 @@ from rlix_async.train.tensor_parallel import (
     merge,
     padded_vocab,
     shard,
-    shard_optimizer,
     split_dim,
 )
 
@@ -90,24 +89,6 @@ def test_each_rank_holds_what_its_layers_compute_with() -> None:
     last = parts[-1]["embedding.word_embeddings.weight"]
     pad = padded_vocab(VOCAB, tp) - VOCAB
     assert pad and torch.equal(last[-pad:], torch.zeros(pad, HIDDEN))  # type: ignore[index]
-
-
-def test_optimizer_state_splits_as_its_parameters() -> None:
-    full = full_state()
-    names = [k for k, v in full.items() if isinstance(v, torch.Tensor)]
-    state = {
-        "state": {
-            i: {"step": torch.tensor(3.0), "exp_avg": full[n], "exp_avg_sq": full[n]}
-            for i, n in enumerate(names)
-        },
-        "param_groups": [{"lr": 1e-5, "params": list(range(len(names)))}],
-    }
-    mine = shard_optimizer(state, names, 1, 3)
-    local = shard(full, 1, 3)
-    for i, n in enumerate(names):
-        got = mine["state"][i]  # type: ignore[index]
-        assert torch.equal(got["exp_avg"], local[n]) and torch.equal(got["step"], torch.tensor(3.0))
-    assert mine["param_groups"] == state["param_groups"]
 
 
 def test_layout_rules() -> None:
