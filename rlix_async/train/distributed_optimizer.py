@@ -40,23 +40,37 @@ def owners(sizes: Sequence[int], ranks: int) -> list[int]:
     return out
 
 
-def broadcast_owned(
-    params: Sequence[torch.Tensor],
-    owner_of: Sequence[int],
-    global_rank: Sequence[int],
-    group: dist.ProcessGroup | None,
-) -> None:
-    """Every parameter from its owner to the other data-parallel ranks, one flat
-    broadcast per owner and dtype. ``global_rank[d]``: data-parallel rank d's rank in
-    the default group (collectives name their source so)."""
-    for d, src in enumerate(global_rank):
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p, o in zip(params, owner_of, strict=True):
-            if o == d:
-                by_dtype.setdefault(p.dtype, []).append(p.data)
-        for tensors in by_dtype.values():
-            flat = _flatten_dense_tensors(tensors)
-            dist.broadcast(flat, src=src, group=group)
-            if dist.get_rank() != src:
-                for t, v in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
-                    t.copy_(v)
+class ParameterOwners:
+    """Which data-parallel replica steps each of ``params`` (the trainable parameters,
+    in the optimizer's order), and the broadcast that follows each step.
+    ``global_rank[d]``: replica d's rank (at this rank's model-parallel position) in
+    the default group, which collectives name their source by."""
+
+    def __init__(
+        self, params: Sequence[torch.nn.Parameter], dp_rank: int, global_rank: Sequence[int]
+    ) -> None:
+        if len(params) < len(global_rank):
+            raise ValueError(
+                f"distributed_optimizer: {len(global_rank)} replicas share {len(params)} "
+                "parameters, so one would hold none; use fewer replicas or turn it off"
+            )
+        self.params = list(params)
+        self.owner = owners([p.numel() for p in params], len(global_rank))
+        self.global_rank = list(global_rank)
+        self.mine = [p for p, o in zip(self.params, self.owner, strict=True) if o == dp_rank]
+
+    def broadcast(self, group: dist.ProcessGroup | None) -> None:
+        """Every parameter from its owner to the other replicas, one flat broadcast per
+        owner and dtype."""
+        for d, src in enumerate(self.global_rank):
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for p, o in zip(self.params, self.owner, strict=True):
+                if o == d:
+                    by_dtype.setdefault(p.dtype, []).append(p.data)
+            for tensors in by_dtype.values():
+                flat = _flatten_dense_tensors(tensors)
+                dist.broadcast(flat, src=src, group=group)
+                if dist.get_rank() != src:
+                    unflat = _unflatten_dense_tensors(flat, tensors)
+                    for t, v in zip(tensors, unflat, strict=True):
+                        t.copy_(v)

@@ -1,37 +1,24 @@
 """The Megatron-core trainer backend: a Llama-shaped ``GPTModel``, exported under HF names.
 
-Same interface and time-sharing cycle as :class:`TorchTrainer` (per-step
-process groups, offload, cache export), with Megatron's parallel state built
-and destroyed together with the group. ``model.path`` names an HF Llama-family
-directory: its weights come in through ``hf_to_megatron`` (grouped-query
-attention, tied embeddings, its RoPE base and norm epsilon); other families are
-refused by :func:`llama_shape` with a one-line reason. Weights leave in HF
-``LlamaForCausalLM`` names (``megatron_to_hf``) because that is what vLLM's
-loader takes; both conversions are exact (tests compare logits).
+Same interface and time-sharing cycle as :class:`TorchTrainer`, with Megatron's
+parallel state built and destroyed with each step's group. HF Llama-family weights
+come in through ``hf_to_megatron`` and leave through ``megatron_to_hf`` (vLLM's
+loader takes those names); other families are refused by :func:`llama_shape`.
 
-Model parallel (``tp`` and ``pp``, the actor_train cluster's): ``tp`` x ``pp``
-consecutive ranks hold one replica (Megatron's rank order tp-pp-dp): ``tp`` consecutive
-ranks per pipeline stage, split as ``train/tensor_parallel.py`` says, and ``pp`` stages
-holding whole layers as ``train/pipeline_parallel.py`` says. Replicas are data
-parallel: torch DDP over the data-parallel group at pp=1; under pipeline parallel the
-gradients are averaged over it after Megatron's 1F1B schedule (DDP fixes at forward
-time whether a backward reduces, which the schedule's interleaving defeats). The
-logits are gathered over the tensor-parallel group (Megatron's
-``parallel_output=False``) so every loss, entropy and log-prob is computed as at tp=1,
-on the last stage; the step's figures are broadcast from there. The gradient norm
-counts every weight once over the model-parallel group (split weights by part, the
-last stage's copy of a tied embedding not at all), and the two copies' gradients are
-summed over the embedding group. Ranks build the model together (the group is up while
-the trainer is constructed), and after every step the first replica's ranks gather the
-full weights onto rank 0 (each stage onto its first rank, then to rank 0), which
-builds the weight cache from them. Checkpoints under model parallel are sharded
-(``train/sharded_checkpoint.py``): at a checkpoint step each rank of the first replica
-writes its own slices and optimizer state, named as in the full model, so no rank
-gathers the optimizer state, and a checkpoint resumes at any other layout; the
-gathered ``step_N.pt`` files earlier versions wrote still load. On CPU it
-needs ``megatron_cpu_compat`` (megatron-core 0.16.1 assumes CUDA in two places).
-Its CUDA RNG tracker is seeded (``model_parallel_cuda_manual_seed``) with the parallel
-state; on CPU the compat module keeps that tracker's states on the CPU generator.
+Model parallel: ``tp`` x ``pp`` consecutive ranks hold one replica (Megatron's order
+tp-pp-dp), split as ``train/tensor_parallel.py`` and ``train/pipeline_parallel.py``
+say; replicas are data parallel (torch DDP at pp=1; after the 1F1B schedule under
+pipeline parallel, whose interleaving defeats DDP's forward-time decision), with the
+optimizer state optionally sharded over them (``train/distributed_optimizer.py``).
+The last stage computes every loss and log-prob, from each tensor-parallel rank's
+vocabulary slice of the logits (``train/vocab_parallel.py``; gathered under top-p),
+and broadcasts the step's figures. The gradient norm counts every weight once over
+the model-parallel group; a tied embedding's two copies sum their gradients over the
+embedding group. After every step the first replica gathers the whole model onto rank
+0 for the weight cache (``stage_transfer.gather_model``); checkpoints are sharded,
+each rank writing its own part (``train/sharded_checkpoint.py``), and resume at any
+layout (``step_N.pt`` files from one rank load too). On CPU it needs
+``megatron_cpu_compat``; its CUDA RNG tracker is seeded with the parallel state.
 """
 
 from __future__ import annotations
@@ -49,7 +36,7 @@ from rlix_async.models.hf import load_hf_model
 from rlix_async.train import sharded_checkpoint
 from rlix_async.train.buffer import Group
 from rlix_async.train.checkpoints import rng_state, set_rng_state
-from rlix_async.train.distributed_optimizer import broadcast_owned, owners
+from rlix_async.train.distributed_optimizer import ParameterOwners
 from rlix_async.train.megatron_hf import (
     MegatronModelError,
     hf_to_megatron,
@@ -83,6 +70,7 @@ from rlix_async.train.tensor_parallel import (
     shard_tensor,
 )
 from rlix_async.train.trainer import TorchTrainer
+from rlix_async.train.vocab_parallel import vocab_parallel_logp
 
 
 class MegatronTrainer(TorchTrainer):
@@ -129,28 +117,22 @@ class MegatronTrainer(TorchTrainer):
     def _optimized(self, trainable: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
         """All of ``trainable``, or with the distributed optimizer the share this
         replica owns (train/distributed_optimizer.py)."""
-        self._trainable = trainable
-        self._owner: list[int] | None = None
+        self._owners: ParameterOwners | None = None
         if not self.cfg.distributed_optimizer or self.dp_world == 1:
             return trainable
-        if len(trainable) < self.dp_world:
-            raise ValueError(
-                f"distributed_optimizer: {self.dp_world} replicas share {len(trainable)} "
-                "parameters, so one would hold none; use fewer replicas or turn it off"
-            )
-        self._owner = owners([p.numel() for p in trainable], self.dp_world)
-        return [p for p, o in zip(trainable, self._owner, strict=True) if o == self.dp_rank]
+        span = self.tp * self.pp  # data-parallel rank d's rank: d x span + this offset
+        ranks = [d * span + self.rank % span for d in range(self.dp_world)]
+        self._owners = ParameterOwners(trainable, self.dp_rank, ranks)
+        return self._owners.mine
 
     def _after_optim_step(self) -> None:
-        if self._owner is not None:  # each replica stepped its share: every weight to all
-            span = self.tp * self.pp  # data-parallel rank d's rank: d x span + this offset
-            ranks = [d * span + self.rank % span for d in range(self.dp_world)]
-            broadcast_owned(self._trainable, self._owner, ranks, self._dp_group())
+        if self._owners is not None:  # each replica stepped its share: every weight to all
+            self._owners.broadcast(self._dp_group())
 
     @property
     def sharded(self) -> bool:
         """Whether checkpoints are sharded (every rank holds a part no other has)."""
-        return self.model_parallel or self._owner is not None
+        return self.model_parallel or self._owners is not None
 
     @property
     def model_parallel(self) -> bool:
@@ -224,6 +206,12 @@ class MegatronTrainer(TorchTrainer):
             self.destroy_group()  # the time-sharing cycle creates groups per step
         return model
 
+    def _full_name(self, local: str) -> str | None:
+        """The full model's name of this stage's ``local`` (None: a tied embedding's
+        last-stage copy)."""
+        s = self._shape
+        return global_name(local, self.stage, self.pp, s["layers"], s["tied"])
+
     def _to_stage(self, full: Mapping[str, object]) -> dict[str, object]:
         s = self._shape
         return to_stage(full, self.stage, self.pp, s["layers"], s["tied"])
@@ -293,15 +281,42 @@ class MegatronTrainer(TorchTrainer):
             parallel_state.destroy_model_parallel()
         super().destroy_group()  # DDP, then the default group
 
+    @property
+    def _vocab_parallel(self) -> bool:
+        """Whether each tensor-parallel rank keeps its own vocabulary slice of the
+        logits (train/vocab_parallel.py) rather than gathering them: not under top-p,
+        which sorts the whole vocabulary."""
+        return self.tp > 1 and self.top_p >= 1.0
+
+    def _logits(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """The logits ``run_model`` gives: the true vocabulary's, or this rank's slice."""
+        if self._vocab_parallel:
+            return run_model(model, ids, gather=False)
+        return run_model(model, ids)[..., : self._shape["vocab_size"]]
+
     def forward_logits(
         self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None
     ) -> torch.Tensor:
         """Megatron's GPTModel computes every position's logits; the last ``keep`` are
-        returned. One stage: under pipeline parallel, pieces go through ``_forward``."""
+        returned (under tensor parallel without top-p, this rank's vocabulary slice).
+        One stage: under pipeline parallel, pieces go through ``_forward``."""
         if self.pp > 1:
             raise RuntimeError("forward_logits() under pipeline parallel: use _forward()")
-        logits = run_model(model, ids)[..., : self._shape["vocab_size"]]
+        logits = self._logits(model, ids)
         return logits if keep is None else logits[:, -keep:]
+
+    def _token_logp(
+        self, logits: torch.Tensor, ids: torch.Tensor, width: int, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self._vocab_parallel:
+            return super()._token_logp(logits, ids, width, with_entropy)
+        return vocab_parallel_logp(
+            logits[:, :-1],
+            ids[:, -width:],
+            temperature=self.temperature,
+            vocab=self._shape["vocab_size"],
+            with_entropy=with_entropy,
+        )
 
     def _forward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
         if self.pp == 1:
@@ -322,12 +337,12 @@ class MegatronTrainer(TorchTrainer):
         that returns, unless ``forward_only``)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        vocab = self._shape["vocab_size"]
+        vocab = None if self._vocab_parallel else self._shape["vocab_size"]
         one = torch.ones((), dtype=torch.int)
 
         def step(it: Any, stage_model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             piece = next(it)
-            out = run_model(stage_model, piece.ids)
+            out = run_model(stage_model, piece.ids, gather=vocab is not None)
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
                 # calculate_per_token_loss: the schedule neither divides nor scales it
@@ -402,27 +417,13 @@ class MegatronTrainer(TorchTrainer):
         if self.rank == 0:
             sharded_checkpoint.begin(path)
         dist.barrier()  # the staging directory is fresh before anyone writes into it
-        if self.dp_rank == 0 or self._owner is not None:
-            s = self._shape
-
-            def full_name(local: str) -> str | None:
-                return global_name(local, self.stage, self.pp, s["layers"], s["tied"])
-
-            model = {
-                name: v
-                for k, v in self.model.state_dict().items()
-                if self.dp_rank == 0
-                and isinstance(v, torch.Tensor)
-                and "_extra_state" not in k
-                and (name := full_name(k))
-            }
-            names = self._optim_param_names()
-            optim = {  # a tied embedding's last-stage copy: stage 0 has its state
-                name: dict(state)
-                for i, state in self.optim.state_dict()["state"].items()
-                if (name := full_name(names[i])) is not None
-            }
-            tensors = sharded_checkpoint.part_tensors(model, optim)
+        if self.dp_rank == 0 or self._owners is not None:
+            tensors = sharded_checkpoint.rank_part(
+                self.model.state_dict() if self.dp_rank == 0 else {},
+                self.optim.state_dict()["state"],
+                self._optim_param_names(),
+                self._full_name,
+            )
             sharded_checkpoint.write_part(path, self.stage, self.tp_rank, tensors, self.dp_rank)
         dist.barrier()  # every part is on disk before rank 0 may promote the checkpoint
         self._parts_step = self.step
@@ -524,7 +525,7 @@ class MegatronTrainer(TorchTrainer):
             "layers": s["layers"],
             "tied": s["tied"],
             "vocab_size": s["vocab_size"],
-            "dp": self.dp_world if self._owner is not None else 1,  # optimizer shards
+            "dp": self.dp_world if self._owners is not None else 1,  # optimizer shards
             "step": self.step,
             "rng": rng_state(self.device),
             "param_group": {k: v for k, v in group.items() if k != "params"},
@@ -546,14 +547,10 @@ class MegatronTrainer(TorchTrainer):
         wanted = self._to_stage({name: name for name in ckpt.model_names()})
         local = {k: ckpt.part(str(name), self.tp_rank, self.tp) for k, name in wanted.items()}
         self._install(self.model, local, path, whole=False)
-        by_name = {}
-        for n in self._optim_param_names():  # only what this rank's optimizer holds
-            # a tied embedding's last-stage copy starts from the embedding's state
-            name = global_name(n, self.stage, self.pp, s["layers"], s["tied"]) or EMBEDDING
-            entries = ckpt.optim_keys(name)
-            if entries:
-                by_name[n] = {e: ckpt.part(name, self.tp_rank, self.tp, e) for e in entries}
-        self._install_optim(by_name, ckpt.meta["param_group"])
+        # only what this rank's optimizer holds; a tied embedding's last-stage copy
+        # starts from the embedding's state
+        names = {n: self._full_name(n) or EMBEDDING for n in self._optim_param_names()}
+        self._install_optim(ckpt.rank_optim(names, self.tp_rank, self.tp), ckpt.meta["param_group"])
         if not isinstance(self.optim, MainParamsAdamW):
             drop_main_params(self.optim)
         self.step = int(ckpt.meta["step"])
@@ -578,13 +575,12 @@ class MegatronTrainer(TorchTrainer):
     def _load_optim(self, state: dict[str, Any]) -> None:
         """This rank's part of a ``step_N.pt``'s optimizer ``state`` (the whole model's,
         in its order; a tied embedding's last-stage copy starts from the embedding's)."""
-        s = self._shape
         order = self._full_param_names() if self.pp > 1 else self._param_names()
         index = {n: i for i, n in enumerate(order)}
         whole = state["state"]
         by_name = {}
         for n in self._optim_param_names():
-            g = global_name(n, self.stage, self.pp, s["layers"], s["tied"]) or EMBEDDING
+            g = self._full_name(n) or EMBEDDING
             if index[g] in whole:
                 by_name[n] = {
                     k: shard_tensor(g, v, self.tp_rank, self.tp)

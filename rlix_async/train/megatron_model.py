@@ -91,7 +91,7 @@ def gpt_model(
         position_embedding_type="rope",
         rotary_base=s["rope_base"],
         share_embeddings_and_output_weights=s["tied"],
-        parallel_output=False,  # every rank gets the whole vocabulary's logits
+        parallel_output=False,  # the whole vocabulary's logits unless run_model says
         pre_process=stage == 0,
         post_process=stage == pp - 1,
     )
@@ -126,13 +126,15 @@ def recompute_config(kind: str) -> dict[str, Any]:
     return {}
 
 
-def run_model(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def run_model(model: torch.nn.Module, ids: torch.Tensor, gather: bool = True) -> torch.Tensor:
     """A GPTModel (or one stage of it) on ``ids`` with explicit positions and causal
-    mask (its default mask is built on "cuda")."""
+    mask (its default mask is built on "cuda"). ``gather``: the last stage's logits
+    over the whole (padded) vocabulary on every tensor-parallel rank, else each rank's
+    own slice of it (train/vocab_parallel.py)."""
     n = ids.shape[1]
     pos = torch.arange(n, device=ids.device).unsqueeze(0).expand_as(ids)
     causal = torch.triu(torch.ones(n, n, device=ids.device), diagonal=1).bool()[None, None]
-    return model(ids, pos, attention_mask=causal)
+    return model(ids, pos, attention_mask=causal, runtime_gather_output=gather)
 
 
 def rebind_groups(models: list[torch.nn.Module]) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -174,17 +175,38 @@ class ShardedCheckpoint:
         parts = self._parts(key)
         return parts[0] if parts[0].dim() == 0 else merge_tensor(name, parts, self.vocab)
 
+    def rank_optim(
+        self, names: Mapping[str, str], tp_rank: int, tp: int
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer state of the parameters ``names`` (local name: full name) as
+        tensor-parallel rank ``tp_rank`` of ``tp`` holds it, by local name."""
+        return {
+            local: {e: self.part(name, tp_rank, tp, e) for e in entries}
+            for local, name in names.items()
+            if (entries := self.optim_keys(name))
+        }
+
     def full_model(self) -> dict[str, torch.Tensor]:
         """The whole model in Megatron's names, as a tp=1/pp=1 trainer holds it."""
         return {name: self.full(name) for name in self.model_names()}
 
 
-def part_tensors(
-    model: dict[str, torch.Tensor], optim: dict[str, dict[str, torch.Tensor]]
+def rank_part(
+    model: Mapping[str, Any],
+    optim: Mapping[int, Mapping[str, torch.Tensor]],
+    optim_names: Sequence[str],
+    full_name: Callable[[str], str | None],
 ) -> dict[str, torch.Tensor]:
-    """A rank's part, keyed as the file keeps it: ``model`` by full name, ``optim``
-    by full name then state entry."""
-    out = {f"model/{k}": v for k, v in model.items()}
-    for name, entries in optim.items():
-        out.update({f"optim/{name}/{e}": v for e, v in entries.items()})
+    """A rank's part, keyed as the file keeps it: its ``model`` state dict (empty: the
+    optimizer state only) and its optimizer's ``state`` (by index into
+    ``optim_names``), under the full model's names (``full_name`` of a local one; None:
+    a tied embedding's last-stage copy, which the first stage holds)."""
+    out = {
+        f"model/{name}": v
+        for k, v in model.items()
+        if isinstance(v, torch.Tensor) and "_extra_state" not in k and (name := full_name(k))
+    }
+    for i, entries in optim.items():
+        if (name := full_name(optim_names[i])) is not None:
+            out.update({f"optim/{name}/{e}": v for e, v in entries.items()})
     return out

@@ -257,13 +257,20 @@ class TorchTrainer:
 
     # --- one GRPO step -------------------------------------------------------------------
 
-    def _sampling(self, logits: torch.Tensor, ids: torch.Tensor, width: int) -> torch.Tensor:
-        """log-softmax [B, width, V] of the sampling distribution (float32 from any logits
-        dtype) at the positions predicting ``ids``' last ``width`` tokens, from the logits
-        of the ``width`` + 1 positions before them."""
-        return sampling_log_softmax(
+    def _token_logp(
+        self, logits: torch.Tensor, ids: torch.Tensor, width: int, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log p [B, width] of ``ids``' last ``width`` tokens under the sampling
+        distribution (float32 from any logits dtype), from the logits of the ``width`` + 1
+        positions before them; with its entropy per position (no gradient) if asked."""
+        full = sampling_log_softmax(
             logits[:, :-1], temperature=self.temperature, top_p=self.top_p, keep=ids[:, -width:]
         )
+        logp = full.gather(-1, ids[:, -width:].unsqueeze(-1)).squeeze(-1)
+        if not with_entropy:
+            return logp, None
+        with torch.no_grad():
+            return logp, entropy(full.detach())
 
     def _logp(
         self, model: torch.nn.Module, ids: torch.Tensor, width: int | None = None
@@ -271,12 +278,7 @@ class TorchTrainer:
         """log p of ``ids``' last ``width`` tokens (all but the first when None)."""
         width = ids.shape[1] - 1 if width is None else width
         logits = self.forward_logits(model, ids, keep=width + 1)
-        return self._picked(self._sampling(logits, ids, width), ids, width)
-
-    @staticmethod
-    def _picked(full: torch.Tensor, ids: torch.Tensor, width: int) -> torch.Tensor:
-        """The log-probs of ``ids``' last ``width`` tokens in the distributions ``full``."""
-        return full.gather(-1, ids[:, -width:].unsqueeze(-1)).squeeze(-1)
+        return self._token_logp(logits, ids, width)[0]
 
     def _forward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
         """Each piece's logits (of its ``ids``' last ``width`` + 1 positions) to its
@@ -382,10 +384,9 @@ class TorchTrainer:
             ids = t["ids"][idx]
 
             def take(logits: torch.Tensor) -> torch.Tensor:
-                full = self._sampling(logits, ids, width)
-                out[idx] = self._picked(full, ids, width)
-                if entropy_too:
-                    entropy_sum.add_((entropy(full) * t["mask"][idx]).sum().cpu())
+                out[idx], ent = self._token_logp(logits, ids, width, entropy_too)
+                if ent is not None:
+                    entropy_sum.add_((ent * t["mask"][idx]).sum().cpu())
                 return logits.new_zeros(())
 
             return Piece(ids, width, take)
@@ -434,12 +435,10 @@ class TorchTrainer:
 
         def loss_of(mi: torch.Tensor, ids: torch.Tensor, w: int) -> Take:
             def take(logits: torch.Tensor) -> torch.Tensor:
-                full = self._sampling(logits, ids, w)
-                logp = self._picked(full, ids, w)
-                if is_old:  # pi_old's log-probs and entropy are this pass's
+                logp, ent = self._token_logp(logits, ids, w, is_old)
+                if ent is not None:  # pi_old's log-probs and entropy are this pass's
                     old[mi, :w] = logp.detach()
-                    with torch.no_grad():
-                        entropy_sum.add_((entropy(full.detach()) * t["mask"][mi, :w]).sum().cpu())
+                    entropy_sum.add_((ent * t["mask"][mi, :w]).sum().cpu())
                 loss, s = policy_loss(
                     logp,
                     old[mi, :w],

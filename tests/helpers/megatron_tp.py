@@ -8,7 +8,7 @@ rank writes the logits of a fixed input at the start (OUT/logits.pt). With CKPT 
 from there first. Every rank writes OUT/rss-RANK.json: its
 peak RSS after building the trainer and after the steps, and how many elements its
 optimizer state holds. RLIX_DISTRIBUTED_OPTIMIZER=1 shards that state over the
-replicas. Used by
+replicas; the sampling temperature is 0.7 and RLIX_TOP_P the nucleus (1: none). Used by
 tests/integration/test_megatron_tp.py and for docs/PERF.md's figures."""
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ trainer = MegatronTrainer(
     ),
     ModelConfig(path=model_dir),
     seed=0,
+    temperature=0.7,
+    top_p=float(os.environ.get("RLIX_TOP_P", "1")),
     rank=rank,
     world=world,
     tp=tp,
@@ -68,6 +70,10 @@ logits: list[torch.Tensor] = []  # on the last stage: every position's
 
 
 def keep(x: torch.Tensor) -> torch.Tensor:
+    if trainer._vocab_parallel:  # each rank's vocabulary slice: the whole, to compare
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        x = gather_from_tensor_model_parallel_region(x)[..., : trainer._shape["vocab_size"]]
     logits.append(x.detach().clone())
     return x.new_zeros(())
 

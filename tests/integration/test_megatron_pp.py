@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.megatron_tp_runs import run_tp
+from helpers.megatron_tp_runs import assert_same_weights, run_tp
 
 pytest.importorskip("megatron.core")
 # the module's runs (torchrun jobs of 1-4 ranks on 2 cores, beside the other pytest
@@ -57,8 +57,9 @@ def _same_training(one: dict, other: dict) -> None:
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
         assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-4)
         assert b["clip_frac"] == pytest.approx(a["clip_frac"], abs=1e-6)
-    for k, v in one["cache_end"].items():  # the weights after two steps (lr 1e-3)
-        torch.testing.assert_close(other["cache_end"][k], v, atol=1e-5, rtol=1e-4)
+    assert_same_weights(
+        other["cache_end"], one["cache_end"]
+    )  # the weights after two steps (lr 1e-3)
 
 
 def test_pp2_trains_as_one_rank(runs: dict[str, dict]) -> None:
@@ -98,8 +99,7 @@ def test_a_pp2_checkpoint_resumes_exactly_at_pp2_and_resharded(runs: dict[str, d
         assert first["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6)
         assert first["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
         # the second minibatch's update used the resharded moments: the weights agree
-        for k, v in runs[run]["cache_end"].items():
-            torch.testing.assert_close(runs[resumed]["cache_end"][k], v, atol=1e-5, rtol=1e-4)
+        assert_same_weights(runs[resumed]["cache_end"], runs[run]["cache_end"])
 
 
 def test_twenty_cycles_at_pipeline_parallel_2_leak_nothing(tmp_path: Path) -> None:

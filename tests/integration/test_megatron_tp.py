@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.megatron_tp_runs import run_tp
+from helpers.megatron_tp_runs import assert_same_weights, run_tp
 
 pytest.importorskip("megatron.core")
 # the module's runs (torchrun jobs of 1-4 ranks on 2 cores, beside the other pytest
@@ -45,6 +45,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             root / "zeror", tied, 2, 4, 1, root / "zero" / "ckpt_1", distributed_optimizer=True
         ),
         "tp1_from_zero": run_tp(root / "tp1z", tied, 1, 2, 1, root / "zero" / "ckpt_1"),
+        # under top-p the logits are gathered (the nucleus sorts the whole vocabulary)
+        "tp1_top_p": run_tp(root / "tp1p", model, 1, 1, 2, top_p=0.9),
+        "tp2_top_p": run_tp(root / "tp2p", model, 2, 2, 2, top_p=0.9),
     }
 
 
@@ -64,8 +67,9 @@ def test_logits_loss_and_gradient_norm_agree(runs: dict[str, dict]) -> None:
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
         assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-4)
-    for k, v in one["cache_end"].items():  # the weights after two steps (lr 1e-3)
-        torch.testing.assert_close(runs["tp2"]["cache_end"][k], v, atol=1e-5, rtol=1e-4)
+    assert_same_weights(
+        runs["tp2"]["cache_end"], one["cache_end"]
+    )  # the weights after two steps (lr 1e-3)
 
 
 def test_a_tp2_checkpoint_resumes_exactly_at_tp2_and_at_tp1(runs: dict[str, dict]) -> None:
@@ -78,8 +82,7 @@ def test_a_tp2_checkpoint_resumes_exactly_at_tp2_and_at_tp1(runs: dict[str, dict
     assert resharded["loss"] == pytest.approx(second["loss"], rel=1e-4, abs=1e-6)
     assert resharded["grad_norm"] == pytest.approx(second["grad_norm"], rel=1e-4)
     # the second minibatch's update used the resharded moments: the weights agree too
-    for k, v in runs["tp2"]["cache_end"].items():
-        torch.testing.assert_close(runs["tp1_from_tp2"]["cache_end"][k], v, atol=1e-5, rtol=1e-4)
+    assert_same_weights(runs["tp1_from_tp2"]["cache_end"], runs["tp2"]["cache_end"])
 
 
 def test_two_replicas_of_tp2_with_tied_embeddings_train_as_two_of_tp1(
@@ -95,8 +98,7 @@ def test_two_replicas_of_tp2_with_tied_embeddings_train_as_two_of_tp1(
     for a, b in zip(one["figures"], two["figures"], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
-    for k, v in one["cache_end"].items():
-        torch.testing.assert_close(two["cache_end"][k], v, atol=1e-5, rtol=1e-4)
+    assert_same_weights(two["cache_end"], one["cache_end"])
 
 
 def test_twenty_cycles_at_tensor_parallel_2_leak_nothing(tmp_path: Path) -> None:
@@ -113,8 +115,9 @@ def test_a_one_rank_checkpoint_file_resumes_split_at_tp2(runs: dict[str, dict]) 
     resharded = runs["tp2_from_tp1"]["figures"][0]
     assert resharded["loss"] == pytest.approx(second["loss"], rel=1e-4, abs=1e-6)
     assert resharded["grad_norm"] == pytest.approx(second["grad_norm"], rel=1e-4)
-    for k, v in runs["tp1"]["cache_end"].items():  # the moments were split right too
-        torch.testing.assert_close(runs["tp2_from_tp1"]["cache_end"][k], v, atol=1e-5, rtol=1e-4)
+    assert_same_weights(
+        runs["tp2_from_tp1"]["cache_end"], runs["tp1"]["cache_end"]
+    )  # the moments were split right too
 
 
 def test_the_distributed_optimizer_makes_the_same_updates_from_half_the_state(
@@ -140,5 +143,17 @@ def test_the_distributed_optimizer_makes_the_same_updates_from_half_the_state(
     alone = runs["tp1_from_zero"]["figures"][0]
     assert alone["loss"] == pytest.approx(second["loss"], rel=1e-4, abs=1e-6)
     assert alone["grad_norm"] == pytest.approx(second["grad_norm"], rel=1e-4)
-    for k, v in zero["cache_end"].items():
-        torch.testing.assert_close(runs["tp1_from_zero"]["cache_end"][k], v, atol=1e-5, rtol=1e-4)
+    assert_same_weights(runs["tp1_from_zero"]["cache_end"], zero["cache_end"])
+
+
+def test_under_top_p_the_gathered_logits_give_the_one_rank_figures(
+    runs: dict[str, dict],
+) -> None:
+    one, two = runs["tp1_top_p"], runs["tp2_top_p"]
+    # the nucleus is in effect: not the figures without it
+    assert one["figures"][0]["entropy"] < runs["tp1"]["figures"][0]["entropy"] - 1e-3
+    for a, b in zip(one["figures"], two["figures"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-4)
+    assert_same_weights(two["cache_end"], one["cache_end"])

@@ -18,8 +18,8 @@ from rlix_async.train.sharded_checkpoint import (
     CheckpointError,
     ShardedCheckpoint,
     begin,
-    part_tensors,
     promote,
+    rank_part,
     staging,
     write_part,
 )
@@ -68,7 +68,9 @@ def write(path: Path, tp: int, pp: int, tied: bool) -> dict[str, torch.Tensor]:
                 k: {e: v if not v.dim() else shard_tensor(k, v, t, tp) for e, v in optim[k].items()}
                 for k in stage
             }
-            write_part(path, s, t, part_tensors(mine, states))
+            names = list(stage)  # the optimizer's order: its state by index
+            by_index = {i: states[n] for i, n in enumerate(names)}
+            write_part(path, s, t, rank_part(mine, by_index, names, lambda name: name))
     meta = {"tp": tp, "pp": pp, "layers": LAYERS, "tied": tied, "vocab_size": VOCAB, "step": 7}
     promote(path, meta)
     return model
