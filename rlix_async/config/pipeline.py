@@ -3,7 +3,6 @@ rules its keys must satisfy together (checked for configs built in code too)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -11,58 +10,10 @@ import msgspec
 
 from rlix_async.config.data import DataConfig, TargetTokensTask, TaskConfig
 from rlix_async.config.lora import LoraConfig
+from rlix_async.config.rollout import RolloutConfig
 from rlix_async.config.schema_base import Config, Endpoint, doc, invalid
 from rlix_async.config.training import TrainConfig
-from rlix_async.protocols.generation import Sampling
 from rlix_async.protocols.topology import ClusterName, ClusterSpec, PipelineId
-
-
-class RolloutConfig(Config, frozen=True):
-    groups_per_step: Annotated[int, doc("Prompts (groups) per training step.", ge=1)] = 8
-    group_size: Annotated[
-        int, doc("Responses sampled per prompt (GRPO needs two or more).", ge=2)
-    ] = 4
-    max_tokens: Annotated[int, doc("Longest response, in tokens.", ge=1)] = 12
-    temperature: Annotated[
-        float,
-        doc(
-            "Sampling temperature (> 0: the trainer's log-probs use the same one, so the "
-            "importance ratio compares like with like).",
-            gt=0,
-        ),
-    ] = 1.0
-    top_p: Annotated[
-        float,
-        doc("Nucleus sampling; the trainer's log-probs are renormalised the same way.", gt=0, le=1),
-    ] = 1.0
-    stop: Annotated[
-        Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=16)],
-        doc(
-            "Text recipes: stop a response at any of these strings (kept in the response). "
-            "Every response also stops at the tokenizer's end-of-sequence token."
-        ),
-    ] = []
-    max_groups_in_flight: Annotated[int, doc("Groups being generated at once, at most.", ge=1)] = 4
-    drop_uniform_groups: Annotated[
-        bool,
-        doc(
-            "DAPO dynamic sampling: a group whose rewards are all equal (no advantage, no "
-            "gradient) is dropped and counted (metrics `filtered`), and another prompt "
-            "takes its place."
-        ),
-    ] = False
-
-    def sampling(self, stop_token_ids: Sequence[int] = ()) -> Sampling:
-        """How each response is sampled (``stop_token_ids``: the tokenizer's end of
-        sequence, which the config does not know): the one struct that travels to
-        the engine unchanged."""
-        return Sampling(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            stop_token_ids=tuple(stop_token_ids),
-            stop=tuple(self.stop),
-        )
 
 
 class ModelConfig(Config, frozen=True):
@@ -180,7 +131,28 @@ class PipelineConfig(Config, frozen=True):
             "the episode's reward."
         ),
     ] = None
-    agent_args: Annotated[dict[str, Any], doc("Keyword arguments for the agent function.")] = {}
+    agent_api: Annotated[
+        str | None,
+        doc(
+            "With data, instead of env, agent or reward: an agent written against the "
+            "OpenAI API, 'file.py:function' or 'package.module:function', called as await "
+            "function(row, client, **agent_args) per episode, where client is an "
+            "openai.AsyncOpenAI on the pipeline's own OpenAI-compatible server "
+            "(/v1/chat/completions, tools included) with the episode's key; it returns "
+            "the episode's reward (or a dict with 'reward' and numeric metrics). The "
+            "server keeps each episode's tokens as sampled (rollout/api_agents.py)."
+        ),
+    ] = None
+    agent_api_host: Annotated[
+        str,
+        doc(
+            "agent_api: the address its server listens on (an ephemeral port); loopback "
+            "unless an agent in another container or host must reach it by URL and key."
+        ),
+    ] = "127.0.0.1"
+    agent_args: Annotated[
+        dict[str, Any], doc("Keyword arguments for the agent (or agent_api) function.")
+    ] = {}
     max_turns: Annotated[int, doc("Env episodes: model turns per episode, at most.", ge=1)] = 8
     max_episode_tokens: Annotated[
         int,
@@ -345,7 +317,8 @@ def check_model_parallel(p: PipelineConfig) -> None:
 def check_recipe(p: PipelineConfig) -> None:
     """What a pipeline trains on, checked whole: a token task, or data with exactly one
     of reward, env and agent (and the keys each needs)."""
-    scorers = {k: v for k, v in (("reward", p.reward), ("env", p.env), ("agent", p.agent)) if v}
+    named = (("reward", p.reward), ("env", p.env), ("agent", p.agent), ("agent_api", p.agent_api))
+    scorers = {k: v for k, v in named if v}
     if p.data is None:
         text_only = {**scorers, "eval_every": p.eval_every, "rollout.stop": p.rollout.stop}
         for key, value in text_only.items():
@@ -365,7 +338,11 @@ def check_recipe(p: PipelineConfig) -> None:
     if len(scorers) > 1:
         names = " and ".join(scorers)
         raise invalid(list(scorers)[-1], f"{names}: name one (an env or agent scores its own)")
-    for key, owner in (("env_args", p.env), ("env_workers", p.env), ("agent_args", p.agent)):
+    for key, owner in (
+        ("env_args", p.env),
+        ("env_workers", p.env),
+        ("agent_args", p.agent or p.agent_api),
+    ):
         if getattr(p, key) and owner is None:
             raise invalid(key, f"needs {key.split('_')[0]} (what they are for)")
     if not scorers:

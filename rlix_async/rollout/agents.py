@@ -32,7 +32,7 @@ import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from rlix_async.protocols.generation import Sampling
 from rlix_async.rollout.chat import ChatError, ChatTurns, Messages
@@ -46,6 +46,13 @@ from rlix_async.rollout.episodes import (
     with_budget,
 )
 from rlix_async.user_code import await_guarded
+
+
+class Paced(Protocol):
+    """Whether a model turn is being sampled, and since when the agent has been on its own."""
+
+    generating: bool
+    idle_since: float
 
 
 class EpisodeOver(Exception):
@@ -68,8 +75,9 @@ class Agent:
     name: str
 
 
-def load_agent(spec: str, agent_args: dict[str, Any] | None = None) -> Agent:
-    """The ``async def`` function ``spec`` names, callable as ``fn(row, llm, **agent_args)``."""
+def load_agent(spec: str, agent_args: dict[str, Any] | None = None, client: str = "llm") -> Agent:
+    """The ``async def`` function ``spec`` names, callable as ``fn(row, llm, **agent_args)``
+    (``client``: what the error calls its second argument)."""
     args = dict(agent_args or {})
     fn = load_user_object(spec, "agent")
     if not inspect.iscoroutinefunction(fn):
@@ -78,7 +86,9 @@ def load_agent(spec: str, agent_args: dict[str, Any] | None = None) -> Agent:
         inspect.signature(fn).bind({}, None, **args)
     except TypeError as exc:
         named = f", {', '.join(args)}" if args else ""
-        raise EnvError(f"agent {spec!r}: cannot be called as fn(row, llm{named}): {exc}") from None
+        raise EnvError(
+            f"agent {spec!r}: cannot be called as fn(row, {client}{named}): {exc}"
+        ) from None
     return Agent(fn, args, spec)
 
 
@@ -216,7 +226,7 @@ class AgentRunner(EpisodeRunner):
         episode.reward = conversation.reward if result is None else result
         return episode
 
-    async def _watch(self, task: asyncio.Future[Any], llm: AgentClient) -> float | None:
+    async def _watch(self, task: asyncio.Future[Any], llm: Paced) -> Any:
         """The agent's result; its own time between model turns bounded."""
         while True:
             idle_left = self.step_timeout_s - (time.monotonic() - llm.idle_since)
@@ -238,6 +248,10 @@ class AgentRunner(EpisodeRunner):
             raise exc.error from None  # the request failed, as any pipeline's can
         except Exception as exc:
             raise EnvFailure(f"{self.name}: raised {type(exc).__name__}: {exc}") from exc
+        return self._reward(result)
+
+    def _reward(self, result: Any) -> float | None:
+        """What the agent returned, as the episode's reward (None: it returned None)."""
         ok = result is None or (
             isinstance(result, numbers.Real)
             and not isinstance(result, bool)

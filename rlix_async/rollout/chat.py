@@ -63,10 +63,13 @@ class ChatTurns:
         else:
             raise ChatError("the chat template does not render a reply as a continuation")
 
-    def _render(self, messages: Messages, *, generation_prompt: bool) -> str:
+    def _render(
+        self, messages: Messages, *, generation_prompt: bool, tools: list[Any] | None = None
+    ) -> str:
         try:
+            extra = {"tools": tools} if tools else {}
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=generation_prompt
+                messages, tokenize=False, add_generation_prompt=generation_prompt, **extra
             )
         except Exception as exc:  # jinja raises its own kinds; templates may raise anything
             raise ChatError(f"chat template failed: {type(exc).__name__}: {exc}") from None
@@ -78,10 +81,11 @@ class ChatTurns:
         # the template's text holds its special tokens already: none added
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def first(self, turn: str | Messages) -> list[int]:
-        """The episode's prompt: the environment's first turn and the generation prompt."""
+    def first(self, turn: str | Messages, tools: list[Any] | None = None) -> list[int]:
+        """The episode's prompt: the environment's first turn and the generation prompt
+        (``tools``: schemas for a template that renders them)."""
         messages = as_messages(turn, "reset()")
-        return self._ids(self._render(messages, generation_prompt=True))
+        return self._ids(self._render(messages, generation_prompt=True, tools=tools))
 
     def reply(self, turn: str | Messages | None, model_ids: list[int]) -> list[int]:
         """What follows the model's turn ``model_ids``: the end of that turn, the

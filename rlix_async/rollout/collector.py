@@ -279,6 +279,13 @@ class Collector:
         """The replay buffer's group: an env's episodes packed under one prompt (the
         env's first turn, as rendered: special tokens too), else the sample's."""
         episodes = [t for t in trajs if isinstance(t, Episode)]
+        members: list[int] = []
+        if any(e.segments for e in episodes):  # agent_api: an episode split in several
+            members = [i for i, e in enumerate(episodes) for _ in range(len(e.segments) + 1)]
+            episodes = [s for e in episodes for s in (*e.segments, e)]
+            rewards = [rewards[i] for i in members]
+            texts = [self._text(e.token_ids) for e in episodes] if texts else []
+            extras = {k: [v[i] for i in members] for k, v in extras.items()}
         if episodes:  # (all kept: an episode's score never fails)
             packed = pack(episodes)
             prompt = packed.prompt
@@ -302,6 +309,7 @@ class Collector:
             reward_extras=extras,
             masks=packed.masks if episodes else [],
             episodes=figures_of(episodes) if episodes else {},
+            members=members,
         )
 
     def _request(self, sample: Sample, min_version: int) -> Awaitable[Trajectory]:

@@ -123,6 +123,11 @@ class Episode(Trajectory):
     env_s: float = 0.0
     cut: str = ""  # "" (done), "max_turns" or "max_episode_tokens"
     info: dict[str, float] = field(default_factory=dict)  # the last step's numeric info
+    # agent_api (rollout/api_agents.py): trajectories of the same episode split off
+    # before this one (the agent rewrote its history), trained with its reward, and
+    # how many splits there were
+    segments: list[Episode] = field(default_factory=list)
+    splits: int = 0
 
     def add(
         self,
@@ -150,6 +155,7 @@ class Episode(Trajectory):
             "env_tokens": float(len(self.mask) - model),
             "cut_turns": float(self.cut == "max_turns"),
             "cut_tokens": float(self.cut == "max_episode_tokens"),
+            "api_splits": float(self.splits),
         }
 
 
@@ -428,6 +434,7 @@ def episode_stats(figures: dict[str, list[float]]) -> dict[str, float]:
         "episode_env_tokens": mean("env_tokens"),
         "cut_max_turns": sum(figures["cut_turns"]),
         "cut_max_episode_tokens": sum(figures["cut_tokens"]),
+        **({"api_splits": sum(figures["api_splits"])} if "api_splits" in figures else {}),
     }
 
 

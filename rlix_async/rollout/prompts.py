@@ -305,7 +305,7 @@ def load_recipe(cfg: PipelineConfig) -> Recipe:
 
 def _episodes(cfg: PipelineConfig, tokenizer: Any, processes: EnvProcesses | None) -> EpisodeRunner:
     """An env pipeline's runner of episodes, or an agent pipeline's."""
-    key = "env" if cfg.env else "agent"
+    key = "env" if cfg.env else ("agent_api" if cfg.agent_api else "agent")
     limits: dict[str, Any] = {
         "max_turns": cfg.max_turns,
         "max_tokens": cfg.rollout.max_tokens,
@@ -320,6 +320,16 @@ def _episodes(cfg: PipelineConfig, tokenizer: Any, processes: EnvProcesses | Non
             decode = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
             env = load_env(cfg.env, cfg.env_args)
             return EpisodeRunner(env, chat, decode, processes=processes, **limits)
+        if cfg.agent_api is not None:
+            try:  # the agents extra: not needed by any other pipeline
+                from rlix_async.rollout.api_agents import ApiAgentRunner
+            except ImportError as exc:
+                raise RecipeError(
+                    f"agent_api needs {exc.name} (bash scripts/setup.sh agents)"
+                ) from None
+            agent = load_agent(cfg.agent_api, cfg.agent_args, client="client")
+            host, name = cfg.agent_api_host, cfg.id
+            return ApiAgentRunner(agent, chat, tokenizer, host=host, model_name=name, **limits)
         assert cfg.agent is not None
         return AgentRunner(load_agent(cfg.agent, cfg.agent_args), chat, tokenizer, **limits)
     except (EnvError, ChatError) as exc:

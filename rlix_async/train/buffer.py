@@ -40,6 +40,10 @@ class Group(msgspec.Struct):
     # model's. ``episodes``: per-response figures (turns, env seconds, tokens by source)
     masks: list[list[int]] = []
     episodes: dict[str, list[float]] = {}
+    # agent_api episodes split into several trajectories (rollout/api_agents.py): per
+    # response, the episode (0, 1, ...) it belongs to, so advantages are the episodes'
+    # (a split episode weighs no more in the group's mean); empty: one each
+    members: list[int] = []
 
     def __post_init__(self) -> None:
         n = len(self.responses)
@@ -51,6 +55,11 @@ class Group(msgspec.Struct):
             raise ValueError(
                 "group: one value of each reward extra and episode figure per response"
             )
+        if self.members and (
+            len(self.members) != n
+            or sorted(set(self.members)) != list(range(max(self.members) + 1))
+        ):
+            raise ValueError("group: one member index per response, numbering episodes from 0")
         if self.masks and (
             len(self.masks) != n
             or any(len(m) != len(r) for m, r in zip(self.masks, self.responses, strict=True))

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from rlix_async.config import PipelineConfig
 from rlix_async.train.sharded_checkpoint import is_sharded
 
 
@@ -65,3 +67,28 @@ def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
         else:
             path.unlink(missing_ok=True)
     return old
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    """Where step ``step``'s checkpoint is saved (a model-parallel megatron trainer
+    writes the directory ``step_N`` instead, train/sharded_checkpoint.py)."""
+    return run_dir / "ckpt" / f"step_{step}.pt"
+
+
+def checkpoint_due(step: int, cfg: PipelineConfig) -> bool:
+    """Whether the run checkpoints after training step ``step`` (counted from 1)."""
+    return step % cfg.checkpoint_every == 0 or step == cfg.steps
+
+
+def same_resume_step(store: dist.Store, rank: int, step: int) -> None:
+    """Every rank resumed from the same step (a rank on a node that cannot read rank
+    0's checkpoint directory would train from another state)."""
+    if rank == 0:
+        store.set("resume/step", str(step))
+        return
+    theirs = int(store.get("resume/step"))
+    if theirs != step:
+        raise RuntimeError(
+            f"rank {rank} resumed at step {step} but rank 0 at step {theirs}: every node of "
+            "a trainer must read the same checkpoint directory (out on a shared file system)"
+        )

@@ -27,7 +27,12 @@ def pack_batch(groups: list[Group], rank: int, world: int) -> dict[str, torch.Te
     """
     rows: list[tuple[list[int], int, list[float], float, list[int] | None]] = []
     for g in groups:
-        adv = group_advantages(torch.tensor(g.rewards, dtype=torch.float32))
+        if g.members:  # several trajectories of one episode: the episodes' advantages
+            first_of = {m: i for i, m in reversed(list(enumerate(g.members)))}
+            per = torch.tensor([g.rewards[first_of[m]] for m in sorted(first_of)])
+            adv = group_advantages(per.float())[torch.tensor(g.members)]
+        else:
+            adv = group_advantages(torch.tensor(g.rewards, dtype=torch.float32))
         masks: list[list[int] | None] = list(g.masks) or [None] * len(g.responses)
         for resp, lps, a, m in zip(g.responses, g.logprobs, adv.tolist(), masks, strict=True):
             rows.append((g.prompt + resp, len(g.prompt), lps, a, m))

@@ -1,0 +1,445 @@
+"""Agents written against the OpenAI API: ``agent_api: "file.py:function"``.
+
+::
+
+    async def solve(row: dict, client: openai.AsyncOpenAI, **agent_args) -> float:
+        messages = [{"role": "user", "content": row["question"]}]
+        reply = await client.chat.completions.create(model="policy", messages=messages,
+                                                     tools=TOOLS)
+        ...                                   # run its tool calls, append, ask again
+        return 1.0 if solved else 0.0         # or {"reward": 1.0, "my_metric": 3}
+
+Each episode gets its own key for the pipeline's server (``rollout/openai_server.py``),
+which routes its requests through the pipeline's router: shrinks, resumes and the
+staleness bound apply, and a request cut by a shrink just takes longer.
+
+Token-exact: the server keeps the episode's tokens as sampled (:class:`ApiEpisode`).
+A request whose messages extend what the episode has been served (its earlier
+messages, then each reply as the server returned it) reuses those tokens and renders
+only the new messages, as a continuation (mask 0). A request that does not (the agent
+edited, reordered or dropped history) starts a new trajectory from its messages as
+rendered; the earlier one is trained as it stands with the episode's reward, its
+advantage the episode's (``Group.members``), and the split is counted
+(``api_splits``). Log-probs are the sampler's. A request's ``temperature`` or
+``top_p`` other than the pipeline's, or ``n`` > 1, is refused (400 naming the
+pipeline's): the trainer's log-probs assume the pipeline's sampling.
+
+Limits are the pipeline's: ``max_turns`` over the episode, ``max_episode_tokens`` and
+the engine's context per trajectory, a request's ``max_tokens`` within them; past one
+a request gets a 400. An agent that lets that error end its loop ends its episode as
+a limit would end an env's (trained, its reward 0, cut counted); one that raises
+anything else, overruns ``env_step_timeout_s`` of its own between requests, or
+returns no number fails its episode only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from typing import Any
+
+import msgspec
+
+from rlix_async.protocols.generation import Sampling
+from rlix_async.rollout.agents import Agent, AgentRunner
+from rlix_async.rollout.chat import ChatError, ChatTurns
+from rlix_async.rollout.episodes import EnvFailure, Episode, Generate, with_budget
+from rlix_async.rollout.openai_server import ApiError, ApiServer
+from rlix_async.rollout.tool_calls import (
+    hermes_messages,
+    parse_tool_calls,
+    template_takes_tools,
+    text_of,
+)
+
+Messages = list[dict[str, Any]]
+MAX_STOPS = 4  # OpenAI's
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two messages say the same (role, text, tool calls by name and arguments)."""
+    return bool(_key(a) == _key(b))
+
+
+def _key(m: Any) -> tuple[Any, ...]:
+    if not isinstance(m, dict):
+        return (None,)
+    calls = []
+    tool_calls = m.get("tool_calls") or []
+    for c in tool_calls if isinstance(tool_calls, list) else [tool_calls]:
+        fn = c.get("function") if isinstance(c, dict) else None
+        fn = fn if isinstance(fn, dict) else {}
+        args = fn.get("arguments", "")
+        with contextlib.suppress(json.JSONDecodeError):
+            args = json.dumps(json.loads(args), sort_keys=True) if isinstance(args, str) else args
+        calls.append((fn.get("name"), repr(args)))
+    try:
+        content = text_of(m.get("content"))
+    except ValueError:
+        content = None
+    return (m.get("role"), content, tuple(calls))
+
+
+class ApiEpisode:
+    """One episode's trajectories, served a request at a time."""
+
+    def __init__(
+        self,
+        runner: ApiAgentRunner,
+        generate: Generate,
+        sampling: Sampling | None,
+        min_version: int | None,
+        name: str,
+    ) -> None:
+        self.runner = runner
+        self.generate, self.sampling, self.min_version = generate, sampling, min_version
+        self.name = name  # tool call ids start with it
+        self.done: list[Episode] = []  # trajectories split off, trained as they stand
+        self.current: Episode | None = None
+        self.served: Messages = []  # what the next request must start with to reuse it
+        self.tools: Any = None
+        self.last_ids: list[int] = []  # the model's last turn
+        self.turns = 0
+        self.splits = 0
+        self.cut = ""  # the limit a request was refused at
+        self.failure: Exception | None = None  # a request the router failed
+        self.generating = False
+        self.closed = False
+        self.idle_since = time.monotonic()
+
+    # --- the request -----------------------------------------------------------------
+
+    def _sampling(self, body: dict[str, Any]) -> Sampling:
+        base = self.sampling or Sampling(max_tokens=1)
+        for name in ("temperature", "top_p"):
+            value = body.get(name)
+            if value is not None and (
+                not isinstance(value, int | float) or float(value) != getattr(base, name)
+            ):
+                raise ApiError(
+                    400,
+                    f"{name} {value!r}: this pipeline samples at temperature "
+                    f"{base.temperature:g}, top_p {base.top_p:g} (rollout.temperature, "
+                    "rollout.top_p); its trainer's log-probs assume them, so leave them out",
+                )
+        if body.get("n", 1) != 1:
+            raise ApiError(400, "n must be 1: each sample is its own episode's turn")
+        stop = body.get("stop")
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+            raise ApiError(400, "stop must be a string or a list of strings")
+        if len(stops) > MAX_STOPS:
+            raise ApiError(400, f"stop: at most {MAX_STOPS} sequences")
+        if stops:
+            base = msgspec.structs.replace(base, stop=(*base.stop, *stops))
+        return base
+
+    def _budget(self, episode: Episode, body: dict[str, Any]) -> int:
+        runner = self.runner
+        if self.turns >= runner.max_turns:
+            self.cut = "max_turns"
+            raise ApiError(400, f"max_turns ({runner.max_turns}) reached: the episode is over")
+        budget = runner.budget(episode)
+        if budget <= 0:
+            self.cut = "max_episode_tokens"
+            raise ApiError(
+                400,
+                f"the episode's {len(episode.token_ids)} tokens leave no room to answer "
+                f"(max_episode_tokens {runner.max_episode_tokens}, the engine's context "
+                f"{runner.context_tokens})",
+                "context_length_exceeded",
+            )
+        asked = body.get("max_completion_tokens", body.get("max_tokens"))
+        if asked is not None:
+            if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
+                raise ApiError(400, f"max_tokens {asked!r}: a positive integer")
+            budget = min(budget, asked)
+        return budget
+
+    def _messages(self, body: dict[str, Any]) -> tuple[Messages, Any]:
+        messages, tools = body.get("messages"), body.get("tools")
+        if not (isinstance(messages, list) and messages):
+            raise ApiError(400, "messages: a non-empty list of {role, content} objects")
+        for m in messages:
+            if not (
+                isinstance(m, dict)
+                and m.get("role") in ("system", "user", "assistant", "tool", "developer")
+            ):
+                raise ApiError(
+                    400,
+                    "messages: each a {role, content} object (role system, user, assistant or tool)",
+                )
+            try:
+                text_of(m.get("content"))
+            except ValueError as exc:
+                raise ApiError(400, f"messages: {exc}") from None
+        if tools is not None and not (
+            isinstance(tools, list)
+            and all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)
+        ):
+            raise ApiError(400, "tools: a list of {type: function, function: {...}} objects")
+        return messages, tools
+
+    def _render(self, messages: Messages, tools: Any, *, first: bool) -> list[int]:
+        """Token ids of ``messages``: a whole prompt (``first``), or new messages after
+        the model's last turn."""
+        chat: ChatTurns = self.runner.chat
+        if template_takes_tools(chat.tokenizer):
+            plain = [{**m, "content": text_of(m.get("content"))} for m in messages]
+            if first:
+                return chat.first(plain, tools)
+            return chat.reply(plain, self.last_ids)
+        if first:
+            return chat.first(hermes_messages(messages, tools))
+        return chat.reply(hermes_messages(messages, None), self.last_ids)
+
+    def _close(self) -> list[int]:
+        """The end of the model's last turn and the next generation prompt."""
+        return self.runner.chat.reply(None, self.last_ids)
+
+    def _prompt(self, messages: Messages, tools: Any) -> Episode:
+        """The trajectory this request continues, its new messages appended (mask 0),
+        or a new one (a split when one was going)."""
+        try:
+            return self._continue(messages, tools)
+        except ChatError as exc:
+            raise ApiError(400, f"messages: {exc}") from None
+
+    def _continue(self, messages: Messages, tools: Any) -> Episode:
+        k = len(self.served)
+        current = self.current
+        extends = (
+            current is not None
+            and len(messages) >= k  # none new: the model's next turn right after its last
+            and tools == self.tools
+            and all(_same(a, b) for a, b in zip(messages[:k], self.served, strict=False))
+        )
+        if extends:
+            assert current is not None
+            new = messages[k:]
+            current.add(
+                self._render(new, tools, first=False) if new else self._close(), model=False
+            )
+            return current
+        fresh = Episode(self._render(messages, tools, first=True))  # may fail: nothing changed
+        if current is not None:
+            self.done.append(current)
+            self.splits += 1
+        self.current, self.tools = fresh, tools
+        return fresh
+
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``/v1/chat/completions``: the response body (ApiError for a refusal)."""
+        if self.closed:
+            raise ApiError(
+                401, "this episode is over: its key is no longer valid", "invalid_api_key"
+            )
+        if self.generating:
+            raise ApiError(409, "one request at a time per episode")
+        if body.get("stream"):
+            raise ApiError(400, "stream: not served; ask without it")
+        if body.get("top_logprobs"):
+            raise ApiError(400, "top_logprobs: not served (logprobs: true gives each token's)")
+        messages, tools = self._messages(body)
+        sampling = self._sampling(body)
+        mark = self._mark()
+        episode = self._prompt(messages, tools)
+        try:
+            budget = self._budget(episode, body)
+        except ApiError:
+            self._undo(mark, episode)
+            raise
+        prompt = episode.prompt_ids + episode.token_ids
+        self.generating = True
+        try:
+            turn = await self.generate(
+                prompt, with_budget(sampling, budget), min_version=self.min_version
+            )
+        except Exception as exc:
+            self.failure = self.failure or exc
+            self._undo(mark, episode)
+            raise ApiError(503, f"generation failed: {exc}") from exc
+        finally:
+            self.generating = False
+            self.idle_since = time.monotonic()
+        episode.add(turn.token_ids, model=True, logprobs=turn.logprobs, versions=turn.versions)
+        episode.resumes += turn.resumes
+        episode.ranks += turn.ranks
+        episode.turns += 1
+        self.turns += 1
+        self.last_ids = list(turn.token_ids)
+        text = self.runner.decode(turn.token_ids)
+        content, calls = (
+            parse_tool_calls(text, f"call_{self.name}_{self.turns}") if tools else (text, [])
+        )
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        self.served = [*messages, message]
+        finish = "tool_calls" if calls else ("length" if len(turn.token_ids) >= budget else "stop")
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "finish_reason": finish,
+            "logprobs": None,
+        }
+        if body.get("logprobs"):
+            choice["logprobs"] = {"content": self._logprobs(turn.token_ids, turn.logprobs)}
+        return {
+            "id": f"chatcmpl-{self.name}-{self.turns}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.runner.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(turn.token_ids),
+                "total_tokens": len(prompt) + len(turn.token_ids),
+            },
+        }
+
+    def _mark(self) -> tuple[Episode | None, int, int, Any]:
+        """Where the episode stands before a request (a refused one is undone)."""
+        current = self.current
+        length = len(current.token_ids) if current is not None else 0
+        return current, len(self.done), length, self.tools
+
+    def _undo(self, mark: tuple[Episode | None, int, int, Any], episode: Episode) -> None:
+        """A refused or failed request leaves no trace: no new messages, no split."""
+        current, done, length, self.tools = mark
+        if episode is current and current is not None:
+            del current.token_ids[length:], current.mask[length:]
+            del current.logprobs[length:], current.versions[length:]
+        else:
+            self.current = current
+            del self.done[done:]
+            self.splits -= int(current is not None)
+
+    def _logprobs(self, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
+        out = []
+        for t, lp in zip(ids, logprobs, strict=True):
+            token = self.runner.decode_token(t)
+            out.append(
+                {"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []}
+            )
+        return out
+
+    # --- the episode's end -----------------------------------------------------------
+
+    def finish(self, reward: float, info: dict[str, float]) -> Episode:
+        """The last trajectory, the ones split off before it in ``segments``, each with
+        the episode's reward."""
+        assert self.current is not None
+        last = self.current
+        for e in (*self.done, last):
+            e.reward = reward
+            e.info = dict(info)
+        last.segments = list(self.done)
+        last.splits = self.splits
+        last.cut = self.cut
+        return last
+
+
+class ApiAgentRunner(AgentRunner):
+    """Runs ``agent_api`` episodes: each the agent function with an ``openai.AsyncOpenAI``
+    client of its own key on the pipeline's server (started at the first episode)."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        chat: ChatTurns,
+        tokenizer: Any,
+        *,
+        host: str,
+        model_name: str,
+        **limits: Any,
+    ) -> None:
+        super().__init__(agent, chat, tokenizer, **limits)
+        self.name = f"agent_api {agent.name}"
+        self.host = host
+        self.model_name = model_name
+        self.server: ApiServer | None = None  # once started
+        self.splits = 0
+
+    def decode_token(self, token: int) -> str:
+        return str(self.tokenizer.decode([token]))
+
+    async def start(self) -> ApiServer:
+        if self.server is None:
+            self.server = ApiServer(self.host, self.model_name)
+            await self.server.start()
+        return self.server
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        super().close()
+
+    async def run(
+        self,
+        row: dict[str, Any],
+        generate: Generate,
+        sampling: Sampling | None = None,
+        min_version: int | None = None,
+    ) -> Episode:
+        import openai
+
+        from rlix_async.user_code import await_guarded
+
+        server = await self.start()
+        key, name = server.new_key()
+        episode = ApiEpisode(self, generate, sampling, min_version, name)
+        server.open(key, episode)
+        # one client per episode: its key is the episode's; retries would re-send a
+        # request the server refused on purpose (a limit)
+        client = openai.AsyncOpenAI(base_url=server.url, api_key=key, max_retries=0, timeout=3600.0)
+        import asyncio
+
+        task = asyncio.ensure_future(await_guarded(self.agent.fn(row, client, **self.agent.args)))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        result: Any = None
+        try:
+            result = await self._watch(task, episode)
+        except EnvFailure as exc:
+            limit_ended = episode.cut and isinstance(exc.__cause__, openai.BadRequestError)
+            if episode.failure is not None:
+                raise episode.failure from None  # the router's: a failed request
+            if not limit_ended:
+                self._failed(exc, row)
+                raise
+            result = 0.0
+        finally:
+            server.close_key(key)
+            episode.closed = True
+            task.cancel()
+            await client.close()
+        if episode.failure is not None:
+            raise episode.failure
+        if episode.current is None or not episode.turns:
+            failure = EnvFailure(f"{self.name}: returned without a model turn")
+            self._failed(failure, row)
+            raise failure
+        self.splits += episode.splits
+        reward, info = self._outcome(result)
+        return episode.finish(reward, info)
+
+    def _reward(self, result: Any) -> Any:
+        """A number, or a dict with a number ``reward`` and numeric metrics."""
+        if isinstance(result, dict):
+            super()._reward(result.get("reward"))
+            if result.get("reward") is None:
+                raise EnvFailure(f"{self.name}: returned a dict without 'reward'")
+            return result
+        return super()._reward(result)
+
+    @staticmethod
+    def _outcome(result: Any) -> tuple[float, dict[str, float]]:
+        if isinstance(result, dict):
+            info = {
+                str(k): float(v)
+                for k, v in result.items()
+                if k != "reward" and isinstance(v, int | float) and not isinstance(v, bool)
+            }
+            return float(result["reward"]), info
+        return (0.0 if result is None else float(result)), {}
