@@ -136,13 +136,15 @@ def resolve_recipes(cfg: LaunchConfig) -> LaunchConfig:
                 max_prompt_tokens=p.data.max_prompt_tokens
                 or cfg.engine.max_model_len - p.rollout.max_tokens,
             )
-            reward, env, agent = (_absolute_file(spec) for spec in (p.reward, p.env, p.agent))
+            specs = (p.reward, p.env, p.agent, p.agent_api)
+            reward, env, agent, agent_api = (_absolute_file(spec) for spec in specs)
             p = msgspec.structs.replace(
                 p,
                 data=data,
                 reward=reward,
                 env=env,
                 agent=agent,
+                agent_api=agent_api,
                 max_model_len=cfg.engine.max_model_len,
             )
         pipelines.append(p)

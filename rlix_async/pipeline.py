@@ -44,7 +44,7 @@ from rlix_async.config import ConfigError, PipelineConfig, load_config
 from rlix_async.hooks import ClusterHooks
 from rlix_async.observe.loggers import flush_at_exit
 from rlix_async.protocols.topology import SPAN_ADDRESS, SPAN_FIRST_RANK, SPAN_WORLD
-from rlix_async.rollout.collector import Collector
+from rlix_async.rollout.collector import Collector, EpisodesFailing
 from rlix_async.rollout.evaluate import Evaluator, eval_due
 from rlix_async.rollout.ledger import LEDGER, Ledger
 from rlix_async.rollout.prompts import Recipe, RecipeError, load_recipe
@@ -568,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     except RendezvousError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except RankGone as exc:  # the step cannot go on without that rank: torchrun ends the job
+    except (RankGone, EpisodesFailing) as exc:  # torchrun ends the job: the other ranks too
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if recipe is not None and recipe.stuck:

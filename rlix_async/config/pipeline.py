@@ -162,6 +162,14 @@ class PipelineConfig(Config, frozen=True):
             ge=1,
         ),
     ] = 1024
+    fail_after_groups: Annotated[
+        int,
+        doc(
+            "Env, agent and agent_api pipelines: stop (exit 1, naming the first failure) "
+            "after this many groups in a row came back without one good episode.",
+            ge=1,
+        ),
+    ] = 20
     env_step_timeout_s: Annotated[
         float,
         doc("Env episodes: a reset or step taking longer fails its episode (counted).", gt=0),

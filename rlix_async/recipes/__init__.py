@@ -31,6 +31,7 @@ def _guess_data(out: Path) -> None:
 RECIPES: dict[str, tuple[str, str, Callable[[Path], None]]] = {
     "arithmetic": ("arithmetic.yaml", "smollm2-135m-instruct", _arithmetic_data),
     "calculator": ("calculator.yaml", "smollm2-135m-instruct", _calculator_data),
+    "calculator_api": ("calculator_api.yaml", "smollm2-135m-instruct", _calculator_data),
     "guess": ("guess.yaml", "smollm2-135m-instruct", _guess_data),
 }
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from typing import Any
 
@@ -103,6 +104,7 @@ class ApiEpisode:
         self.turns = 0
         self.splits = 0
         self.cut = ""  # the limit a request was refused at
+        self.refusal = ""  # and the refusal's message
         self.failure: Exception | None = None  # a request the router failed
         self.generating = False
         self.closed = False
@@ -151,9 +153,11 @@ class ApiEpisode:
                 "context_length_exceeded",
             )
         asked = body.get("max_completion_tokens", body.get("max_tokens"))
+        if asked is not None and (
+            not isinstance(asked, int) or isinstance(asked, bool) or asked < 1
+        ):
+            raise ApiError(400, f"max_tokens {asked!r}: a positive integer")
         if asked is not None:
-            if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
-                raise ApiError(400, f"max_tokens {asked!r}: a positive integer")
             budget = min(budget, asked)
         return budget
 
@@ -247,7 +251,8 @@ class ApiEpisode:
         episode = self._prompt(messages, tools)
         try:
             budget = self._budget(episode, body)
-        except ApiError:
+        except ApiError as exc:
+            self.refusal = exc.message
             self._undo(mark, episode)
             raise
         prompt = episode.prompt_ids + episode.token_ids
@@ -360,6 +365,8 @@ class ApiAgentRunner(AgentRunner):
         self.host = host
         self.model_name = model_name
         self.server: ApiServer | None = None  # once started
+        for name in ("httpx", "httpx2"):  # the openai client's: a line per request
+            logging.getLogger(name).setLevel(logging.WARNING)
         self.splits = 0
 
     def decode_token(self, token: int) -> str:
@@ -417,7 +424,12 @@ class ApiAgentRunner(AgentRunner):
         if episode.failure is not None:
             raise episode.failure
         if episode.current is None or not episode.turns:
-            failure = EnvFailure(f"{self.name}: returned without a model turn")
+            why = (
+                f"its first request was refused: {episode.refusal}"
+                if episode.refusal
+                else ("returned without a model turn")
+            )
+            failure = EnvFailure(f"{self.name}: {why}")
             self._failed(failure, row)
             raise failure
         self.splits += episode.splits

@@ -36,6 +36,10 @@ log = logging.getLogger("rlix_async.rollout")
 UNIFORM_LIMIT = 10
 
 
+class EpisodesFailing(RuntimeError):
+    """An episode pipeline's groups keep failing whole: one line, exit 1."""
+
+
 class Collector:
     def __init__(
         self,
@@ -68,6 +72,8 @@ class Collector:
         self.uniform_in_a_row = 0  # groups filtered since the last one buffered
         self.reward_failed = 0  # trajectories left out because their reward failed
         self.env_failed = 0  # episodes whose environment raised, timed out or misbehaved
+        self.failing_groups = 0  # episode groups in a row that came back without one episode
+        self.fatal: EpisodesFailing | None = None  # what stops the run
         self.episodes = episodes  # an env pipeline's runner (None: one generate per sample)
         self.training = False  # a batch is taken and its step not yet published
         self._groups: list[list[asyncio.Future[Trajectory]]] = []  # requests in flight
@@ -119,11 +125,14 @@ class Collector:
         self.env_failed = state.get("env_failed", 0)
 
     async def run(self) -> None:
-        """Keep groups in flight while the buffer needs them and they cannot go stale."""
+        """Keep groups in flight while the buffer needs them and they cannot go stale;
+        EpisodesFailing once groups keep coming back without one good episode."""
         tasks: set[asyncio.Task[None]] = set()
         group_size = self.cfg.rollout.group_size
         try:
             while True:
+                if self.fatal is not None:
+                    raise self.fatal
                 room = self.buffer.room(self.step(), self.target, self.training)
                 if self.step() >= self.cfg.steps:
                     room = 0  # done: start nothing new
@@ -185,6 +194,7 @@ class Collector:
         """Count a finished group, score and buffer it (or count it dropped, if it was
         doomed); True when it was buffered."""
         trajs, cancelled, failed = self._count(results)
+        self._watch_failures(trajs, cancelled)
         # doomed: what finished is dropped as stale, nothing is trained; fewer than two
         # answers: no advantage to compute, the group is discarded (lost work)
         outcome = "stale" if cancelled else "unusable" if len(trajs) < 2 else None
@@ -212,6 +222,19 @@ class Collector:
         extras = {k: [v[i] for i in kept] for k, v in scored.extras.items()}
         self.buffer.add(self._group(sample, trajs, rewards, texts, extras, gid))
         return True
+
+    def _watch_failures(self, trajs: list[Trajectory], cancelled: int) -> None:
+        """An episode pipeline whose groups keep failing whole stops (``fail_after_groups``
+        in a row without one good episode): nothing would ever train."""
+        if self.episodes is None or cancelled:
+            return
+        self.failing_groups = 0 if trajs else self.failing_groups + 1
+        if self.failing_groups >= self.cfg.fail_after_groups and self.fatal is None:
+            self.fatal = EpisodesFailing(
+                f"{self.cfg.id}: {self.failing_groups} groups in a row without one good "
+                f"episode (fail_after_groups); the first failure: "
+                f"{self.episodes.first_failure or 'a failed request'}"
+            )
 
     def _count(
         self, results: list[Trajectory | BaseException]

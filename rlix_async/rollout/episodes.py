@@ -32,7 +32,7 @@ import logging
 import math
 import numbers
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,6 +191,7 @@ class EpisodeRunner:
         self.reward = reward
         self.context_tokens = context_tokens  # the engine's max_model_len, when known
         self.failures = 0
+        self.first_failure = ""  # the first failure's line (a pipeline stopping names it)
         # plain env methods run in threads of their own: never in the loop's default pool,
         # which the trainer's steps and checkpoints use (a stuck env would stall training)
         self._threads = BoundedThreads(max_threads, "env")  # a call's clock starts with its thread
@@ -344,7 +345,16 @@ class EpisodeRunner:
 
     def _check(self, result: Any) -> StepResult:
         """A StepResult, or a gym-style tuple: (observation, reward, done[, info]) or
-        gymnasium's (observation, reward, terminated, truncated, info)."""
+        gymnasium's (observation, reward, terminated, truncated, info), or a mapping or
+        any object with ``observation``, ``reward``, ``done`` (and ``info``)."""
+        if isinstance(result, Mapping) and {"observation", "reward", "done"} <= result.keys():
+            info = result.get("info") or {}
+            result = StepResult(result["observation"], result["reward"], result["done"], info)
+        elif not isinstance(result, StepResult | tuple) and all(
+            hasattr(result, k) for k in ("observation", "reward", "done")
+        ):
+            info = getattr(result, "info", None) or {}
+            result = StepResult(result.observation, result.reward, result.done, info)
         if isinstance(result, tuple) and len(result) == 5:
             obs, reward, terminated, truncated, info = result
             result = StepResult(obs, reward, _flag(terminated) or _flag(truncated), info)
@@ -372,6 +382,7 @@ class EpisodeRunner:
     def _failed(self, exc: EnvFailure, row: dict[str, Any]) -> None:
         self.failures += 1
         if self.failures == 1:
+            self.first_failure = str(exc)
             text = repr(row)
             text = text if len(text) <= ROW_REPR_LIMIT else text[:ROW_REPR_LIMIT] + "..."
             cause = exc.__cause__ or exc

@@ -256,7 +256,11 @@ def stop_token_ids(model_path: str, tokenizer: Any) -> list[int]:
 def load_recipe(cfg: PipelineConfig) -> Recipe:
     """Tokenizer, datasets and reward of a text recipe; RecipeError names what is wrong."""
     data = cfg.data
-    if data is None or cfg.model.path is None or not (cfg.reward or cfg.env or cfg.agent):
+    if (
+        data is None
+        or cfg.model.path is None
+        or not (cfg.reward or cfg.env or cfg.agent or cfg.agent_api)
+    ):
         raise RecipeError(f"pipeline {cfg.id}: not a text recipe (data, model.path, reward)")
     model = Path(cfg.model.path)
     if not (model / "config.json").is_file():

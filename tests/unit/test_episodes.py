@@ -132,6 +132,21 @@ class Tuple(Echo):
         return None, 0.5, True
 
 
+class Mapped(Echo):
+    def step(self, action: str) -> Any:
+        return {"observation": None, "reward": 0.75, "done": True, "info": {"k": 2}}
+
+
+class Plain(Echo):
+    """The issue's env: a plain object with the right attributes, not a StepResult."""
+
+    def step(self, action: str) -> Any:
+        class Result:
+            observation, reward, done = None, 0.125, True
+
+        return Result()
+
+
 class Gymnasium(Echo):
     def step(self, action: str) -> Any:
         import numpy as np
@@ -159,6 +174,10 @@ async def test_a_failing_env_fails_its_episode_only_and_is_logged_once_with_its_
     assert ep.reward == 0.5 and ep.turns == 1  # the gym-style tuple is accepted
     ep = await runner(Gymnasium).run({"q": 1}, scripted_generate(["a"], []))
     assert ep.reward == 0.25 and ep.turns == 1 and ep.cut == ""  # and gymnasium's, numpy bools
+    ep = await runner(Mapped).run({"q": 1}, scripted_generate(["a"], []))
+    assert ep.reward == 0.75 and ep.info == {"k": 2.0}  # a mapping
+    ep = await runner(Plain).run({"q": 1}, scripted_generate(["a"], []))
+    assert ep.reward == 0.125 and ep.cut == ""  # any object with the attributes
 
 
 class Exits(Echo):

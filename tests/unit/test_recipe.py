@@ -151,3 +151,64 @@ def test_evaluations_come_every_n_steps_and_at_the_last() -> None:
     assert [s for s in range(0, 13) if eval_due(s, 5, last=12)] == [0, 5, 10, 12]
     assert [s for s in range(0, 11) if eval_due(s, 5, last=10)] == [0, 5, 10]
     assert not any(eval_due(s, 0, last=12) for s in range(0, 13))  # 0: never
+
+
+class _Broken:
+    """An env whose every step raises."""
+
+    def __init__(self, row: dict[str, Any]) -> None:
+        pass
+
+    async def reset(self) -> str:
+        return "q"
+
+    async def step(self, action: str) -> Any:
+        raise KeyError("no such tool")
+
+
+async def test_an_episode_pipeline_whose_groups_keep_failing_stops_naming_the_first(
+    tmp_path: Path, dataset: PromptDataset
+) -> None:
+    """The issue's pipeline requested 780 groups in 7 minutes and trained nothing: after
+    ``fail_after_groups`` groups in a row without one good episode the collector stops
+    with one line naming the first failure; a group with one good episode resets it."""
+    import msgspec
+    from helpers.episodes import CHAT, decode, scripted_generate
+
+    from rlix_async.rollout.collector import EpisodesFailing
+    from rlix_async.rollout.episodes import EnvFailure, EpisodeRunner, load_env
+
+    col = collector(tmp_path, dataset, "exact_match")
+    col.cfg = msgspec.structs.replace(col.cfg, fail_after_groups=3)
+    runner = EpisodeRunner(load_env(f"{__name__}:_Broken"), CHAT, decode, max_turns=2,
+                           max_tokens=4, max_episode_tokens=64, step_timeout_s=2.0)  # fmt: skip
+    col.episodes = runner
+
+    async def failed_group(gid: str) -> list[Any]:
+        col.ledger.requested(gid, 3, 0)  # type: ignore[union-attr]
+        out: list[Any] = []
+        for _ in range(3):
+            try:
+                await runner.run({"q": 1}, scripted_generate(["a"], []))
+            except EnvFailure as exc:
+                out.append(exc)
+        return out
+
+    for gid in ("a", "b"):
+        await col._add(col.prompts.next(), await failed_group(gid), gid)
+    assert col.fatal is None
+    # one good answer among failures: not a failing group
+    col.ledger.requested("ok", 3, 0)  # type: ignore[union-attr]
+    mixed = [*(await failed_group("x"))[:2], *answers(tiny_tokenizer(), "1")]
+    await col._add(col.prompts.next(), mixed, "ok")
+    assert col.failing_groups == 0
+    for gid in ("c", "d", "e"):
+        await col._add(col.prompts.next(), await failed_group(gid), gid)
+    assert isinstance(col.fatal, EpisodesFailing)
+    line = str(col.fatal)
+    assert "3 groups in a row without one good episode" in line
+    assert "step() raised KeyError: 'no such tool'" in line and "\n" not in line
+    with pytest.raises(EpisodesFailing):
+        await col.run()
+    runner.close()
+    col.ledger.close()  # type: ignore[union-attr]
