@@ -3,8 +3,9 @@
 The same task and data as ``calculator.py`` (two-digit products and sums), but the
 loop is an ordinary OpenAI tool-calling agent: the model gets a ``calc`` tool, each
 call it makes is computed (by ``calculator.evaluate``, never ``eval``) and returned as
-a tool message, and a turn without a call is its answer, reward 1 if right. A turn
-with neither a call nor a number gets one reminder. Nothing here knows about token
+a tool message. A turn without a call is an answer: the first is sent back once for a
+check (a reflection turn), and the answer after it scores, reward 1 if right. A turn
+with neither a call nor a number gets a reminder. Nothing here knows about token
 ids: the pipeline's server keeps them (rollout/api_agents.py).
 
     rlix-async demo --recipe calculator_api
@@ -33,6 +34,7 @@ TOOLS = [
     }
 ]
 QUESTION = "{question}\nUse the calc tool if it helps. Then answer with just the number."
+CHECK = "Check your answer (use the calc tool if it helps), then reply with just the number."
 
 
 def run_call(arguments: str) -> str:
@@ -45,11 +47,13 @@ def run_call(arguments: str) -> str:
 
 
 async def solve(row: dict[str, Any], client: Any, max_turns: int = 4) -> dict[str, float]:
-    """One episode: the agent's loop over chat completions with the ``calc`` tool."""
+    """One episode: the agent's loop over chat completions with the ``calc`` tool. The
+    model's first answer is checked once ("check it, then reply with just the number":
+    a reflection turn, where it may still use the tool); the answer after that counts."""
     messages: list[dict[str, Any]] = [
         {"role": "user", "content": QUESTION.format(question=row["question"])}
     ]
-    calls = reminded = 0
+    calls = checked = 0
     for _ in range(max_turns):
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         message = reply.choices[0].message
@@ -61,11 +65,9 @@ async def solve(row: dict[str, Any], client: Any, max_turns: int = 4) -> dict[st
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
             continue
         answer = final_answer(message.content or "")
-        if answer is not None:
+        if checked and answer is not None:
             correct = answers_equal(answer, row["answer"])
             return {"reward": 1.0 if correct else 0.0, "calls": calls}
-        if reminded:
-            break
-        reminded = 1
-        messages.append({"role": "user", "content": REMINDER})
+        checked = 1
+        messages.append({"role": "user", "content": CHECK if answer is not None else REMINDER})
     return {"reward": 0.0, "calls": calls}

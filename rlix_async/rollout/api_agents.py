@@ -34,6 +34,7 @@ returns no number fails its episode only.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -82,6 +83,25 @@ def _key(m: Any) -> tuple[Any, ...]:
     return (m.get("role"), content, tuple(calls))
 
 
+def _for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates that render tools expect it (vLLM's rendering): text
+    content, no None-valued keys (``'tool_calls' in message`` tests), and each call's
+    arguments as an object (templates ``tojson`` them: a JSON string would be quoted
+    twice)."""
+    out = {k: v for k, v in message.items() if v is not None}
+    out["content"] = text_of(message.get("content"))
+    calls = []
+    for call in out.get("tool_calls") or []:
+        fn = dict(call.get("function") or {}) if isinstance(call, dict) else {}
+        if isinstance(fn.get("arguments"), str):
+            with contextlib.suppress(json.JSONDecodeError):
+                fn["arguments"] = json.loads(fn["arguments"])
+        calls.append({**call, "function": fn} if isinstance(call, dict) else call)
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
 class ApiEpisode:
     """One episode's trajectories, served a request at a time."""
 
@@ -106,6 +126,7 @@ class ApiEpisode:
         self.cut = ""  # the limit a request was refused at
         self.refusal = ""  # and the refusal's message
         self.failure: Exception | None = None  # a request the router failed
+        self.pending: asyncio.Future[Any] | None = None  # the turn being sampled
         self.generating = False
         self.closed = False
         self.idle_since = time.monotonic()
@@ -190,7 +211,7 @@ class ApiEpisode:
         the model's last turn."""
         chat: ChatTurns = self.runner.chat
         if template_takes_tools(chat.tokenizer):
-            plain = [{**m, "content": text_of(m.get("content"))} for m in messages]
+            plain = [_for_template(m) for m in messages]
             if first:
                 return chat.first(plain, tools)
             return chat.reply(plain, self.last_ids)
@@ -241,8 +262,6 @@ class ApiEpisode:
             )
         if self.generating:
             raise ApiError(409, "one request at a time per episode")
-        if body.get("stream"):
-            raise ApiError(400, "stream: not served; ask without it")
         if body.get("top_logprobs"):
             raise ApiError(400, "top_logprobs: not served (logprobs: true gives each token's)")
         messages, tools = self._messages(body)
@@ -257,17 +276,38 @@ class ApiEpisode:
             raise
         prompt = episode.prompt_ids + episode.token_ids
         self.generating = True
+        # the episode's, not the request handler's: cancelled when the episode ends (a
+        # client that went away would otherwise leave it decoding into a closed episode)
+        self.pending = asyncio.ensure_future(
+            self.generate(prompt, with_budget(sampling, budget), min_version=self.min_version)
+        )
         try:
-            turn = await self.generate(
-                prompt, with_budget(sampling, budget), min_version=self.min_version
-            )
-        except Exception as exc:
-            self.failure = self.failure or exc
+            turn = await asyncio.shield(self.pending)
+        except asyncio.CancelledError:
             self._undo(mark, episode)
+            task = asyncio.current_task()
+            if self.closed and task is not None and not task.cancelling():
+                # the episode ended (its generation stopped with it), not this handler
+                raise ApiError(
+                    401, "this episode ended during the request", "invalid_api_key"
+                ) from None
+            raise
+        except Exception as exc:
+            self._undo(mark, episode)
+            if self.closed:
+                raise ApiError(
+                    401, "this episode ended during the request", "invalid_api_key"
+                ) from None
+            self.failure = self.failure or exc
             raise ApiError(503, f"generation failed: {exc}") from exc
         finally:
+            self.pending = None
             self.generating = False
             self.idle_since = time.monotonic()
+        if self.closed:  # it ended while this turn was sampled: the turn is not its
+            self._undo(mark, episode)
+            raise ApiError(401, "this episode ended during the request", "invalid_api_key")
+        self.cut = self.refusal = ""  # a turn after a refusal: no limit ended the episode
         episode.add(turn.token_ids, model=True, logprobs=turn.logprobs, versions=turn.versions)
         episode.resumes += turn.resumes
         episode.ranks += turn.ranks
@@ -397,16 +437,20 @@ class ApiAgentRunner(AgentRunner):
         server = await self.start()
         key, name = server.new_key()
         episode = ApiEpisode(self, generate, sampling, min_version, name)
-        server.open(key, episode)
-        # one client per episode: its key is the episode's; retries would re-send a
-        # request the server refused on purpose (a limit)
-        client = openai.AsyncOpenAI(base_url=server.url, api_key=key, max_retries=0, timeout=3600.0)
-        import asyncio
-
-        task = asyncio.ensure_future(await_guarded(self.agent.fn(row, client, **self.agent.args)))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        task: asyncio.Future[Any] | None = None
+        client = None
         result: Any = None
         try:
+            server.open(key, episode)
+            # one client per episode: its key is the episode's; retries would re-send a
+            # request the server refused on purpose (a limit)
+            client = openai.AsyncOpenAI(
+                base_url=server.url, api_key=key, max_retries=0, timeout=3600.0
+            )
+            task = asyncio.ensure_future(
+                await_guarded(self.agent.fn(row, client, **self.agent.args))
+            )
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
             result = await self._watch(task, episode)
         except EnvFailure as exc:
             limit_ended = episode.cut and isinstance(exc.__cause__, openai.BadRequestError)
@@ -419,8 +463,12 @@ class ApiAgentRunner(AgentRunner):
         finally:
             server.close_key(key)
             episode.closed = True
-            task.cancel()
-            await client.close()
+            if episode.pending is not None:  # a turn still sampled for it: stop decoding
+                episode.pending.cancel()
+            if task is not None:
+                task.cancel()
+            if client is not None:
+                await client.close()
         if episode.failure is not None:
             raise episode.failure
         if episode.current is None or not episode.turns:

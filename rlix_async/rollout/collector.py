@@ -325,7 +325,7 @@ class Collector:
             logprobs=logprobs,
             versions=versions,
             rewards=rewards,
-            resumes=sum(t.resumes for t in trajs),
+            resumes=sum(t.resumes for t in (episodes if members else trajs)),
             id=gid,
             prompt_text=prompt_text,
             response_texts=texts,

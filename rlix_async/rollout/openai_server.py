@@ -1,5 +1,6 @@
 """The OpenAI-compatible server of an ``agent_api`` pipeline (aiohttp, on the driver's
-event loop): ``/v1/chat/completions``, ``/v1/models``.
+event loop): ``/v1/chat/completions`` (``stream`` too: the whole reply as one delta),
+``/v1/models``.
 
 Every request names its episode by its key (``Authorization: Bearer KEY``): a key is
 made for each episode when it starts and forgotten when it ends, so a request without
@@ -45,6 +46,41 @@ def _error(status: int, message: str, code: str | None = None) -> web.Response:
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return web.json_response(body, status=status)
+
+
+def chunks(reply: dict[str, Any], usage: bool) -> list[dict[str, Any]]:
+    """A whole chat completion as the chunks a stream of it sends: the message in one
+    delta, then the finish reason (then the usage, when asked). Generation is not
+    streamed token by token: the trajectory is whole before the first byte leaves."""
+    base = {k: reply[k] for k in ("id", "created", "model")}
+    base["object"] = "chat.completion.chunk"
+    (choice,) = reply["choices"]
+    message = choice["message"]
+    delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    out = [
+        {**base, "choices": [{"index": 0, "delta": delta, "logprobs": choice["logprobs"],
+                              "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                              "finish_reason": choice["finish_reason"]}]},
+    ]  # fmt: skip
+    if usage:
+        out.append({**base, "choices": [], "usage": reply["usage"]})
+    return out
+
+
+async def _stream(request: web.Request, reply: dict[str, Any], usage: bool) -> web.StreamResponse:
+    """Server-sent events, as OpenAI's API streams (``data: {...}``, then ``[DONE]``)."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    for chunk in chunks(reply, usage):
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
 
 
 class ApiServer:
@@ -116,7 +152,7 @@ class ApiServer:
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rlix-async"}
         return web.json_response({"object": "list", "data": [model]})
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         try:
             episode = self._episode(request)
             try:
@@ -127,7 +163,12 @@ class ApiServer:
                 return _error(400, f"the body is not JSON: {exc}")
             if not isinstance(body, dict):
                 return _error(400, "the body must be a JSON object")
-            return web.json_response(await episode.chat(body))
+            reply = await episode.chat(body)
+            if body.get("stream"):
+                options = body.get("stream_options")
+                usage = isinstance(options, dict) and bool(options.get("include_usage"))
+                return await _stream(request, reply, usage)
+            return web.json_response(reply)
         except ApiError as exc:
             return _error(exc.status, exc.message, exc.code)
         except Exception as exc:  # never the server's end: this request's only

@@ -60,6 +60,11 @@ class Group(msgspec.Struct):
             or sorted(set(self.members)) != list(range(max(self.members) + 1))
         ):
             raise ValueError("group: one member index per response, numbering episodes from 0")
+        if self.members and any(
+            self.rewards[i] != self.rewards[self.members.index(m)]
+            for i, m in enumerate(self.members)
+        ):
+            raise ValueError("group: an episode's trajectories share its reward")
         if self.masks and (
             len(self.masks) != n
             or any(len(m) != len(r) for m, r in zip(self.masks, self.responses, strict=True))
@@ -68,6 +73,12 @@ class Group(msgspec.Struct):
         for r, lp, v in zip(self.responses, self.logprobs, self.versions, strict=True):
             if not (len(r) == len(lp) == len(v)):
                 raise ValueError("group: every token needs a log-prob and a version")
+
+    @property
+    def size(self) -> int:
+        """Its trajectories as the collector and the batch count them: one per episode
+        (an episode split into several trajectories is one, Group.members)."""
+        return len(set(self.members)) if self.members else len(self.responses)
 
     @property
     def oldest_version(self) -> int:
@@ -122,7 +133,7 @@ class StalenessBound:
 class ReplayBuffer:
     bound: StalenessBound = field(default_factory=StalenessBound)
     groups: deque[Group] = field(default_factory=deque)
-    added: int = 0  # trajectories (responses), not groups
+    added: int = 0  # trajectories (episodes: Group.size), not groups
     trained: int = 0
     dropped_stale: int = 0
     # told of every group dropped as stale, with the trainer version that dropped it
@@ -133,7 +144,7 @@ class ReplayBuffer:
 
     def add(self, group: Group) -> None:
         self.groups.append(group)
-        self.added += len(group.responses)
+        self.added += group.size
 
     def add_stale(self, trajectories: int) -> None:
         """Count trajectories known to be too old before they were added (a group
@@ -149,7 +160,7 @@ class ReplayBuffer:
         self.groups = deque(
             g for g in self.groups if not self.bound.too_old(g.oldest_version, version)
         )
-        dropped = sum(len(g.responses) for g in gone)
+        dropped = sum(g.size for g in gone)
         self.dropped_stale += dropped
         if self.on_drop is not None:
             self.on_drop(gone, version)
@@ -157,11 +168,7 @@ class ReplayBuffer:
 
     def fresh(self, version: int) -> int:
         """Trajectories a trainer at ``version`` may still use."""
-        return sum(
-            len(g.responses)
-            for g in self.groups
-            if not self.bound.too_old(g.oldest_version, version)
-        )
+        return sum(g.size for g in self.groups if not self.bound.too_old(g.oldest_version, version))
 
     def room(self, version: int, batch: int, training: bool) -> int:
         """Trajectories a collector may still start at ``version`` without any going stale.
@@ -182,11 +189,11 @@ class ReplayBuffer:
         batch = sorted(self.groups, key=lambda g: g.oldest_version)[:groups]  # stable sort
         taken = {id(g) for g in batch}
         self.groups = deque(g for g in self.groups if id(g) not in taken)
-        self.trained += sum(len(g.responses) for g in batch)
+        self.trained += sum(g.size for g in batch)
         return batch
 
     def __len__(self) -> int:
-        return sum(len(g.responses) for g in self.groups)
+        return sum(g.size for g in self.groups)
 
     def state_dict(self) -> dict[str, Any]:
         """Contents and counters; never the bound (it comes from the config)."""

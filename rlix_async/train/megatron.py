@@ -414,18 +414,18 @@ class MegatronTrainer(TorchTrainer):
         ranks write their model slices and optimizer state, the other replicas' their
         optimizer state when the distributed optimizer shards it (else nothing), under
         the full model's names; rank 0 promotes it in ``save``."""
-        if self.rank == 0:
-            sharded_checkpoint.begin(path)
-        dist.barrier()  # the staging directory is fresh before anyone writes into it
-        if self.dp_rank == 0 or self._owners is not None:
-            tensors = sharded_checkpoint.rank_part(
+
+        def part() -> dict[str, torch.Tensor]:
+            return sharded_checkpoint.rank_part(
                 self.model.state_dict() if self.dp_rank == 0 else {},
                 self.optim.state_dict()["state"],
                 self._optim_param_names(),
                 self._full_name,
             )
-            sharded_checkpoint.write_part(path, self.stage, self.tp_rank, tensors, self.dp_rank)
-        dist.barrier()  # every part is on disk before rank 0 may promote the checkpoint
+
+        mine = self.dp_rank == 0 or self._owners is not None
+        where = (self.stage, self.tp_rank, self.dp_rank)
+        sharded_checkpoint.write_parts(path, self.rank, part if mine else None, where, self.device)
         self._parts_step = self.step
 
     def _from_last_stage(self, stats: dict[str, float]) -> dict[str, float]:

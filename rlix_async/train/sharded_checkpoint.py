@@ -85,6 +85,46 @@ def write_part(
     os.replace(tmp, target)
 
 
+def write_parts(
+    path: Path,
+    rank: int,
+    part: Callable[[], dict[str, torch.Tensor]] | None,
+    where: tuple[int, int, int],
+    device: torch.device,
+) -> None:
+    """Every rank of the trainer together, while its group is up: rank 0 makes the
+    staging directory, then each rank with a ``part`` (None: nothing of its own) writes
+    it at ``where`` (stage, tensor-parallel rank, data-parallel rank). Two all-reduces
+    of a success flag stand for barriers, so a rank that could not write (a full disk)
+    fails every rank with its reason instead of leaving them waiting for the group's
+    timeout."""
+    error = _attempt(lambda: begin(path)) if rank == 0 else ""
+    _all_ok(error, path, device)  # the staging directory is fresh before anyone writes
+    if part is not None:
+        stage, tp_rank, dp_rank = where
+        error = _attempt(lambda: write_part(path, stage, tp_rank, part(), dp_rank))
+    _all_ok(error, path, device)  # every part is on disk before rank 0 may promote it
+
+
+def _attempt(write: Callable[[], object]) -> str:
+    """``write()``; what went wrong, in one line ("" when nothing did)."""
+    try:
+        write()
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _all_ok(error: str, path: Path, device: torch.device) -> None:
+    import torch.distributed as dist
+
+    wire = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=wire)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not int(ok.item()):
+        raise CheckpointError(f"{path}: {error or 'another rank could not write its part'}")
+
+
 def promote(path: Path, meta: dict[str, Any]) -> Path:
     """``meta`` beside the parts, then the staging directory renamed to ``path``.
     ``meta`` names the layout (``tp``, ``pp``, ``dp`` optimizer shards, 1 when
@@ -98,9 +138,12 @@ def promote(path: Path, meta: dict[str, Any]) -> Path:
             "write into this run directory (a shared filesystem)"
         )
     torch.save({"format": FORMAT, **meta}, stage_dir / META)
-    if path.exists():  # the same step trained again after a resume from an earlier one
-        shutil.rmtree(path)
+    old = path.parent / f".{path.name}.replaced"
+    if path.exists():  # the same step trained again after a resume from an earlier one:
+        shutil.rmtree(old, ignore_errors=True)  # set aside until the new one is in place
+        os.replace(path, old)
     os.replace(stage_dir, path)
+    shutil.rmtree(old, ignore_errors=True)
     return path
 
 

@@ -104,7 +104,7 @@ async def asks_wrongly(row: dict[str, Any], client: openai.AsyncOpenAI) -> float
     errors = []
     one = [{"role": "user", "content": "q"}]
     for extra in ({"temperature": 0.2}, {"top_p": 0.5}, {"n": 2}, {"max_tokens": 0},
-                  {"stream": True}):  # fmt: skip
+                  {"stop": ["a"] * 5}):  # fmt: skip
         try:
             await client.chat.completions.create(model="p", messages=one, **extra)  # type: ignore[call-overload]
         except openai.BadRequestError as exc:
@@ -218,7 +218,7 @@ async def test_limits_and_sampling_settings_are_400s_and_keys_are_the_episodes()
     assert len(errors) == 5
     assert "this pipeline samples at temperature 1, top_p 1" in errors[0]
     assert "top_p" in errors[1] and "n must be 1" in errors[2] and "max_tokens 0" in errors[3]
-    assert "stream" in errors[4]
+    assert "stop: at most 4" in errors[4]
     assert SEEN["short"] == ("length", 2) and SEEN["other"] == 401
     assert ep.turns == 1 and ep.token_ids == ids("ab")  # refused requests left no trace
     # the episode is over: its key is gone, and the server is too
@@ -282,3 +282,106 @@ async def test_garbage_requests_get_errors_and_the_server_goes_on() -> None:
     finally:
         await server.stop()
     assert episode.turns == 1  # only the good request reached the model
+
+
+async def streams(row: dict[str, Any], client: openai.AsyncOpenAI) -> float:
+    messages: list[Any] = [{"role": "user", "content": "2+2?"}]
+    stream = await client.chat.completions.create(
+        model="p", messages=messages, tools=TOOLS, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = [c async for c in stream]
+    SEEN["chunks"] = chunks
+    return 1.0
+
+
+async def test_a_streamed_request_gets_the_reply_as_chunks() -> None:
+    call = '<tool_call>{"name": "calc", "arguments": {"expr": "2+2"}}</tool_call>'
+    ep = await run(streams, [call], max_tokens=100)
+    chunks = SEEN["chunks"]
+    delta = chunks[0].choices[0].delta
+    assert delta.role == "assistant" and delta.tool_calls[0].function.name == "calc"
+    assert chunks[1].choices[0].finish_reason == "tool_calls"
+    assert chunks[-1].usage.completion_tokens == len(ep.token_ids) == len(ids(call))
+
+
+async def abandons(row: dict[str, Any], client: openai.AsyncOpenAI) -> float:
+    """One turn, then a second request it never waits for: the episode ends under it."""
+    import asyncio
+
+    messages: list[Any] = [{"role": "user", "content": "a"}]
+    first = await client.chat.completions.create(model="p", messages=messages)
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "user", "content": "b"}]  # fmt: skip
+    SEEN["abandoned"] = asyncio.ensure_future(
+        client.chat.completions.create(model="p", messages=messages)
+    )
+    await SEEN["started"].wait()  # its generation is under way
+    try:  # a second request of the same episode meanwhile: one at a time
+        await client.chat.completions.create(model="p", messages=messages)
+    except openai.ConflictError as exc:
+        SEEN["conflict"] = exc.status_code
+    return 1.0
+
+
+async def test_an_episode_that_ends_under_a_request_keeps_nothing_of_it() -> None:
+    """The agent returned while its request was being sampled: the generation is
+    cancelled (no engine slot keeps decoding for nobody), nothing lands in the
+    trajectory it returned, and the request ends (its client and key died with it)."""
+    import asyncio
+
+    from rlix_async.shards.router import Trajectory
+
+    SEEN["started"] = asyncio.Event()
+    cancelled = asyncio.Event()
+    calls = 0
+
+    async def generate(prompt_ids: list[int], sampling: Sampling, **_: Any) -> Trajectory:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            SEEN["started"].set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+        out = ids("ok")
+        return Trajectory(list(prompt_ids), out, [-1.0] * len(out), [3] * len(out))
+
+    r = runner(abandons)
+    try:
+        ep = await r.run({}, generate, SAMPLING)
+        # the episode's client closed with it: its request ends unanswered
+        with pytest.raises((openai.AuthenticationError, openai.APIConnectionError)):
+            await SEEN["abandoned"]
+    finally:
+        assert r.server is not None
+        await r.server.stop()
+    assert cancelled.is_set() and SEEN["conflict"] == 409
+    assert ep.turns == 1 and ep.token_ids == ids("ok") and ep.mask == [1, 1]
+
+
+async def recovers(row: dict[str, Any], client: openai.AsyncOpenAI) -> float:
+    """Its history outgrows the episode's tokens (a 400); it starts over shorter."""
+    messages: list[Any] = [{"role": "user", "content": "q"}]
+    for _ in range(3):
+        try:
+            r = await client.chat.completions.create(model="p", messages=messages)
+        except openai.BadRequestError as exc:
+            SEEN["refused"] = exc.message
+            messages = [{"role": "user", "content": "q again"}]  # a fresh, short history
+            continue
+        messages += [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "x" * 40}]  # fmt: skip
+    return 1.0
+
+
+async def test_a_refusal_the_agent_recovers_from_ends_nothing() -> None:
+    """A request refused at max_episode_tokens after a history grew, then a shorter
+    one served: a split, and the episode is not counted as cut at that limit."""
+    ep = await run(recovers, ["abc"] * 3, max_episode_tokens=30)
+    assert "max_episode_tokens 30" in SEEN["refused"]
+    assert ep.cut == "" and ep.splits == 1 and ep.reward == 1.0
+    (before,) = ep.segments
+    assert before.token_ids[:3] == ids("abc") and sum(before.mask) == 3

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from helpers.cluster import joined_pipeline
 from helpers.scripted_engine import ScriptedEngine
 from helpers.tiny_text import tiny_tokenizer
@@ -43,9 +44,10 @@ class ThreeTurns:
         return StepResult("ok", 1.0, self.turns == 3)
 
 
-async def test_a_shrink_mid_turn_resumes_the_turn_with_no_token_lost_or_doubled(
-    ipc_ep: str,
-) -> None:
+async def _shrunk_under(ipc_ep: str, runner: EpisodeRunner) -> tuple[list[Any], int]:
+    """Eight episodes of ``runner`` on two scripted shards; shard 0 shrunk (training
+    takes its device) while it decodes their turns. The episodes, and the tokens the
+    shards decoded."""
     async with Coordinator(ipc_ep, ClusterShape(1, 2)) as co:
         driver = await joined_pipeline(co.endpoint, "P", TOPO)
         # the engine's token ids stay inside the tokenizer's vocabulary (decoded as actions)
@@ -56,15 +58,6 @@ async def test_a_shrink_mid_turn_resumes_the_turn_with_no_token_lost_or_doubled(
             for r in range(2)
         ]
         router = Router(driver)
-        runner = EpisodeRunner(
-            load_env(f"{__name__}:ThreeTurns"),
-            ChatTurns(TOKENIZER),
-            lambda ids: str(TOKENIZER.decode(ids)),
-            max_turns=5,
-            max_tokens=TURN_TOKENS,
-            max_episode_tokens=1000,
-            step_timeout_s=5.0,
-        )
         try:
             await driver.report_progress(8, 0, force=True)
             await driver.request("actor_infer", "GENERATION", timeout=10)
@@ -82,6 +75,10 @@ async def test_a_shrink_mid_turn_resumes_the_turn_with_no_token_lost_or_doubled(
             for w in workers:
                 await w.close()
             await driver.close()
+    return done, sum(w.decoded_tokens for w in workers)
+
+
+def _check_whole(done: list[Any], decoded: int) -> None:
     assert all(e.turns == 3 and e.cut == "" and e.reward == 3.0 for e in done)
     cut = [e for e in done if e.resumes]
     assert cut and all(e.ranks[-1] == 1 for e in cut)  # finished on the shard left awake
@@ -91,7 +88,67 @@ async def test_a_shrink_mid_turn_resumes_the_turn_with_no_token_lost_or_doubled(
         assert [n for m, n in runs if m] == [TURN_TOKENS] * 3
         assert len(e.logprobs) == len(e.versions) == len(e.token_ids) == len(e.mask)
     model_tokens = sum(sum(e.mask) for e in done)
-    assert sum(w.decoded_tokens for w in workers) == model_tokens  # decoded once, all kept
+    assert decoded == model_tokens  # decoded once, all kept
+
+
+async def test_a_shrink_mid_turn_resumes_the_turn_with_no_token_lost_or_doubled(
+    ipc_ep: str,
+) -> None:
+    runner = EpisodeRunner(
+        load_env(f"{__name__}:ThreeTurns"),
+        ChatTurns(TOKENIZER),
+        lambda ids: str(TOKENIZER.decode(ids)),
+        max_turns=5,
+        max_tokens=TURN_TOKENS,
+        max_episode_tokens=1000,
+        step_timeout_s=5.0,
+    )
+    _check_whole(*await _shrunk_under(ipc_ep, runner))
+
+
+USAGE: list[list[int]] = []  # what each OpenAI-API agent was told its turns used
+
+
+async def three_requests(row: dict[str, Any], client: Any) -> float:
+    """The same episode as ThreeTurns, written against the OpenAI API."""
+    messages: list[Any] = [{"role": "user", "content": "Go"}]
+    used = []
+    for _ in range(3):
+        reply = await client.chat.completions.create(model="P", messages=messages)
+        used.append(reply.usage.completion_tokens)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "ok"}]  # fmt: skip
+    USAGE.append(used)
+    return 3.0
+
+
+async def test_an_openai_api_agent_never_sees_the_shrink_under_its_request(ipc_ep: str) -> None:
+    """agent_api: a request cut by a shrink finishes on the other shard as if nothing
+    happened: every reply whole (its usage a full turn), the history reused (no split)."""
+    pytest.importorskip("aiohttp")
+    from rlix_async.rollout.agents import load_agent
+    from rlix_async.rollout.api_agents import ApiAgentRunner
+
+    runner = ApiAgentRunner(
+        load_agent(f"{__name__}:three_requests", {}, client="client"),
+        ChatTurns(TOKENIZER),
+        TOKENIZER,
+        host="127.0.0.1",
+        model_name="P",
+        max_turns=5,
+        max_tokens=TURN_TOKENS,
+        max_episode_tokens=1000,
+        step_timeout_s=5.0,
+    )
+    USAGE.clear()
+    try:
+        done, decoded = await _shrunk_under(ipc_ep, runner)
+    finally:
+        assert runner.server is not None
+        await runner.server.stop()
+    _check_whole(done, decoded)
+    assert all(e.splits == 0 and not e.segments for e in done)
+    assert USAGE == [[TURN_TOKENS] * 3] * 8
 
 
 def _runs(mask: list[int]) -> list[tuple[int, int]]:

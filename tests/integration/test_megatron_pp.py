@@ -40,6 +40,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     }
     out["pp2_resumed"] = run_tp(root / "pp2r", model, 1, 2, 1, root / "pp2" / "ckpt_1", pp=2)
     out["tp1_from_pp2"] = run_tp(root / "tp1r", model, 1, 1, 1, root / "pp2" / "ckpt_1")
+    # tied at pp=2: the last stage's copy of the embedding and its state, from stage 0's
+    out["tied_pp2_resumed"] = run_tp(
+        root / "tpp2r", tied, 1, 4, 1, root / "tpp2dp2" / "ckpt_1", pp=2
+    )
     out["tied_tp1_from_tp2_pp2"] = run_tp(
         root / "ttp1r", tied, 1, 1, 1, root / "ttp2pp2" / "ckpt_1"
     )
@@ -82,6 +86,14 @@ def test_tied_embeddings_on_two_stages_stay_one_weight(runs: dict[str, dict]) ->
     assert "lm_head.weight" not in runs["tied_tp1"]["cache_end"]
     _same_training(runs["tied_dp2"], runs["tied_pp2_dp2"])
     _same_training(runs["tied_tp1"], runs["tied_tp2_pp2"])
+
+
+def test_a_tied_pp2_checkpoint_resumes_exactly(runs: dict[str, dict]) -> None:
+    second = runs["tied_pp2_dp2"]["figures"][1]
+    assert runs["tied_pp2_resumed"]["figures"][0] == second  # bit for bit
+    torch.testing.assert_close(
+        runs["tied_pp2_resumed"]["cache_end"], runs["tied_pp2_dp2"]["cache_end"], atol=0, rtol=0
+    )
 
 
 def test_a_pp2_checkpoint_resumes_exactly_at_pp2_and_resharded(runs: dict[str, dict]) -> None:

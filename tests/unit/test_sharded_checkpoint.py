@@ -141,3 +141,31 @@ def test_listing_and_pruning_take_directories_beside_files(tmp_path: Path) -> No
     assert [p.name for p in gone] == ["step_1.pt", "step_2", "step_3"]
     assert not (tmp_path / "step_2").exists() and not (tmp_path / "step_3").exists()
     assert [p.name for p in checkpoints(tmp_path)] == ["step_10.pt"]
+
+
+def test_the_optimizer_step_count_survives_resharding(tmp_path: Path) -> None:
+    write(tmp_path / "step_7", 2, 2, tied=False)
+    ckpt = ShardedCheckpoint(tmp_path / "step_7")
+    for name in ckpt.model_names():
+        for tp, rank in ((1, 0), (4, 3)):  # merged, and split finer than written
+            if tp == 1 or name.endswith("layernorm.weight"):
+                assert ckpt.part(name, rank, tp, "step").item() == 3.0
+
+
+def test_a_rank_that_cannot_write_fails_every_rank_with_its_reason(tmp_path: Path) -> None:
+    """Over a real (one-rank) gloo group: the success flag's all-reduce raises where a
+    bare barrier would have left the other ranks waiting."""
+    import torch.distributed as dist
+
+    from rlix_async.train.sharded_checkpoint import write_parts
+
+    (tmp_path / "ckpt").write_text("a file where the directory should be")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(CheckpointError, match=r"step_1: (NotADirectoryError|FileExistsError)"):
+            write_parts(tmp_path / "ckpt" / "step_1", 0, lambda: {}, (0, 0, 0), torch.device("cpu"))
+        ok = tmp_path / "ok" / "step_1"
+        write_parts(ok, 0, lambda: {"model/x": torch.ones(2)}, (0, 0, 0), torch.device("cpu"))
+        assert (staging(ok) / "part-pp0-tp0.safetensors").is_file()
+    finally:
+        dist.destroy_process_group()
