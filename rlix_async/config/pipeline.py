@@ -138,7 +138,8 @@ class PipelineConfig(Config, frozen=True):
             "OpenAI API, 'file.py:function' or 'package.module:function', called as await "
             "function(row, client, **agent_args) per episode, where client is an "
             "openai.AsyncOpenAI on the pipeline's own OpenAI-compatible server "
-            "(/v1/chat/completions, tools included) with the episode's key; it returns "
+            "(/v1/chat/completions with tools, /v1/completions) with the episode's key; "
+            "it returns "
             "the episode's reward (or a dict with 'reward' and numeric metrics). The "
             "server keeps each episode's tokens as sampled (rollout/api_agents.py)."
         ),

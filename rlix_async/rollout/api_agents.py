@@ -39,6 +39,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -119,6 +120,7 @@ class ApiEpisode:
         self.done: list[Episode] = []  # trajectories split off, trained as they stand
         self.current: Episode | None = None
         self.served: Messages = []  # what the next request must start with to reuse it
+        self.served_text: str | None = None  # /v1/completions: the same, as text
         self.tools: Any = None
         self.last_ids: list[int] = []  # the model's last turn
         self.turns = 0
@@ -256,6 +258,101 @@ class ApiEpisode:
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """``/v1/chat/completions``: the response body (ApiError for a refusal)."""
+        messages, tools = self._messages(body)
+        turn, budget, prompt = await self._turn(body, lambda: self._prompt(messages, tools))
+        text = self.runner.decode(turn.token_ids)
+        content, calls = (
+            parse_tool_calls(text, f"call_{self.name}_{self.turns}") if tools else (text, [])
+        )
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        self.served, self.served_text = [*messages, message], None
+        finish = "tool_calls" if calls else ("length" if len(turn.token_ids) >= budget else "stop")
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
+        choice["logprobs"] = None
+        if body.get("logprobs"):
+            choice["logprobs"] = {"content": self._logprobs(turn.token_ids, turn.logprobs)}
+        return self._reply("chatcmpl", "chat.completion", choice, prompt, turn)
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``/v1/completions``: a text (or token-id) prompt, continued. Token-exact as
+        chat is: a prompt that starts with what was served (the last prompt and its
+        completion) reuses those tokens and adds only the rest."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        ids = prompt if isinstance(prompt, list) and prompt else None
+        if not (isinstance(prompt, str) and prompt) and not (
+            ids is not None and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+        ):
+            raise ApiError(400, "prompt: text, or a list of token ids (one prompt: n is 1)")
+        given: str | list[int] = prompt if isinstance(prompt, str) else list(ids or [])
+        turn, budget, used = await self._turn(body, lambda: self._text_prompt(given))
+        text = self.runner.decode(turn.token_ids)
+        if isinstance(prompt, str):
+            self.served_text, self.served = prompt + text, []
+        else:
+            self.served_text, self.served = None, []
+        finish = "length" if len(turn.token_ids) >= budget else "stop"
+        choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish}
+        choice["logprobs"] = None
+        if body.get("logprobs"):
+            tokens = [self.runner.decode_token(t) for t in turn.token_ids]
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(turn.logprobs)}
+        return self._reply("cmpl", "text_completion", choice, used, turn)
+
+    def _text_prompt(self, prompt: str | list[int]) -> Episode:
+        current = self.current
+        stream = current.prompt_ids + current.token_ids if current is not None else []
+        if isinstance(prompt, str):
+            served = self.served_text
+            if current is not None and served is not None and prompt.startswith(served):
+                current.add(self._tokens(prompt[len(served) :]), model=False)
+                return current
+            ids = self._tokens(prompt)
+        else:
+            if current is not None and prompt[: len(stream)] == stream:
+                current.add(list(prompt[len(stream) :]), model=False)
+                return current
+            ids = list(prompt)
+        vocab = len(self.runner.tokenizer)
+        if not ids or any(not 0 <= t < vocab for t in ids):
+            raise ApiError(
+                400, f"prompt: no tokens, or a token id outside the vocabulary ({vocab})"
+            )
+        fresh = Episode(ids)
+        if current is not None:
+            self.done.append(current)
+            self.splits += 1
+        self.current = fresh
+        return fresh
+
+    def _tokens(self, text: str) -> list[int]:
+        return list(self.runner.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _reply(
+        self, prefix: str, kind: str, choice: dict[str, Any], prompt: int, turn: Any
+    ) -> dict[str, Any]:
+        return {
+            "id": f"{prefix}-{self.name}-{self.turns}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.runner.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": len(turn.token_ids),
+                "total_tokens": prompt + len(turn.token_ids),
+            },
+        }
+
+    async def _turn(
+        self, body: dict[str, Any], extend: Callable[[], Episode]
+    ) -> tuple[Any, int, int]:
+        """One model turn for a request, on the trajectory ``extend()`` gives (the one it
+        continues, its new tokens appended); the turn, its token budget and the prompt's
+        length. A refused or failed request leaves no trace."""
         if self.closed:
             raise ApiError(
                 401, "this episode is over: its key is no longer valid", "invalid_api_key"
@@ -264,10 +361,9 @@ class ApiEpisode:
             raise ApiError(409, "one request at a time per episode")
         if body.get("top_logprobs"):
             raise ApiError(400, "top_logprobs: not served (logprobs: true gives each token's)")
-        messages, tools = self._messages(body)
         sampling = self._sampling(body)
         mark = self._mark()
-        episode = self._prompt(messages, tools)
+        episode = extend()
         try:
             budget = self._budget(episode, body)
         except ApiError as exc:
@@ -314,35 +410,7 @@ class ApiEpisode:
         episode.turns += 1
         self.turns += 1
         self.last_ids = list(turn.token_ids)
-        text = self.runner.decode(turn.token_ids)
-        content, calls = (
-            parse_tool_calls(text, f"call_{self.name}_{self.turns}") if tools else (text, [])
-        )
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        self.served = [*messages, message]
-        finish = "tool_calls" if calls else ("length" if len(turn.token_ids) >= budget else "stop")
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": message,
-            "finish_reason": finish,
-            "logprobs": None,
-        }
-        if body.get("logprobs"):
-            choice["logprobs"] = {"content": self._logprobs(turn.token_ids, turn.logprobs)}
-        return {
-            "id": f"chatcmpl-{self.name}-{self.turns}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.runner.model_name,
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": len(turn.token_ids),
-                "total_tokens": len(prompt) + len(turn.token_ids),
-            },
-        }
+        return turn, budget, len(prompt)
 
     def _mark(self) -> tuple[Episode | None, int, int, Any]:
         """Where the episode stands before a request (a refused one is undone)."""

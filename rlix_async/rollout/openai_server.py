@@ -1,6 +1,6 @@
 """The OpenAI-compatible server of an ``agent_api`` pipeline (aiohttp, on the driver's
 event loop): ``/v1/chat/completions`` (``stream`` too: the whole reply as one delta),
-``/v1/models``.
+``/v1/completions``, ``/v1/models``.
 
 Every request names its episode by its key (``Authorization: Bearer KEY``): a key is
 made for each episode when it starts and forgotten when it ends, so a request without
@@ -40,6 +40,8 @@ class ApiEpisode(Protocol):
     """What a key serves: one episode's requests (rollout/api_agents.py)."""
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]: ...
 
 
 def _error(status: int, message: str, code: str | None = None) -> web.Response:
@@ -109,6 +111,7 @@ class ApiServer:
     async def start(self) -> None:
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._complete)
         app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -144,6 +147,9 @@ class ApiServer:
             raise ApiError(401, "no live episode has this API key", "invalid_api_key")
         return episode
 
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        return await self._chat(request)
+
     async def _models(self, request: web.Request) -> web.Response:
         try:
             self._episode(request)
@@ -163,7 +169,12 @@ class ApiServer:
                 return _error(400, f"the body is not JSON: {exc}")
             if not isinstance(body, dict):
                 return _error(400, "the body must be a JSON object")
-            reply = await episode.chat(body)
+            if request.path.endswith("/chat/completions"):
+                reply = await episode.chat(body)
+            elif body.get("stream"):
+                return _error(400, "stream: served for chat completions only")
+            else:
+                return web.json_response(await episode.complete(body))
             if body.get("stream"):
                 options = body.get("stream_options")
                 usage = isinstance(options, dict) and bool(options.get("include_usage"))

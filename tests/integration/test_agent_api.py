@@ -268,6 +268,11 @@ async def test_garbage_requests_get_errors_and_the_server_goes_on() -> None:
                 async with http.post(url, data=body, headers=auth) as resp:
                     assert 400 <= resp.status < 500, (body[:60], resp.status)
                     assert "message" in (await resp.json())["error"]
+            bad_prompts = [{"prompt": {}}, {"prompt": [99999]}, {"prompt": ""}, {"prompt": [True]},
+                           {"prompt": "x", "stream": True}, {"prompt": ["a", "b"]}]  # fmt: skip
+            for bad in bad_prompts:
+                async with http.post(server.url + "/completions", json=bad, headers=auth) as resp:
+                    assert resp.status == 400, (bad, resp.status)
             for headers in ({}, {"Authorization": "Basic x"}, {"Authorization": "Bearer "}):
                 async with http.post(url, data=b"{}", headers=headers) as resp:
                     assert resp.status == 401
@@ -385,3 +390,27 @@ async def test_a_refusal_the_agent_recovers_from_ends_nothing() -> None:
     assert ep.cut == "" and ep.splits == 1 and ep.reward == 1.0
     (before,) = ep.segments
     assert before.token_ids[:3] == ids("abc") and sum(before.mask) == 3
+
+
+async def completes(row: dict[str, Any], client: openai.AsyncOpenAI) -> float:
+    """/v1/completions: a text prompt, continued; then the prompt plus that completion
+    plus more (reused), then an unrelated prompt (a split)."""
+    first = await client.completions.create(model="p", prompt="Q: 2+2?\nA:", logprobs=1)
+    SEEN["completion"] = first
+    again = "Q: 2+2?\nA:" + first.choices[0].text + "\nQ: sure?\nA:"
+    await client.completions.create(model="p", prompt=again)
+    await client.completions.create(model="p", prompt=[5, 6, 7])  # token ids
+    return 1.0
+
+
+async def test_text_completions_reuse_what_was_served_and_split_otherwise() -> None:
+    seen: list[list[int]] = []
+    ep = await run(completes, ["4", "yes", "z"], seen)
+    first = SEEN["completion"]
+    assert first.choices[0].text == "4" and first.usage.completion_tokens == 1
+    assert first.choices[0].logprobs.token_logprobs == [-1.0]
+    prompt = ids("Q: 2+2?\nA:")
+    assert seen[1] == prompt + ids("4") + ids("\nQ: sure?\nA:")  # reused, not re-tokenized
+    (before,) = ep.segments
+    assert before.prompt_ids == prompt and before.mask == [1] + [0] * 12 + [1] * 3
+    assert ep.prompt_ids == [5, 6, 7] and ep.token_ids == ids("z") and ep.splits == 1
