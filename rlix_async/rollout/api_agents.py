@@ -11,7 +11,8 @@
 
 Each episode gets its own key for the pipeline's server (``rollout/openai_server.py``),
 which routes its requests through the pipeline's router: shrinks, resumes and the
-staleness bound apply, and a request cut by a shrink just takes longer.
+staleness bound apply, and a request cut by a shrink just takes longer. A process the
+agent starts gets the episode's ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``.
 
 Token-exact: the server keeps the episode's tokens as sampled (:class:`ApiEpisode`).
 A request whose messages extend what the episode has been served (its earlier
@@ -36,8 +37,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
+import os
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -454,6 +458,33 @@ class ApiEpisode:
         return last
 
 
+# the episode's OPENAI_BASE_URL and OPENAI_API_KEY, in its agent's task and what it runs
+_EPISODE_ENV: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+    "rlix_episode_env", default=None
+)
+
+
+def _subprocesses_get_the_episode_env() -> None:
+    """Every ``subprocess.Popen`` started from an agent_api episode's task (directly,
+    through asyncio's subprocesses or a thread it started) gets the episode's
+    ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` in its environment, so an agent that
+    runs a tool or a whole harness in a child process hands it its endpoint; nothing
+    else in the driver sees them (``os.environ`` is left alone: episodes run at once)."""
+    if getattr(subprocess.Popen, "_rlix_episode_env", False):
+        return
+    original = subprocess.Popen.__init__
+
+    def __init__(self: subprocess.Popen[Any], *args: Any, **kwargs: Any) -> None:
+        extra = _EPISODE_ENV.get()
+        if extra and len(args) < 10:  # env given by keyword, or not at all
+            base = os.environ if kwargs.get("env") is None else kwargs["env"]
+            kwargs["env"] = {**base, **extra}
+        original(self, *args, **kwargs)
+
+    subprocess.Popen.__init__ = __init__  # type: ignore[method-assign]
+    subprocess.Popen._rlix_episode_env = True  # type: ignore[attr-defined]
+
+
 class ApiAgentRunner(AgentRunner):
     """Runs ``agent_api`` episodes: each the agent function with an ``openai.AsyncOpenAI``
     client of its own key on the pipeline's server (started at the first episode)."""
@@ -515,8 +546,11 @@ class ApiAgentRunner(AgentRunner):
             client = openai.AsyncOpenAI(
                 base_url=server.url, api_key=key, max_retries=0, timeout=3600.0
             )
-            task = asyncio.ensure_future(
-                await_guarded(self.agent.fn(row, client, **self.agent.args))
+            _subprocesses_get_the_episode_env()
+            context = contextvars.copy_context()
+            context.run(_EPISODE_ENV.set, {"OPENAI_BASE_URL": server.url, "OPENAI_API_KEY": key})
+            task = asyncio.get_running_loop().create_task(
+                await_guarded(self.agent.fn(row, client, **self.agent.args)), context=context
             )
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
             result = await self._watch(task, episode)

@@ -414,3 +414,28 @@ async def test_text_completions_reuse_what_was_served_and_split_otherwise() -> N
     (before,) = ep.segments
     assert before.prompt_ids == prompt and before.mask == [1] + [0] * 12 + [1] * 3
     assert ep.prompt_ids == [5, 6, 7] and ep.token_ids == ids("z") and ep.splits == 1
+
+
+async def runs_a_harness(row: dict[str, Any], client: openai.AsyncOpenAI) -> float:
+    """Hands its endpoint to a child process the way harnesses expect it: the env."""
+    import asyncio
+    import sys
+
+    show = "import os; print(os.environ['OPENAI_BASE_URL'], os.environ['OPENAI_API_KEY'])"
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", show, stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await child.communicate()
+    SEEN["child"] = out.decode().split()
+    SEEN["client"] = [str(client.base_url).rstrip("/"), client.api_key]
+    await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "q"}])
+    return 1.0
+
+
+async def test_a_child_process_of_the_agent_gets_the_episodes_endpoint_in_its_env() -> None:
+    import os
+
+    before = os.environ.get("OPENAI_API_KEY")
+    await run(runs_a_harness, ["a"])
+    assert SEEN["child"] == SEEN["client"] and SEEN["child"][1].startswith("rlix-")
+    assert os.environ.get("OPENAI_API_KEY") == before  # the driver's own environment: as it was
