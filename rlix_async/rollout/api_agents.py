@@ -504,6 +504,7 @@ class ApiAgentRunner(AgentRunner):
         self.host = host
         self.model_name = model_name
         self.server: ApiServer | None = None  # once started
+        self._starting: asyncio.Future[None] | None = None
         for name in ("httpx", "httpx2"):  # the openai client's: a line per request
             logging.getLogger(name).setLevel(logging.WARNING)
         self.splits = 0
@@ -512,9 +513,13 @@ class ApiAgentRunner(AgentRunner):
         return str(self.tokenizer.decode([token]))
 
     async def start(self) -> ApiServer:
-        if self.server is None:
-            self.server = ApiServer(self.host, self.model_name)
-            await self.server.start()
+        """The server, started by the first episode (the ones starting beside it wait)."""
+        if self._starting is None:
+            server = ApiServer(self.host, self.model_name)
+            self._starting = asyncio.ensure_future(server.start())
+            self.server = server
+        await asyncio.shield(self._starting)
+        assert self.server is not None
         return self.server
 
     def close(self) -> None:
@@ -533,7 +538,12 @@ class ApiAgentRunner(AgentRunner):
 
         from rlix_async.user_code import await_guarded
 
-        server = await self.start()
+        try:
+            server = await self.start()
+        except OSError as exc:  # agent_api_host is no address of this machine's, ...
+            failure = EnvFailure(f"{self.name}: its server cannot listen on {self.host}: {exc}")
+            self._failed(failure, row)
+            raise failure from None
         key, name = server.new_key()
         episode = ApiEpisode(self, generate, sampling, min_version, name)
         task: asyncio.Future[Any] | None = None

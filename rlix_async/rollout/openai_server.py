@@ -117,10 +117,15 @@ class ApiServer:
         await self._runner.setup()
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, 0))
-        sock.listen(128)
-        sock.setblocking(False)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, 0))
+            sock.listen(128)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            await self._runner.cleanup()
+            raise
         self._sock = sock
         site = web.SockSite(self._runner, sock)
         await site.start()

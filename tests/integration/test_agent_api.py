@@ -439,3 +439,22 @@ async def test_a_child_process_of_the_agent_gets_the_episodes_endpoint_in_its_en
     await run(runs_a_harness, ["a"])
     assert SEEN["child"] == SEEN["client"] and SEEN["child"][1].startswith("rlix-")
     assert os.environ.get("OPENAI_API_KEY") == before  # the driver's own environment: as it was
+
+
+async def test_episodes_starting_together_all_wait_for_the_server() -> None:
+    """The first episode starts the server; the ones starting beside it must not get
+    its address before it listens."""
+    import asyncio
+
+    r = runner(two_turns)
+    try:
+        eps = await asyncio.gather(
+            *(
+                r.run({"q": "2+2?"}, scripted_generate(["four", "4"], []), SAMPLING)
+                for _ in range(6)
+            )
+        )
+    finally:
+        assert r.server is not None
+        await r.server.stop()
+    assert [e.reward for e in eps] == [1.0] * 6
