@@ -174,6 +174,10 @@ class ApiServer:
                 return _error(400, f"the body is not JSON: {exc}")
             if not isinstance(body, dict):
                 return _error(400, "the body must be a JSON object")
+            try:  # JSON may escape what no tokenizer takes: a lone UTF-16 surrogate
+                json.dumps(body, ensure_ascii=False).encode()
+            except (UnicodeEncodeError, ValueError) as exc:
+                return _error(400, f"the body holds text that is not valid Unicode: {exc}")
             if request.path.endswith("/chat/completions"):
                 reply = await episode.chat(body)
             elif body.get("stream"):

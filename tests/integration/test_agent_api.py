@@ -458,3 +458,51 @@ async def test_episodes_starting_together_all_wait_for_the_server() -> None:
         assert r.server is not None
         await r.server.stop()
     assert [e.reward for e in eps] == [1.0] * 6
+
+
+async def test_a_fuzz_of_mutated_requests_never_breaks_the_server() -> None:
+    """600 requests, each a well-formed body with one to three fields replaced by a
+    value of the wrong kind (seeded): every answer a 200 or a 4xx with a JSON error,
+    never a 5xx, and the server answers a good request afterwards."""
+    import random
+
+    from rlix_async.rollout.api_agents import ApiEpisode
+
+    rng = random.Random(7)
+    values: list[Any] = [None, True, -1, 0, 3, 1e308, float("nan"), "", "x" * 5000, "\ud800",
+                         "é🙂", [], {}, [{}], [None], [1, 2], {"a": [{"b": {}}]},
+                         [{"role": "user"}], [{"role": "tool", "content": None}],
+                         [{"role": "assistant", "tool_calls": [{"function": "x"}]}],
+                         [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+                         [{"type": "function", "function": {"name": 3}}]]  # fmt: skip
+    fields = ["messages", "tools", "max_tokens", "temperature", "top_p", "n", "stop",
+              "logprobs", "top_logprobs", "stream", "prompt", "stream_options",
+              "max_completion_tokens", "tool_choice"]  # fmt: skip
+    r = runner(two_turns, max_turns=1000, max_episode_tokens=100_000)
+    server = await r.start()
+    key, name = server.new_key()
+    episode = ApiEpisode(r, scripted_generate(["ok"] * 1000, []), SAMPLING, None, name)
+    server.open(key, episode)
+    statuses: dict[int, int] = {}
+    try:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(600):
+                body: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}],
+                                        "prompt": "x"}  # fmt: skip
+                for field in rng.sample(fields, rng.randint(1, 3)):
+                    body[field] = rng.choice(values)
+                path = rng.choice(["/chat/completions", "/completions"])
+                auth = {"Authorization": f"Bearer {key}"} if rng.random() < 0.9 else {}
+                data = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
+                async with http.post(server.url + path, data=data, headers=auth) as resp:
+                    statuses[resp.status] = statuses.get(resp.status, 0) + 1
+                    assert resp.status == 200 or 400 <= resp.status < 500, (body, resp.status)
+                    if resp.status != 200 and resp.content_type == "application/json":
+                        assert "message" in (await resp.json())["error"]
+            good = {"messages": [{"role": "user", "content": "x"}]}
+            auth = {"Authorization": f"Bearer {key}"}
+            async with http.post(server.url + "/chat/completions", json=good, headers=auth) as resp:
+                assert resp.status == 200
+    finally:
+        await server.stop()
+    assert statuses.get(200, 0) > 0 and statuses.get(400, 0) > 0 and statuses.get(401, 0) > 0
