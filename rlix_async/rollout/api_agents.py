@@ -242,6 +242,7 @@ class ApiEpisode:
         current = self.current
         extends = (
             current is not None
+            and k > 0  # served as chat (after a text completion, a chat request splits)
             and len(messages) >= k  # none new: the model's next turn right after its last
             and tools == self.tools
             and all(_same(a, b) for a, b in zip(messages[:k], self.served, strict=False))

@@ -400,20 +400,23 @@ async def completes(row: dict[str, Any], client: openai.AsyncOpenAI) -> float:
     again = "Q: 2+2?\nA:" + first.choices[0].text + "\nQ: sure?\nA:"
     await client.completions.create(model="p", prompt=again)
     await client.completions.create(model="p", prompt=[5, 6, 7])  # token ids
+    # a chat request after a text completion: its messages extend nothing served as chat
+    await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "q"}])
     return 1.0
 
 
 async def test_text_completions_reuse_what_was_served_and_split_otherwise() -> None:
     seen: list[list[int]] = []
-    ep = await run(completes, ["4", "yes", "z"], seen)
+    ep = await run(completes, ["4", "yes", "z", "w"], seen)
     first = SEEN["completion"]
     assert first.choices[0].text == "4" and first.usage.completion_tokens == 1
     assert first.choices[0].logprobs.token_logprobs == [-1.0]
     prompt = ids("Q: 2+2?\nA:")
     assert seen[1] == prompt + ids("4") + ids("\nQ: sure?\nA:")  # reused, not re-tokenized
-    (before,) = ep.segments
+    before, ids_only = ep.segments
     assert before.prompt_ids == prompt and before.mask == [1] + [0] * 12 + [1] * 3
-    assert ep.prompt_ids == [5, 6, 7] and ep.token_ids == ids("z") and ep.splits == 1
+    assert ids_only.prompt_ids == [5, 6, 7] and ids_only.token_ids == ids("z")
+    assert ep.prompt_ids == CHAT.first([{"role": "user", "content": "q"}]) and ep.splits == 2
 
 
 async def runs_a_harness(row: dict[str, Any], client: openai.AsyncOpenAI) -> float:
