@@ -245,9 +245,9 @@ async def test_garbage_requests_get_errors_and_the_server_goes_on() -> None:
     r = runner(two_turns)
     server = await r.start()
     key, name = server.new_key()
-    from rlix_async.rollout.api_agents import ApiEpisode
+    from rlix_async.rollout.api_episode import ApiEpisode
 
-    episode = ApiEpisode(r, scripted_generate(["ok"] * 3, []), SAMPLING, None, name)
+    episode = ApiEpisode(r, scripted_generate(["ok"] * 3, []), SAMPLING, None, name, "p")
     server.open(key, episode)
     url = server.url + "/chat/completions"
     auth = {"Authorization": f"Bearer {key}"}
@@ -469,7 +469,7 @@ async def test_a_fuzz_of_mutated_requests_never_breaks_the_server() -> None:
     never a 5xx, and the server answers a good request afterwards."""
     import random
 
-    from rlix_async.rollout.api_agents import ApiEpisode
+    from rlix_async.rollout.api_episode import ApiEpisode
 
     rng = random.Random(7)
     values: list[Any] = [None, True, -1, 0, 3, 1e308, float("nan"), "", "x" * 5000, "\ud800",
@@ -484,7 +484,7 @@ async def test_a_fuzz_of_mutated_requests_never_breaks_the_server() -> None:
     r = runner(two_turns, max_turns=1000, max_episode_tokens=100_000)
     server = await r.start()
     key, name = server.new_key()
-    episode = ApiEpisode(r, scripted_generate(["ok"] * 1000, []), SAMPLING, None, name)
+    episode = ApiEpisode(r, scripted_generate(["ok"] * 1000, []), SAMPLING, None, name, "p")
     server.open(key, episode)
     statuses: dict[int, int] = {}
     try:
