@@ -31,12 +31,15 @@ import os
 import subprocess
 from typing import Any
 
+import openai
+
 from rlix_async.protocols.generation import Sampling
 from rlix_async.rollout.agents import Agent, AgentRunner
 from rlix_async.rollout.api_episode import ApiEpisode
 from rlix_async.rollout.chat import ChatTurns
-from rlix_async.rollout.episodes import EnvFailure, Episode, Generate
+from rlix_async.rollout.episodes import EnvFailure, Episode, Generate, finite_numbers
 from rlix_async.rollout.openai_server import ApiServer
+from rlix_async.user_code import await_guarded
 
 # the episode's OPENAI_BASE_URL and OPENAI_API_KEY, in its agent's task and what it runs
 _EPISODE_ENV: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
@@ -87,7 +90,6 @@ class ApiAgentRunner(AgentRunner):
         self._starting: asyncio.Future[None] | None = None
         for name in ("httpx", "httpx2"):  # the openai client's: a line per request
             logging.getLogger(name).setLevel(logging.WARNING)
-        self.splits = 0
 
     async def start(self) -> ApiServer:
         """The server, started by the first episode (the ones starting beside it wait)."""
@@ -111,10 +113,6 @@ class ApiAgentRunner(AgentRunner):
         sampling: Sampling | None = None,
         min_version: int | None = None,
     ) -> Episode:
-        import openai
-
-        from rlix_async.user_code import await_guarded
-
         try:
             server = await self.start()
         except OSError as exc:  # agent_api_host is no address of this machine's, ...
@@ -169,7 +167,6 @@ class ApiAgentRunner(AgentRunner):
             failure = EnvFailure(f"{self.name}: {why}")
             self._failed(failure, row)
             raise failure
-        self.splits += episode.splits
         reward, info = self._outcome(result)
         return episode.finish(reward, info)
 
@@ -184,11 +181,9 @@ class ApiAgentRunner(AgentRunner):
 
     @staticmethod
     def _outcome(result: Any) -> tuple[float, dict[str, float]]:
+        """The episode's reward and its metrics (the numbers beside ``reward``, as an
+        env's step ``info``)."""
         if isinstance(result, dict):
-            info = {
-                str(k): float(v)
-                for k, v in result.items()
-                if k != "reward" and isinstance(v, int | float) and not isinstance(v, bool)
-            }
-            return float(result["reward"]), info
+            metrics = finite_numbers({k: v for k, v in result.items() if k != "reward"})
+            return float(result["reward"]), metrics
         return (0.0 if result is None else float(result)), {}

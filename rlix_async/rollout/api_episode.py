@@ -47,12 +47,14 @@ Messages = list[dict[str, Any]]
 MAX_STOPS = 4  # OpenAI's
 
 
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two messages say the same (role, text, tool calls by name and arguments)."""
-    return bool(_key(a) == _key(b))
+def _ended() -> ApiError:
+    """The refusal of a request whose episode ended while it was served."""
+    return ApiError(401, "this episode ended during the request", "invalid_api_key")
 
 
 def _key(m: Any) -> tuple[Any, ...]:
+    """What a message says (role, text, tool calls by name and arguments): two messages
+    with the same key are the same turn."""
     if not isinstance(m, dict):
         return (None,)
     calls = []
@@ -230,7 +232,7 @@ class ApiEpisode:
             and k > 0  # served as chat (after a text completion, a chat request splits)
             and len(messages) >= k  # none new: the model's next turn right after its last
             and tools == self.tools
-            and all(_same(a, b) for a, b in zip(messages[:k], self.served, strict=False))
+            and all(_key(a) == _key(b) for a, b in zip(messages[:k], self.served, strict=False))
         )
         if extends:
             assert current is not None
@@ -239,11 +241,8 @@ class ApiEpisode:
                 self._render(new, tools, first=False) if new else self._close(), model=False
             )
             return current
-        fresh = Episode(self._render(messages, tools, first=True))  # may fail: nothing changed
-        if current is not None:
-            self.done.append(current)
-            self.splits += 1
-        self.current, self.tools = fresh, tools
+        fresh = self._start(self._render(messages, tools, first=True))  # rendered first:
+        self.tools = tools  # a template error leaves the episode as it was
         return fresh
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -311,12 +310,15 @@ class ApiEpisode:
             raise ApiError(
                 400, f"prompt: no tokens, or a token id outside the vocabulary ({vocab})"
             )
-        fresh = Episode(ids)
-        if current is not None:
-            self.done.append(current)
+        return self._start(ids)
+
+    def _start(self, prompt_ids: list[int]) -> Episode:
+        """A new trajectory from ``prompt_ids``; the one going, if any, is split off."""
+        if self.current is not None:
+            self.done.append(self.current)
             self.splits += 1
-        self.current = fresh
-        return fresh
+        self.current = Episode(prompt_ids)
+        return self.current
 
     def _tokens(self, text: str) -> list[int]:
         return list(self.runner.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -374,16 +376,12 @@ class ApiEpisode:
             task = asyncio.current_task()
             if self.closed and task is not None and not task.cancelling():
                 # the episode ended (its generation stopped with it), not this handler
-                raise ApiError(
-                    401, "this episode ended during the request", "invalid_api_key"
-                ) from None
+                raise _ended() from None
             raise
         except Exception as exc:
             self._undo(mark, episode)
             if self.closed:
-                raise ApiError(
-                    401, "this episode ended during the request", "invalid_api_key"
-                ) from None
+                raise _ended() from None
             self.failure = self.failure or exc
             raise ApiError(503, f"generation failed: {exc}") from exc
         finally:
@@ -392,7 +390,7 @@ class ApiEpisode:
             self.idle_since = time.monotonic()
         if self.closed:  # it ended while this turn was sampled: the turn is not its
             self._undo(mark, episode)
-            raise ApiError(401, "this episode ended during the request", "invalid_api_key")
+            raise _ended()
         self.cut = self.refusal = ""  # a turn after a refusal: no limit ended the episode
         episode.add(turn.token_ids, model=True, logprobs=turn.logprobs, versions=turn.versions)
         episode.resumes += turn.resumes

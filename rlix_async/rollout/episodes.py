@@ -254,7 +254,7 @@ class EpisodeRunner:
                 action = self.decode(turn.token_ids)
                 result = self._check(await self._call("step", clock, busy, env.step, action))
                 rewards.append(float(result.reward))
-                episode.info = _numbers(result.info)
+                episode.info = finite_numbers(result.info)
                 if result.done:
                     episode.cut = ""
                     break
@@ -394,7 +394,7 @@ class EpisodeRunner:
             )
 
 
-def _numbers(info: Any) -> dict[str, float]:
+def finite_numbers(info: Any) -> dict[str, float]:
     """The finite numbers of a step's ``info`` (logged per step as ``env/<key>`` means)."""
     if not isinstance(info, dict):
         return {}

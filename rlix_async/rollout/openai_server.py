@@ -36,8 +36,8 @@ class ApiError(Exception):
         self.status, self.message, self.code = status, message, code
 
 
-class ApiEpisode(Protocol):
-    """What a key serves: one episode's requests (rollout/api_agents.py)."""
+class Served(Protocol):
+    """What a key serves: one episode's requests (rollout/api_episode.py)."""
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -91,7 +91,7 @@ class ApiServer:
     def __init__(self, host: str, model_name: str) -> None:
         self.host = host
         self.model_name = model_name
-        self.episodes: dict[str, ApiEpisode] = {}
+        self.episodes: dict[str, Served] = {}
         self._count = 0
         self._sock: socket.socket | None = None
         self._runner: web.AppRunner | None = None
@@ -102,7 +102,7 @@ class ApiServer:
         self._count += 1
         return f"rlix-{secrets.token_urlsafe(24)}", f"ep{self._count}"
 
-    def open(self, key: str, episode: ApiEpisode) -> None:
+    def open(self, key: str, episode: Served) -> None:
         self.episodes[key] = episode
 
     def close_key(self, key: str) -> None:
@@ -144,16 +144,13 @@ class ApiServer:
             self._sock.close()
             self._sock = None
 
-    def _episode(self, request: web.Request) -> ApiEpisode:
+    def _episode(self, request: web.Request) -> Served:
         auth = request.headers.get("Authorization", "")
         key = auth[len("Bearer ") :].strip() if auth.startswith("Bearer ") else ""
         episode = self.episodes.get(key) if key else None
         if episode is None:
             raise ApiError(401, "no live episode has this API key", "invalid_api_key")
         return episode
-
-    async def _complete(self, request: web.Request) -> web.StreamResponse:
-        return await self._chat(request)
 
     async def _models(self, request: web.Request) -> web.Response:
         try:
@@ -164,26 +161,20 @@ class ApiServer:
         return web.json_response({"object": "list", "data": [model]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             episode = self._episode(request)
-            try:
-                body = json.loads(await request.read())
-            except web.HTTPRequestEntityTooLarge:
-                return _error(413, f"the request is over {MAX_BODY} bytes")
-            except (ValueError, UnicodeDecodeError) as exc:
-                return _error(400, f"the body is not JSON: {exc}")
-            if not isinstance(body, dict):
-                return _error(400, "the body must be a JSON object")
-            try:  # JSON may escape what no tokenizer takes: a lone UTF-16 surrogate
-                json.dumps(body, ensure_ascii=False).encode()
-            except (UnicodeEncodeError, ValueError) as exc:
-                return _error(400, f"the body holds text that is not valid Unicode: {exc}")
-            if request.path.endswith("/chat/completions"):
-                reply = await episode.chat(body)
-            elif body.get("stream"):
-                return _error(400, "stream: served for chat completions only")
-            else:
+            body = await _body(request)
+            if not chat:
+                if body.get("stream"):
+                    raise ApiError(400, "stream: served for chat completions only")
                 return web.json_response(await episode.complete(body))
+            reply = await episode.chat(body)
             if body.get("stream"):
                 options = body.get("stream_options")
                 usage = isinstance(options, dict) and bool(options.get("include_usage"))
@@ -194,3 +185,21 @@ class ApiServer:
         except Exception as exc:  # never the server's end: this request's only
             log.exception("agent_api: a request failed")
             return _error(500, f"{type(exc).__name__}: {exc}")
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object (ApiError: too large, not JSON, not an object, or text
+    no tokenizer takes)."""
+    try:
+        body = json.loads(await request.read())
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"the request is over {MAX_BODY} bytes") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    try:  # JSON may escape what no tokenizer takes: a lone UTF-16 surrogate
+        json.dumps(body, ensure_ascii=False).encode()
+    except (UnicodeEncodeError, ValueError) as exc:
+        raise ApiError(400, f"the body holds text that is not valid Unicode: {exc}") from None
+    return body

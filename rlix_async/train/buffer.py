@@ -60,10 +60,7 @@ class Group(msgspec.Struct):
             or sorted(set(self.members)) != list(range(max(self.members) + 1))
         ):
             raise ValueError("group: one member index per response, numbering episodes from 0")
-        if self.members and any(
-            self.rewards[i] != self.rewards[self.members.index(m)]
-            for i, m in enumerate(self.members)
-        ):
+        if self.members and len(set(zip(self.members, self.rewards, strict=True))) != self.size:
             raise ValueError("group: an episode's trajectories share its reward")
         if self.masks and (
             len(self.masks) != n

@@ -35,7 +35,7 @@ from rlix_async.config import ModelConfig, TrainConfig
 from rlix_async.models.hf import load_hf_model
 from rlix_async.train import sharded_checkpoint
 from rlix_async.train.buffer import Group
-from rlix_async.train.checkpoints import rng_state, set_rng_state
+from rlix_async.train.checkpoints import rng_state
 from rlix_async.train.distributed_optimizer import ParameterOwners
 from rlix_async.train.megatron_hf import (
     MegatronModelError,
@@ -60,7 +60,7 @@ from rlix_async.train.pipeline_parallel import (
     global_name,
     to_stage,
 )
-from rlix_async.train.precision import MainParamsAdamW, cast_floats, drop_main_params
+from rlix_async.train.precision import cast_floats
 from rlix_async.train.sharded_checkpoint import ShardedCheckpoint, sharded_path
 from rlix_async.train.stage_transfer import gather_model
 from rlix_async.train.tensor_parallel import (
@@ -551,10 +551,7 @@ class MegatronTrainer(TorchTrainer):
         # starts from the embedding's state
         names = {n: self._full_name(n) or EMBEDDING for n in self._optim_param_names()}
         self._install_optim(ckpt.rank_optim(names, self.tp_rank, self.tp), ckpt.meta["param_group"])
-        if not isinstance(self.optim, MainParamsAdamW):
-            drop_main_params(self.optim)
-        self.step = int(ckpt.meta["step"])
-        set_rng_state(ckpt.meta["rng"], self.device)
+        self._resume_at(ckpt.meta["step"], ckpt.meta["rng"])
         if self.model_parallel and self.rank == 0:
             self._full = ckpt.full_model()
         return ckpt.meta

@@ -28,8 +28,8 @@ def pack_batch(groups: list[Group], rank: int, world: int) -> dict[str, torch.Te
     rows: list[tuple[list[int], int, list[float], float, list[int] | None]] = []
     for g in groups:
         if g.members:  # several trajectories of one episode: the episodes' advantages
-            first_of = {m: i for i, m in reversed(list(enumerate(g.members)))}
-            per = torch.tensor([g.rewards[first_of[m]] for m in sorted(first_of)])
+            reward_of = dict(zip(g.members, g.rewards, strict=True))  # alike within one
+            per = torch.tensor([reward_of[m] for m in range(len(reward_of))])
             adv = group_advantages(per.float())[torch.tensor(g.members)]
         else:
             adv = group_advantages(torch.tensor(g.rewards, dtype=torch.float32))

@@ -61,9 +61,10 @@ def part_name(stage: int, tp_rank: int, dp_rank: int = 0) -> str:
     return f"part-pp{stage}-tp{tp_rank}{dp}.safetensors"
 
 
-def part_names(tp: int, pp: int, dp: int) -> list[str]:
-    """Every part of a checkpoint at ``tp`` x ``pp`` with ``dp`` optimizer shards."""
-    return [part_name(s, t, d) for d in range(dp) for s in range(pp) for t in range(tp)]
+def parts_of(tp: int, pp: int, dp: int) -> list[tuple[int, str]]:
+    """Every part of a checkpoint at ``tp`` x ``pp`` with ``dp`` optimizer shards: its
+    tensor-parallel rank and its file's name."""
+    return [(t, part_name(s, t, d)) for d in range(dp) for s in range(pp) for t in range(tp)]
 
 
 def begin(path: Path) -> None:
@@ -130,8 +131,8 @@ def promote(path: Path, meta: dict[str, Any]) -> Path:
     ``meta`` names the layout (``tp``, ``pp``, ``dp`` optimizer shards, 1 when
     absent): every part of it must be there."""
     stage_dir = staging(path)
-    names = part_names(meta["tp"], meta["pp"], meta.get("dp", 1))
-    missing = [name for name in names if not (stage_dir / name).is_file()]
+    parts = parts_of(meta["tp"], meta["pp"], meta.get("dp", 1))
+    missing = [name for _, name in parts if not (stage_dir / name).is_file()]
     if missing:
         raise CheckpointError(
             f"{path}: part {missing[0]} was not written here: every trainer node must "
@@ -169,10 +170,11 @@ class ShardedCheckpoint:
             self.vocab = int(self.meta["vocab_size"])
         except Exception as exc:  # torn or foreign: say which file, in one line
             raise CheckpointError(f"{path / META}: unreadable ({exc})") from None
-        # key -> its parts' handles, by tensor-parallel rank
+        # key -> its parts' handles, by tensor-parallel rank; a parameter's optimizer
+        # state entries (exp_avg, step, ...)
         self._where: dict[str, dict[int, Any]] = {}
-        self._handles = []
-        for name in part_names(self.tp, self.pp, self.dp):
+        self._entries: dict[str, set[str]] = {}
+        for t, name in parts_of(self.tp, self.pp, self.dp):
             file = path / name
             if not file.is_file():
                 raise CheckpointError(f"{path}: part {name} is missing")
@@ -180,10 +182,11 @@ class ShardedCheckpoint:
                 handle = safe_open(str(file), framework="pt")
             except Exception as exc:
                 raise CheckpointError(f"{file}: unreadable ({exc})") from None
-            self._handles.append(handle)
-            t = int(name.split("-tp")[1].split("-")[0].split(".")[0])
             for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 self._where.setdefault(key, {})[t] = handle
+                if key.startswith("optim/"):
+                    param, _, entry = key[len("optim/") :].rpartition("/")
+                    self._entries.setdefault(param, set()).add(entry)
 
     def model_names(self) -> list[str]:
         """The full model's tensor names."""
@@ -191,8 +194,7 @@ class ShardedCheckpoint:
 
     def optim_keys(self, name: str) -> list[str]:
         """The optimizer state entries of parameter ``name`` (e.g. exp_avg, step)."""
-        prefix = f"optim/{name}/"
-        return [k[len(prefix) :] for k in self._where if k.startswith(prefix)]
+        return sorted(self._entries.get(name, ()))
 
     def _parts(self, key: str) -> list[torch.Tensor]:
         found = self._where.get(key)

@@ -537,11 +537,16 @@ class TorchTrainer:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         self._load_model(path, ckpt)
         self._load_optim(ckpt["optim"])
+        self._resume_at(ckpt["step"], ckpt["rng"])
+        return ckpt
+
+    def _resume_at(self, step: int, rng: dict[str, Any]) -> None:
+        """After a checkpoint's model and optimizer state are in: its step and RNG (main
+        weights it holds dropped when this run trains without them)."""
         if not isinstance(self.optim, MainParamsAdamW):
             drop_main_params(self.optim)
-        self.step = int(ckpt["step"])
-        set_rng_state(ckpt["rng"], self.device)
-        return ckpt
+        self.step = int(step)
+        set_rng_state(rng, self.device)
 
     def _model_state(self) -> dict[str, Any]:
         """The model's state as a checkpoint keeps it."""

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from helpers.tiny_text import save_tiny_model
 
+from rlix_async.rollout.dataset import write_splits
+
 pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
 
@@ -63,11 +65,6 @@ pipelines:
 """
 
 
-def write_jsonl(path: Path, rows: list[dict[str, object]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
@@ -79,13 +76,14 @@ def test_an_openai_api_agent_trains_under_launch(tmp_path: Path) -> None:
     rows = [{"question": f"row {i}"} for i in range(4)]
     out = tmp_path / "out"
     cfg = tmp_path / "api.yaml"
+    train, held_out = write_splits(tmp_path / "data", rows, rows[1:3])
     cfg.write_text(
         CONFIG.format(
             out=out,
             pid=pid,
             model=save_tiny_model(tmp_path / "model", "llama", seed=5),
-            train=write_jsonl(tmp_path / "train.jsonl", rows),
-            eval=write_jsonl(tmp_path / "eval.jsonl", rows[1:3]),
+            train=train,
+            eval=held_out,
             agent=agent,
             log=log,
         )
