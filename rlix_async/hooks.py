@@ -1,10 +1,12 @@
-"""The four hooks a training loop calls to join a time-shared cluster.
+"""The hooks a training loop calls to join a time-shared cluster.
 
 ``before_training`` (take the training devices; the coordinator shrinks the
 rollout shards on them first), ``after_training`` (release them and publish
 the new weights to the shards that need them), ``report_progress`` (how much
 of the next batch is collected: the planner sizes rollout by what is left),
-``clear_progress`` (no more rollout demand). ``NoHooks`` is the default for
+``clear_progress`` (no more rollout demand), and ``report_pace`` (after a
+step: its estimated time alone, which finish-time fairness reads the
+pipeline's slowdown against). ``NoHooks`` is the default for
 a loop running alone; ``ClusterHooks`` talks to a coordinator::
 
     hooks = await ClusterHooks.join(endpoint, "my-exp", topology)
@@ -42,6 +44,9 @@ class NoHooks:
         pass
 
     async def clear_progress(self) -> None:
+        pass
+
+    async def report_pace(self, exclusive_step_s: float) -> None:
         pass
 
 
@@ -97,6 +102,9 @@ class ClusterHooks:
 
     async def clear_progress(self) -> None:
         await self.client.clear_progress()
+
+    async def report_pace(self, exclusive_step_s: float) -> None:
+        await self.client.report_pace(exclusive_step_s)
 
     async def close(self, *, unregister: bool = True) -> None:
         await self.router.close()

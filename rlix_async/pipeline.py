@@ -241,6 +241,7 @@ class Driver:
         stats = await asyncio.to_thread(self._train, batch)
         collector.stop_doomed()  # the step moved on: some groups can no longer be used
         times = await self._after_training(hooks, cache, collector, ledger, version)
+        await collector.report_pace(time.monotonic() - t1)
         rewards = [r for g in batch for r in g.rewards]
         row = {
             "step": self.trainer.step,

@@ -56,6 +56,7 @@ def _simulate(args: argparse.Namespace) -> int:
         compare,
         default_engine,
         policies_for,
+        sharing_run,
         simulate,
     )
 
@@ -74,20 +75,21 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.seeds is not None:
         return _simulate_seeds(sc, args)
     policies = list(policies_for(sc)) if args.policy == "all" else [args.policy]
+    journaled = sharing_run({p: {} for p in policies})  # the run compare() reads
     try:
         out = {
             pol: simulate(
                 sc,
                 pol,
                 seed=args.seed,
-                journal=args.journal if pol == "timeshare" else None,
+                journal=args.journal if pol == journaled else None,
                 engine=args.engine,
             )
             for pol in policies
         }
     except ConfigError as exc:  # e.g. a static split too small for a pipeline's bundle
         raise UsageError(str(exc)) from None
-    summary = compare(out) if "timeshare" in out else {}
+    summary = compare(out)
     if args.json:
         print(json.dumps({"engine": args.engine, "policies": out, **summary}, indent=2))
         return 0
@@ -101,9 +103,12 @@ def _simulate(args: argparse.Namespace) -> int:
             f"preemptions {r['preemptions']}, switching {r['wasted_gpu_s']:.0f} GPU-s "
             f"(re-prefill {r['reprefill_gpu_s']:.0f})"
         )
+    shared = summary.get("policy")
     for base in BASELINES:
         if f"gain_vs_{base}" in summary:
-            print(f"timeshare / {base}: {summary[f'gain_vs_{base}']:.2f}x")
+            print(f"{shared} / {base}: {summary[f'gain_vs_{base}']:.2f}x")
+    if shared is not None:
+        print(f"{shared}: duty cycle {summary['duty_cycle']:.2f} (busy device time / all)")
     if "fair_share_index" in summary:
         worst = max(summary["slowdown"].values())
         print(
@@ -136,7 +141,7 @@ def _simulate_seeds(sc: Scenario, args: argparse.Namespace) -> int:
             f"/ full-weight {r['gain_vs_full_weight']:.2f}x, " if "gain_vs_full_weight" in r else ""
         )
         print(
-            f"seed {r['seed']:3d}: timeshare / exclusive {r['gain_vs_exclusive']:.2f}x, "
+            f"seed {r['seed']:3d}: {r['policy']} / exclusive {r['gain_vs_exclusive']:.2f}x, "
             f"/ static {r['gain_vs_static']:.2f}x, {fw}slowest step {worst:.2f}x, "
             f"fair-share index {r['fair_share_index']:.2f}"
             + (f", sharing index {r['sharing_index']:.2f}" if "sharing_index" in r else "")
@@ -191,12 +196,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("scenario", help="Scenario file (see scenarios/ and docs/CONFIG.md)")
     p.add_argument(
         "--policy",
-        choices=["exclusive", "static", "timeshare", "full_weight", "all"],
+        choices=["exclusive", "static", "timeshare", "fair", "full_weight", "all"],
         default="all",
-        help="all: the first three, and full_weight (every base removed) where a base is named",
+        help="fair: time-sharing under finish-time fairness (the coordinator's default); "
+        "timeshare: under fairness: demand; all: every policy, and full_weight (every "
+        "base removed, time-shared) where a base is named. The summary reads fair",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--journal", help="write the timeshare run's journal (rlix-async timeline)")
+    p.add_argument("--journal", help="write the time-sharing run's journal (rlix-async timeline)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--staleness", type=int, help="set every pipeline's max_trajectory_age_steps to this"

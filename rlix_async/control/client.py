@@ -85,6 +85,7 @@ class PipelineClient:
         self._requests: dict[ClusterName, m.RequestStage] = {}
         self._waiters: dict[ClusterName, asyncio.Future[list[int]]] = {}
         self._progress: dict[str, tuple[int, int]] = {}  # stream -> last sent (target, completed)
+        self._pace: float | None = None  # the last exclusive step estimate sent
         self._ranks_changed = asyncio.Event()
         self._weights: CacheRef | None = None
         # Set when the coordinator refused our Resume (our leases conflict with what
@@ -253,6 +254,18 @@ class PipelineClient:
             log.info("%s: progress not sent (%s)", self.pipeline_id, exc)
             return False
 
+    async def report_pace(self, exclusive_step_s: float) -> bool:
+        """Our step alone on every declared device, as estimated (control/pace.py):
+        what finish-time fairness reads our slowdown against. Advisory, as progress."""
+        self._pace = exclusive_step_s
+        try:
+            return await self.rpc.notify(
+                m.ReportPace(pipeline_id=self.pipeline_id, exclusive_step_s=exclusive_step_s)
+            )
+        except (TimeoutError, ConnectionError) as exc:  # re-sent by Resume
+            log.info("%s: pace not sent (%s)", self.pipeline_id, exc)
+            return False
+
     async def clear_progress(self, stream: str | None = None) -> None:
         if stream is None:
             self._progress.clear()
@@ -392,4 +405,8 @@ class PipelineClient:
                 m.ReportProgress(
                     pipeline_id=self.pipeline_id, target=target, completed=completed, stream=stream
                 )
+            )
+        if self._pace is not None:
+            await rpc.notify(
+                m.ReportPace(pipeline_id=self.pipeline_id, exclusive_step_s=self._pace)
             )

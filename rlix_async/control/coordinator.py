@@ -34,6 +34,7 @@ from rlix_async.aio import Supervisor
 from rlix_async.config import SchedulerConfig
 from rlix_async.control import journal as ev
 from rlix_async.control.allowances import check_allowances, check_claim, check_priority
+from rlix_async.control.cluster_status import cluster_status
 from rlix_async.control.journal import Journal, JournalWriteError, SharedFsync, open_journal
 from rlix_async.control.leases import LeaseKeeper
 from rlix_async.control.plan_checks import check_plan, idle_after
@@ -50,7 +51,6 @@ from rlix_async.protocols.topology import (
     INFER,
     ClusterShape,
     Priority,
-    priority_name,
 )
 from rlix_async.security import ServerKeys
 from rlix_async.transport import CallContext, Deferred, RpcServer, TransportConfig
@@ -123,6 +123,7 @@ class Coordinator:
         s.on(m.ShrinkAll, self._shrink_all)
         s.on(m.ReportProgress, self._progress)
         s.on(m.ClearProgress, self._clear_progress)
+        s.on(m.ReportPace, self._pace)
         s.on(m.Unregister, self._unregister)
         s.on(m.Resume, self._resume)
         s.on(m.StatusRequest, self._status)
@@ -346,6 +347,13 @@ class Coordinator:
         )
         self.kick(progress=not progress_is_urgent(before, msg.target, msg.completed))
 
+    def _pace(self, msg: m.ReportPace, ctx: CallContext) -> None:
+        """Advisory, as progress is, and not journaled: a driver sends it after every
+        step and again on resume, so a restarted coordinator has it back within a step."""
+        self._authorize(ctx, msg.pipeline_id)
+        self.registry.report_pace(msg.pipeline_id, msg.exclusive_step_s)
+        self.kick(progress=True)
+
     def _clear_progress(self, msg: m.ClearProgress, ctx: CallContext) -> None:
         self._authorize(ctx, msg.pipeline_id)
         self.registry.clear_progress(msg.pipeline_id, msg.stream)
@@ -455,42 +463,10 @@ class Coordinator:
         return self.status()
 
     def status(self) -> m.StatusReply:
-        memory: dict[str, dict[int, int]] = {}
-        for (pid, rank), used in self.executor.shards.memory.items():
-            memory.setdefault(pid, {})[rank] = used
-        pipes = [
-            m.PipelineStatus(
-                id=p.id,
-                admitted=p.admitted,
-                connected=p.connected,
-                held={c: priority_name(pr) for c, pr in p.held.items()},
-                active_ranks=sorted(p.active),
-                remaining=p.remaining(),
-                requests={c: priority_name(r.priority) for c, r in p.requests.items()},
-                shard_memory=memory.get(p.id, {}),
-                group=p.group,
-                members=list(p.members),
-            )
-            for p in self.registry.pipelines.values()
-        ]
-        return m.StatusReply(
-            devices=self.registry.shape.num_devices,
-            owners=self.registry.owners(),
-            pipelines=pipes,
-            plans=self.plans,
-            rejected_plans=self.rejected_plans,
-            stale_plans=self.stale_plans,
-            fenced=[
-                m.FenceStatus(
-                    pipeline=f.pipeline,
-                    rank=f.rank,
-                    devices=list(f.devices),
-                    holder=f.holder,
-                    reason=f.reason,
-                    age_s=round(time.monotonic() - f.since, 1),
-                )
-                for f in self.registry.fences.values()
-            ],
+        return cluster_status(
+            self.registry,
+            self.executor.shards.memory,
+            (self.plans, self.rejected_plans, self.stale_plans),
         )
 
     # --- scheduling -------------------------------------------------------------------------------

@@ -146,6 +146,31 @@ def _pinned(terms: Terms, a: float, b: float) -> list[tuple[float | None, float]
     return out
 
 
+# Finish-time fairness (Themis, NSDI'20): a pipeline's rollout weight is scaled by
+# (its slowdown / the mean slowdown) ** FAIRNESS_EXPONENT, the ratio clipped to
+# [1/FAIRNESS_CLIP, FAIRNESS_CLIP]. A high exponent serves the worst-off first while
+# still dividing devices: on the generated agentic draws (docs/PERF.md, "Fair while
+# sharing") 8 reads a sharing index <= 1.2 on more draws than 2, 4, 16 or 32; the clip
+# keeps a pipeline whose estimate is wildly off from taking every device.
+FAIRNESS_EXPONENT = 8
+FAIRNESS_CLIP = 4.0
+
+
+def finish_time_factors(slowdown: dict[str, float | None]) -> dict[str, float]:
+    """Each pipeline's weight factor from its slowdown against its pace alone: its
+    slowdown over the mean of the known ones, clipped, to ``FAIRNESS_EXPONENT``; 1.0
+    for a pipeline whose slowdown is not known (None) or when none is."""
+    known = [v for v in slowdown.values() if v is not None]
+    if not known:
+        return dict.fromkeys(slowdown, 1.0)
+    mean = sum(known) / len(known)
+    lo, hi = 1 / FAIRNESS_CLIP, FAIRNESS_CLIP
+    return {
+        pid: 1.0 if v is None else min(hi, max(lo, v / mean)) ** FAIRNESS_EXPONENT
+        for pid, v in slowdown.items()
+    }
+
+
 def guaranteed_floors(
     capacity: int,
     wanting: list[str],
@@ -181,9 +206,12 @@ def bundle_targets(
     caps: dict[str, float],
     capacity: int,
     idle: int,
+    owed: set[str] | None = None,
 ) -> dict[str, int]:
     """Whole bundles per pipeline: largest remainder, at least one, then hysteresis.
-    (``by_id`` is ``sorted(wanting)``.)
+    (``by_id`` is ``sorted(wanting)``.) With ``owed`` (finish-time fairness), only
+    those are owed one bundle, and the others are trimmed to none when the total
+    does not fit.
 
     Hysteresis never leaves a device idle: a pipeline within one bundle of its
     ideal still grows by that bundle when ``idle`` devices (unowned, or held by a
@@ -220,15 +248,18 @@ def bundle_targets(
                 idle -= tp
             else:
                 target[pid] = current
-    # Keep the total feasible: trim those furthest above their ideal (never below one).
+    # Keep the total feasible: trim those furthest above their ideal (never below the
+    # one bundle they are owed).
     total = sum(map(mul, map(target.__getitem__, wanting), per_tp))
     while total > capacity:
         over = [pid for pid in wanting if target[pid] > 1]
+        if not over and owed is not None:  # then those not owed their one
+            over = [pid for pid in wanting if target[pid] and pid not in owed]
         if not over:
             break
         # the largest (target - exact, id)
         above = list(map(sub, map(target.__getitem__, over), map(exact.__getitem__, over)))
-        worst = max(compress(over, map(max(above).__eq__, above)))
+        worst = max(compress(over, map(max(above).__eq__, above)))  # (by id, last)
         target[worst] -= 1
         total -= tps[worst] * wanting.count(worst)  # once, unless pipeline ids repeat
     return target

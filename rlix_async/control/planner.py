@@ -39,11 +39,17 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from rlix_async.control.device_masks import FRAMES, Counts, Devices, Frame, frame_of, new_frame
-from rlix_async.control.fair_shares import bundle_targets, guaranteed_floors, water_fill
+from rlix_async.control.fair_shares import (
+    bundle_targets,
+    finish_time_factors,
+    guaranteed_floors,
+    water_fill,
+)
 from rlix_async.protocols.snapshot import (
     Grant,
     PipelineIn,
     Plan,
+    Policy,
     ProgressIn,
     RankChange,
     RequestIn,
@@ -276,7 +282,10 @@ def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> int:
     wanting = [p.id for p in pipes if st.demand[p.id] > 0]
     reach, tps, caps, weights, usable = _reachable_bundles(st, wanting)
     by_id = sorted(wanting)
-    target = _shard_targets(st, wanting, by_id, tps, caps, weights, usable)
+    owed = None  # every pipeline with demand is owed a bundle (policy "demand")
+    if snap.policy.fairness == "finish_time" and wanting:
+        owed = _finish_time(snap.policy, st, wanting, weights)
+    target = _shard_targets(st, wanting, by_id, tps, caps, weights, usable, owed)
     # Devices each under-target pipeline could use: shrink others there first.
     hungry = [pid for pid in wanting if len(st.active[pid]) < target[pid]]
     asleep: dict[str, int] = {}
@@ -288,6 +297,8 @@ def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> int:
     taken = _expand_toward_targets(st, out, by_id, hungry, target, asleep, hungry_devices)
     for pid in [pid for pid in wanting if not st.active[pid]]:
         blocked = "every reachable bundle is held by a stage or reserved"
+        if owed is not None and not target[pid] and reach[pid]:
+            blocked = "its share goes to pipelines slowed more (finish-time fairness)"
         out.waiting.append(Waiting(pid, INFER, f"generation: {blocked}"))
     return taken
 
@@ -341,6 +352,24 @@ def _reachable_bundles(
     return reach, tps, caps, weights, usable
 
 
+def _finish_time(
+    policy: Policy, st: _State, wanting: list[str], weights: dict[str, float]
+) -> list[str]:
+    """Finish-time fairness: scale each pipeline's weight by its slowdown against the
+    others' (fair_shares.finish_time_factors) and return those still owed a one-bundle
+    floor: a pipeline whose pace is not known yet, and one starving (its progress stood
+    still for ``policy.starvation_s``)."""
+    pipes = st.pipes
+    slowdown = {pid: pipes[pid].slowdown for pid in wanting}
+    for pid, factor in finish_time_factors(slowdown).items():
+        weights[pid] *= factor
+    return [
+        pid
+        for pid in wanting
+        if slowdown[pid] is None or pipes[pid].stalled_s >= policy.starvation_s
+    ]
+
+
 def _shard_targets(
     st: _State,
     wanting: list[str],
@@ -349,11 +378,16 @@ def _shard_targets(
     caps: dict[str, float],
     weights: dict[str, float],
     usable: int,
+    owed: list[str] | None = None,
 ) -> dict[str, int]:
-    """How many shards each pipeline with demand should have: guaranteed floors, then
-    water-filling by weight over the usable devices, rounded to whole bundles."""
+    """How many shards each pipeline with demand should have: guaranteed floors (for
+    ``owed``, else for all of them), then water-filling by weight over the usable
+    devices, rounded to whole bundles."""
     capacity = usable.bit_count()
-    floors = guaranteed_floors(capacity, wanting, weights, tps, caps, by_id)
+    if owed is None:
+        floors = guaranteed_floors(capacity, wanting, weights, tps, caps, by_id)
+    else:
+        floors = guaranteed_floors(capacity, owed, weights, tps, caps)
     ideal = water_fill(capacity, weights, caps, floors)
     # Free for the taking: unowned devices and shards of pipelines with nothing to generate.
     demand = st.demand
@@ -366,7 +400,8 @@ def _shard_targets(
             if not demand[pid] > 0:
                 busy_gen ^= st.frames[pid].spread(shard)
     idle = (usable & ~st.owned & ~busy_gen).bit_count()
-    return bundle_targets(wanting, by_id, ideal, tps, st.active, caps, capacity, idle)
+    owing = None if owed is None else set(owed)
+    return bundle_targets(wanting, by_id, ideal, tps, st.active, caps, capacity, idle, owing)
 
 
 def _shrink_toward_targets(

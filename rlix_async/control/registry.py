@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from rlix_async.control.fences import Fence, FenceTable
+from rlix_async.control.pace import PaceBook
 from rlix_async.protocol import RpcError
 from rlix_async.protocols.messages import DeviceOwner
 from rlix_async.protocols.snapshot import (
@@ -33,6 +34,7 @@ from rlix_async.protocols.snapshot import (
 )
 from rlix_async.protocols.topology import (
     INFER,
+    TRAIN,
     ClusterName,
     ClusterShape,
     ClusterSpec,
@@ -95,6 +97,7 @@ class Registry:
         self.policy = policy or Policy()
         self.pipelines: dict[str, PipelineState] = {}
         self.fences = FenceTable()
+        self.pace = PaceBook()  # what finish-time fairness reads (control/pace.py)
         # The last worker incarnation seen per rollout rank ("host:pid"); kept after it
         # is lost, so a rank whose worker vanished is told apart from one never run.
         self.workers: dict[tuple[str, int], str] = {}
@@ -179,16 +182,18 @@ class Registry:
             )
         return base
 
-    def admit(self, pid: str) -> None:
+    def admit(self, pid: str, now: float | None = None) -> None:
         p = self.get(pid)
         if not p.registered:
             raise RegistryError("not_registered", f"pipeline {pid}: register before admit")
         p.admitted = True
+        self.pace.started(pid, time.monotonic() if now is None else now)
 
     def remove(self, pid: str, *, fence: bool = False) -> PipelineState | None:
         """Forget a pipeline; with ``fence``, its awake ranks' devices stay fenced. A base
         group goes with its last member, and its awake ranks likewise."""
         p = self.pipelines.pop(pid, None)
+        self.pace.forget(pid)
         dropped = [p] if p is not None else []
         if p is not None and p.group is not None:
             base = self.pipelines[p.group]
@@ -298,16 +303,32 @@ class Registry:
         p.requests[cluster] = req
         return req
 
-    def release(self, pid: str, cluster: ClusterName) -> bool:
-        """Drop a held stage or a queued request; False when there was neither."""
+    def release(self, pid: str, cluster: ClusterName, now: float | None = None) -> bool:
+        """Drop a held stage or a queued request; False when there was neither. Training
+        released ends a step (what the pace book times)."""
         p = self.get(pid)
         dropped = p.held.pop(cluster, None) is not None
+        if dropped and cluster == TRAIN:
+            self.pace.step_ended(pid, time.monotonic() if now is None else now)
         return p.requests.pop(cluster, None) is not None or dropped
 
-    def report_progress(self, pid: str, stream: str, target: int, completed: int) -> None:
-        self.get(pid).progress[stream] = ProgressIn(
-            target=target, completed=completed, stream=stream
+    def report_progress(
+        self, pid: str, stream: str, target: int, completed: int, now: float | None = None
+    ) -> None:
+        p = self.get(pid)
+        p.progress[stream] = ProgressIn(target=target, completed=completed, stream=stream)
+        streams = p.progress.values()
+        self.pace.progressed(
+            pid,
+            sum(s.target for s in streams),
+            sum(s.completed for s in streams),
+            time.monotonic() if now is None else now,
         )
+
+    def report_pace(self, pid: str, exclusive_step_s: float) -> None:
+        """The pipeline's estimate of its step alone on every declared device."""
+        self.get(pid)
+        self.pace.reported(pid, exclusive_step_s)
 
     def clear_progress(self, pid: str, stream: str | None) -> None:
         p = self.get(pid)
@@ -321,6 +342,7 @@ class Registry:
     def snapshot(self, now: float | None = None) -> Snapshot:
         now = time.monotonic() if now is None else now
         pipes = []
+        fair = self.policy.fairness == "finish_time"
         for p in self.pipelines.values():
             if not p.clusters:  # not registered
                 continue
@@ -335,6 +357,9 @@ class Registry:
                 progress = None
             elif p.members:
                 progress, weight = self._group_demand(p)
+            slowdown, stalled = None, 0.0
+            if fair and (p.members or INFER in clusters):
+                slowdown, stalled = self._pace_of(p, now)
             pipes.append(
                 PipelineIn(
                     id=p.id,
@@ -357,6 +382,8 @@ class Registry:
                     if requests and p.admitted
                     else [],
                     base_group=p.group,
+                    slowdown=slowdown,
+                    stalled_s=stalled,
                 )
             )
         # Fenced devices nobody owns. One already held (a grant waiting for the fence
@@ -365,6 +392,19 @@ class Registry:
         if self.fences:
             fenced = sorted(self.unowned(self.fences.devices()))
         return Snapshot(cluster=self.shape, pipelines=pipes, policy=self.policy, fenced=fenced)
+
+    def _pace_of(self, p: PipelineState, now: float) -> tuple[float | None, float]:
+        """(slowdown, stalled_s) of a pipeline with rollouts, or of a base group: its
+        worst-off member's slowdown, and the least any member's progress stood still
+        (one member moving means the group's shards serve)."""
+        if not p.members:
+            wants = bool(p.remaining())
+            return self.pace.slowdown(p.id, now), self.pace.stalled_s(p.id, now, wants)
+        known = [s for m in p.members if (s := self.pace.slowdown(m, now)) is not None]
+        stalled = [
+            self.pace.stalled_s(m, now, bool(self.pipelines[m].remaining())) for m in p.members
+        ]
+        return max(known, default=None), min(stalled, default=0.0)
 
     def _group_demand(self, base: PipelineState) -> tuple[list[ProgressIn] | None, float]:
         """A base group's rollout demand and weight. The demand is every member's

@@ -32,6 +32,8 @@ def render(st: m.StatusReply) -> Table:
             state = f"base group of {', '.join(p.members)}"
         elif p.group is not None:
             state += f", served by {p.group}"
+        if p.slowdown is not None:  # what finish-time fairness serves it by
+            state += f", {p.slowdown:.2f}x its pace alone"
         table.add_row(
             p.id,
             state,

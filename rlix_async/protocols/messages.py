@@ -96,6 +96,14 @@ class ReportProgress(Message):
     stream: str = "default"
 
 
+class ReportPace(Message):
+    """The pipeline's estimate of one step alone on every device it declares
+    (control/pace.py): what finish-time fairness divides its slowdown by."""
+
+    pipeline_id: PipelineId
+    exclusive_step_s: Annotated[float, msgspec.Meta(gt=0, le=1e7)]
+
+
 class ClearProgress(Message):
     pipeline_id: PipelineId
     stream: str | None = None
@@ -166,6 +174,9 @@ class PipelineStatus(msgspec.Struct):
     shard_memory: dict[int, int] = {}  # rank -> bytes in use after its last command
     group: str | None = None  # a LoRA pipeline's base group (its shards serve it)
     members: list[str] = []  # a base group's member pipelines
+    # its recent step time over its reported step alone (control/pace.py); None: no
+    # estimate yet
+    slowdown: float | None = None
 
 
 class FenceStatus(msgspec.Struct):

@@ -8,7 +8,7 @@ validates it fully).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -27,6 +27,8 @@ from rlix_async.protocols.topology import (
 
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Fairness = Literal["finish_time", "demand"]  # Policy.fairness
+DEFAULT_FAIRNESS: Fairness = "finish_time"
 
 
 class RequestIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -59,6 +61,11 @@ class PipelineIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # in this snapshot, whose shards serve its rollouts. It then declares no
     # actor_infer itself, and its rollout demand is counted in the group's progress.
     base_group: PipelineId | None = None
+    # Finish-time fairness (Policy.fairness): its recent step time over its estimated
+    # step time alone on every device it declares (None: not known yet), and how long
+    # its rollout progress has stood still while it had trajectories to generate.
+    slowdown: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    stalled_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
     def remaining(self) -> int | None:
         """Trajectories still to generate this step; None when never reported."""
@@ -75,6 +82,28 @@ class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             gt=0, description="A gang request waiting this long is served before every fresh one."
         ),
     ] = 120.0
+    fairness: Annotated[
+        Fairness,
+        msgspec.Meta(
+            description=(
+                "How rollout devices are divided among pipelines of one priority. "
+                "finish_time: the pipeline slowed most against its own pace alone gets "
+                "the most (Themis), no pipeline keeps a bundle it is not owed, and a "
+                "starving one gets one back. demand: by weight x remaining trajectories, "
+                "a bundle for every pipeline with demand."
+            )
+        ),
+    ] = DEFAULT_FAIRNESS
+    starvation_s: Annotated[
+        float,
+        msgspec.Meta(
+            gt=0,
+            description=(
+                "Under finish_time, a pipeline whose rollout progress stood still this "
+                "long while it had trajectories to generate is owed one bundle again."
+            ),
+        ),
+    ] = 300.0
 
 
 class Snapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -130,10 +130,7 @@ class Conversation:
         finally:
             llm.generating = False
             llm.idle_since = time.monotonic()
-        episode.add(turn.token_ids, model=True, logprobs=turn.logprobs, versions=turn.versions)
-        episode.resumes += turn.resumes
-        episode.ranks += turn.ranks
-        episode.turns += 1
+        episode.add_turn(turn)
         self._last = turn.token_ids
         return runner.decode(turn.token_ids)
 

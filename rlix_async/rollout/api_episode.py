@@ -392,10 +392,7 @@ class ApiEpisode:
             self._undo(mark, episode)
             raise _ended()
         self.cut = self.refusal = ""  # a turn after a refusal: no limit ended the episode
-        episode.add(turn.token_ids, model=True, logprobs=turn.logprobs, versions=turn.versions)
-        episode.resumes += turn.resumes
-        episode.ranks += turn.ranks
-        episode.turns += 1
+        episode.add_turn(turn)
         self.turns += 1
         self.last_ids = list(turn.token_ids)
         return turn, budget, len(prompt)

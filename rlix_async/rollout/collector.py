@@ -18,7 +18,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rlix_async.config import PipelineConfig
+from rlix_async.control.pace import TrajectoryTimes, exclusive_step_s
 from rlix_async.hooks import ClusterHooks
+from rlix_async.protocols.topology import INFER, TRAIN
 from rlix_async.rollout.episodes import EnvFailure, Episode, EpisodeRunner, figures_of, pack
 from rlix_async.rollout.ledger import Ledger
 from rlix_async.rollout.prompts import (
@@ -75,6 +77,7 @@ class Collector:
         self.failing_groups = 0  # episode groups in a row that came back without one episode
         self.fatal: EpisodesFailing | None = None  # what stops the run
         self.episodes = episodes  # an env pipeline's runner (None: one generate per sample)
+        self.times = TrajectoryTimes()  # on shards, for the pace estimate (control/pace.py)
         self.training = False  # a batch is taken and its step not yet published
         self._groups: list[list[asyncio.Future[Trajectory]]] = []  # requests in flight
         self._room = asyncio.Event()
@@ -96,6 +99,32 @@ class Collector:
         """Progress toward the next batch: fresh trajectories only (stale ones get dropped)."""
         done = min(self.buffer.fresh(self.step()), self.target)
         await self.hooks.report_progress(self.target, done)
+
+    async def report_pace(self, train_s: float) -> None:
+        """After a step: our step alone on every declared device, estimated from the
+        trajectories' times on shards and this step's training (control/pace.py), to
+        the coordinator (finish-time fairness reads our slowdown against it). Nothing
+        before a trajectory finished, or when the topology has no rollout cluster."""
+        clusters = self.hooks.client.clusters
+        infer, train = clusters.get(INFER), clusters.get(TRAIN)
+        if infer is None or not self.times.count:
+            return
+        mean, longest = self.times.step_done(0.0)
+        rollout = self.cfg.rollout
+        capacity = rollout.max_groups_in_flight * rollout.group_size
+        held = set(train.devices) if train is not None else set()
+        free = sum(1 for r in range(infer.dp) if not held & set(infer.bundle(r)))
+        await self.hooks.report_pace(
+            exclusive_step_s(
+                train_s=train_s,
+                trajectory_mean_s=mean,
+                trajectory_longest_s=longest,
+                target=self.target,
+                capacity=capacity,
+                capacity_training=capacity * free // infer.dp,
+                staleness=self.buffer.bound.max_steps,
+            )
+        )
 
     def stop_doomed(self) -> None:
         """After a step: groups the new step made too old are stopped."""
@@ -252,6 +281,8 @@ class Collector:
         self.failed += failed
         self.generated += len(trajs)
         self.resumed += sum(1 for t in trajs if t.resumes)
+        for t in trajs:
+            self.times.add(t.served_s)
         return trajs, cancelled, failed
 
     async def _score(self, sample: Sample, trajs: list[Trajectory]) -> tuple[list[int], Scored]:

@@ -145,6 +145,14 @@ class Episode(Trajectory):
         last = next((v for v in reversed(self.versions) if v is not None), None)
         self.versions += versions if versions is not None else [last] * len(ids)
 
+    def add_turn(self, turn: Trajectory) -> None:
+        """The model's answer to this turn: its tokens, and what serving it took."""
+        self.add(turn.token_ids, model=True, logprobs=turn.logprobs, versions=turn.versions)
+        self.resumes += turn.resumes
+        self.served_s += turn.served_s
+        self.ranks += turn.ranks
+        self.turns += 1
+
     def figures(self) -> dict[str, float]:
         model = sum(self.mask)
         return {
@@ -245,12 +253,7 @@ class EpisodeRunner:
                     with_budget(sampling, budget),
                     min_version=min_version,
                 )
-                episode.add(
-                    turn.token_ids, model=True, logprobs=turn.logprobs, versions=turn.versions
-                )
-                episode.resumes += turn.resumes
-                episode.ranks += turn.ranks
-                episode.turns += 1
+                episode.add_turn(turn)
                 action = self.decode(turn.token_ids)
                 result = self._check(await self._call("step", clock, busy, env.step, action))
                 rewards.append(float(result.reward))

@@ -81,6 +81,10 @@ class Trajectory:
     versions: list[int | None] = field(default_factory=list)  # weight version per token
     resumes: int = 0  # times it was cut and continued elsewhere
     ranks: list[int] = field(default_factory=list)  # shards that produced its tokens
+    # seconds shards spent on it: each answered attempt from send to reply, summed (a
+    # cut one's wait for another shard left out): what finish-time fairness estimates
+    # a pipeline's pace alone from (control/pace.py)
+    served_s: float = 0.0
 
 
 class Router:
@@ -213,7 +217,8 @@ class Router:
             answered = await self._attempt(traj, req)
             if answered is None:
                 continue
-            rank, reply = answered
+            rank, reply, served_s = answered
+            traj.served_s += served_s
             if traj.resumes:  # served from prompt + partial: all of it prefilled again
                 self.resumed += 1
                 self.reprefill_tokens += len(traj.prompt_ids) + len(traj.token_ids)
@@ -230,9 +235,11 @@ class Router:
             traj.resumes += 1
         return traj
 
-    async def _attempt(self, traj: Trajectory, req: _Request) -> tuple[int, GenerateResult] | None:
-        """One attempt on the least-loaded awake shard: its rank and answer, or None to
-        try again (refused before decoding, or the shard failed: ``traj`` then counts a
+    async def _attempt(
+        self, traj: Trajectory, req: _Request
+    ) -> tuple[int, GenerateResult, float] | None:
+        """One attempt on the least-loaded awake shard: its rank, answer and seconds
+        from send to reply, or None to try again (refused before decoding, or the shard failed: ``traj`` then counts a
         resume). Raises when the request cannot be served."""
         rank, endpoint = await self._pick(req)
         self.load[rank] = self.load.get(rank, 0) + 1
@@ -241,6 +248,7 @@ class Router:
             req.sampling, max_tokens=req.sampling.max_tokens - len(traj.token_ids)
         )
         client: RpcClient | None = None
+        sent = time.monotonic()
         try:
             client = await self._client(rank, endpoint)
             reply = await client.call(
@@ -270,7 +278,7 @@ class Router:
         finally:
             self.load[rank] -= 1
         assert isinstance(reply, GenerateResult)
-        return rank, reply
+        return rank, reply, time.monotonic() - sent
 
     async def _refused(self, rank: int, req: _Request, exc: RpcError) -> None:
         """A shard refused (or failed) the request before it decoded anything for us."""

@@ -34,6 +34,7 @@ from typing import Any
 
 from rlix_async.config import Scenario, ScenarioPipeline
 from rlix_async.config.scenario import EngineCurve
+from rlix_async.protocols.snapshot import DEFAULT_FAIRNESS, Fairness
 from rlix_async.sim import engine_time as et
 from rlix_async.sim.engine import Simulation, _Pipe, sample_duration
 from rlix_async.sim.groups import Server
@@ -67,8 +68,9 @@ class BatchedSimulation(Simulation):
         *,
         seed: int = 0,
         curve: EngineCurve | None = None,
+        fairness: Fairness = DEFAULT_FAIRNESS,
     ) -> None:
-        super().__init__(scenario, pipelines, seed=seed)
+        super().__init__(scenario, pipelines, seed=seed, fairness=fairness)
         self.curve = curve or scenario.engine or et.h100_7b()
         self._shards: dict[tuple[str, int], _Shard] = {}
         self._ticks = itertools.count()
@@ -150,15 +152,16 @@ class BatchedSimulation(Simulation):
                 taken = s.take_turn(lambda pid: self._tokens(self.pipes[pid]))
                 if taken is None:
                     break  # no member has a trajectory to start
-                pid, work = taken
+                pid, (tokens, context, began) = taken
                 sh = self._shards.get((s.id, rank))
                 if sh is None:
                     sh = self._shards[(s.id, rank)] = _Shard(self.now, self.now)
                 self._advance(sh)
                 tid = next(self._tids)
                 self.pipes[pid].inflight[tid] = (rank, math.inf, 0)
+                self.pipes[pid].began[tid] = began
                 s.slots[rank] = s.slots.get(rank, 0) + 1
-                tr = _Traj(pid, *work)
+                tr = _Traj(pid, tokens, context)
                 start = s.loaded_at(pid, rank, self.now)
                 if start > self.now:
                     sh.joining[tid] = (start, tr)
@@ -168,16 +171,18 @@ class BatchedSimulation(Simulation):
             if changed:
                 self._schedule(s.id, rank)
 
-    def _tokens(self, p: _Pipe) -> tuple[float, float] | None:
-        """The pipeline's next trajectory as (tokens left, context), or None when it may
-        start none (the fixed model's ``_work``, in tokens)."""
+    def _tokens(self, p: _Pipe) -> tuple[float, float, float] | None:
+        """The pipeline's next trajectory as (tokens left, context, ``began``), or None
+        when it may start none (the fixed model's ``_work``, in tokens)."""
         if p.done or not p.started:
             return None
         if p.pending:
-            return p.pending.popleft(), self._pending_ctx[p.decl.id].popleft()
+            left, served = p.pending.popleft()
+            return left, self._pending_ctx[p.decl.id].popleft(), self.now - served
         if p.produced + len(p.inflight) + len(p.pending) < p.limit():
             seconds = sample_duration(p.decl.rollout, p.rng)
-            return et.tokens_alone(self.curve, seconds), float(self.curve.prompt_tokens)
+            tokens = et.tokens_alone(self.curve, seconds)
+            return tokens, float(self.curve.prompt_tokens), self.now
         return None
 
     def _cut(self, p: _Pipe, rank: int, tp: int) -> None:
@@ -192,8 +197,9 @@ class BatchedSimulation(Simulation):
             if r != rank:
                 continue
             del p.inflight[tid]
+            served = self.now - p.began.pop(tid, self.now)
             tr = sh.running.pop(tid, None) or sh.joining.pop(tid)[1]
-            p.pending.appendleft(tr.left)
+            p.pending.appendleft((tr.left, served))
             self._pending_ctx[p.decl.id].appendleft(tr.context)
             self._queued.add(p.decl.id)
             cost = et.prefill_s(self.curve, tr.context) * tp

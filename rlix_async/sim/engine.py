@@ -42,9 +42,10 @@ from typing import Any
 from rlix_async.config import RolloutTimes, Scenario, ScenarioPipeline
 from rlix_async.control import journal as ev
 from rlix_async.control import plan_checks, planner
+from rlix_async.control.pace import TrajectoryTimes, exclusive_step_s
 from rlix_async.control.registry import Registry
 from rlix_async.protocols.cadence import PlanCadence, progress_bucket, progress_is_urgent
-from rlix_async.protocols.snapshot import RankChange
+from rlix_async.protocols.snapshot import DEFAULT_FAIRNESS, Fairness, Policy, RankChange
 from rlix_async.protocols.topology import INFER, TRAIN, Priority
 from rlix_async.sim.groups import Server, servers_of
 
@@ -72,12 +73,19 @@ class _Pipe:
     inflight: dict[int, tuple[int, float, int]] = field(
         default_factory=dict
     )  # tid -> (rank of its server, end, token)
-    pending: deque[float] = field(default_factory=deque)  # remaining work of cut trajectories
+    # cut trajectories: (remaining work, seconds served before the cut)
+    pending: deque[tuple[float, float]] = field(default_factory=deque)
     # Its own trajectory stream, the same under every policy (common random numbers:
     # policies are compared on the same trajectories, not on different luck).
     rng: random.Random = field(default_factory=random.Random)
     step_ends: list[float] = field(default_factory=list)
     bucket: int = -1
+    # tid -> when it started, less what it was served before a cut: now - began is
+    # its time on shards so far, as the router sums it over a resumed request's tries
+    began: dict[int, float] = field(default_factory=dict)
+    # its trajectories' times on shards (a resumed one's tries summed, its wait
+    # between them left out), as its driver measures them
+    took: TrajectoryTimes = field(default_factory=TrajectoryTimes)
 
     @property
     def target(self) -> int:
@@ -97,9 +105,10 @@ class Simulation:
         pipelines: list[ScenarioPipeline] | None = None,
         *,
         seed: int = 0,
+        fairness: Fairness = DEFAULT_FAIRNESS,
     ) -> None:
         self.sc = scenario
-        self.registry = Registry(scenario.shape)
+        self.registry = Registry(scenario.shape, Policy(fairness=fairness))
         self.cadence = PlanCadence(scenario.plan_interval_s, scenario.progress_interval_s)
         self._plan_at: float | None = None  # the plan event that stands
         self._touched: set[str] = set()  # pipelines whose shards the last plan changed
@@ -234,7 +243,7 @@ class Simulation:
     def _start(self, pid: str) -> None:
         p = self.pipes[pid]
         self.registry.register(pid, p.decl.topology(), p.decl.weight, group=p.decl.base)
-        self.registry.admit(pid)
+        self.registry.admit(pid, self.now)
         p.started = True
         self._progress(p, force=True)
         self._fill(self.server_of[pid])  # a base group may be serving already
@@ -254,7 +263,7 @@ class Simulation:
         p.bucket = bucket
         last = self.registry.pipelines[p.decl.id].progress.get("default")
         before = None if last is None else (last.target, last.completed)
-        self.registry.report_progress(p.decl.id, "default", p.target, completed)
+        self.registry.report_progress(p.decl.id, "default", p.target, completed, self.now)
         # the coordinator's rule for what a report asks (protocols/cadence.py)
         self._dirty(urgent=progress_is_urgent(before, p.target, completed))
 
@@ -267,21 +276,24 @@ class Simulation:
                 taken = s.take_turn(lambda pid: self._work(self.pipes[pid]))
                 if taken is None:
                     return  # no member has a trajectory to start
-                pid, work = taken
+                pid, (work, began) = taken
                 start = s.loaded_at(pid, rank, self.now)
                 tid = next(self._tids)
                 self.pipes[pid].inflight[tid] = (rank, start + work, 0)
+                self.pipes[pid].began[tid] = began
                 s.slots[rank] = s.slots.get(rank, 0) + 1
                 self._push(start + work, "done", pid, tid, 0)
 
-    def _work(self, p: _Pipe) -> float | None:
-        """The pipeline's next trajectory's work, or None when it may start none."""
+    def _work(self, p: _Pipe) -> tuple[float, float] | None:
+        """The pipeline's next trajectory's work and its ``began`` (now, less what a cut
+        one was served already), or None when it may start none."""
         if p.done or not p.started:
             return None
         if p.pending:
-            return p.pending.popleft()
+            work, served = p.pending.popleft()
+            return work, self.now - served
         if p.produced + len(p.inflight) + len(p.pending) < p.limit():
-            return sample_duration(p.decl.rollout, p.rng)
+            return sample_duration(p.decl.rollout, p.rng), self.now
         return None
 
     def _done(self, pid: str, tid: int, token: int) -> None:
@@ -293,6 +305,7 @@ class Simulation:
         s = self.server_of[pid]
         s.slots[entry[0]] -= 1
         p.produced += 1
+        p.took.add(self.now - p.began.pop(tid, self.now))
         self._maybe_train(p)
         self._progress(p)
         self._fill(s)
@@ -312,7 +325,8 @@ class Simulation:
 
     def _trained(self, pid: str) -> None:
         p = self.pipes[pid]
-        self.registry.release(pid, TRAIN)
+        self.registry.release(pid, TRAIN, self.now)
+        self.registry.report_pace(pid, self._exclusive_step_s(p))
         self._record(ev.Released(pipeline=pid, cluster=TRAIN))
         p.training = False
         p.step += 1
@@ -325,6 +339,25 @@ class Simulation:
             self._progress(p, force=True)
             self._fill(self.server_of[pid])
         self._dirty()
+
+    def _exclusive_step_s(self, p: _Pipe) -> float:
+        """What the pipeline's driver reports after a step: its step alone, from its
+        measured trajectory times (control/pace.py)."""
+        decl, sw = p.decl, self.sc.switch
+        infer = decl.clusters[INFER]
+        train = set(decl.clusters[TRAIN].devices)
+        free = sum(1 for r in range(infer.dp) if not train & set(infer.bundle(r)))
+        mean, longest = p.took.step_done(decl.rollout.median_s)
+        return exclusive_step_s(
+            train_s=decl.train_s,
+            trajectory_mean_s=mean,
+            trajectory_longest_s=longest,
+            target=decl.step_target,
+            capacity=infer.dp * decl.slots_per_shard,
+            capacity_training=free * decl.slots_per_shard,
+            staleness=decl.max_trajectory_age_steps,
+            switch_s=sw.sleep_s + sw.wake_s + (sw.adapter_sync_s if decl.base else sw.sync_s),
+        )
 
     def _sync_awake(self, p: _Pipe) -> None:
         """Full weights: awake shards pause for them, their trajectories end later.
@@ -356,6 +389,7 @@ class Simulation:
         for rank, _, _ in p.inflight.values():
             s.slots[rank] -= 1  # (the others' trajectories take the slots)
         p.inflight.clear()
+        p.began.clear()
         p.pending.clear()
         owner = self.registry.pipelines.get(s.id)
         active = sorted(owner.active) if owner is not None else []
@@ -460,7 +494,8 @@ class Simulation:
         for tid, (r, end, _) in list(p.inflight.items()):
             if r == rank:
                 del p.inflight[tid]
-                p.pending.appendleft(max(end - self.now, 0.0) + p.decl.reprefill_s)
+                served = self.now - p.began.pop(tid, self.now)
+                p.pending.appendleft((max(end - self.now, 0.0) + p.decl.reprefill_s, served))
                 self._queued.add(p.decl.id)
                 self.switch_device_s += p.decl.reprefill_s * tp
                 self.reprefill_device_s += p.decl.reprefill_s * tp

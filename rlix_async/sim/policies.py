@@ -1,7 +1,11 @@
 """What a lab compares time-sharing with, on the same trajectories.
 
-- ``timeshare``: every pipeline on the devices it declares, shared through the
-  coordinator's planner (one :class:`Simulation` of the whole scenario).
+- ``fair``: every pipeline on the devices it declares, shared through the
+  coordinator's planner (one :class:`Simulation` of the whole scenario) under
+  finish-time fairness (``Policy.fairness: finish_time``, the coordinator's default):
+  the pipeline slowed most against its pace alone is served first.
+- ``timeshare``: the same under ``fairness: demand``: rollout devices by weight x
+  remaining trajectories, a bundle for every pipeline with demand.
 - ``static``: the cluster split once into fixed slices, in proportion to
   ``weight``, each pipeline alone on its slice: rollout shards on the slice,
   training on as much of it as ``actor_train`` declares, its stages slowed by
@@ -19,8 +23,9 @@ group of one (it syncs only its adapter).
 Each pipeline draws its trajectories from its own seeded stream, so every policy
 sees the same trajectories (common random numbers).
 
-Gains are steps per hour per device, timeshare over the baseline. The fair-share
-index is the worst pipeline's step slowdown (timeshare over exclusive) times the
+Gains are steps per hour per device, the default time-sharing (``fair``) over the
+baseline. The fair-share index is the worst pipeline's step slowdown (time-sharing
+over exclusive) times the
 gain over exclusive, over the number of pipelines: when the pipelines all declare
 the same devices (the scenarios here), 1.0 when every pipeline is slowed alike,
 above when one gets less than its share of the gain. The sharing index is the same
@@ -38,6 +43,7 @@ from typing import Any
 import msgspec
 
 from rlix_async.config import ConfigError, Scenario, ScenarioPipeline
+from rlix_async.protocols.snapshot import DEFAULT_FAIRNESS, Fairness
 from rlix_async.protocols.topology import ClusterSpec, validate_topology
 from rlix_async.sim.engine import Simulation
 
@@ -56,24 +62,31 @@ def make_simulation(
     *,
     seed: int = 0,
     engine: str = "fixed",
+    fairness: Fairness = DEFAULT_FAIRNESS,
 ) -> Simulation:
-    """A simulation of ``scenario`` (or of ``pipes`` in it) under that engine model."""
+    """A simulation of ``scenario`` (or of ``pipes`` in it) under that engine model,
+    the planner dividing rollouts by ``fairness`` (``Policy.fairness``)."""
     if engine == "batched":
         from rlix_async.sim.batched import BatchedSimulation
 
-        return BatchedSimulation(scenario, pipes, seed=seed)
+        return BatchedSimulation(scenario, pipes, seed=seed, fairness=fairness)
     if engine != "fixed":
         raise ValueError(f"unknown engine model {engine!r}: {' or '.join(ENGINES)}")
-    return Simulation(scenario, pipes, seed=seed)
+    return Simulation(scenario, pipes, seed=seed, fairness=fairness)
 
 
-POLICIES = ("exclusive", "static", "timeshare")
+# Time-sharing through the planner, by its rollout fairness (Policy.fairness).
+SHARING: dict[str, Fairness] = {"fair": "finish_time", "timeshare": "demand"}
+# The one the coordinator runs by default: compare() reads it against the baselines.
+DEFAULT_SHARING = next(k for k, v in SHARING.items() if v == DEFAULT_FAIRNESS)
+POLICIES = ("exclusive", "static", "timeshare", "fair")
 FULL_WEIGHT = "full_weight"
-BASELINES = ("exclusive", "static", FULL_WEIGHT)  # what compare() divides timeshare by
+BASELINES = ("exclusive", "static", FULL_WEIGHT)  # what compare() divides sharing by
 
 
 def policies_for(scenario: Scenario) -> tuple[str, ...]:
-    """What ``all`` runs: the three, and full-weight time-sharing where a base is named."""
+    """What ``all`` runs: every policy, and full-weight time-sharing where a base is
+    named."""
     if any(p.base is not None for p in scenario.pipelines):
         return (*POLICIES, FULL_WEIGHT)
     return POLICIES
@@ -166,7 +179,7 @@ def _alone(
 
 def simulate(
     scenario: Scenario,
-    policy: str = "timeshare",
+    policy: str = DEFAULT_SHARING,
     *,
     seed: int = 0,
     journal: str | Path | None = None,
@@ -174,9 +187,10 @@ def simulate(
 ) -> dict[str, Any]:
     """One policy's results (see the module docstring for the policies) under the
     ``engine`` model (``ENGINES``)."""
-    if policy in ("timeshare", FULL_WEIGHT):
-        sc = scenario if policy == "timeshare" else full_weight(scenario)
-        sim = make_simulation(sc, seed=seed, engine=engine)
+    if policy in SHARING or policy == FULL_WEIGHT:
+        sc = scenario if policy in SHARING else full_weight(scenario)
+        fairness = SHARING.get(policy, DEFAULT_FAIRNESS)
+        sim = make_simulation(sc, seed=seed, engine=engine, fairness=fairness)
         out = sim.run()
         if journal is not None:
             sim.write_journal(journal)
@@ -190,14 +204,26 @@ def simulate(
         return _alone(scenario, split, seed, scenario.cluster.num_devices, engine)
     if policy == "exclusive":
         return _alone(scenario, scenario.pipelines, seed, engine=engine)
-    raise ValueError(f"unknown policy {policy!r}: {', '.join(BASELINES)}, timeshare or all")
+    raise ValueError(f"unknown policy {policy!r}: {', '.join(POLICIES)}, {FULL_WEIGHT} or all")
+
+
+def sharing_run(runs: dict[str, dict[str, Any]]) -> str | None:
+    """Which time-sharing run ``compare`` reads: the default one, else the other."""
+    for name in (DEFAULT_SHARING, *SHARING):
+        if name in runs:
+            return name
+    return None
 
 
 def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Gains of timeshare over each baseline present, step slowdowns and the fair-share
-    index (timeshare against exclusive)."""
-    ts = runs["timeshare"]
-    out: dict[str, Any] = {}
+    """Of the default time-sharing run (``sharing_run``): its gains over each baseline
+    present, step slowdowns, the fair-share and sharing indexes (against exclusive)
+    and its duty cycle."""
+    name = sharing_run(runs)
+    if name is None:
+        return {}
+    ts = runs[name]
+    out: dict[str, Any] = {"policy": name, "duty_cycle": round(ts["gpu_utilization"], 3)}
     for base in BASELINES:
         if base in runs and runs[base]["steps_per_hour_per_gpu"]:
             rate = ts["steps_per_hour_per_gpu"] / runs[base]["steps_per_hour_per_gpu"]
@@ -212,20 +238,22 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         if slowdown and "gain_vs_exclusive" in out:
             worst = max(slowdown.values())
             out["fair_share_index"] = round(worst * out["gain_vs_exclusive"] / len(slowdown), 3)
-        sharing = sharing_slowdowns(ts["timeline_s"], runs["exclusive"]["mean_step_s"])
+        sharing = sharing_slowdowns(ts["timeline_s"], runs["exclusive"]["timeline_s"])
         if sharing:
             out["sharing_slowdown"] = sharing
+            out["worst_sharing_slowdown"] = max(sharing.values())
             inverse = sum(1 / s for s in sharing.values()) / len(sharing)
             out["sharing_index"] = round(max(sharing.values()) * inverse, 3)
     return out
 
 
 def sharing_slowdowns(
-    timeline: dict[str, list[float]], exclusive_step: dict[str, float | None]
+    timeline: dict[str, list[float]], exclusive: dict[str, list[float]]
 ) -> dict[str, float]:
-    """Each pipeline's mean step while every pipeline was running (from the last start
-    to the first finish), over its exclusive step; {} when fewer than two pipelines
-    ended two steps in that window.
+    """Each pipeline's steps while every pipeline was running (from the last start to
+    the first finish) over the same steps run exclusively (``exclusive``: its
+    exclusive run's timeline); {} when fewer than two pipelines ended two steps in
+    that window.
 
     Why apart from the whole-run slowdown: pipelines whose runs differ in length do
     not share to the end. Once the short ones finish, the longest runs alone at its
@@ -234,6 +262,12 @@ def sharing_slowdowns(
     pipeline stepped at 1.8x its exclusive time and another at 7x (docs/PERF.md).
     The sharing index (worst sharing slowdown x the mean of their inverses; 1.0:
     slowed alike) reads the shared part only.
+
+    Why the same steps: every policy runs the same trajectories (common random
+    numbers), and an on-policy step lasts about its longest trajectory, so steps
+    differ alone by 2x and more. A window of two or three steps over the whole run's
+    mean read 0.71x for a pipeline whose shared steps drew short tails; over the
+    same steps alone it reads what sharing cost them.
     """
     if len(timeline) < 2:
         return {}
@@ -241,15 +275,19 @@ def sharing_slowdowns(
     last = min(t[-1] for t in timeline.values())
     out = {}
     for pid, t in timeline.items():
-        ends = [e for e in t[1:] if first <= e <= last]
-        step = exclusive_step.get(pid)
-        if len(ends) >= 2 and step:
-            out[pid] = round((ends[-1] - ends[0]) / (len(ends) - 1) / step, 3)
+        index = [k for k in range(1, len(t)) if first <= t[k] <= last]
+        alone = exclusive.get(pid, [])
+        if len(index) < 2 or index[-1] >= len(alone):
+            continue
+        i, j = index[0], index[-1]  # steps i+1..j ended inside the window
+        if alone[j] > alone[i]:
+            out[pid] = round((t[j] - t[i]) / (alone[j] - alone[i]), 3)
     return out if len(out) >= 2 else {}
 
 
 def seed_sweep(scenario: Scenario, seeds: range, engine: str = "fixed") -> dict[str, Any]:
-    """All policies on each seed: gains, step slowdowns, fair-share index."""
+    """All policies on each seed: the default time-sharing's gains, step slowdowns,
+    indexes and duty cycle, and their spread over the seeds."""
     runs = []
     for s in seeds:
         each = {
@@ -269,8 +307,10 @@ def seed_sweep(scenario: Scenario, seeds: range, engine: str = "fixed") -> dict[
         "fair_share_index": spread("fair_share_index"),
         "slowdown": {"mean": round(sum(slow) / len(slow), 3), "max": max(slow)},
     }
+    out["duty_cycle"] = spread("duty_cycle")
     if any("sharing_index" in r for r in runs):
         out["sharing_index"] = spread("sharing_index")
+        out["worst_sharing_slowdown"] = spread("worst_sharing_slowdown")
     if FULL_WEIGHT in policies_for(scenario):
         out["gain_vs_full_weight"] = spread("gain_vs_full_weight")
     return out

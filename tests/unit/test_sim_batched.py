@@ -12,7 +12,13 @@ from rlix_async.cli import main
 from rlix_async.config import Scenario, load_config
 from rlix_async.config.scenario import EngineCurve
 from rlix_async.sim import engine_time as et
-from rlix_async.sim.policies import default_engine, policies_for, simulate
+from rlix_async.sim.policies import (
+    default_engine,
+    full_weight,
+    make_simulation,
+    policies_for,
+    simulate,
+)
 
 SCENARIOS = Path(__file__).parents[2] / "scenarios"
 CURVE = EngineCurve(
@@ -160,7 +166,12 @@ def test_fixed_reproduces_todays_figures_exactly(name: str, tmp_path: Path) -> N
     sc = load_config(SCENARIOS / f"{name}.yaml", Scenario)
     assert default_engine(sc) == "fixed"
     for pol, want in TODAY[name].items():
-        r = simulate(sc, pol, seed=0)
+        # time-sharing then divided rollouts by demand (Policy.fairness: demand)
+        r = (
+            make_simulation(full_weight(sc), fairness="demand").run()
+            if pol == "full_weight"
+            else simulate(sc, pol, seed=0)
+        )
         got = (r["makespan_s"], r["steps_per_hour_per_gpu"], r["wasted_gpu_s"], r["preemptions"])
         assert got == want, pol
     # an engine: section changes nothing under --engine fixed

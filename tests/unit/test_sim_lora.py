@@ -18,7 +18,7 @@ from rlix_async.control import planner
 from rlix_async.control.plan_checks import check_plan
 from rlix_async.sim import generate
 from rlix_async.sim.engine import Simulation
-from rlix_async.sim.policies import full_weight, policies_for, simulate
+from rlix_async.sim.policies import DEFAULT_SHARING, full_weight, policies_for, simulate
 
 # Two LoRA pipelines of one base on two one-GPU shards (devices 0-1), each training
 # on a device of its own (2, 3): no training preempts a shard here.
@@ -83,9 +83,9 @@ class Recorder(Simulation):
         self.busy_s = 0.0  # device-seconds busy, counted here shard by shard
         self._at = 0.0
 
-    def _work(self, p: Any) -> float | None:
+    def _work(self, p: Any) -> tuple[float, float] | None:
         work = super()._work(p)
-        self._work_s = work or 0.0
+        self._work_s = work[0] if work else 0.0
         return work
 
     def _push(self, t: float, kind: str, *data: Any) -> None:
@@ -227,12 +227,12 @@ def test_without_bases_it_is_the_full_weight_simulation(tmp_path: Path) -> None:
         tmp_path,
         PAIR.format(base="lm", steps=4, train_a=2, train_b=3).replace("    base: lm\n", ""),
     )
-    assert policies_for(written) == ("exclusive", "static", "timeshare")
+    assert policies_for(written) == ("exclusive", "static", "timeshare", "fair")
     assert policies_for(sc)[-1] == "full_weight"
     for seed in (0, 1):
-        plain = simulate(written, "timeshare", seed=seed)
+        plain = simulate(written, DEFAULT_SHARING, seed=seed)  # full_weight's fairness
         assert simulate(sc, "full_weight", seed=seed) == plain
-        assert simulate(sc, "timeshare", seed=seed) != plain
+        assert simulate(sc, DEFAULT_SHARING, seed=seed) != plain
 
 
 @settings(
@@ -265,7 +265,7 @@ def test_the_cli_draws_a_base_and_prints_the_full_weight_gain(
     )
     assert main(["simulate", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "\nfull_weight " in text and "timeshare / full_weight: " in text
+    assert "\nfull_weight " in text and "fair / full_weight: " in text
     assert main(["simulate", str(out), "--seeds", "2"]) == 0
     text = capsys.readouterr().out
     assert text.count("/ full-weight ") == 2 and "vs full-weight min " in text

@@ -114,28 +114,39 @@ def test_the_same_seed_gives_the_same_figures() -> None:
 
 
 def test_the_sharing_index_reads_only_the_steps_taken_while_all_pipelines_ran() -> None:
-    """Two pipelines, both 100 s steps alone. While both run (100-700 s), a steps
-    every 200 s (2x) and b every 600 s (6x); a ends at 700, b then runs alone at its
-    exclusive pace. The sharing figures see 2x and 6x; steps ended before the last
-    start or after the first finish are not counted."""
+    """Two pipelines. While both run (100-700 s), a steps every 200 s and b every
+    600 s; a ends at 700, b then runs alone. Alone, a's steps take 100 s each and b's
+    100 s except its third, 300 s (a long tail): the same steps read 2x for a and
+    600 / 300 = 2x for b, though b's mean step alone is 120 s (600 / 120 would read
+    5x). Steps ended before the last start or after the first finish are not
+    counted."""
     timeline = {
         "a": [100.0, 300.0, 500.0, 700.0],
         "b": [0.0, 90.0, 100.0, 700.0, 800.0, 900.0],  # a step ended at 90 s: before a
     }
-    sharing = sharing_slowdowns(timeline, {"a": 100.0, "b": 100.0})
+    alone = {"a": [100.0, 200.0, 300.0, 400.0], "b": [0.0, 90.0, 100.0, 400.0, 500.0, 600.0]}
+    assert sharing_slowdowns(timeline, alone) == {"a": 2.0, "b": 2.0}
+    steady = {**alone, "b": [0.0, 90.0, 100.0, 200.0, 300.0, 400.0]}  # b's third: 100 s
+    sharing = sharing_slowdowns(timeline, steady)
     assert sharing == {"a": 2.0, "b": 6.0}
     runs = {
-        "exclusive": {"steps_per_hour_per_gpu": 1.0, "mean_step_s": {"a": 100.0, "b": 100.0}},
+        "exclusive": {
+            "steps_per_hour_per_gpu": 1.0,
+            "mean_step_s": {"a": 100.0, "b": 100.0},
+            "timeline_s": steady,
+        },
         "timeshare": {
             "steps_per_hour_per_gpu": 1.0,
             "mean_step_s": {"a": 200.0, "b": 180.0},
             "timeline_s": timeline,
+            "gpu_utilization": 0.5,
         },
     }
     c = compare(runs)
-    assert c["sharing_slowdown"] == sharing
+    assert c["policy"] == "timeshare" and c["duty_cycle"] == 0.5
+    assert c["sharing_slowdown"] == sharing and c["worst_sharing_slowdown"] == 6.0
     assert c["sharing_index"] == round(6.0 * (1 / 2 + 1 / 6) / 2, 3)  # 2.0
     assert c["fair_share_index"] == 1.0  # the whole run reads 2.0 x 1.0 / 2
     # a pipeline with fewer than two step ends in the window is left out, and with
     # fewer than two pipelines left there is no sharing index
-    assert sharing_slowdowns({**timeline, "a": [100.0, 700.0]}, {"a": 100.0, "b": 100.0}) == {}
+    assert sharing_slowdowns({**timeline, "a": [100.0, 700.0]}, alone) == {}

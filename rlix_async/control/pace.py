@@ -1,0 +1,163 @@
+"""Each pipeline's pace while it shares, against its pace alone: the slowdown that
+finish-time fairness (``Policy.fairness``) divides rollout devices by.
+
+Two halves, both pure:
+
+- :func:`exclusive_step_s`, the pipeline's side: what one step would take alone on
+  every device it declares, from what it measured (its trajectories' times, its
+  training time) and what it knows of itself (batch size, rollout capacity,
+  asynchrony). The driver reports it after each step (``ReportPace``); the simulator's
+  pipelines call the same function.
+- :class:`PaceBook`, the coordinator's side, kept by the registry: when each
+  pipeline's steps ended (a release of ``actor_train``: the coordinator sees it, the
+  pipeline does not say it), its reported estimate, and when its rollout progress
+  last moved. ``slowdown`` is its recent step time over the estimate.
+
+Like ``weight``, the estimate is the pipeline's word: a driver that understates its
+pace alone is served as if slowed more. ``FAIRNESS_CLIP`` (control/fair_shares.py)
+bounds what that buys, and a lab that does not trust its pipelines keeps
+``fairness: demand``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+STEPS_READ = 4  # a pipeline's pace is read over its last steps and the running one
+
+
+def exclusive_step_s(
+    *,
+    train_s: float,
+    trajectory_mean_s: float,
+    trajectory_longest_s: float,
+    target: int,
+    capacity: int,
+    capacity_training: int,
+    staleness: int,
+    switch_s: float = 0.0,
+) -> float:
+    """One step's time alone on every declared device.
+
+    ``capacity`` trajectories run at once on all its rollout devices,
+    ``capacity_training`` while its training holds some of them; ``switch_s`` is
+    what handing devices between rollout and training costs per step (sleep, wake,
+    sync).
+
+    On-policy (``staleness`` 0) a step generates its batch, then trains: the batch
+    takes its longest trajectory, or its work over the capacity when that is longer.
+    Asynchronous, the next batch is generated while the last trains, so training
+    bounds the step unless the batch's work does not fit in the slots left over:
+    ``capacity_training`` slots during training, ``capacity`` after it.
+    """
+    if min(train_s, trajectory_mean_s, trajectory_longest_s, switch_s) < 0:
+        raise ValueError("times must be >= 0")
+    if target < 1 or capacity < 1 or not 0 <= capacity_training <= capacity:
+        raise ValueError("target, capacity >= 1 and 0 <= capacity_training <= capacity")
+    work = target * trajectory_mean_s  # trajectory-seconds a batch takes
+    if staleness == 0:
+        return train_s + switch_s + max(trajectory_longest_s, work / capacity)
+    spill = max(0.0, work - capacity_training * train_s)
+    return train_s + switch_s + spill / capacity
+
+
+@dataclass
+class TrajectoryTimes:
+    """What a driver measures for :func:`exclusive_step_s`: the mean of every
+    trajectory's time (first start to end: a resumed one counts once, whole), and the
+    mean over steps of each step's longest. Every trajectory, not a recent window:
+    the ones still running are the long ones, so a window of the finished reads short."""
+
+    total_s: float = 0.0
+    count: int = 0
+    longest_now: float = 0.0  # this step's
+    longest_total: float = 0.0  # over the steps done
+    steps: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.total_s += seconds
+        self.count += 1
+        self.longest_now = max(self.longest_now, seconds)
+
+    def step_done(self, default_s: float) -> tuple[float, float]:
+        """A step ended: (mean, mean longest) so far (``default_s`` for both before
+        any trajectory finished)."""
+        if self.longest_now > 0:
+            self.longest_total += self.longest_now
+            self.steps += 1
+            self.longest_now = 0.0
+        if not self.count:
+            return default_s, default_s
+        return self.total_s / self.count, self.longest_total / max(self.steps, 1)
+
+
+@dataclass
+class _Pace:
+    # when it started and its steps ended: the last STEPS_READ + 1 of them
+    ends: list[float]
+    moved_at: float  # rollout progress last moved (or the pipeline started)
+    exclusive_s: float | None = None
+    progress: tuple[int, int] | None = None  # (target, completed) then
+
+
+class PaceBook:
+    """Step ends, pace estimates and progress times, per pipeline."""
+
+    def __init__(self) -> None:
+        self._pace: dict[str, _Pace] = {}
+
+    def started(self, pid: str, now: float) -> None:
+        if pid not in self._pace:
+            self._pace[pid] = _Pace(ends=[now], moved_at=now)
+
+    def forget(self, pid: str) -> None:
+        self._pace.pop(pid, None)
+
+    def step_ended(self, pid: str, now: float) -> None:
+        pace = self._pace.get(pid)
+        if pace is not None:
+            pace.ends = [*pace.ends, now][-(STEPS_READ + 1) :]
+
+    def reported(self, pid: str, exclusive_s: float) -> None:
+        pace = self._pace.get(pid)
+        if pace is not None and math.isfinite(exclusive_s) and exclusive_s > 0:
+            pace.exclusive_s = exclusive_s
+
+    def progressed(self, pid: str, target: int, completed: int, now: float) -> None:
+        """A progress report: the clock of ``stalled_s`` restarts when it moved."""
+        pace = self._pace.get(pid)
+        if pace is not None and pace.progress != (target, completed):
+            pace.progress = (target, completed)
+            pace.moved_at = now
+
+    def slowdown(self, pid: str, now: float) -> float | None:
+        """Its pace over its last ``STEPS_READ`` steps and the one running now, over
+        its step alone; None before it reported an estimate.
+
+        The pace is the window's time per step, counting the running step as done
+        (so a pipeline held back is seen while it is held back, not only when it
+        finally steps) unless the steps done are slower still. Over a window and not
+        the whole run (Themis reads the whole run): a pipeline favoured long ago is
+        not owed for it for ever. On 30 generated draws (docs/PERF.md, "Fair while
+        sharing"), 4 steps read a sharing index <= 1.2 on more draws than 2, 8 or
+        the whole run, and the slower of the last 2 steps and the running one
+        (a max, not a mean) fewer again."""
+        pace = self._pace.get(pid)
+        if pace is None or pace.exclusive_s is None:
+            return None
+        ends = pace.ends
+        done = len(ends) - 1
+        per_step = max(
+            (ends[-1] - ends[0]) / done if done else 0.0,
+            (now - ends[0]) / (done + 1),
+            1e-9,
+        )
+        return per_step / pace.exclusive_s
+
+    def stalled_s(self, pid: str, now: float, wants: bool) -> float:
+        """Seconds its rollout progress stood still, if it ``wants`` trajectories."""
+        pace = self._pace.get(pid)
+        if pace is None or not wants:
+            return 0.0
+        return max(0.0, now - pace.moved_at)
