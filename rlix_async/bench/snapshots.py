@@ -13,7 +13,14 @@ from collections.abc import Iterator
 
 import msgspec
 
-from rlix_async.protocols.snapshot import PipelineIn, ProgressIn, RequestIn, Snapshot
+from rlix_async.protocols.snapshot import (
+    Fairness,
+    PipelineIn,
+    Policy,
+    ProgressIn,
+    RequestIn,
+    Snapshot,
+)
 from rlix_async.protocols.topology import INFER, ClusterShape, ClusterSpec, Priority, priority_name
 
 GANG_PRIORITIES = [priority_name(p) for p in Priority if p is not Priority.GENERATION]
@@ -25,7 +32,11 @@ def random_snapshot(
     pipelines: int = 4,
     gpus_per_node: int = 8,
     overlap: bool = True,
+    fairness: Fairness | None = None,
 ) -> Snapshot:
+    """A snapshot; with ``fairness``, under that policy, and with finish_time each
+    pipeline's pace as the coordinator reports it (a slowdown for most, a few never
+    measured, one in ten starving)."""
     gpn = min(gpus_per_node, gpus)
     nodes = max(1, gpus // gpn)
     shape = ClusterShape(nodes=nodes, gpus_per_node=gpn)
@@ -60,6 +71,11 @@ def random_snapshot(
             else None
         )
         requests = _random_requests(rng, seq, training_held="actor_train" in held)
+        pace: dict[str, float | None] = {}
+        if fairness == "finish_time":
+            known = rng.random() < 0.9
+            pace["slowdown"] = round(rng.lognormvariate(0.4, 0.5), 3) if known else None
+            pace["stalled_s"] = rng.choice([0.0] * 9 + [900.0])
         out.append(
             PipelineIn(
                 id=f"p{i}",
@@ -68,9 +84,11 @@ def random_snapshot(
                 active_ranks={INFER: active} if active else {},
                 progress=progress,
                 requests=requests,
+                **pace,  # type: ignore[arg-type]
             )
         )
-    return Snapshot(cluster=shape, pipelines=_arriving_shuffled(rng, out))
+    policy = Policy() if fairness is None else Policy(fairness=fairness)
+    return Snapshot(cluster=shape, pipelines=_arriving_shuffled(rng, out), policy=policy)
 
 
 def _random_requests(

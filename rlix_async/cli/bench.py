@@ -65,12 +65,12 @@ def _fuzz(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from rlix_async.bench.plan import run_plan_bench
 
-    result = run_plan_bench(args.gpus, args.pipelines, args.snapshots, args.seed)
+    result = run_plan_bench(args.gpus, args.pipelines, args.snapshots, args.seed, args.fairness)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(
-        f"plan on {args.gpus} devices / {args.pipelines} pipelines "
+        f"plan ({args.fairness}) on {args.gpus} devices / {args.pipelines} pipelines "
         f"({result['snapshots']} random snapshots): p50 {result['plan_ms_p50']:.2f} ms, "
         f"p99 {result['plan_ms_p99']:.2f} ms; check_plan p50 {result['check_ms_p50']:.2f} ms"
     )
@@ -364,6 +364,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--pipelines", type=positive_int, default=256)
     p.add_argument("--snapshots", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fairness",
+        choices=["finish_time", "demand"],
+        default="finish_time",
+        help="the planner's policy (Policy.fairness); finish_time snapshots carry paces",
+    )
     _json_flag(p)
     p.set_defaults(func=_plan)
     p = bsub.add_parser(
