@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 from rlix_async.config import ConfigError, Scenario, ScenarioPipeline
 from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 from rlix_async.sim import generate
-from rlix_async.sim.policies import POLICIES, compare, sharing_slowdowns, simulate, static_split
+from rlix_async.sim.policies import (
+    POLICIES,
+    SHARING,
+    compare,
+    sharing_slowdowns,
+    simulate,
+    static_split,
+)
 
 
 def _pipe(
@@ -98,13 +105,35 @@ def test_properties_on_generated_agentic_scenarios(seed: int, staleness: int) ->
     goes far beyond; why it is not 1.1 on such mixes is in docs/PERF.md)."""
     sc = generate.agentic(seed, staleness=staleness, steps=4)
     runs = {pol: simulate(sc, pol, seed=seed) for pol in POLICIES}
-    ts, static = runs["timeshare"], runs["static"]
+    static = runs["static"]
     assert all(r["steps"] == 16 for r in runs.values())
-    switching = ts["wasted_gpu_s"] / (ts["devices"] * ts["makespan_s"])
-    assert ts["steps_per_hour_per_gpu"] >= static["steps_per_hour_per_gpu"] * (1 - switching)
+    for sharing in SHARING:  # both fairness policies
+        ts = runs[sharing]
+        switching = ts["wasted_gpu_s"] / (ts["devices"] * ts["makespan_s"])
+        assert ts["steps_per_hour_per_gpu"] >= static["steps_per_hour_per_gpu"] * (1 - switching)
+        c = compare({"exclusive": runs["exclusive"], sharing: ts})
+        assert c["gain_vs_exclusive"] >= 1.0
+        assert c["fair_share_index"] <= 1.75, c
+
+
+@settings(
+    max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(st.integers(0, 10**6), st.sampled_from([0, 1]))
+@example(981924, 1)  # the worst of 120 random draws (1.36; demand read 1.69 there)
+@example(5, 1)  # the draw where demand stepped one pipeline at 1.8x, another at 7x
+def test_finish_time_fairness_bounds_the_sharing_index(seed: int, staleness: int) -> None:
+    """While the pipelines share, none is slowed much more than the others: the
+    sharing index stays within 1.5 under finish-time fairness on ten-step draws
+    (docs/PERF.md, "Fair while sharing": 1.36 at worst over 120 random draws, where
+    demand reached 1.96). Shorter runs can exceed it: in a six-step draw (495185, one
+    step async) a pipeline of short trajectories trains whenever its batch is ready,
+    and training outranks every other pipeline's rollouts."""
+    sc = generate.agentic(seed, staleness=staleness)
+    runs = {pol: simulate(sc, pol, seed=seed) for pol in ("exclusive", "fair")}
     c = compare(runs)
-    assert c["gain_vs_exclusive"] >= 1.0
-    assert c["fair_share_index"] <= 1.75, c
+    assert c["policy"] == "fair"
+    assert c.get("sharing_index", 1.0) <= 1.5, c
 
 
 def test_the_same_seed_gives_the_same_figures() -> None:

@@ -1,0 +1,58 @@
+"""Finish-time fairness through a running coordinator, over real ipc sockets: pace
+reports and training releases reach the planner, and rollout devices follow them."""
+
+from __future__ import annotations
+
+import asyncio
+
+from helpers.cluster import joined_pipeline
+from rich.console import Console
+
+from rlix_async.config import SchedulerConfig
+from rlix_async.control.client import PipelineClient
+from rlix_async.control.coordinator import Coordinator
+from rlix_async.observe.status import render
+from rlix_async.protocols.snapshot import Policy
+from rlix_async.protocols.topology import ClusterShape, ClusterSpec
+
+SHAPE = ClusterShape(nodes=1, gpus_per_node=4)
+TOPO = {"actor_train": ClusterSpec(1, (0, 1)), "actor_infer": ClusterSpec(1, (0, 1, 2, 3))}
+
+
+async def _settled(a: PipelineClient, b: PipelineClient, want: tuple[int, int]) -> tuple[int, int]:
+    got = (0, 0)
+    for _ in range(100):
+        got = (len(a.active_ranks), len(b.active_ranks))
+        if got == want:
+            break
+        await asyncio.sleep(0.05)
+    return got
+
+
+async def test_the_pipeline_slowed_most_gets_the_rollout_devices(ipc_ep: str) -> None:
+    """A trains a step, reports a step alone of 0.05 s, and is slowed far more than B
+    (whose step alone is 1000 s): A gets three of the four rollout devices, B keeps
+    the one it is owed; status shows each slowdown. Under fairness: demand the same
+    reports split them 2/2."""
+    for policy, want in (("finish_time", (3, 1)), ("demand", (2, 2))):
+        config = SchedulerConfig(policy=Policy(fairness=policy))  # type: ignore[arg-type]
+        async with Coordinator(ipc_ep, SHAPE, config=config) as co:
+            a = await joined_pipeline(co.endpoint, "A", TOPO)
+            b = await joined_pipeline(co.endpoint, "B", TOPO)
+            assert await a.request("actor_train", "ACTOR_TRAINING", timeout=5) == [0, 1]
+            await asyncio.sleep(0.2)
+            await a.release("actor_train")  # a step ended, as the coordinator sees it
+            await a.report_pace(0.05)
+            await b.report_pace(1000.0)
+            for c in (a, b):
+                await c.report_progress(100, 0, force=True)
+                await c.request("actor_infer", "GENERATION", timeout=5)
+            assert await _settled(a, b, want) == want, policy
+            status = {p.id: p for p in co.status().pipelines}
+            assert status["A"].slowdown is not None and status["A"].slowdown > 2
+            assert status["B"].slowdown is not None and status["B"].slowdown < 0.01
+            console = Console(record=True, width=160)
+            console.print(render(co.status()))
+            assert "x its pace alone" in console.export_text()
+            await a.close()
+            await b.close()
