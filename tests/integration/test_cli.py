@@ -191,7 +191,7 @@ def test_simulate_json_shape_and_journal_for_timeline(tmp_path: Path) -> None:
     path.write_text(SCENARIO)
     out = rlix("simulate", str(path), "--json", "--journal", str(tmp_path / "j.jsonl"), check=True)
     data = json.loads(out.stdout)
-    assert set(data["policies"]) == {"exclusive", "static", "timeshare"}
+    assert set(data["policies"]) == {"exclusive", "static", "timeshare", "fair"}
     for r in data["policies"].values():
         assert {
             "steps_per_hour_per_gpu",
@@ -203,9 +203,12 @@ def test_simulate_json_shape_and_journal_for_timeline(tmp_path: Path) -> None:
             "wasted_gpu_s",
             "reprefill_gpu_s",
         } <= set(r)
-    assert {"gain_vs_exclusive", "gain_vs_static", "fair_share_index"} <= set(data)
+    # the top-level figures read the coordinator's default time-sharing (fair)
+    assert data["policy"] == "fair"
+    assert {"gain_vs_exclusive", "gain_vs_static", "fair_share_index", "duty_cycle"} <= set(data)
+    assert data["duty_cycle"] == round(data["policies"]["fair"]["gpu_utilization"], 3)
     text = rlix("simulate", str(path), check=True).stdout
-    assert "timeshare / exclusive:" in text and "timeshare / static:" in text
+    assert "fair / exclusive:" in text and "fair / static:" in text and "duty cycle" in text
     png = tmp_path / "t.png"
     rlix("timeline", str(tmp_path / "j.jsonl"), "-o", str(png), check=True)
     assert png.stat().st_size > 0
