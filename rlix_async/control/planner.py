@@ -16,7 +16,10 @@
    progress yet. Devices are divided in proportion to ``weight x demand x tp``
    (water-filling, capped by the devices each pipeline can reach; ``weight`` is
    the pipeline's fair-share weight, 1 by default); every pipeline with demand
-   gets at least one bundle when one is free.
+   gets at least one bundle when one is free. Under ``policy.fairness:
+   finish_time`` (the default) each weight is also scaled by the pipeline's
+   slowdown against its pace alone (``_finish_time``), and only pipelines of
+   unknown pace or starving are owed that bundle when bundles run short.
 3. Hysteresis: moving a shard costs a sleep, a wake and a weight sync, so a
    pipeline whose current share is within one bundle of its ideal keeps it, and
    shards of a pipeline without demand are only shrunk when another pipeline
