@@ -34,6 +34,7 @@ from rlix_async.config.launch_rules import base_groups
 from rlix_async.control.journal import Expanded, ShardSynced, Shrunk, read_journal
 from rlix_async.launch import Launcher
 from rlix_async.rollout.ledger import LEDGER, tally
+from rlix_async.rollout.records import read_metrics
 
 STEPS = 15
 
@@ -57,23 +58,6 @@ def demo_config(
     for p in raw["pipelines"]:
         p["steps"] = steps
     return convert(raw, LaunchConfig, source, overrides)
-
-
-def read_metrics(out: Path, pid: str, *, evals: bool = False) -> list[dict[str, Any]]:
-    """A pipeline's step rows (``evals``: its evaluation rows, ``eval/...``), one per step."""
-    path = out / pid / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line being written
-    # a resumed pipeline repeats steps after its checkpoint: the latest wins
-    key = "eval/reward" if evals else "reward"
-    by_step = {r["step"]: r for r in rows if key in r}
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def journal_counts(journal: Path) -> dict[str, dict[str, int]]:

@@ -79,8 +79,9 @@ def _last_run(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def read_run(out: Path, mode: str, seed: int, bound: int, wall_s: float) -> RunRecord:
-    from rlix_async.demo import journal_counts, read_metrics
+    from rlix_async.demo import journal_counts
     from rlix_async.rollout.ledger import LEDGER, read_events, tally
+    from rlix_async.rollout.records import read_metrics
 
     events = _last_run(list(read_events(out / RECIPE / LEDGER)))
     row_of = {e["g"]: e["row"] for e in events if e["ev"] == "requested"}

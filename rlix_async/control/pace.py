@@ -65,9 +65,11 @@ def exclusive_step_s(
 @dataclass
 class TrajectoryTimes:
     """What a driver measures for :func:`exclusive_step_s`: the mean of every
-    trajectory's time (first start to end: a resumed one counts once, whole), and the
-    mean over steps of each step's longest. Every trajectory, not a recent window:
-    the ones still running are the long ones, so a window of the finished reads short."""
+    trajectory's time alone (the time shards spent on it, a resumed one's tries
+    summed and its waits for a shard left out, plus an episode's environment time),
+    and the mean over steps of each step's longest. Every trajectory, not a recent
+    window: the ones still running are the long ones, so a window of the finished
+    reads short."""
 
     total_s: float = 0.0
     count: int = 0
@@ -99,6 +101,8 @@ class _Pace:
     moved_at: float  # rollout progress last moved (or the pipeline started)
     exclusive_s: float | None = None
     progress: tuple[int, int] | None = None  # (target, completed) then
+    training_since: float | None = None  # its actor_train granted for ACTOR_TRAINING
+    training_s: float = 0.0  # its last training hold, as the coordinator timed it
 
 
 class PaceBook:
@@ -107,22 +111,36 @@ class PaceBook:
     def __init__(self) -> None:
         self._pace: dict[str, _Pace] = {}
 
-    def started(self, pid: str, now: float) -> None:
-        if pid not in self._pace:
+    def started(self, pid: str, now: float, *, again: bool = False) -> None:
+        """A pipeline admitted (``again``: a new driver process took it over, so its
+        steps start over; the old one's downtime is no step of its own)."""
+        if again or pid not in self._pace:
             self._pace[pid] = _Pace(ends=[now], moved_at=now)
 
     def forget(self, pid: str) -> None:
         self._pace.pop(pid, None)
 
+    def training(self, pid: str, now: float) -> None:
+        """Its actor_train was granted for ACTOR_TRAINING: a step's training starts."""
+        pace = self._pace.get(pid)
+        if pace is not None:
+            pace.training_since = now
+
     def step_ended(self, pid: str, now: float) -> None:
+        """Its ACTOR_TRAINING hold of actor_train was released: a step ended."""
         pace = self._pace.get(pid)
         if pace is not None:
             pace.ends = [*pace.ends, now][-(STEPS_READ + 1) :]
+            if pace.training_since is not None:
+                pace.training_s = now - pace.training_since
+                pace.training_since = None
 
-    def reported(self, pid: str, exclusive_s: float) -> None:
-        pace = self._pace.get(pid)
-        if pace is not None and math.isfinite(exclusive_s) and exclusive_s > 0:
-            pace.exclusive_s = exclusive_s
+    def reported(self, pid: str, exclusive_s: float, now: float) -> None:
+        """Its estimate of a step alone; a pipeline the book lost (a coordinator
+        restored from a compacted journal admits nobody again) starts here."""
+        if math.isfinite(exclusive_s) and exclusive_s > 0:
+            self.started(pid, now)
+            self._pace[pid].exclusive_s = exclusive_s
 
     def progressed(self, pid: str, target: int, completed: int, now: float) -> None:
         """A progress report: the clock of ``stalled_s`` restarts when it moved."""
@@ -144,16 +162,15 @@ class PaceBook:
         the whole run, and the slower of the last 2 steps and the running one
         (a max, not a mean) fewer again."""
         pace = self._pace.get(pid)
-        if pace is None or pace.exclusive_s is None:
-            return None
+        if pace is None or pace.exclusive_s is None or len(pace.ends) < 2:
+            return None  # (before a step ended: right after a restart, every
+            # pipeline's window would start at once and read only its pace alone)
         ends = pace.ends
         done = len(ends) - 1
-        per_step = max(
-            (ends[-1] - ends[0]) / done if done else 0.0,
-            (now - ends[0]) / (done + 1),
-            1e-9,
-        )
-        return per_step / pace.exclusive_s
+        per_step = max((ends[-1] - ends[0]) / done, (now - ends[0]) / (done + 1))
+        # a step alone is no shorter than the training the coordinator timed itself:
+        # a driver understating its pace gains no more than that
+        return per_step / max(pace.exclusive_s, pace.training_s)
 
     def stalled_s(self, pid: str, now: float, wants: bool) -> float:
         """Seconds its rollout progress stood still, if it ``wants`` trajectories."""

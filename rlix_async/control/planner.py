@@ -301,7 +301,7 @@ def _allocate_generation(snap: Snapshot, st: _State, out: Plan) -> int:
     for pid in [pid for pid in wanting if not st.active[pid]]:
         blocked = "every reachable bundle is held by a stage or reserved"
         if owed is not None and not target[pid] and reach[pid]:
-            blocked = "its share goes to pipelines slowed more (finish-time fairness)"
+            blocked = "its share goes to pipelines slowed more or starving (finish-time fairness)"
         out.waiting.append(Waiting(pid, INFER, f"generation: {blocked}"))
     return taken
 

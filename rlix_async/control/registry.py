@@ -186,8 +186,8 @@ class Registry:
         p = self.get(pid)
         if not p.registered:
             raise RegistryError("not_registered", f"pipeline {pid}: register before admit")
-        p.admitted = True
         self.pace.started(pid, time.monotonic() if now is None else now)
+        p.admitted = True
 
     def remove(self, pid: str, *, fence: bool = False) -> PipelineState | None:
         """Forget a pipeline; with ``fence``, its awake ranks' devices stay fenced. A base
@@ -307,10 +307,10 @@ class Registry:
         """Drop a held stage or a queued request; False when there was neither. Training
         released ends a step (what the pace book times)."""
         p = self.get(pid)
-        dropped = p.held.pop(cluster, None) is not None
-        if dropped and cluster == TRAIN:
+        held = p.held.pop(cluster, None)
+        if cluster == TRAIN and held == Priority.ACTOR_TRAINING:  # not a log-probs pass
             self.pace.step_ended(pid, time.monotonic() if now is None else now)
-        return p.requests.pop(cluster, None) is not None or dropped
+        return p.requests.pop(cluster, None) is not None or held is not None
 
     def report_progress(
         self, pid: str, stream: str, target: int, completed: int, now: float | None = None
@@ -325,10 +325,10 @@ class Registry:
             time.monotonic() if now is None else now,
         )
 
-    def report_pace(self, pid: str, exclusive_step_s: float) -> None:
+    def report_pace(self, pid: str, exclusive_step_s: float, now: float | None = None) -> None:
         """The pipeline's estimate of its step alone on every declared device."""
         self.get(pid)
-        self.pace.reported(pid, exclusive_step_s)
+        self.pace.reported(pid, exclusive_step_s, time.monotonic() if now is None else now)
 
     def clear_progress(self, pid: str, stream: str | None) -> None:
         p = self.get(pid)
@@ -359,7 +359,7 @@ class Registry:
                 progress, weight = self._group_demand(p)
             slowdown, stalled = None, 0.0
             if fair and (p.members or INFER in clusters):
-                slowdown, stalled = self._pace_of(p, now)
+                slowdown, stalled = self.pace_of(p, now)
             pipes.append(
                 PipelineIn(
                     id=p.id,
@@ -393,7 +393,7 @@ class Registry:
             fenced = sorted(self.unowned(self.fences.devices()))
         return Snapshot(cluster=self.shape, pipelines=pipes, policy=self.policy, fenced=fenced)
 
-    def _pace_of(self, p: PipelineState, now: float) -> tuple[float | None, float]:
+    def pace_of(self, p: PipelineState, now: float) -> tuple[float | None, float]:
         """(slowdown, stalled_s) of a pipeline with rollouts, or of a base group: its
         worst-off member's slowdown, and the least any member's progress stood still
         (one member moving means the group's shards serve)."""
@@ -401,9 +401,8 @@ class Registry:
             wants = bool(p.remaining())
             return self.pace.slowdown(p.id, now), self.pace.stalled_s(p.id, now, wants)
         known = [s for m in p.members if (s := self.pace.slowdown(m, now)) is not None]
-        stalled = [
-            self.pace.stalled_s(m, now, bool(self.pipelines[m].remaining())) for m in p.members
-        ]
+        wanting = [m for m in p.members if self.pipelines[m].remaining()]
+        stalled = [self.pace.stalled_s(m, now, True) for m in wanting]  # (not a trainer's 0)
         return max(known, default=None), min(stalled, default=0.0)
 
     def _group_demand(self, base: PipelineState) -> tuple[list[ProgressIn] | None, float]:
@@ -434,7 +433,7 @@ class Registry:
             base.members
         )
 
-    def apply(self, plan: Plan, *, fence: bool = False) -> list[str]:
+    def apply(self, plan: Plan, *, fence: bool = False, now: float | None = None) -> list[str]:
         """Record the plan's outcome (the commands that realise it follow). With
         ``fence`` (the coordinator; the simulator models sleeps as durations), every
         shrunk rank's devices are fenced until its worker confirms the sleep.
@@ -452,6 +451,8 @@ class Registry:
             p = self.pipelines[g.pipeline]
             p.held[g.cluster] = Priority[g.priority]
             p.grant_ids[g.cluster] = next(self._grant_ids)
+            if g.cluster == TRAIN and g.priority == "ACTOR_TRAINING":
+                self.pace.training(p.id, time.monotonic() if now is None else now)
             p.requests.pop(g.cluster, None)
         for ch in plan.expand:
             self.pipelines[ch.pipeline].active.update(ch.ranks)

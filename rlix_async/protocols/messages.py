@@ -101,7 +101,7 @@ class ReportPace(Message):
     (control/pace.py): what finish-time fairness divides its slowdown by."""
 
     pipeline_id: PipelineId
-    exclusive_step_s: Annotated[float, msgspec.Meta(gt=0, le=1e7)]
+    exclusive_step_s: Annotated[float, msgspec.Meta(ge=1e-3, le=1e7)]
 
 
 class ClearProgress(Message):

@@ -281,8 +281,8 @@ class Collector:
         self.failed += failed
         self.generated += len(trajs)
         self.resumed += sum(1 for t in trajs if t.resumes)
-        for t in trajs:
-            self.times.add(t.served_s)
+        for t in trajs:  # an episode waits for its environment too, alone or not
+            self.times.add(t.served_s + (t.env_s if isinstance(t, Episode) else 0.0))
         return trajs, cancelled, failed
 
     async def _score(self, sample: Sample, trajs: list[Trajectory]) -> tuple[list[int], Scored]:

@@ -108,3 +108,20 @@ def _no_nan(value: Any) -> Any:
     if isinstance(value, list):
         return [_no_nan(v) for v in value]
     return value
+
+
+def read_metrics(out: Path, pid: str, *, evals: bool = False) -> list[dict[str, Any]]:
+    """A pipeline's step rows (``evals``: its evaluation rows, ``eval/...``), one per step."""
+    path = out / pid / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line being written
+    # a resumed pipeline repeats steps after its checkpoint: the latest wins
+    key = "eval/reward" if evals else "reward"
+    by_step = {r["step"]: r for r in rows if key in r}
+    return [by_step[s] for s in sorted(by_step)]

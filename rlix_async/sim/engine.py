@@ -326,7 +326,7 @@ class Simulation:
     def _trained(self, pid: str) -> None:
         p = self.pipes[pid]
         self.registry.release(pid, TRAIN, self.now)
-        self.registry.report_pace(pid, self._exclusive_step_s(p))
+        self.registry.report_pace(pid, self._exclusive_step_s(p), self.now)
         self._record(ev.Released(pipeline=pid, cluster=TRAIN))
         p.training = False
         p.step += 1
@@ -443,7 +443,7 @@ class Simulation:
                         self._push(at, "aged", state.id, req.seq)
         if not (result.shrink or result.grants or result.expand):
             return
-        self.registry.apply(result)
+        self.registry.apply(result, now=self.now)
         sw = self.sc.switch
         for ch in result.shrink:
             s = self.servers[ch.pipeline]

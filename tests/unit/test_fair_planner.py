@@ -17,7 +17,7 @@ from rlix_async.control.fair_shares import (
 )
 from rlix_async.control.plan_checks import check_plan
 from rlix_async.control.planner import plan
-from rlix_async.protocols.snapshot import PipelineIn, Policy, ProgressIn, Snapshot
+from rlix_async.protocols.snapshot import PipelineIn, Policy, ProgressIn, RequestIn, Snapshot
 from rlix_async.protocols.topology import INFER, ClusterShape, ClusterSpec
 
 FAIR, DEMAND = Policy(fairness="finish_time"), Policy(fairness="demand")
@@ -139,11 +139,15 @@ def test_a_starving_pipeline_gets_a_bundle_back_from_the_others() -> None:
 
 
 def test_priorities_still_win_over_fairness() -> None:
-    """Training holds half the devices for the pipeline least slowed: its rollout
-    shards never run there, whatever the others' slowdown."""
+    """The pipeline least slowed asks to train on devices 0-3, where the pipeline
+    slowed most has its rollout shards: training outranks rollouts, so the shards are
+    shrunk and the training granted, whatever the slowdowns."""
     pipes = [("trainer", 0.5, 0.0), ("b", 4.0, 0.0)]
-    snap = _snap(8, pipes, held_train=True)
+    snap = _snap(8, pipes, active={"b": [0, 1, 2, 3]})
+    ask = RequestIn(seq=1, cluster="actor_train", priority="ACTOR_TRAINING")
+    trainer = msgspec.structs.replace(snap.pipelines[0], requests=[ask])
+    snap = msgspec.structs.replace(snap, pipelines=[trainer, snap.pipelines[1]])
     result = plan(snap)
     assert check_plan(snap, result) == []
-    for ch in result.expand:
-        assert all(r >= 4 for r in ch.ranks)  # devices 0-3 are training's
+    assert [(g.pipeline, g.devices) for g in result.grants] == [("trainer", [0, 1, 2, 3])]
+    assert [(c.pipeline, c.ranks) for c in result.shrink] == [("b", [0, 1, 2, 3])]

@@ -7,7 +7,7 @@ import pytest
 
 from rlix_async.control.pace import STEPS_READ, PaceBook, TrajectoryTimes, exclusive_step_s
 from rlix_async.control.registry import Registry
-from rlix_async.protocols.snapshot import Policy
+from rlix_async.protocols.snapshot import Grant, Plan, Policy
 from rlix_async.protocols.topology import ClusterShape, ClusterSpec, Priority
 
 ALONE = {
@@ -67,8 +67,10 @@ def test_the_slowdown_reads_the_last_steps_and_the_running_one() -> None:
     book = PaceBook()
     book.started("a", 0.0)
     assert book.slowdown("a", 50.0) is None  # no estimate reported yet
-    book.reported("a", 100.0)
-    assert book.slowdown("a", 50.0) == pytest.approx(0.5)  # 50 s into its first step
+    book.reported("a", 100.0, 0.0)
+    # before its first step ends there is no pace to read (a coordinator restarted
+    # now would otherwise read every pipeline's time since the restart)
+    assert book.slowdown("a", 50.0) is None
     ends = [200.0 * k for k in range(1, 7)]  # steps of 200 s: 2x its pace alone
     for t in ends:
         book.step_ended("a", t)
@@ -80,9 +82,17 @@ def test_the_slowdown_reads_the_last_steps_and_the_running_one() -> None:
     # only the last STEPS_READ steps count: 3 of 200 s and the 800 s one
     assert STEPS_READ == 4
     assert book.slowdown("a", 2000.0) == pytest.approx((3 * 200 + 800) / 4 / 100)
-    book.reported("a", float("nan"))  # nonsense is ignored, the last estimate stands
-    book.reported("a", -5.0)
+    book.reported("a", float("nan"), 2000.0)  # nonsense is ignored, the last one stands
+    book.reported("a", -5.0, 2000.0)
     assert book.slowdown("a", 2000.0) == pytest.approx(3.5)
+    # a step alone is never read shorter than the training the coordinator timed: an
+    # estimate of 1 s against a 400 s training hold reads as 400 s
+    book.training("a", 2000.0)
+    book.step_ended("a", 2400.0)
+    book.reported("a", 1.0, 2400.0)
+    assert book.slowdown("a", 2400.0) == pytest.approx((2400 - 800) / 4 / 400)
+    book.started("a", 2500.0, again=True)  # a new driver: its steps start over
+    assert book.slowdown("a", 2600.0) is None
 
 
 def test_stalled_counts_from_the_last_progress_that_moved_while_it_wants_work() -> None:
@@ -107,30 +117,51 @@ def _registry(fairness: str) -> Registry:
 def test_the_registry_times_steps_by_training_releases_and_fills_the_snapshot() -> None:
     reg = _registry("finish_time")
     reg.report_progress("a", "default", 64, 0, now=0.0)
-    reg.report_pace("a", 100.0)
-    reg.request("a", "actor_train", Priority.ACTOR_TRAINING, None, now=100.0)
-    reg.pipelines["a"].held["actor_train"] = Priority.ACTOR_TRAINING
-    reg.pipelines["a"].requests.clear()
-    assert reg.release("a", "actor_train", now=300.0)  # a step ended: 300 s
-    [pipe] = reg.snapshot(now=300.0).pipelines
-    assert pipe.slowdown == pytest.approx(3.0)
-    assert pipe.stalled_s == 300.0  # its progress has not moved since it started
+    reg.report_pace("a", 100.0, now=0.0)
+    for prio, t in ((Priority.OLD_LOG_PROBS, 50.0), (Priority.ACTOR_TRAINING, 250.0)):
+        reg.request("a", "actor_train", prio, None, now=t - 50.0)
+        reg.apply(Plan(grants=[Grant("a", "actor_train", prio.name, [0, 1])]), now=t - 10.0)
+        assert reg.release("a", "actor_train", now=t)
+    # the log-probs pass was no step: one step ended, at 250 s
+    [pipe] = reg.snapshot(now=250.0).pipelines
+    assert pipe.slowdown == pytest.approx(2.5)
+    assert pipe.stalled_s == 250.0  # its progress has not moved since it started
     assert not reg.release("a", "actor_train", now=400.0)  # nothing held: no step
-    assert reg.pace.slowdown("a", 300.0) == pytest.approx(3.0)
+    assert reg.pace.slowdown("a", 600.0) == pytest.approx(600 / 2 / 100)  # held back
     [plain] = _registry("demand").snapshot(now=300.0).pipelines
     assert plain.slowdown is None and plain.stalled_s == 0.0  # demand reads neither
+
+
+def test_a_pipeline_restored_from_a_compacted_journal_gets_its_pace_back() -> None:
+    """A compacted journal restores pipelines as admitted without admitting them again
+    (events.RegistrySnapshot): the pace book learns of one from its next report, and
+    reads a slowdown once a step has ended after it."""
+    reg = Registry(ClusterShape(nodes=1, gpus_per_node=4))
+    reg.register(
+        "a", {"actor_train": ClusterSpec(1, (0, 1)), "actor_infer": ClusterSpec(1, (0, 1))}
+    )
+    reg.pipelines["a"].admitted = True  # as the snapshot's replay sets it
+    reg.report_pace("a", 100.0, now=1000.0)  # the driver re-sends it on resume
+    grant = Plan(grants=[Grant("a", "actor_train", "ACTOR_TRAINING", [0, 1])])
+    reg.apply(grant, now=1100.0)
+    reg.release("a", "actor_train", now=1200.0)
+    assert reg.pace.slowdown("a", 1200.0) == pytest.approx(2.0)
 
 
 def test_a_base_group_is_as_slowed_as_its_worst_member() -> None:
     reg = Registry(ClusterShape(nodes=1, gpus_per_node=4))
     infer = {"actor_infer": ClusterSpec(1, (0, 1, 2, 3))}
-    for m, alone in (("m1", 100.0), ("m2", 25.0)):
+    for m, alone in (("m1", 100.0), ("m2", 25.0), ("m3", 10.0)):
         reg.register(m, {**infer, "actor_train": ClusterSpec(1, (0,))}, group="base")
         reg.admit(m, now=0.0)
         reg.report_progress(m, "default", 8, 0, now=0.0)
-        reg.report_pace(m, alone)
+        reg.report_pace(m, alone, now=0.0)
+        reg.pace.step_ended(m, 50.0)
     reg.report_progress("m1", "default", 8, 1, now=90.0)  # m1 moved at 90 s
+    reg.report_progress("m3", "default", 8, 8, now=95.0)  # m3 has its batch: training
     snap = {p.id: p for p in reg.snapshot(now=100.0).pipelines}
-    assert snap["base"].slowdown == pytest.approx(4.0)  # m2: 100 s into a 25 s step
-    assert snap["base"].stalled_s == 10.0  # one member moving: the group serves
+    assert snap["base"].slowdown == pytest.approx(5.0)  # m3: 50 s steps, 10 s alone
+    assert snap["base"].stalled_s == 10.0  # m1 moving: the group serves
     assert snap["m1"].slowdown is None  # members' rollouts are the group's
+    reg.report_progress("m1", "default", 8, 8, now=100.0)  # m1 done: m2 alone wants
+    assert {p.id: p for p in reg.snapshot(now=400.0).pipelines}["base"].stalled_s == 400.0
