@@ -100,31 +100,31 @@ class Collector:
         done = min(self.buffer.fresh(self.step()), self.target)
         await self.hooks.report_progress(self.target, done)
 
-    async def report_pace(self, train_s: float) -> None:
+    async def report_pace(self, train_s: float) -> float | None:
         """After a step: our step alone on every declared device, estimated from the
         trajectories' times on shards and this step's training (control/pace.py), to
-        the coordinator (finish-time fairness reads our slowdown against it). Nothing
-        before a trajectory finished, or when the topology has no rollout cluster."""
+        the coordinator (finish-time fairness reads our slowdown against it), and
+        returned. None before a trajectory finished, or without a rollout cluster."""
         clusters = self.hooks.client.clusters
         infer, train = clusters.get(INFER), clusters.get(TRAIN)
         if infer is None or not self.times.count:
-            return
+            return None
         mean, longest = self.times.step_done(0.0)
         rollout = self.cfg.rollout
         capacity = rollout.max_groups_in_flight * rollout.group_size
         held = set(train.devices) if train is not None else set()
         free = sum(1 for r in range(infer.dp) if not held & set(infer.bundle(r)))
-        await self.hooks.report_pace(
-            exclusive_step_s(
-                train_s=train_s,
-                trajectory_mean_s=mean,
-                trajectory_longest_s=longest,
-                target=self.target,
-                capacity=capacity,
-                capacity_training=capacity * free // infer.dp,
-                staleness=self.buffer.bound.max_steps,
-            )
+        alone = exclusive_step_s(
+            train_s=train_s,
+            trajectory_mean_s=mean,
+            trajectory_longest_s=longest,
+            target=self.target,
+            capacity=capacity,
+            capacity_training=capacity * free // infer.dp,
+            staleness=self.buffer.bound.max_steps,
         )
+        await self.hooks.report_pace(alone)
+        return alone
 
     def stop_doomed(self) -> None:
         """After a step: groups the new step made too old are stopped."""
