@@ -58,7 +58,8 @@ class EngineCurve(Config, frozen=True):
     One decode iteration of ``batch`` sequences holding ``context`` tokens lasts
     base_s + per_sequence_s x batch + per_context_token_s x context; a trajectory
     joining a shard is prefilled first. Rollout times keep meaning a trajectory alone
-    on an idle engine; ``slots_per_shard`` is the batch cap."""
+    on an idle engine; ``slots_per_shard`` caps the batch's sequences (vLLM's
+    ``max_num_seqs``) and ``kv_cache_tokens``, where given, its tokens."""
 
     base_s: Annotated[
         float, doc("Seconds of one decode iteration, whatever its batch (weights read).", gt=0)
@@ -80,6 +81,16 @@ class EngineCurve(Config, frozen=True):
     prompt_tokens: Annotated[
         int, doc("Prompt tokens of each trajectory (prefilled when it starts).", ge=0)
     ] = 512
+    kv_cache_tokens: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        doc(
+            "Tokens of K and V one shard's cache holds. A trajectory joins a shard only "
+            "while every trajectory there fits at its full length (prompt and all its "
+            "tokens), as vLLM's scheduler admits what its free blocks hold (it admits "
+            "on the current length and preempts later: this never preempts). None: "
+            "only slots_per_shard caps the batch."
+        ),
+    ] = None
     source: Annotated[str, doc("Where the figures come from (free text).")] = ""
 
 

@@ -59,6 +59,15 @@ class _Shard:
     joining: dict[int, tuple[float, _Traj]] = field(default_factory=dict)  # waits an adapter
     tick: int = -1  # the tick event that stands
 
+    def size(self) -> int:
+        return len(self.running) + len(self.joining)
+
+    def full_length(self) -> float:
+        """Tokens its trajectories will hold at their end (what KV admission counts)."""
+        return sum(tr.context + tr.left for tr in self.running.values()) + sum(
+            tr.context + tr.left for _, tr in self.joining.values()
+        )
+
 
 class BatchedSimulation(Simulation):
     def __init__(
@@ -145,7 +154,10 @@ class BatchedSimulation(Simulation):
 
     def _fill(self, s: Server) -> None:
         """As the fixed model's (members in turn, a cut trajectory first), but a started
-        trajectory joins its shard's batch instead of ending at a drawn time."""
+        trajectory joins its shard's batch instead of ending at a drawn time, and only
+        while the batch fits the shard's KV cache at full length (``kv_cache_tokens``):
+        one that does not stays its pipeline's next, for a shard with room."""
+        kv = self.curve.kv_cache_tokens
         for rank in sorted(s.ready):
             changed = False
             while s.slots.get(rank, 0) < s.slots_per_shard:
@@ -156,6 +168,9 @@ class BatchedSimulation(Simulation):
                 sh = self._shards.get((s.id, rank))
                 if sh is None:
                     sh = self._shards[(s.id, rank)] = _Shard(self.now, self.now)
+                if kv is not None and sh.full_length() + context + tokens > kv and sh.size():
+                    self._put_back(self.pipes[pid], tokens, context, began)
+                    break  # (an empty shard takes it whatever its length: vLLM would)
                 self._advance(sh)
                 tid = next(self._tids)
                 self.pipes[pid].inflight[tid] = (rank, math.inf, 0)
@@ -170,6 +185,13 @@ class BatchedSimulation(Simulation):
                 changed = True
             if changed:
                 self._schedule(s.id, rank)
+
+    def _put_back(self, p: _Pipe, tokens: float, context: float, began: float) -> None:
+        """A trajectory taken but not started: its pipeline's next again (queued as a
+        cut one is, so a fresh draw keeps its place in the pipeline's stream)."""
+        p.pending.appendleft((tokens, self.now - began))
+        self._pending_ctx[p.decl.id].appendleft(context)
+        self._queued.add(p.decl.id)
 
     def _tokens(self, p: _Pipe) -> tuple[float, float, float] | None:
         """The pipeline's next trajectory as (tokens left, context, ``began``), or None
