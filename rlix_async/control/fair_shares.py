@@ -149,9 +149,10 @@ def _pinned(terms: Terms, a: float, b: float) -> list[tuple[float | None, float]
 # Finish-time fairness (Themis, NSDI'20): a pipeline's rollout weight is scaled by
 # (its slowdown / the mean slowdown) ** FAIRNESS_EXPONENT, the ratio clipped to
 # [1/FAIRNESS_CLIP, FAIRNESS_CLIP]. A high exponent serves the worst-off first while
-# still dividing devices: on the generated agentic draws (docs/PERF.md, "Fair while
-# sharing") 8 reads a sharing index <= 1.2 on more draws than 2, 4, 16 or 32; the clip
-# keeps a pipeline whose estimate is wildly off from taking every device.
+# still dividing devices: on 30 generated agentic draws (docs/PERF.md, "Fair while
+# sharing") 8 reads a sharing index <= 1.2 on more draws than 6 or 12 (and, with an
+# oracle's paces, than 2, 4, 16 or 32); the clip bounds what a pipeline whose estimate
+# is wildly off (or understated) takes from the others.
 FAIRNESS_EXPONENT = 8
 FAIRNESS_CLIP = 4.0
 
@@ -211,8 +212,8 @@ def bundle_targets(
 ) -> dict[str, int]:
     """Whole bundles per pipeline: largest remainder, at least one, then hysteresis.
     (``by_id`` is ``sorted(wanting)``.) With ``owed`` (finish-time fairness), only
-    those are owed one bundle, and the others are trimmed to none when the total
-    does not fit.
+    those are owed one bundle: when the total does not fit once every share above one
+    bundle is trimmed, the others are trimmed to none.
 
     Hysteresis never leaves a device idle: a pipeline within one bundle of its
     ideal still grows by that bundle when ``idle`` devices (unowned, or held by a
