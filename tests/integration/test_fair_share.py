@@ -4,6 +4,8 @@ reports and training releases reach the planner, and rollout devices follow them
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 
 from helpers.cluster import joined_pipeline
 from rich.console import Console
@@ -58,3 +60,32 @@ async def test_the_pipeline_slowed_most_gets_the_rollout_devices(ipc_ep: str) ->
             assert "x its pace alone" in console.export_text()
             await a.close()
             await b.close()
+
+
+async def test_a_pace_comes_back_with_its_driver_after_a_restart(
+    ipc_ep: str, tmp_path: Path
+) -> None:
+    """Paces are advisory and not journaled: a coordinator restarted on its journal
+    knows none until the driver resumes, which re-sends its last estimate; the
+    slowdown is read again once a step has ended since."""
+    journal = tmp_path / "j.jsonl"
+    cfg = SchedulerConfig(lease_timeout_s=30)
+    co = await Coordinator(ipc_ep, SHAPE, journal=journal, config=cfg).start()
+    a = await joined_pipeline(co.endpoint, "A", TOPO)
+    await a.report_pace(7.5)
+    await asyncio.sleep(0.1)
+    assert co.registry.pace._pace["A"].exclusive_s == 7.5
+    await a.close()
+    await co.close()
+    async with Coordinator(ipc_ep, SHAPE, journal=journal, config=cfg) as co2:
+        assert co2.registry.pace.slowdown("A", time.monotonic()) is None
+        pc = await PipelineClient.connect(co2.endpoint, pipeline_id="A")
+        pc.clusters, pc.admitted, pc._pace = dict(TOPO), True, 7.5  # what A's client held
+        await pc._resume(pc.rpc)
+        await asyncio.sleep(0.1)
+        assert co2.registry.pace._pace["A"].exclusive_s == 7.5
+        assert await pc.request("actor_train", "ACTOR_TRAINING", timeout=5) == [0, 1]
+        await pc.release("actor_train")
+        slowdown = co2.status().pipelines[0].slowdown
+        assert slowdown is not None and 0 < slowdown < 1  # a step of well under 7.5 s
+        await pc.close()
