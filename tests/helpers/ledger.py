@@ -8,7 +8,6 @@ raw lines, not ``tally``, so it checks the ledger's accounting from the outside.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -23,14 +22,14 @@ def kill_cost(run: Path) -> int:
     events = list(read_events(run / LEDGER))
     assert [e["ev"] for e in events if e["ev"] == "start"] == ["start"], "restarted before"
     ckpt = latest_checkpoint(run / "ckpt")
-    saved_step, saved_ids, in_saved = 0, set(), 0
+    saved_ids, in_saved, trained = set(), 0, 0
     if ckpt is not None:
         saved = torch.load(ckpt, map_location="cpu", weights_only=True)
-        saved_step = saved["step"]
         saved_ids = {g["id"] for g in saved["buffer"]["groups"]}
         in_saved = sum(len(g["responses"]) for g in saved["buffer"]["groups"])
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
-    trained = next((r["trained"] for r in rows if r["step"] == saved_step), 0)
+        # from the checkpoint, not its step's metrics row: a pipeline stopped between
+        # writing the two has the one and not the other
+        trained = saved["buffer"]["trained"]
     requested = sum(e["n"] for e in events if e["ev"] == "requested")
     out_of_the_running = 0
     finished: dict[str, int] = {}
