@@ -264,7 +264,7 @@ class Coordinator:
                 del p.held[cluster]
                 self.journal.record(ev.Released(pipeline=p.id, cluster=cluster))
             p.requests.clear()
-            self.registry.pace.started(p.id, time.monotonic(), again=True)
+            self.registry.restarted(p.id)
             self.tasks.spawn(self.executor.notify_ranks(p.id), "ranks")
             self.kick()
         return Ok()

@@ -14,9 +14,20 @@ Two halves, both pure:
   last moved. ``slowdown`` is its recent step time over the estimate.
 
 Like ``weight``, the estimate is the pipeline's word: a driver that understates its
-pace alone is served as if slowed more. ``FAIRNESS_CLIP`` (control/fair_shares.py)
-bounds what that buys, and a lab that does not trust its pipelines keeps
+pace alone is served as if slowed more. What bounds that is the floor (a step alone
+is read no shorter than the training hold the coordinator timed itself), not
+``FAIRNESS_CLIP``: the clip bounds the ratio to the mean, and its power
+(control/fair_shares.py) still lets an understating pipeline take every rollout
+device the others are not owed. A lab that does not trust its pipelines keeps
 ``fairness: demand``.
+
+A known bias: a trajectory's time on shards is measured from the request's send to
+its answer, so it includes what sharing an engine's batch (or its queue) with the
+pipeline's own other requests cost it. A pipeline squeezed onto fewer shards
+batches and queues more per shard, reads a longer
+step alone and so a smaller slowdown than it suffers. The simulator does not have
+it (a trajectory there waits for a slot outside the shard, uncounted), so the
+figures in docs/PERF.md were tuned without it.
 """
 
 from __future__ import annotations
@@ -121,7 +132,9 @@ class PaceBook:
         self._pace.pop(pid, None)
 
     def training(self, pid: str, now: float) -> None:
-        """Its actor_train was granted for ACTOR_TRAINING: a step's training starts."""
+        """Its grant of actor_train for ACTOR_TRAINING was delivered (once no fence
+        covered the devices: the wait for others' shards to sleep is no training of
+        its own): a step's training starts."""
         pace = self._pace.get(pid)
         if pace is not None:
             pace.training_since = now
@@ -143,11 +156,26 @@ class PaceBook:
             self._pace[pid].exclusive_s = exclusive_s
 
     def progressed(self, pid: str, target: int, completed: int, now: float) -> None:
-        """A progress report: the clock of ``stalled_s`` restarts when it moved."""
+        """A progress report: the clock of ``stalled_s`` restarts when it moved. The
+        first one starts its first step: a driver is admitted before it loads its model
+        and data, and that start-up is no step of its pace (counted, a new pipeline
+        would read slowed for its first steps and take the incumbents' devices)."""
         pace = self._pace.get(pid)
-        if pace is not None and pace.progress != (target, completed):
+        if pace is None:
+            return
+        if pace.progress is None and len(pace.ends) == 1:
+            pace.ends = [now]
+        if pace.progress != (target, completed):
             pace.progress = (target, completed)
             pace.moved_at = now
+
+    def progress_cleared(self, pid: str, target: int, completed: int) -> None:
+        """A progress stream was dropped: the totals a later report is compared with
+        are the remaining streams', so the first report after it that moves is seen
+        to move (compared with the old totals, one that equals them would not be)."""
+        pace = self._pace.get(pid)
+        if pace is not None and pace.progress is not None:
+            pace.progress = (target, completed)
 
     def slowdown(self, pid: str, now: float) -> float | None:
         """Its pace over its last ``STEPS_READ`` steps and the one running now, over

@@ -31,6 +31,7 @@ from rlix_async.protocols.cache_ref import CacheRef
 from rlix_async.protocols.snapshot import Plan, RankChange
 from rlix_async.protocols.topology import (
     INFER,
+    TRAIN,
     ClusterName,
     ClusterSpec,
     Priority,
@@ -310,6 +311,8 @@ class PlanExecutor:
 
         await self.pacer.turn()  # first: nothing may await between the checks and the send
         if await self._wait_unfenced(devices, f"grant of {cluster} to {pid}", still_granted):
+            if cluster == TRAIN and priority == "ACTOR_TRAINING":
+                self.registry.training_delivered(pid)
             await self.server.notify(
                 m.driver_identity(pid),
                 m.Granted(cluster=cluster, priority=priority, devices=devices),

@@ -336,6 +336,21 @@ class Registry:
             p.progress.clear()
         else:
             p.progress.pop(stream, None)
+        streams = p.progress.values()
+        self.pace.progress_cleared(
+            pid, sum(s.target for s in streams), sum(s.completed for s in streams)
+        )
+
+    def training_delivered(self, pid: str, now: float | None = None) -> None:
+        """Its grant of actor_train for ACTOR_TRAINING reached it (the executor sends
+        it once no fence covers the devices; the simulator when the sleeps it waited
+        for are done): its step's training starts now (control/pace.py)."""
+        self.pace.training(pid, time.monotonic() if now is None else now)
+
+    def restarted(self, pid: str, now: float | None = None) -> None:
+        """A new driver process took ``pid`` over: its steps start over (the old one's
+        downtime is no step of its own)."""
+        self.pace.started(pid, time.monotonic() if now is None else now, again=True)
 
     # --- planning ----------------------------------------------------------------------------
 
@@ -451,8 +466,6 @@ class Registry:
             p = self.pipelines[g.pipeline]
             p.held[g.cluster] = Priority[g.priority]
             p.grant_ids[g.cluster] = next(self._grant_ids)
-            if g.cluster == TRAIN and g.priority == "ACTOR_TRAINING":
-                self.pace.training(p.id, time.monotonic() if now is None else now)
             p.requests.pop(g.cluster, None)
         for ch in plan.expand:
             self.pipelines[ch.pipeline].active.update(ch.ranks)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from rlix_async.control.cluster_status import cluster_status
 from rlix_async.control.pace import STEPS_READ, PaceBook, TrajectoryTimes, exclusive_step_s
 from rlix_async.control.registry import Registry
 from rlix_async.protocols.snapshot import Grant, Plan, Policy
@@ -106,6 +107,49 @@ def test_stalled_counts_from_the_last_progress_that_moved_while_it_wants_work() 
     assert book.stalled_s("a", 401.0, wants=True) == 1.0
 
 
+def test_the_first_step_starts_with_the_first_progress_report_not_at_admission() -> None:
+    """A driver is admitted, then loads its model (here 300 s): its first step is timed
+    from its first progress report, so start-up reads as no slowdown."""
+    book = PaceBook()
+    book.started("a", 0.0)
+    book.reported("a", 100.0, 0.0)
+    book.progressed("a", 64, 0, 300.0)
+    book.progressed("a", 64, 10, 350.0)  # later reports move nothing
+    book.step_ended("a", 500.0)
+    assert book.slowdown("a", 500.0) == pytest.approx(2.0)  # 200 s, not 500 s
+    book.started("a", 600.0, again=True)  # a restarted driver loads again
+    book.reported("a", 100.0, 650.0)
+    book.progressed("a", 64, 0, 700.0)
+    book.step_ended("a", 800.0)
+    assert book.slowdown("a", 800.0) == pytest.approx(1.0)
+
+
+def test_a_cleared_stream_leaves_the_rest_to_compare_with() -> None:
+    """Two streams report (64, 64) and (8, 0); the eval stream is cleared and the
+    rollout's next report happens to equal the old totals: it moved, since the
+    totals it is compared with are the remaining stream's."""
+    reg = _registry("finish_time")
+    reg.report_progress("a", "default", 64, 64, now=0.0)
+    reg.report_progress("a", "eval", 8, 0, now=0.0)
+    reg.clear_progress("a", "eval")
+    reg.report_progress("a", "default", 72, 64, now=100.0)
+    assert reg.pace.stalled_s("a", 150.0, wants=True) == 50.0
+
+
+def test_the_training_floor_is_timed_from_the_grant_reaching_the_driver() -> None:
+    """Planned at 100 s, the grant waits 60 s for others' shards to sleep before it
+    reaches the driver: the training hold the coordinator times (the floor of a step
+    alone) is 40 s, not 100 s."""
+    reg = _registry("finish_time")
+    reg.report_progress("a", "default", 64, 0, now=0.0)
+    reg.report_pace("a", 1.0, now=0.0)  # an understated estimate: the floor binds
+    reg.request("a", "actor_train", Priority.ACTOR_TRAINING, None, now=90.0)
+    reg.apply(Plan(grants=[Grant("a", "actor_train", "ACTOR_TRAINING", [0, 1])]), now=100.0)
+    reg.training_delivered("a", now=160.0)
+    reg.release("a", "actor_train", now=200.0)
+    assert reg.pace.slowdown("a", 200.0) == pytest.approx(200 / 40)
+
+
 def _registry(fairness: str) -> Registry:
     reg = Registry(ClusterShape(nodes=1, gpus_per_node=4), Policy(fairness=fairness))  # type: ignore[arg-type]
     topo = {"actor_train": ClusterSpec(1, (0, 1)), "actor_infer": ClusterSpec(1, (0, 1, 2, 3))}
@@ -163,5 +207,9 @@ def test_a_base_group_is_as_slowed_as_its_worst_member() -> None:
     assert snap["base"].slowdown == pytest.approx(5.0)  # m3: 50 s steps, 10 s alone
     assert snap["base"].stalled_s == 10.0  # m1 moving: the group serves
     assert snap["m1"].slowdown is None  # members' rollouts are the group's
+    # status shows each member's own slowdown, and the group's worst
+    status = {p.id: p for p in cluster_status(reg, {}, (0, 0, 0)).pipelines}
+    assert status["base"].slowdown == status["m3"].slowdown
+    assert status["m1"].slowdown is not None and status["m1"].slowdown < status["m3"].slowdown
     reg.report_progress("m1", "default", 8, 8, now=100.0)  # m1 done: m2 alone wants
     assert {p.id: p for p in reg.snapshot(now=400.0).pipelines}["base"].stalled_s == 400.0
