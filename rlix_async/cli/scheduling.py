@@ -267,7 +267,7 @@ def _engine_curve(path: str | None) -> EngineCurve:
     from rlix_async.config import convert
     from rlix_async.config.loading import read_yaml
     from rlix_async.config.scenario import EngineCurve
-    from rlix_async.sim.from_run import VLLM_CPU_CURVE
+    from rlix_async.sim.engine_time import VLLM_CPU_CURVE
 
     if path is None:
         return VLLM_CPU_CURVE

@@ -9,7 +9,7 @@ a device list. Data-parallel rank ``r`` of a cluster is the bundle
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Literal
 
 import msgspec
@@ -109,6 +109,12 @@ class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def bundles(self) -> list[tuple[int, ...]]:
         return [self.bundle(r) for r in range(self.dp)]
+
+    def ranks_clear_of(self, devices: Iterable[int]) -> int:
+        """How many of its ranks use none of ``devices`` (a rollout's ranks that run on
+        while its training holds its own devices)."""
+        taken = set(devices)
+        return sum(1 for b in self.bundles() if taken.isdisjoint(b))
 
 
 def validate_cluster(name: str, spec: ClusterSpec, shape: ClusterShape) -> None:

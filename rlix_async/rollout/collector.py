@@ -112,8 +112,7 @@ class Collector:
         mean, longest = self.times.step_done(0.0)
         rollout = self.cfg.rollout
         capacity = rollout.max_groups_in_flight * rollout.group_size
-        held = set(train.devices) if train is not None else set()
-        free = sum(1 for r in range(infer.dp) if not held & set(infer.bundle(r)))
+        free = infer.ranks_clear_of(train.devices if train is not None else ())
         alone = exclusive_step_s(
             train_s=train_s,
             trajectory_mean_s=mean,

@@ -320,6 +320,7 @@ class Simulation:
     def _granted(self, pid: str) -> None:
         p = self.pipes[pid]
         p.requested, p.training = False, True
+        self.registry.training_delivered(pid, self.now)
         self._progress(p)
         self._push(self.now + p.decl.train_s, "trained", pid)
 
@@ -345,8 +346,7 @@ class Simulation:
         measured trajectory times (control/pace.py)."""
         decl, sw = p.decl, self.sc.switch
         infer = decl.clusters[INFER]
-        train = set(decl.clusters[TRAIN].devices)
-        free = sum(1 for r in range(infer.dp) if not train & set(infer.bundle(r)))
+        free = infer.ranks_clear_of(decl.clusters[TRAIN].devices)
         mean, longest = p.took.step_done(decl.rollout.median_s)
         return exclusive_step_s(
             train_s=decl.train_s,

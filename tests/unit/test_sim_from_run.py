@@ -209,6 +209,21 @@ def test_a_stage_is_training_plus_the_wait_beyond_a_typical_sleep() -> None:
     assert pipes["b"]["grant_wait_max_s"] == pytest.approx(3.0)
 
 
+def test_a_log_probs_pass_on_the_training_devices_is_no_stage() -> None:
+    """Only ACTOR_TRAINING holds are training: a 0.5 s log-probs pass of a's before its
+    first step leaves its stage as it was."""
+    events = _events()
+    events[5:5] = [
+        _at(
+            2.0,
+            Granted(pipeline="a", cluster="actor_train", priority="OLD_LOG_PROBS", devices=[0]),
+        ),
+        _at(2.5, Released(pipeline="a", cluster="actor_train")),
+    ]
+    r = scenario_from_run(events, METRICS, [A, B], CLUSTER, scheduler=SCHEDULER, engine=CURVE)
+    assert r.scenario.pipelines[0].stages == {"ACTOR_TRAINING": pytest.approx(1.5)}
+
+
 def test_starts_makespan_and_slots() -> None:
     sc, makespan, _ = _derive()
     a, b = sc.pipelines
