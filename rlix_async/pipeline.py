@@ -241,14 +241,15 @@ class Driver:
         stats = await asyncio.to_thread(self._train, batch)
         collector.stop_doomed()  # the step moved on: some groups can no longer be used
         times = await self._after_training(hooks, cache, collector, ledger, version)
-        alone = await collector.report_pace(time.monotonic() - t1)
+        train_s = time.monotonic() - t1  # the row's, and the pace's training time
+        alone = await collector.report_pace(train_s)
         rewards = [r for g in batch for r in g.rewards]
         row = {
             "step": self.trainer.step,
             "reward": sum(rewards) / len(rewards),
             "trained_on_versions": sorted({g.oldest_version for g in batch}),
             "wait_s": round(t1 - t0, 3),
-            "train_s": round(time.monotonic() - t1, 3),
+            "train_s": round(train_s, 3),
             # its estimate of a step alone, as told the coordinator (control/pace.py)
             "step_alone_s": None if alone is None else round(alone, 3),
             "generated": collector.generated,

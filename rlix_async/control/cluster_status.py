@@ -31,7 +31,7 @@ def cluster_status(
             shard_memory=memory.get(p.id, {}),
             group=p.group,
             members=list(p.members),
-            slowdown=registry.pace_of(p, now)[0] if p.group is None else None,
+            slowdown=registry.pace_of(p, now)[0],  # a member's own, a base group's worst
         )
         for p in registry.pipelines.values()
     ]

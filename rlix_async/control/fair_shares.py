@@ -161,7 +161,9 @@ def finish_time_factors(slowdown: dict[str, float | None]) -> dict[str, float]:
     """Each pipeline's weight factor from its slowdown against its pace alone: its
     slowdown over the mean of the known ones, clipped, to ``FAIRNESS_EXPONENT``; 1.0
     for a pipeline whose slowdown is not known (None) or when none is."""
-    slowdown = {k: v if v is not None and math.isfinite(v) else None for k, v in slowdown.items()}
+    slowdown = {
+        k: v if v is not None and math.isfinite(v) and v > 0 else None for k, v in slowdown.items()
+    }
     known = [v for v in slowdown.values() if v is not None]
     if not known:
         return dict.fromkeys(slowdown, 1.0)

@@ -174,8 +174,9 @@ class PipelineStatus(msgspec.Struct):
     shard_memory: dict[int, int] = {}  # rank -> bytes in use after its last command
     group: str | None = None  # a LoRA pipeline's base group (its shards serve it)
     members: list[str] = []  # a base group's member pipelines
-    # its recent step time over its reported step alone (control/pace.py); None: no
-    # estimate yet
+    # its recent step time over its reported step alone (control/pace.py); a base
+    # group's: its worst-off member's (what the planner serves it by); None: no
+    # estimate, or no step ended since it started
     slowdown: float | None = None
 
 

@@ -88,9 +88,10 @@ class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             description=(
                 "How rollout devices are divided among pipelines of one priority. "
                 "finish_time: the pipeline slowed most against its own pace alone gets "
-                "the most (Themis), no pipeline keeps a bundle it is not owed, and a "
-                "starving one gets one back. demand: by weight x remaining trajectories, "
-                "a bundle for every pipeline with demand."
+                "the most (Themis); when bundles run short, a pipeline ahead of its pace "
+                "gives its one up once every larger share is down to one, and a starving "
+                "one gets one back. demand: by weight x remaining trajectories, a bundle "
+                "for every pipeline with demand."
             )
         ),
     ] = DEFAULT_FAIRNESS

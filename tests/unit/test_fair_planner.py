@@ -74,6 +74,9 @@ def test_factors_scale_by_slowdown_over_the_mean_clipped() -> None:
     assert far["e"] == pytest.approx(FAIRNESS_CLIP**FAIRNESS_EXPONENT)  # 4.98 clipped
     assert far["a"] == pytest.approx(FAIRNESS_CLIP**-FAIRNESS_EXPONENT)  # 0.005 clipped
     assert finish_time_factors({"a": None}) == {"a": 1.0}
+    # a slowdown of 0 (built in-process, where msgspec's gt=0 is not checked) is no
+    # pace: read as unknown, not divided by
+    assert finish_time_factors({"a": 0.0, "b": 0.0}) == {"a": 1.0, "b": 1.0}
 
 
 def test_the_pipeline_slowed_most_gets_more_of_the_rollout_devices() -> None:
