@@ -317,13 +317,7 @@ class Registry:
     ) -> None:
         p = self.get(pid)
         p.progress[stream] = ProgressIn(target=target, completed=completed, stream=stream)
-        streams = p.progress.values()
-        self.pace.progressed(
-            pid,
-            sum(s.target for s in streams),
-            sum(s.completed for s in streams),
-            time.monotonic() if now is None else now,
-        )
+        self.pace.progressed(pid, *_progress_totals(p), time.monotonic() if now is None else now)
 
     def report_pace(self, pid: str, exclusive_step_s: float, now: float | None = None) -> None:
         """The pipeline's estimate of its step alone on every declared device."""
@@ -336,10 +330,7 @@ class Registry:
             p.progress.clear()
         else:
             p.progress.pop(stream, None)
-        streams = p.progress.values()
-        self.pace.progress_cleared(
-            pid, sum(s.target for s in streams), sum(s.completed for s in streams)
-        )
+        self.pace.progress_cleared(pid, *_progress_totals(p))
 
     def training_delivered(self, pid: str, now: float | None = None) -> None:
         """Its grant of actor_train for ACTOR_TRAINING reached it (the executor sends
@@ -448,7 +439,7 @@ class Registry:
             base.members
         )
 
-    def apply(self, plan: Plan, *, fence: bool = False, now: float | None = None) -> list[str]:
+    def apply(self, plan: Plan, *, fence: bool = False) -> list[str]:
         """Record the plan's outcome (the commands that realise it follow). With
         ``fence`` (the coordinator; the simulator models sleeps as durations), every
         shrunk rank's devices are fenced until its worker confirms the sleep.
@@ -507,3 +498,9 @@ class Registry:
                     for d in spec.bundle(r):
                         out[d] = DeviceOwner(p.id, INFER, "GENERATION", r)
         return out
+
+
+def _progress_totals(p: PipelineState) -> tuple[int, int]:
+    """(target, completed) over every progress stream: what the pace book compares."""
+    streams = p.progress.values()
+    return sum(s.target for s in streams), sum(s.completed for s in streams)

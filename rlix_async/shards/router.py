@@ -239,8 +239,9 @@ class Router:
         self, traj: Trajectory, req: _Request
     ) -> tuple[int, GenerateResult, float] | None:
         """One attempt on the least-loaded awake shard: its rank, answer and seconds
-        from send to reply, or None to try again (refused before decoding, or the shard failed: ``traj`` then counts a
-        resume). Raises when the request cannot be served."""
+        from send to reply, or None to try again (refused before decoding, or the shard
+        failed: ``traj`` then counts a resume). Raises when the request cannot be
+        served."""
         rank, endpoint = await self._pick(req)
         self.load[rank] = self.load.get(rank, 0) + 1
         attempt = f"{req.rid}.{traj.resumes}"

@@ -64,9 +64,8 @@ class _Shard:
 
     def full_length(self) -> float:
         """Tokens its trajectories will hold at their end (what KV admission counts)."""
-        return sum(tr.context + tr.left for tr in self.running.values()) + sum(
-            tr.context + tr.left for _, tr in self.joining.values()
-        )
+        joining = (tr for _, tr in self.joining.values())
+        return sum(tr.context + tr.left for tr in itertools.chain(self.running.values(), joining))
 
 
 class BatchedSimulation(Simulation):

@@ -443,7 +443,7 @@ class Simulation:
                         self._push(at, "aged", state.id, req.seq)
         if not (result.shrink or result.grants or result.expand):
             return
-        self.registry.apply(result, now=self.now)
+        self.registry.apply(result)
         sw = self.sc.switch
         for ch in result.shrink:
             s = self.servers[ch.pipeline]

@@ -144,7 +144,7 @@ def test_the_training_floor_is_timed_from_the_grant_reaching_the_driver() -> Non
     reg.report_progress("a", "default", 64, 0, now=0.0)
     reg.report_pace("a", 1.0, now=0.0)  # an understated estimate: the floor binds
     reg.request("a", "actor_train", Priority.ACTOR_TRAINING, None, now=90.0)
-    reg.apply(Plan(grants=[Grant("a", "actor_train", "ACTOR_TRAINING", [0, 1])]), now=100.0)
+    reg.apply(Plan(grants=[Grant("a", "actor_train", "ACTOR_TRAINING", [0, 1])]))
     reg.training_delivered("a", now=160.0)
     reg.release("a", "actor_train", now=200.0)
     assert reg.pace.slowdown("a", 200.0) == pytest.approx(200 / 40)
@@ -164,7 +164,7 @@ def test_the_registry_times_steps_by_training_releases_and_fills_the_snapshot() 
     reg.report_pace("a", 100.0, now=0.0)
     for prio, t in ((Priority.OLD_LOG_PROBS, 50.0), (Priority.ACTOR_TRAINING, 250.0)):
         reg.request("a", "actor_train", prio, None, now=t - 50.0)
-        reg.apply(Plan(grants=[Grant("a", "actor_train", prio.name, [0, 1])]), now=t - 10.0)
+        reg.apply(Plan(grants=[Grant("a", "actor_train", prio.name, [0, 1])]))
         assert reg.release("a", "actor_train", now=t)
     # the log-probs pass was no step: one step ended, at 250 s
     [pipe] = reg.snapshot(now=250.0).pipelines
@@ -187,7 +187,7 @@ def test_a_pipeline_restored_from_a_compacted_journal_gets_its_pace_back() -> No
     reg.pipelines["a"].admitted = True  # as the snapshot's replay sets it
     reg.report_pace("a", 100.0, now=1000.0)  # the driver re-sends it on resume
     grant = Plan(grants=[Grant("a", "actor_train", "ACTOR_TRAINING", [0, 1])])
-    reg.apply(grant, now=1100.0)
+    reg.apply(grant)
     reg.release("a", "actor_train", now=1200.0)
     assert reg.pace.slowdown("a", 1200.0) == pytest.approx(2.0)
 
