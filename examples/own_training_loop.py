@@ -21,8 +21,8 @@ from rlix_async import (
     ClusterSpec,
     Group,
     Sampling,
+    TorchTrainConfig,
     TorchTrainer,
-    TrainConfig,
     Trajectory,
     WeightCache,
     target_tokens,
@@ -45,7 +45,7 @@ async def main(endpoint: str, steps: int) -> None:
         "actor_train": ClusterSpec(tp=1, devices=(0,)),
         "actor_infer": ClusterSpec(tp=1, devices=(0, 1)),
     }
-    trainer = TorchTrainer(TrainConfig(lr=1e-2))  # or your own model + optimizer
+    trainer = TorchTrainer(TorchTrainConfig(lr=1e-2))  # or your own model + optimizer
     hooks = await ClusterHooks.join(endpoint, "my-experiment", topology)
     task = target_tokens()
     cache = WeightCache("my-experiment")

@@ -23,6 +23,8 @@ _EXPORTS = {
     "ModelConfig": "rlix_async.config",
     "PipelineConfig": "rlix_async.config",
     "TrainConfig": "rlix_async.config",
+    "TorchTrainConfig": "rlix_async.config",
+    "VllmEngineConfig": "rlix_async.config",
     "load_config": "rlix_async.config",
     # joining a cluster from your own loop
     "ClusterHooks": "rlix_async.hooks",
@@ -38,7 +40,7 @@ _EXPORTS = {
     "ShardWorker": "rlix_async.shards.worker",
     "ShardEngine": "rlix_async.protocols.engine",
     # the GRPO recipe's parts
-    "Group": "rlix_async.train.buffer",
+    "Group": "rlix_async.protocols.batch",
     "ReplayBuffer": "rlix_async.train.buffer",
     "TorchTrainer": "rlix_async.train.trainer",
     "StepResult": "rlix_async.rollout.episodes",
@@ -99,10 +101,12 @@ __all__ = [
     "ShardEngine",
     "ShardWorker",
     "StepResult",
+    "TorchTrainConfig",
     "TorchTrainer",
     "TrainConfig",
     "Trajectory",
     "TransportConfig",
+    "VllmEngineConfig",
     "WeightCache",
     "__version__",
     "copy_first",
@@ -132,13 +136,16 @@ if TYPE_CHECKING:
         LaunchConfig,
         ModelConfig,
         PipelineConfig,
+        TorchTrainConfig,
         TrainConfig,
+        VllmEngineConfig,
         load_config,
     )
     from rlix_async.control.client import PipelineClient
     from rlix_async.control.coordinator import Coordinator
     from rlix_async.hooks import ClusterHooks, NoHooks
     from rlix_async.protocol import PROTOCOL_VERSION, Message, RpcError
+    from rlix_async.protocols.batch import Group
     from rlix_async.protocols.cache_ref import CacheRef
     from rlix_async.protocols.engine import ShardEngine
     from rlix_async.protocols.generation import Sampling
@@ -150,7 +157,7 @@ if TYPE_CHECKING:
     from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
     from rlix_async.shards.router import Router, Trajectory
     from rlix_async.shards.worker import ShardWorker
-    from rlix_async.train.buffer import Group, ReplayBuffer
+    from rlix_async.train.buffer import ReplayBuffer
     from rlix_async.train.trainer import TorchTrainer
     from rlix_async.transport import (
         CallContext,

@@ -42,6 +42,7 @@ from rlix_async.placement import (
     PlacedProcess,
     bind_cores,
     bind_visible_devices,
+    engine_environment,
     model_dir,
     node_share,
     place_processes,
@@ -49,6 +50,7 @@ from rlix_async.placement import (
 )
 from rlix_async.protocols.topology import SPAN_WORLD
 from rlix_async.security import ipc_endpoint
+from rlix_async.shards.engines import engine_backend
 from rlix_async.weights.shm import remove_pipeline_segments
 
 log = logging.getLogger(__name__)
@@ -119,7 +121,8 @@ def _write(path: Path, cfg: msgspec.Struct) -> Path:
 
 def resolve_recipes(cfg: LaunchConfig) -> LaunchConfig:
     """Pipelines as every process reads them: the model directory, data files and a
-    reward or env file as absolute paths, the engine's ``max_model_len`` (``rlix-async export`` reads the model directory from
+    reward, env or agent file as absolute paths, the engine (its section, and its
+    ``max_model_len``) (``rlix-async export`` reads the model directory from
     the pipeline's config, from wherever it runs), and ``max_prompt_tokens`` unset
     filled in with what the engine's context leaves after the response (longer prompts
     would fail in the engine)."""
@@ -136,18 +139,18 @@ def resolve_recipes(cfg: LaunchConfig) -> LaunchConfig:
                 max_prompt_tokens=p.data.max_prompt_tokens
                 or cfg.engine.max_model_len - p.rollout.max_tokens,
             )
-            specs = (p.reward, p.env, p.agent, p.agent_api)
-            reward, env, agent, agent_api = (_absolute_file(spec) for spec in specs)
-            p = msgspec.structs.replace(
-                p,
-                data=data,
-                reward=reward,
-                env=env,
-                agent=agent,
-                agent_api=agent_api,
-                max_model_len=cfg.engine.max_model_len,
+            e = p.env
+            env = msgspec.structs.replace(
+                e,
+                reward=_absolute_file(e.reward),
+                env_class=_absolute_file(e.env_class),
+                agent=_absolute_file(e.agent),
+                agent_api=_absolute_file(e.agent_api),
             )
-        pipelines.append(p)
+            p = msgspec.structs.replace(
+                p, data=data, env=env, max_model_len=cfg.engine.max_model_len
+            )
+        pipelines.append(msgspec.structs.replace(p, engine=cfg.engine))
     return msgspec.structs.replace(cfg, pipelines=pipelines)
 
 
@@ -160,18 +163,18 @@ def _absolute_file(spec: str | None) -> str | None:
 
 
 def check_recipes(cfg: LaunchConfig) -> None:
-    """Load every text recipe once (tokenizer, data files, reward), and check that a
-    Megatron pipeline's model directory is one it can build, before any process starts:
-    a bad file or reward is a LaunchError (exit 2), not a torchrun crash loop."""
+    """Load every text recipe once (tokenizer, data files, reward), and ask each
+    pipeline's trainer backend whether it can train it (a model family it would build
+    wrong), before any process starts: a bad file or reward is a LaunchError (exit 2),
+    not a torchrun crash loop."""
     from rlix_async.rollout.prompts import RecipeError, load_recipe
-    from rlix_async.train.megatron_hf import MegatronModelError, llama_shape
+    from rlix_async.train.backends import trainer_backend
 
     for i, p in enumerate(cfg.pipelines):
-        if p.train.backend == "megatron" and p.model.path:
-            try:
-                llama_shape(p.model.path)  # a family it would build wrong is refused here
-            except MegatronModelError as exc:
-                raise LaunchError(f"pipelines[{i}] ({p.id}): {exc}") from None
+        try:
+            trainer_backend(p.train).check(p)
+        except ValueError as exc:  # TrainerBackendError and the backends' own
+            raise LaunchError(f"pipelines[{i}] ({p.id}): {exc}") from None
         if p.data is None:
             continue
         try:
@@ -247,7 +250,12 @@ class Launcher:
             if node is not None:
                 self.plan = node_share(self.plan, node.node, node.address)
             bind_visible_devices(self.plan, os.environ)
-            bind_cores(self.plan, cfg.cluster.gpus_per_node, shard_cores(), os.environ)
+            engine = engine_backend(cfg.engine)
+            binding = engine.binding_variable
+            bind_cores(
+                self.plan, cfg.cluster.gpus_per_node, shard_cores(binding), os.environ, binding
+            )
+            engine_environment(self.plan, engine.environment(), os.environ)
         except NodePlanError as exc:
             raise LaunchError(str(exc)) from None
         self.done_dir = self.out / "nodes" / (node.job if node else "local")
@@ -534,7 +542,6 @@ def _check_node(cfg: LaunchConfig, node: NodeRole) -> None:
 
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("OMP_NUM_THREADS", "1")  # many small processes share few cores
     env["PYTHONUNBUFFERED"] = "1"
     return env

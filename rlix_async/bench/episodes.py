@@ -69,13 +69,13 @@ async def run_episodes_bench(
 ) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from rlix_async.config import EngineConfig
-    from rlix_async.shards.vllm_engine import VllmEngine
+    from rlix_async.config import VllmEngineConfig
+    from rlix_async.shards.vllm.engine import VllmEngine
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     pid = f"be{uuid.uuid4().hex[:6]}"
     transport = TransportConfig.with_heartbeat(heartbeat_interval_s)
-    engine = VllmEngine(model, EngineConfig(dtype="float32", kv_cache_mb=kv_cache_mb))
+    engine = VllmEngine(model, VllmEngineConfig(dtype="float32", kv_cache_mb=kv_cache_mb))
     co = Coordinator(ipc_endpoint(f"bench-episodes-{pid}"), ClusterShape(1, 1), transport=transport)
     await co.start()
     driver = await PipelineClient.connect(co.endpoint, pipeline_id=pid, transport=transport)

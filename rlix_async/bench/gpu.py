@@ -134,13 +134,13 @@ def llama_layers(model_mb: int) -> int:
 
 def trainer_offload(model_mb: int, repeats: int) -> dict[str, Any]:
     """Offload and reload of a trainer holding a model and its AdamW state."""
-    from rlix_async.config import ModelConfig, TrainConfig
+    from rlix_async.config import ModelConfig, TorchTrainConfig
     from rlix_async.train.trainer import TorchTrainer
 
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     model = ModelConfig(vocab_size=LLAMA_VOCAB, layers=llama_layers(model_mb), hidden=LLAMA_HIDDEN)
-    trainer = TorchTrainer(TrainConfig(), model)
+    trainer = TorchTrainer(TorchTrainConfig(), model)
     device = next(trainer.model.parameters()).device
     ids = torch.randint(0, LLAMA_VOCAB, (2, 64), device=device)
     trainer.model(input_ids=ids).logits.float().mean().backward()

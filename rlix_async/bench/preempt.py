@@ -64,14 +64,14 @@ async def run_preempt_bench(
     kv_cache_mb: int = 64,
     timeout_s: float = 300.0,
 ) -> dict[str, Any]:
-    from rlix_async.config import EngineConfig
+    from rlix_async.config import VllmEngineConfig
     from rlix_async.models.tiny import save_tiny_llama, tiny_llama
-    from rlix_async.shards.vllm_engine import VllmEngine
+    from rlix_async.shards.vllm.engine import VllmEngine
 
     pid = f"bp{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory(prefix="rlix-bench-preempt-") as tmp:
         model_dir = save_tiny_llama(Path(tmp) / "model", seed=0)
-        cfg = EngineConfig(dtype="float32", max_model_len=512, kv_cache_mb=kv_cache_mb)
+        cfg = VllmEngineConfig(dtype="float32", max_model_len=512, kv_cache_mb=kv_cache_mb)
         engines = [VllmEngine(str(model_dir), cfg) for _ in range(2)]
         cache = WeightCache(pid, bucket_bytes=1 << 20)
         workers: list[ShardWorker] = []

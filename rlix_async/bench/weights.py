@@ -300,10 +300,10 @@ def run_vllm_weights_bench(
 async def _vllm_bench(size_mb: int, bucket: int, rounds: int) -> dict[str, Any]:
     import psutil
 
-    from rlix_async.config import EngineConfig
+    from rlix_async.config import VllmEngineConfig
     from rlix_async.models.tiny import save_tiny_llama, tiny_llama
     from rlix_async.shards.devices import cuda_device_count
-    from rlix_async.shards.vllm_engine import VllmEngine
+    from rlix_async.shards.vllm.engine import VllmEngine
 
     config = llama_for(size_mb)
     versions = [tiny_llama(seed, **config).state_dict() for seed in (1, 2)]
@@ -311,7 +311,7 @@ async def _vllm_bench(size_mb: int, bucket: int, rounds: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rlix-wbench-") as tmp:
         path = save_tiny_llama(f"{tmp}/model", seed=0, **config)
         cuda = cuda_device_count() > 0  # not torch.cuda.is_available(): vLLM forks from here
-        engine = VllmEngine(str(path), EngineConfig(max_model_len=256), cuda=cuda)
+        engine = VllmEngine(str(path), VllmEngineConfig(max_model_len=256), cuda=cuda)
         cache = WeightCache(f"wbench{os.getpid()}", "owner0", bucket_bytes=bucket)
         try:
             # The engine's processes (engine core, worker), measured against their

@@ -79,7 +79,6 @@ def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
     import json
 
     from rlix_async.placement import (
-        BIND_ENV,
         NodePlanError,
         bind_cores,
         bind_visible_devices,
@@ -87,6 +86,7 @@ def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
         place_processes,
         shard_cores,
     )
+    from rlix_async.shards.engines import EngineUnavailable, engine_backend
 
     endpoint = "ipc://<coordinator.sock>" if cfg.cluster.nodes == 1 else "tcp://<head-node>:7600"
     try:
@@ -94,29 +94,32 @@ def _dry_run(cfg: LaunchConfig, args: argparse.Namespace) -> int:
         bind_visible_devices(plan, os.environ)
     except NodePlanError as exc:
         raise UsageError(str(exc)) from None
-    cores = shard_cores()
-    bind_cores(plan, cfg.cluster.gpus_per_node, cores, os.environ)
+    try:
+        binding = engine_backend(cfg.engine).binding_variable
+    except EngineUnavailable as exc:
+        raise UsageError(str(exc)) from None
+    cores = shard_cores(binding)
+    bind_cores(plan, cfg.cluster.gpus_per_node, cores, os.environ, binding)
     if args.json:
         print(json.dumps({"processes": [p.to_builtins() for p in plan]}, indent=2))
         return 0
-    print(format_placement(plan))
+    print(format_placement(plan, binding))
     if cores and cfg.cluster.nodes > 1:  # each node binds its shards to its own cores
         print(f"CPUS: as on this host ({len(cores)} cores); each node binds to its own")
-    elif not cores and (bound := os.environ.get(BIND_ENV)) is not None:
-        print(f"CPUS: every process gets your {BIND_ENV}={bound}")
+    elif not cores and binding is not None and (bound := os.environ.get(binding)) is not None:
+        print(f"CPUS: every process gets your {binding}={bound}")
     return 0
 
 
-def check_vllm(cfg: LaunchConfig) -> None:
-    """Before any process starts: a vLLM engine needs a vLLM this package supports
-    (exit 2, one line; one newer than those checked gets a one-line warning)."""
-    if cfg.engine.kind != "vllm":
-        return
-    from rlix_async.shards import vllm_api  # reads vLLM's metadata, imports nothing
+def check_engine(cfg: LaunchConfig) -> None:
+    """Before any process starts: the engine can run here (exit 2, one line; e.g. a
+    vLLM newer than those checked gets a one-line warning)."""
+    from rlix_async.shards.engines import EngineUnavailable, engine_backend
 
     try:
-        warning = vllm_api.check_version()
-    except vllm_api.VllmVersionError as exc:
+        adapters = any(p.lora is not None for p in cfg.pipelines)
+        warning = engine_backend(cfg.engine).check_installed(adapters)
+    except EngineUnavailable as exc:
         raise UsageError(str(exc)) from None
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
@@ -131,7 +134,7 @@ def _launch(args: argparse.Namespace) -> int:
     if args.json:
         raise UsageError("--json goes with --dry-run")
     check_output(cfg.out, directory=True)
-    check_vllm(cfg)
+    check_engine(cfg)
     from rlix_async.launch import Launcher, LaunchError, NodeRole  # torch: after the checks
 
     node = None

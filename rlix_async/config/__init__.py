@@ -1,7 +1,7 @@
 """Every user-facing configuration, torch-free (msgspec only).
 
-One struct per concept (``scheduler.py``, ``engine.py``, ``pipeline.py``,
-``launch.py``, ``training.py``, ``lora.py``, ``recipe.py``, ``scenario.py``),
+One struct per concept (``scheduler.py``, ``engine.py``, ``pipeline.py``, ``model.py``,
+``env.py``, ``launch.py``, ``training.py``, ``lora.py``, ``data.py``, ``scenario.py``),
 each field with its bounds and a description (``rlix-async config reference`` prints them
 all; docs/CONFIG.md is that output). Processes each read one file:
 
@@ -19,14 +19,28 @@ Rules across configs live in ``launch_rules.py``.
 """
 
 from rlix_async.config.data import CopyFirstTask, TargetTokensTask, TaskConfig
-from rlix_async.config.engine import EngineConfig, ShardConfig, resolve_dtype
+from rlix_async.config.engine import (
+    CustomEngineConfig,
+    EngineConfig,
+    ShardConfig,
+    VllmEngineConfig,
+    resolve_dtype,
+)
+from rlix_async.config.env import EnvConfig
 from rlix_async.config.launch import LaunchConfig
 from rlix_async.config.loading import ConfigError, convert, dump, load_config
-from rlix_async.config.pipeline import ModelConfig, PipelineConfig
+from rlix_async.config.model import ModelConfig
+from rlix_async.config.pipeline import PipelineConfig, WeightsConfig
 from rlix_async.config.rollout import RolloutConfig
 from rlix_async.config.scenario import RolloutTimes, Scenario, ScenarioPipeline, SwitchCosts
 from rlix_async.config.scheduler import CoordinatorConfig, SchedulerConfig
-from rlix_async.config.training import LossConfig, TrainConfig
+from rlix_async.config.training import (
+    CustomTrainConfig,
+    LossConfig,
+    MegatronTrainConfig,
+    TorchTrainConfig,
+    TrainConfig,
+)
 from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 
 __all__ = [
@@ -35,9 +49,13 @@ __all__ = [
     "ConfigError",
     "CoordinatorConfig",
     "CopyFirstTask",
+    "CustomEngineConfig",
+    "CustomTrainConfig",
     "EngineConfig",
+    "EnvConfig",
     "LaunchConfig",
     "LossConfig",
+    "MegatronTrainConfig",
     "ModelConfig",
     "PipelineConfig",
     "RolloutConfig",
@@ -49,7 +67,10 @@ __all__ = [
     "SwitchCosts",
     "TargetTokensTask",
     "TaskConfig",
+    "TorchTrainConfig",
     "TrainConfig",
+    "VllmEngineConfig",
+    "WeightsConfig",
     "convert",
     "dump",
     "load_config",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 import msgspec
 
@@ -11,39 +11,28 @@ from rlix_async.config.schema_base import Config, Endpoint, doc, invalid
 from rlix_async.protocols.topology import PipelineId
 
 
-class EngineConfig(Config, frozen=True):
-    kind: Annotated[
-        Literal["vllm", "custom"],
-        doc("vllm (AsyncLLM in the worker), or custom: your own ShardEngine class."),
-    ] = "vllm"
+class EngineSection(Config, frozen=True, tag_field="kind"):
+    """What every engine kind's section holds; ``kind`` picks the section (a tagged
+    union: a key of another kind is refused by the schema). Unset, kind is vllm."""
+
     dtype: Annotated[
         Literal["auto", "float32", "bfloat16", "float16"],
         doc(
             "Weights and activations of the engine. auto: bfloat16 on CUDA, float32 on CPU "
-            "(where bf16 matmuls are slow). The cache holds the trainer's dtype; vLLM casts."
+            "(where bf16 matmuls are slow). The cache holds the trainer's dtype; the "
+            "engine casts."
         ),
     ] = "auto"
     max_model_len: Annotated[
         int, doc("Longest prompt + response, in tokens (the default fits the CPU demo).", ge=16)
     ] = 256
-    kv_cache_mb: Annotated[
-        Annotated[int, msgspec.Meta(ge=1)] | None,
-        doc(
-            "KV cache size in MiB. Unset: 64 on CPU; on CUDA vLLM sizes it from "
-            "gpu_memory_utilization."
-        ),
-    ] = None
-    gpu_memory_utilization: Annotated[
-        float,
-        doc("CUDA: fraction of each device vLLM may use when kv_cache_mb is unset.", gt=0, le=1),
-    ] = 0.8
     sleep_level: Annotated[
         Literal[1, 2],
         doc(
-            "How a shard sleeps on CUDA (vLLM sleep mode is always on there). 1: weights "
-            "move to host memory (a wake copies them back, no resync if the version is "
-            "current; costs the model's size in host RAM per shard). 2: weights and KV "
-            "cache are discarded (no host RAM; every wake resyncs from the weight cache)."
+            "How a shard sleeps on CUDA. 1: weights move to host memory (a wake copies "
+            "them back, no resync if the version is current; costs the model's size in "
+            "host RAM per shard). 2: weights and KV cache are discarded (no host RAM; "
+            "every wake resyncs from the weight cache)."
         ),
     ] = 2
     load: Annotated[
@@ -57,33 +46,48 @@ class EngineConfig(Config, frozen=True):
             "first_wake on CUDA, start on CPU."
         ),
     ] = "auto"
+
+    @property
+    def kind(self) -> str:
+        """The section's tag (vllm, custom)."""
+        return str(self.__struct_config__.tag)
+
+    def for_device(self, cuda: bool) -> Self:
+        """``auto`` and unset values resolved for the device the engine runs on (the
+        engine's backend says whether that is CUDA: shards/engines.py)."""
+        load = self.load if self.load != "auto" else ("first_wake" if cuda else "start")
+        return msgspec.structs.replace(self, dtype=resolve_dtype(self.dtype, cuda), load=load)
+
+
+class VllmEngineConfig(EngineSection, frozen=True, tag="vllm"):
+    """vLLM's AsyncLLM in the shard worker (shards/vllm/)."""
+
+    kv_cache_mb: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        doc(
+            "KV cache size in MiB. Unset: 64 on CPU; on CUDA vLLM sizes it from "
+            "gpu_memory_utilization."
+        ),
+    ] = None
+    gpu_memory_utilization: Annotated[
+        float,
+        doc("CUDA: fraction of each device vLLM may use when kv_cache_mb is unset.", gt=0, le=1),
+    ] = 0.8
     vllm_args: Annotated[
         dict[str, Any],
         doc(
-            "More vLLM AsyncEngineArgs, passed as they are (kind vllm), e.g. "
-            "{enforce_eager: true} to run without CUDA graphs (they are on by default on "
-            "CUDA). What rlix sets itself (tensor_parallel_size, enable_sleep_mode, "
-            "logprobs_mode, skip_tokenizer_init, weight_transfer_config, "
-            "worker_extension_cls) is refused here."
+            "More vLLM AsyncEngineArgs, passed as they are, e.g. {enforce_eager: true} to "
+            "run without CUDA graphs (they are on by default on CUDA). What rlix sets "
+            "itself (tensor_parallel_size, enable_sleep_mode, logprobs_mode, "
+            "skip_tokenizer_init, weight_transfer_config, worker_extension_cls) is "
+            "refused here."
         ),
     ] = {}
-    custom: Annotated[
-        str | None,
-        doc(
-            "kind custom: 'package.module:Class' or 'path/to/file.py:Class', a ShardEngine "
-            "(rlix_async/protocols/engine.py) built as Class(**custom_args)."
-        ),
-    ] = None
-    custom_args: Annotated[dict[str, Any], doc("kind custom: keyword arguments.")] = {}
     lora: Annotated[
         EngineLoraConfig, doc("Serving adapters, for base groups (pipelines with lora).")
     ] = EngineLoraConfig()
 
     def __post_init__(self) -> None:
-        if self.kind == "custom" and not self.custom:
-            raise invalid("custom", "kind custom needs the engine class ('module:Class')")
-        if self.kind == "vllm" and self.custom:
-            raise invalid("custom", "set kind: custom to use an engine of your own")
         rlix_sets = {"tensor_parallel_size", "enable_sleep_mode", "logprobs_mode"}
         rlix_sets |= {"skip_tokenizer_init", "weight_transfer_config", "worker_extension_cls"}
         owned = sorted(rlix_sets & set(self.vllm_args))
@@ -96,15 +100,31 @@ class EngineConfig(Config, frozen=True):
                 "through rlix's own transfer backend and worker extension)",
             )
 
-    def for_device(self, cuda: bool) -> EngineConfig:
-        """``auto`` and unset values resolved for the device the engine runs on."""
-        load = self.load if self.load != "auto" else ("first_wake" if cuda else "start")
-        return msgspec.structs.replace(
-            self,
-            dtype=resolve_dtype(self.dtype, cuda),
-            kv_cache_mb=self.kv_cache_mb if cuda or self.kv_cache_mb else 64,
-            load=load,
-        )
+    def for_device(self, cuda: bool) -> Self:
+        resolved = super().for_device(cuda)
+        if cuda or self.kv_cache_mb:
+            return resolved
+        return msgspec.structs.replace(resolved, kv_cache_mb=64)
+
+
+class CustomEngineConfig(EngineSection, frozen=True, kw_only=True, tag="custom"):
+    """An engine of your own: a ShardEngine class, or an EngineBackend object that also
+    says whether it uses CUDA, its environment and its tool-call format
+    (rlix_async/shards/engines.py; examples/engines/ has one)."""
+
+    custom: Annotated[
+        str,
+        doc(
+            "'package.module:Name' or 'path/to/file.py:Name': an EngineBackend "
+            "(shards/engines.py), or a ShardEngine class (protocols/engine.py) built as "
+            "Name(**custom_args), which runs on CUDA where the shard sees CUDA devices."
+        ),
+    ]
+    custom_args: Annotated[dict[str, Any], doc("Keyword arguments for the engine.")] = {}
+
+
+# The engine section: which fields exist depends on ``kind`` (vllm when unset).
+EngineConfig = VllmEngineConfig | CustomEngineConfig
 
 
 def resolve_dtype(dtype: str, cuda: bool) -> str:
@@ -146,7 +166,7 @@ class ShardConfig(Config, frozen=True):
             gt=0,
         ),
     ] = 300.0
-    engine: Annotated[EngineConfig, doc("The inference engine.")] = EngineConfig()
+    engine: Annotated[EngineConfig, doc("The inference engine.")] = VllmEngineConfig()
     members: Annotated[
         list[PipelineId],
         doc(
@@ -161,7 +181,7 @@ class ShardConfig(Config, frozen=True):
                 "engine.sleep_level",
                 "a base group's shard sleeps at level 1: its frozen base is never synced",
             )
-        if self.engine.kind == "vllm" and not self.model:
+        if isinstance(self.engine, VllmEngineConfig) and not self.model:
             raise invalid("model", "a vllm engine needs a model directory")
         if self.devices and len(self.devices) != self.tensor_parallel_size:
             raise invalid(

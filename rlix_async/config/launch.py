@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from rlix_async.config.engine import EngineConfig
+from rlix_async.config.engine import EngineConfig, VllmEngineConfig
 from rlix_async.config.launch_rules import check_launch
 from rlix_async.config.pipeline import PipelineConfig
 from rlix_async.config.scheduler import SchedulerConfig
@@ -21,7 +21,9 @@ class LaunchConfig(Config, frozen=True):
     cluster: Annotated[ClusterShape, doc("Nodes and devices per node.")] = ClusterShape(
         nodes=1, gpus_per_node=4
     )
-    engine: Annotated[EngineConfig, doc("Every shard worker's inference engine.")] = EngineConfig()
+    engine: Annotated[EngineConfig, doc("Every shard worker's inference engine.")] = (
+        VllmEngineConfig()
+    )
     scheduler: Annotated[SchedulerConfig, doc("The coordinator's leases and timers.")] = (
         SchedulerConfig()
     )

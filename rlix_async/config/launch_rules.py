@@ -8,10 +8,11 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlix_async.config.engine import EngineConfig
+from rlix_async.config.engine import EngineConfig, VllmEngineConfig
 from rlix_async.config.lora import base_group_id
 from rlix_async.config.pipeline import PipelineConfig
 from rlix_async.config.schema_base import invalid
+from rlix_async.config.training import TorchTrainConfig
 from rlix_async.protocols.topology import (
     ClusterName,
     ClusterShape,
@@ -131,7 +132,7 @@ def check_base_groups(pipelines: Sequence[PipelineConfig], engine: EngineConfig)
         where = f"{at[p.id]}.lora"
         if p.model.path is None:
             raise invalid(where, f"{p.id}: an adapter trains on a base model: set model.path")
-        if p.train.backend != "torch":
+        if not isinstance(p.train, TorchTrainConfig):
             raise invalid(where, f"{p.id}: LoRA trains with train.backend torch (peft)")
         layers = _layer_count(p.model.path)
         if p.lora.layers and layers is not None and max(p.lora.layers) >= layers:
@@ -140,7 +141,7 @@ def check_base_groups(pipelines: Sequence[PipelineConfig], engine: EngineConfig)
                 f"{p.id}: layer {max(p.lora.layers)}, but {p.model.path} has {layers} "
                 f"layers (0-{layers - 1})",
             )
-        if p.lora.rank > engine.lora.max_lora_rank:
+        if isinstance(engine, VllmEngineConfig) and p.lora.rank > engine.lora.max_lora_rank:
             raise invalid(
                 f"{where}.rank",
                 f"{p.id}: rank {p.lora.rank} > engine.lora.max_lora_rank "
@@ -169,6 +170,8 @@ def check_base_groups(pipelines: Sequence[PipelineConfig], engine: EngineConfig)
                     f"{p.max_model_len} != {first.max_model_len}",
                 )
     largest = max((len(m) for m in groups.values()), default=0)
+    if not isinstance(engine, VllmEngineConfig):  # an engine of your own: its own knobs
+        return
     if engine.lora.max_loras is not None and engine.lora.max_loras < largest:
         raise invalid(
             "engine.lora.max_loras",

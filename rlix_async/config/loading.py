@@ -91,10 +91,65 @@ def convert(raw: Any, kind: type[T], source: str, overrides: Sequence[str] = ())
         raw = copy.deepcopy(raw)  # the caller's data stays as it was
     for item in overrides:
         apply_override(raw, item, source, kind)
+    raw = with_default_tags(raw, kind)
     try:
         return msgspec.convert(raw, kind)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {explain(str(exc), kind, raw)}") from None
+
+
+def with_default_tags(raw: Any, kind: type[msgspec.Struct]) -> Any:
+    """``raw`` with the tag of every tagged section that leaves it out filled in from
+    the field's default (``engine`` without ``kind`` is the default engine's kind,
+    ``train`` without ``backend`` the torch backend's): msgspec refuses a tagged union
+    whose tag is missing, and configs written before the sections were unions name
+    none. A copy where anything is filled; ``raw`` itself is left as it was."""
+    import msgspec.inspect as mi
+
+    return _fill(raw, mi.type_info(kind))
+
+
+def _fill(raw: Any, t: Any) -> Any:
+    import msgspec.inspect as mi
+
+    members = _unwrap(t)
+    if isinstance(raw, list):
+        items = [m.item_type for m in members if isinstance(m, mi.ListType | mi.VarTupleType)]
+        return [_fill(r, items[0]) for r in raw] if len(items) == 1 else raw
+    if not isinstance(raw, dict):
+        return raw
+    values = [m.value_type for m in members if isinstance(m, mi.DictType)]
+    if values:
+        return {k: _fill(v, values[0]) for k, v in raw.items()}
+    structs = _chosen_member([m for m in members if isinstance(m, mi.StructType)], raw)
+    if len(structs) != 1:
+        return raw
+    out = dict(raw)
+    for f in structs[0].fields:
+        if f.encode_name not in out:
+            continue
+        value = out[f.encode_name]
+        tagged = [u for u in _unwrap(f.type) if isinstance(u, mi.StructType) and u.tag_field]
+        default_tag = _default_tag(f)
+        if isinstance(value, dict) and tagged and default_tag is not None:
+            field = tagged[0].tag_field
+            if field not in value:
+                value = {field: default_tag, **value}
+        out[f.encode_name] = _fill(value, f.type)
+    return out
+
+
+def _default_tag(f: Any) -> Any:
+    """The tag of a field's default value, when that is a tagged struct (else None)."""
+    import msgspec.inspect as mi
+
+    default = f.default if f.default is not mi.NODEFAULT else None
+    if default is None and f.default_factory is not mi.NODEFAULT:
+        default = f.default_factory()
+    if not isinstance(default, msgspec.Struct):
+        return None
+    info = mi.type_info(type(default))
+    return info.tag if isinstance(info, mi.StructType) and info.tag_field else None
 
 
 _INDEX = re.compile(r"^(\w[\w\-]*)((?:\[\d+\])*)$")
@@ -159,6 +214,10 @@ def _section_default(
                 default = f.default_factory()
             else:
                 continue
+            if isinstance(default, msgspec.Struct) and default.__struct_config__.tag_field:
+                # a tagged section (engine, train): its members' defaults, not the default
+                # member's keys, so an override may choose another member (engine.kind=custom)
+                return {}
             if isinstance(default, msgspec.Struct | dict | list):
                 return msgspec.to_builtins(default)
     return [] if isinstance(nxt, int) else {}
@@ -176,8 +235,10 @@ def explain(message: str, kind: type[msgspec.Struct], raw: Any = None) -> str:
     if own:  # a rule of ours, naming its field relative to the struct that raised it
         path, text = _join(path, own.group(1)), own.group(2)
     elif m := re.match(r"Object contains unknown field `(.+)`", text):
-        hint = _suggest(m.group(1), _type_at(kind, path, raw))
+        hint = _suggest(m.group(1), _type_at(kind, path, raw), _type_at(kind, path))
         path, text = _join(path, m.group(1)), "unknown key" + hint
+    elif text == "Expected `object`, got `str`" and path.rpartition(".")[2] in BECAME_SECTIONS:
+        text = BECAME_SECTIONS[path.rpartition(".")[2]]
     elif m := re.match(r"Object missing required field `(.+)`", text):
         path, text = _join(path, m.group(1)), "required, missing"
     elif m := re.match(r"Invalid (?:enum )?value (.+)", text):
@@ -304,6 +365,20 @@ MOVED = {
         "loss": "train.loss.kind",
         "backend": "train.backend",
         "model_path": "model.path",
+        "reward": "env.reward",
+        "reward_args": "env.reward_args",
+        "reward_timeout_s": "env.reward_timeout_s",
+        "env_args": "env.env_args",
+        "env_workers": "env.workers",
+        "agent": "env.agent",
+        "agent_api": "env.agent_api",
+        "agent_api_host": "env.api_host",
+        "agent_args": "env.agent_args",
+        "max_turns": "env.max_turns",
+        "max_episode_tokens": "env.max_episode_tokens",
+        "fail_after_groups": "env.fail_after_groups",
+        "env_step_timeout_s": "env.step_timeout_s",
+        "episode_reward": "env.episode_reward",
     },
     "ScenarioPipeline": {"max_staleness": "max_trajectory_age_steps"},
     "LaunchConfig": {"shard": "engine", "lease_timeout_s": "scheduler.lease_timeout_s"},
@@ -311,8 +386,16 @@ MOVED = {
 }
 
 
-def _suggest(name: str, nodes: list[Any]) -> str:
-    """Where a renamed key lives now, else the closest known key of that struct."""
+# Keys that held a string and name a section now.
+BECAME_SECTIONS = {
+    "env": "a section now: the environment class is env.env_class (env.reward, "
+    "env.agent and env.agent_api sit beside it)",
+}
+
+
+def _suggest(name: str, nodes: list[Any], union: Sequence[Any] = ()) -> str:
+    """Where a renamed key lives now, the member of a tagged union that has it (a key
+    of another engine kind or trainer backend), else the closest known key."""
     import difflib
 
     import msgspec.inspect as mi
@@ -322,11 +405,27 @@ def _suggest(name: str, nodes: list[Any]) -> str:
         moved = MOVED.get(t.cls.__name__, {}).get(name)
         if moved:
             return f" (it is {moved} now)"
+    owners = [
+        t
+        for n in union
+        for t in _unwrap(n)
+        if isinstance(t, mi.StructType)
+        and t.tag_field
+        and t not in structs
+        and any(f.encode_name == name for f in t.fields)
+    ]
+    if owners:
+        t = owners[0]
+        return f" (a key of {t.tag_field} {t.tag}, not {_tags(structs)})"
     known = sorted({f.name for t in structs for f in t.fields})
     close = difflib.get_close_matches(name, known, n=1)
     if close:
         return f" (did you mean {close[0]}?)"
     return f" (known: {', '.join(known)})" if known else ""
+
+
+def _tags(structs: list[Any]) -> str:
+    return " or ".join(str(t.tag) for t in structs if t.tag_field) or "this section"
 
 
 def dump(cfg: msgspec.Struct) -> str:

@@ -4,36 +4,43 @@ rules its keys must satisfy together (checked for configs built in code too)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from rlix_async.config.data import DataConfig, TargetTokensTask, TaskConfig
+from rlix_async.config.engine import EngineConfig, VllmEngineConfig
+from rlix_async.config.env import EnvConfig
 from rlix_async.config.lora import LoraConfig
+from rlix_async.config.model import ModelConfig
 from rlix_async.config.rollout import RolloutConfig
 from rlix_async.config.schema_base import Config, Endpoint, doc, invalid
-from rlix_async.config.training import TrainConfig
+from rlix_async.config.training import TorchTrainConfig, TrainConfig
 from rlix_async.protocols.topology import ClusterName, ClusterSpec, PipelineId
 
 
-class ModelConfig(Config, frozen=True):
-    path: Annotated[
-        str | None,
-        doc("Hugging Face model directory (trainer and shards). Unset: a random tiny Llama."),
-    ] = None
-    vocab_size: Annotated[int, doc("Tiny Llama: vocabulary size.", ge=2)] = 512
-    layers: Annotated[int, doc("Tiny Llama: decoder layers.", ge=1)] = 2
-    hidden: Annotated[
-        int, doc("Tiny Llama: hidden size (heads of 64, as vLLM's CPU attention needs).", ge=64)
-    ] = 128
+class WeightsConfig(Config, frozen=True):
+    """How the trainer's weight versions are cached and reach the shards."""
 
-    def __post_init__(self) -> None:
-        if self.hidden % 64:
-            raise invalid("hidden", f"must be a multiple of 64, got {self.hidden}")
-
-    @property
-    def tiny(self) -> dict[str, int]:
-        return {"vocab_size": self.vocab_size, "layers": self.layers, "hidden": self.hidden}
+    bucket_mb: Annotated[
+        int,
+        doc(
+            "Size of one bucket of the host cache, in MiB: the unit a version is packed, "
+            "sent and loaded in (a tensor larger than it gets a bucket of its own).",
+            ge=1,
+            le=4096,
+        ),
+    ] = 64
+    transport: Annotated[
+        Literal["sealed", "zmq"],
+        doc(
+            "How shards on other nodes receive a version from the trainer's weight "
+            "server (on the trainer's node they read shared memory). sealed: AES-256-GCM "
+            "chunks on a plain tcp listener, keyed and ticketed over the CURVE socket "
+            "(3.3-3.4x CURVE's speed, docs/PERF.md). zmq: every bucket as frames on the "
+            "CURVE socket itself (no second port to reach, 0.35 GiB/s here)."
+        ),
+    ] = "sealed"
 
 
 class PipelineConfig(Config, frozen=True):
@@ -86,103 +93,24 @@ class PipelineConfig(Config, frozen=True):
         DataConfig | None,
         doc("Text prompts from files (needs model.path with a tokenizer, and reward)."),
     ] = None
-    reward: Annotated[
-        str | None,
-        doc(
-            "With data: 'package.module:function', 'path/to/file.py:function' or a built-in "
-            "(math_answer, exact_match, regex_format), called as fn(prompt, response, row)."
-        ),
-    ] = None
-    reward_args: Annotated[
-        dict[str, Any], doc("Keyword arguments for the reward (regex_format: pattern).")
-    ] = {}
-    reward_timeout_s: Annotated[
-        float,
-        doc(
-            "A reward call taking longer counts as a failed reward (the trajectory scores 0).",
-            gt=0,
-        ),
-    ] = 30.0
     env: Annotated[
-        str | None,
+        EnvConfig,
         doc(
-            "With data: a multi-turn environment, 'package.module:Class' or "
-            "'path/to/file.py:Class', one instance per episode, built as Class(row, "
-            "**env_args) with reset() and step(action) -> StepResult; its step rewards "
-            "score the episode (no reward needed)."
+            "With data: what scores a trajectory (reward, env_class, agent or agent_api) "
+            "and the limits of an episode."
         ),
-    ] = None
-    env_args: Annotated[dict[str, Any], doc("Keyword arguments for the env's constructor.")] = {}
-    env_workers: Annotated[
-        int,
-        doc(
-            "Run each episode's env in one of N worker processes (CPU-heavy envs: their "
-            "steps would hold the driver's GIL). 0: in threads of the driver.",
-            ge=0,
-        ),
-    ] = 0
-    agent: Annotated[
-        str | None,
-        doc(
-            "With data, instead of env or reward: your own agent loop, 'file.py:function' "
-            "or 'package.module:function', called as await function(row, llm, "
-            "**agent_args) per episode; llm.start(first turn) gives a conversation whose "
-            "generate() samples the model's turn and add() appends a reply; it returns "
-            "the episode's reward."
-        ),
-    ] = None
-    agent_api: Annotated[
-        str | None,
-        doc(
-            "With data, instead of env, agent or reward: an agent written against the "
-            "OpenAI API, 'file.py:function' or 'package.module:function', called as await "
-            "function(row, client, **agent_args) per episode, where client is an "
-            "openai.AsyncOpenAI on the pipeline's own OpenAI-compatible server "
-            "(/v1/chat/completions with tools, /v1/completions) with the episode's key; "
-            "it returns "
-            "the episode's reward (or a dict with 'reward' and numeric metrics). The "
-            "server keeps each episode's tokens as sampled (rollout/api_agents.py)."
-        ),
-    ] = None
-    agent_api_host: Annotated[
-        str,
-        doc(
-            "agent_api: the address its server listens on (an ephemeral port); loopback "
-            "unless an agent in another container or host must reach it by URL and key."
-        ),
-    ] = "127.0.0.1"
-    agent_args: Annotated[
-        dict[str, Any], doc("Keyword arguments for the agent (or agent_api) function.")
-    ] = {}
-    max_turns: Annotated[int, doc("Env episodes: model turns per episode, at most.", ge=1)] = 8
-    max_episode_tokens: Annotated[
-        int,
-        doc(
-            "Env episodes: tokens after the first prompt (the model's and the env's), at "
-            "most; each turn also stops at rollout.max_tokens.",
-            ge=1,
-        ),
-    ] = 1024
-    fail_after_groups: Annotated[
-        int,
-        doc(
-            "Env, agent and agent_api pipelines: stop (exit 1, naming the first failure) "
-            "after this many groups in a row came back without one good episode.",
-            ge=1,
-        ),
-    ] = 20
-    env_step_timeout_s: Annotated[
-        float,
-        doc("Env episodes: a reset or step taking longer fails its episode (counted).", gt=0),
-    ] = 30.0
+    ] = EnvConfig()
     max_model_len: Annotated[
         Annotated[int, msgspec.Meta(ge=1)] | None,
         doc("The engine's context: an episode never outgrows it. Set by the launcher."),
     ] = None
-    episode_reward: Annotated[
-        Literal["sum", "last"],
-        doc("Env episodes: the episode's reward is the sum of its step rewards, or the last."),
-    ] = "sum"
+    engine: Annotated[
+        EngineConfig,
+        doc(
+            "The engine its shards run (the launch's engine section; set by the "
+            "launcher): its tool-call format is what the agent endpoint renders and parses."
+        ),
+    ] = VllmEngineConfig()
     eval_every: Annotated[
         int,
         doc(
@@ -204,8 +132,11 @@ class PipelineConfig(Config, frozen=True):
         doc("Trajectories per step written as text to samples.jsonl (text recipes).", ge=0),
     ] = 4
     rollout: Annotated[RolloutConfig, doc("Batch shape and sampling.")] = RolloutConfig()
-    train: Annotated[TrainConfig, doc("Trainer backend, optimizer and loss.")] = TrainConfig()
+    train: Annotated[TrainConfig, doc("Trainer backend, optimizer and loss.")] = TorchTrainConfig()
     model: Annotated[ModelConfig, doc("The policy model.")] = ModelConfig()
+    weights: Annotated[
+        WeightsConfig, doc("The weight cache and how versions reach the shards.")
+    ] = WeightsConfig()
     lora: Annotated[
         LoraConfig | None,
         doc(
@@ -258,8 +189,7 @@ class PipelineConfig(Config, frozen=True):
             if name not in self.clusters:
                 raise invalid("clusters", f"{name} is required")
         train = self.clusters["actor_train"]
-        if train.tp != 1 or train.pp != 1:
-            check_model_parallel(self)
+        self.train.check_layout(train, self.model)
         if self.nproc is not None and self.nproc != len(train.devices):
             raise invalid(
                 "nproc",
@@ -282,56 +212,16 @@ class PipelineConfig(Config, frozen=True):
         return self.task or TargetTokensTask()
 
 
-def check_model_parallel(p: PipelineConfig) -> None:
-    """A trainer at tensor parallel T or pipeline parallel P > 1: the megatron backend,
-    whole attention heads and query groups per tensor-parallel rank, whole layers per
-    stage (read from the model directory's config.json, or the tiny model's shape, heads
-    of 64). One rank per device: T x P consecutive ranks hold one replica."""
-    spec = p.clusters["actor_train"]
-    tp, pp = spec.tp, spec.pp
-    key, size = ("clusters.actor_train.tp", tp) if tp != 1 else ("clusters.actor_train.pp", pp)
-    what = f"tp={tp}" if tp != 1 else f"pp={pp}"
-    if p.train.backend != "megatron":
-        raise invalid(key, f"{size}: tensor- and pipeline-parallel training is the megatron "
-                      "backend's; the torch backend is data parallel only (use tp: 1, pp: 1)")  # fmt: skip
-    if p.model.path is None:
-        heads = groups = p.model.hidden // 64
-        ffn, layers = 2 * p.model.hidden, p.model.layers
-    else:
-        import json
-
-        try:
-            c = json.loads((Path(p.model.path) / "config.json").read_text())
-            heads = int(c["num_attention_heads"])
-            groups = int(c.get("num_key_value_heads") or heads)
-            ffn, layers = int(c["intermediate_size"]), int(c["num_hidden_layers"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise invalid(
-                "model.path", f"no readable config.json to split over {what} ({exc})"
-            ) from None
-    at = "clusters.actor_train.tp"
-    if heads % tp or groups % tp:
-        raise invalid(at, f"{tp}: the model has {heads} attention heads in {groups} query "
-                      f"groups; tensor parallel must divide both")  # fmt: skip
-    if ffn % tp:
-        raise invalid(at, f"{tp}: the model's MLP width {ffn} does not split over it")
-    if layers % pp:
-        raise invalid("clusters.actor_train.pp", f"{pp}: the model's {layers} layers do not "
-                      "split into as many per stage")  # fmt: skip
-    if len(spec.devices) % (tp * pp):
-        raise invalid("clusters.actor_train.devices", f"{len(spec.devices)} devices: a replica "
-                      f"spans tp x pp = {tp * pp}, so they must be a multiple of it")  # fmt: skip
-
-
 def check_recipe(p: PipelineConfig) -> None:
     """What a pipeline trains on, checked whole: a token task, or data with exactly one
-    of reward, env and agent (and the keys each needs)."""
-    named = (("reward", p.reward), ("env", p.env), ("agent", p.agent), ("agent_api", p.agent_api))
-    scorers = {k: v for k, v in named if v}
+    of env.reward, env.env_class, env.agent and env.agent_api (EnvConfig checks that
+    one at most is named)."""
+    scorers = p.env.scorers
     if p.data is None:
         text_only = {**scorers, "eval_every": p.eval_every, "rollout.stop": p.rollout.stop}
         for key, value in text_only.items():
             if value:
+                key = key if "." in key or key == "eval_every" else f"env.{key}"
                 raise invalid(key, "needs data (a text recipe); token-id tasks score themselves")
         task = p.token_task
         assert task is not None
@@ -344,21 +234,11 @@ def check_recipe(p: PipelineConfig) -> None:
         raise invalid("task", "a pipeline trains on a token-id task or on data, not both")
     if p.model.path is None:
         raise invalid("model.path", "data needs a model directory with a tokenizer")
-    if len(scorers) > 1:
-        names = " and ".join(scorers)
-        raise invalid(list(scorers)[-1], f"{names}: name one (an env or agent scores its own)")
-    for key, owner in (
-        ("env_args", p.env),
-        ("env_workers", p.env),
-        ("agent_args", p.agent or p.agent_api),
-    ):
-        if getattr(p, key) and owner is None:
-            raise invalid(key, f"needs {key.split('_')[0]} (what they are for)")
     if not scorers:
         raise invalid(
-            "reward",
+            "env.reward",
             "data needs a reward ('module:function', 'file.py:function' or a built-in), "
-            "an env or an agent",
+            "an env_class or an agent",
         )
     if p.eval_every and p.data.eval is None:
         raise invalid("eval_every", "needs data.eval (the evaluation prompts)")

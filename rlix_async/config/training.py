@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from rlix_async.config.model import ModelConfig
 from rlix_async.config.schema_base import Config, doc, invalid
+from rlix_async.protocols.topology import ClusterSpec
 
 
 class LossConfig(Config, frozen=True):
@@ -29,15 +33,11 @@ class LossConfig(Config, frozen=True):
     ] = 0.0
 
 
-class TrainConfig(Config, frozen=True):
-    backend: Annotated[
-        Literal["torch", "megatron"],
-        doc(
-            "torch: the HF model under DDP; megatron: a megatron-core GPTModel, built from "
-            "model.path (Llama-family directories only; others are refused at launch) or "
-            "the tiny model's shape."
-        ),
-    ] = "torch"
+class TrainSection(Config, frozen=True, tag_field="backend"):
+    """What every trainer backend's section holds; ``backend`` picks the section (a
+    tagged union: a key of another backend is refused by the schema). Unset, the
+    backend is torch. A backend is built from its section by train/backends.py."""
+
     dtype: Annotated[
         Literal["auto", "bfloat16", "bfloat16_pure", "float32"],
         doc(
@@ -89,25 +89,6 @@ class TrainConfig(Config, frozen=True):
             "Exclusive with micro_batch_size."
         ),
     ] = None
-    recompute: Annotated[
-        Literal["none", "selective", "full"],
-        doc(
-            "Activation recomputation: keep less for the backward pass and compute it "
-            "again there. full: each transformer layer's activations (both backends); "
-            "selective: core attention only (megatron backend: the cheap part with the "
-            "largest activations). none: keep everything."
-        ),
-    ] = "none"
-    distributed_optimizer: Annotated[
-        bool,
-        doc(
-            "megatron backend: shard the optimizer state (float32 main weights and Adam "
-            "moments, 12 bytes a parameter under bfloat16) over the data-parallel "
-            "replicas by whole parameters (ZeRO stage 1): each keeps and steps its own "
-            "share, then sends those weights to the others. Memory, not maths: the "
-            "same updates."
-        ),
-    ] = False
     loss: Annotated[LossConfig, doc("The policy loss.")] = LossConfig()
 
     def __post_init__(self) -> None:
@@ -116,15 +97,114 @@ class TrainConfig(Config, frozen=True):
                 "max_tokens_per_micro_batch",
                 "cut micro-batches by rows (micro_batch_size) or by tokens, not both",
             )
-        if self.distributed_optimizer and self.backend != "megatron":
+
+    def check_layout(self, spec: ClusterSpec, model: ModelConfig) -> None:
+        """The trainer's layout (``clusters.actor_train``) for this backend: data
+        parallel only unless a backend says otherwise (raises ``field: why``)."""
+        if spec.tp != 1 or spec.pp != 1:
+            key = "tp" if spec.tp != 1 else "pp"
             raise invalid(
-                "distributed_optimizer",
-                "the megatron backend's (its checkpoints are written by every rank); the "
-                "torch backend keeps the whole optimizer on every rank",
+                f"clusters.actor_train.{key}",
+                f"{getattr(spec, key)}: the {self.backend} backend is data parallel only "
+                "(use tp: 1, pp: 1; tensor and pipeline parallel are the megatron "
+                "backend's)",
             )
-        if self.recompute == "selective" and self.backend != "megatron":
-            raise invalid(
-                "recompute",
-                "selective (core attention only) is the megatron backend's; the torch "
-                "backend recomputes whole layers: use full",
-            )
+
+    @property
+    def backend(self) -> str:
+        """The section's tag (torch, megatron, custom)."""
+        return str(self.__struct_config__.tag)
+
+
+class TorchTrainConfig(TrainSection, frozen=True, tag="torch"):
+    """The HF model under torch DDP (train/trainer.py)."""
+
+    recompute: Annotated[
+        Literal["none", "full"],
+        doc(
+            "Activation recomputation: full keeps only each decoder layer's inputs and "
+            "computes its activations again in the backward pass; none keeps everything."
+        ),
+    ] = "none"
+
+
+class MegatronTrainConfig(TrainSection, frozen=True, tag="megatron"):
+    """A megatron-core GPTModel at tensor x pipeline x data parallel (train/megatron.py),
+    built from model.path (Llama-family directories only; others are refused at
+    launch) or the tiny model's shape."""
+
+    recompute: Annotated[
+        Literal["none", "selective", "full"],
+        doc(
+            "Activation recomputation: keep less for the backward pass and compute it "
+            "again there. full: each transformer layer's activations; selective: core "
+            "attention only (the cheap part with the largest activations). none: keep "
+            "everything."
+        ),
+    ] = "none"
+    distributed_optimizer: Annotated[
+        bool,
+        doc(
+            "Shard the optimizer state (float32 main weights and Adam moments, 12 bytes "
+            "a parameter under bfloat16) over the data-parallel replicas by whole "
+            "parameters (ZeRO stage 1): each keeps and steps its own share, then sends "
+            "those weights to the others. Memory, not maths: the same updates."
+        ),
+    ] = False
+
+    def check_layout(self, spec: ClusterSpec, model: ModelConfig) -> None:
+        """Whole attention heads and query groups per tensor-parallel rank, whole layers
+        per stage (read from the model directory's config.json, or the tiny model's
+        shape, heads of 64), devices a multiple of tp x pp (T x P consecutive ranks
+        hold one replica)."""
+        tp, pp = spec.tp, spec.pp
+        if tp == 1 and pp == 1:
+            return
+        what = f"tp={tp}" if tp != 1 else f"pp={pp}"
+        if model.path is None:
+            heads = groups = model.hidden // 64
+            ffn, layers = 2 * model.hidden, model.layers
+        else:
+            try:
+                c = json.loads((Path(model.path) / "config.json").read_text())
+                heads = int(c["num_attention_heads"])
+                groups = int(c.get("num_key_value_heads") or heads)
+                ffn, layers = int(c["intermediate_size"]), int(c["num_hidden_layers"])
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise invalid(
+                    "model.path", f"no readable config.json to split over {what} ({exc})"
+                ) from None
+        at = "clusters.actor_train"
+        if heads % tp or groups % tp:
+            raise invalid(f"{at}.tp", f"{tp}: the model has {heads} attention heads in "
+                          f"{groups} query groups; tensor parallel must divide both")  # fmt: skip
+        if ffn % tp:
+            raise invalid(f"{at}.tp", f"{tp}: the model's MLP width {ffn} does not split over it")
+        if layers % pp:
+            raise invalid(f"{at}.pp", f"{pp}: the model's {layers} layers do not split into "
+                          "as many per stage")  # fmt: skip
+        if len(spec.devices) % (tp * pp):
+            raise invalid(f"{at}.devices", f"{len(spec.devices)} devices: a replica spans "
+                          f"tp x pp = {tp * pp}, so they must be a multiple of it")  # fmt: skip
+
+
+class CustomTrainConfig(TrainSection, frozen=True, kw_only=True, tag="custom"):
+    """A trainer backend of your own (examples/trainers/ has one): it reads the common
+    keys above as the in-tree backends do, and whatever it needs more from custom_args.
+    Its layout (tp, pp) is its own to check."""
+
+    custom: Annotated[
+        str,
+        doc(
+            "'package.module:NAME' or 'path/to/file.py:NAME': a TrainerBackend "
+            "(rlix_async/train/backends.py) whose build() makes each rank's trainer."
+        ),
+    ]
+    custom_args: Annotated[dict[str, Any], doc("Keyword arguments for the backend.")] = {}
+
+    def check_layout(self, spec: ClusterSpec, model: ModelConfig) -> None:
+        pass  # the backend's own (TrainerBackend.check, at launch)
+
+
+# The trainer section: which fields exist depends on ``backend`` (torch when unset).
+TrainConfig = TorchTrainConfig | MegatronTrainConfig | CustomTrainConfig

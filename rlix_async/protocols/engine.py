@@ -1,15 +1,17 @@
 """What a shard worker needs from an inference engine, in one place.
 
-:class:`~rlix_async.shards.vllm_engine.VllmEngine` is the production engine;
+:class:`~rlix_async.shards.vllm.engine.VllmEngine` is the production engine;
 an engine of your own (``engine.kind: custom`` in the config) implements the
-same protocol.
+same protocol. How an engine kind is started, and what else it declares (whether
+it uses CUDA, its environment, its tool-call format), is its backend's
+(``shards/engines.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from rlix_async.protocols.cache_ref import CacheRef
 from rlix_async.protocols.generation import Sampling
@@ -80,4 +82,27 @@ class AdapterEngine(ShardEngine, Protocol):
         """Load (or replace) adapter ``name`` at ``ref.version`` from the weight cache,
         without pausing any request: running ones finish on the version they started
         on. On failure the previous version serves on."""
+        ...
+
+
+Messages = list[dict[str, Any]]
+
+
+class ToolCallFormat(Protocol):
+    """How the served model reads tool schemas and writes tool calls: what the
+    pipeline's OpenAI-compatible endpoint (rollout/api_episode.py) needs from the
+    engine behind it, as ``vllm serve``'s chat template and ``--tool-call-parser`` are."""
+
+    def render(
+        self, messages: Messages, tools: list[dict[str, Any]] | None, tokenizer: Any
+    ) -> tuple[Messages, list[dict[str, Any]] | None]:
+        """OpenAI ``messages`` (and ``tools``, None for messages after the first) as
+        ``tokenizer``'s chat template takes them, with the tools it takes (None: the
+        schemas, if any, are in the messages)."""
+        ...
+
+    def parse(self, text: str, call_id: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """The model's text as (content, OpenAI ``tool_calls``); text that is not a
+        well-formed call stays content (a malformed call is the model's answer, never a
+        server error). Call ids start with ``call_id``."""
         ...

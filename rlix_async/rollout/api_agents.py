@@ -33,6 +33,7 @@ from typing import Any
 
 import openai
 
+from rlix_async.protocols.engine import ToolCallFormat
 from rlix_async.protocols.generation import Sampling
 from rlix_async.rollout.agents import Agent, AgentRunner
 from rlix_async.rollout.api_episode import ApiEpisode
@@ -80,11 +81,14 @@ class ApiAgentRunner(AgentRunner):
         *,
         host: str,
         model_name: str,
+        tool_calls: ToolCallFormat,
         **limits: Any,
     ) -> None:
+        """``tool_calls``: the serving engine's tool-call format (shards/engines.py)."""
         super().__init__(agent, chat, tokenizer, **limits)
         self.name = f"agent_api {agent.name}"
         self.host = host
+        self.tool_calls = tool_calls
         self.model_name = model_name
         self.server: ApiServer | None = None  # once started
         self._starting: asyncio.Future[None] | None = None
@@ -115,12 +119,14 @@ class ApiAgentRunner(AgentRunner):
     ) -> Episode:
         try:
             server = await self.start()
-        except OSError as exc:  # agent_api_host is no address of this machine's, ...
+        except OSError as exc:  # env.api_host is no address of this machine's, ...
             failure = EnvFailure(f"{self.name}: its server cannot listen on {self.host}: {exc}")
             self._failed(failure, row)
             raise failure from None
         key, name = server.new_key()
-        episode = ApiEpisode(self, generate, sampling, min_version, name, self.model_name)
+        episode = ApiEpisode(
+            self, generate, sampling, min_version, name, self.model_name, self.tool_calls
+        )
         task: asyncio.Future[Any] | None = None
         client = None
         result: Any = None

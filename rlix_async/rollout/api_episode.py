@@ -31,17 +31,13 @@ from typing import Any
 
 import msgspec
 
+from rlix_async.protocols.engine import ToolCallFormat
 from rlix_async.protocols.generation import Sampling
 from rlix_async.rollout.agents import AgentRunner
 from rlix_async.rollout.chat import ChatError, ChatTurns
 from rlix_async.rollout.episodes import Episode, Generate, with_budget
 from rlix_async.rollout.openai_server import ApiError
-from rlix_async.rollout.tool_calls import (
-    hermes_messages,
-    parse_tool_calls,
-    template_takes_tools,
-    text_of,
-)
+from rlix_async.shards.tool_calls import text_of
 
 Messages = list[dict[str, Any]]
 MAX_STOPS = 4  # OpenAI's
@@ -73,25 +69,6 @@ def _key(m: Any) -> tuple[Any, ...]:
     return (m.get("role"), content, tuple(calls))
 
 
-def _for_template(message: dict[str, Any]) -> dict[str, Any]:
-    """A message as chat templates that render tools expect it (vLLM's rendering): text
-    content, no None-valued keys (``'tool_calls' in message`` tests), and each call's
-    arguments as an object (templates ``tojson`` them: a JSON string would be quoted
-    twice)."""
-    out = {k: v for k, v in message.items() if v is not None}
-    out["content"] = text_of(message.get("content"))
-    calls = []
-    for call in out.get("tool_calls") or []:
-        fn = dict(call.get("function") or {}) if isinstance(call, dict) else {}
-        if isinstance(fn.get("arguments"), str):
-            with contextlib.suppress(json.JSONDecodeError):
-                fn["arguments"] = json.loads(fn["arguments"])
-        calls.append({**call, "function": fn} if isinstance(call, dict) else call)
-    if calls:
-        out["tool_calls"] = calls
-    return out
-
-
 class ApiEpisode:
     """One episode's trajectories, served a request at a time."""
 
@@ -103,9 +80,11 @@ class ApiEpisode:
         min_version: int | None,
         name: str,
         model_name: str,
+        tool_calls: ToolCallFormat,
     ) -> None:
         self.runner = runner
         self.model_name = model_name
+        self.tool_calls = tool_calls  # the serving engine's (shards/engines.py)
         self.generate, self.sampling, self.min_version = generate, sampling, min_version
         self.name = name  # tool call ids start with it
         self.done: list[Episode] = []  # trajectories split off, trained as they stand
@@ -203,14 +182,14 @@ class ApiEpisode:
         """Token ids of ``messages``: a whole prompt (``first``), or new messages after
         the model's last turn."""
         chat: ChatTurns = self.runner.chat
-        if template_takes_tools(chat.tokenizer):
-            plain = [_for_template(m) for m in messages]
-            if first:
-                return chat.first(plain, tools)
-            return chat.reply(plain, self.last_ids)
+        # the serving engine's tool-call format (shards/engines.py): the schemas only
+        # with the first messages, where the conversation's system prompt is
+        rendered, template_tools = self.tool_calls.render(
+            messages, tools if first else None, chat.tokenizer
+        )
         if first:
-            return chat.first(hermes_messages(messages, tools))
-        return chat.reply(hermes_messages(messages, None), self.last_ids)
+            return chat.first(rendered, template_tools)
+        return chat.reply(rendered, self.last_ids)
 
     def _close(self) -> list[int]:
         """The end of the model's last turn and the next generation prompt."""
@@ -251,7 +230,7 @@ class ApiEpisode:
         turn, budget, prompt = await self._turn(body, lambda: self._prompt(messages, tools))
         text = self.runner.decode(turn.token_ids)
         content, calls = (
-            parse_tool_calls(text, f"call_{self.name}_{self.turns}") if tools else (text, [])
+            self.tool_calls.parse(text, f"call_{self.name}_{self.turns}") if tools else (text, [])
         )
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:

@@ -20,6 +20,7 @@ from typing import Any
 from rlix_async.config import PipelineConfig
 from rlix_async.control.pace import TrajectoryTimes, exclusive_step_s
 from rlix_async.hooks import ClusterHooks
+from rlix_async.protocols.batch import Group
 from rlix_async.protocols.topology import INFER, TRAIN
 from rlix_async.rollout.episodes import EnvFailure, Episode, EpisodeRunner, figures_of, pack
 from rlix_async.rollout.ledger import Ledger
@@ -31,7 +32,7 @@ from rlix_async.rollout.prompts import (
     make_token_prompts,
 )
 from rlix_async.shards.router import Trajectory
-from rlix_async.train.buffer import Group, ReplayBuffer
+from rlix_async.train.buffer import ReplayBuffer
 
 log = logging.getLogger("rlix_async.rollout")
 # drop_uniform_groups resamples at most this many batches' worth of groups in a row
@@ -257,7 +258,7 @@ class Collector:
         if self.episodes is None or cancelled:
             return
         self.failing_groups = 0 if trajs else self.failing_groups + 1
-        if self.failing_groups >= self.cfg.fail_after_groups and self.fatal is None:
+        if self.failing_groups >= self.cfg.env.fail_after_groups and self.fatal is None:
             self.fatal = EpisodesFailing(
                 f"{self.cfg.id}: {self.failing_groups} groups in a row without one good "
                 f"episode (fail_after_groups); the first failure: "

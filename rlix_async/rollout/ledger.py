@@ -43,7 +43,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from rlix_async.train.buffer import Group
+from rlix_async.protocols.batch import Group
 
 LEDGER = "ledger.jsonl"
 log = logging.getLogger(__name__)

@@ -256,12 +256,8 @@ def stop_token_ids(model_path: str, tokenizer: Any) -> list[int]:
 def load_recipe(cfg: PipelineConfig) -> Recipe:
     """Tokenizer, datasets and reward of a text recipe; RecipeError names what is wrong."""
     data = cfg.data
-    if (
-        data is None
-        or cfg.model.path is None
-        or not (cfg.reward or cfg.env or cfg.agent or cfg.agent_api)
-    ):
-        raise RecipeError(f"pipeline {cfg.id}: not a text recipe (data, model.path, reward)")
+    if data is None or cfg.model.path is None or not cfg.env.scorers:
+        raise RecipeError(f"pipeline {cfg.id}: not a text recipe (data, model.path, env.reward)")
     model = Path(cfg.model.path)
     if not (model / "config.json").is_file():
         raise RecipeError(f"model.path: {model} is not a Hugging Face model directory")
@@ -276,10 +272,10 @@ def load_recipe(cfg: PipelineConfig) -> Recipe:
         raise RecipeError(f"model.path: {model}: {len(stops)} end-of-sequence ids (at most 64)")
     reward = None
     try:
-        if cfg.reward:
-            reward = load_reward(cfg.reward, cfg.reward_args)
+        if cfg.env.reward:
+            reward = load_reward(cfg.env.reward, cfg.env.reward_args)
     except RewardError as exc:
-        raise RecipeError(f"reward: {exc}") from None
+        raise RecipeError(f"env.reward: {exc}") from None
     try:
         keys = data.keys
         train = PromptDataset(
@@ -296,46 +292,56 @@ def load_recipe(cfg: PipelineConfig) -> Recipe:
         raise RecipeError(str(exc)) from None
     if reward is None:  # an env pipeline: one runner of episodes each for rollout and eval
         processes = None
-        if cfg.env is not None and cfg.env_workers:  # shared: N workers in all
-            processes = EnvProcesses(cfg.env_workers, cfg.env, cfg.env_args)
+        env = cfg.env
+        if env.env_class is not None and env.workers:  # shared: N workers in all
+            processes = EnvProcesses(env.workers, env.env_class, env.env_args)
         runs = [_episodes(cfg, tokenizer, processes) for _ in range(2 if evaluation else 1)]
         return Recipe(tokenizer, train, evaluation, None, stops, None, runs[0], runs[-1])
-    runner = RewardRunner(reward, timeout_s=cfg.reward_timeout_s)
+    runner = RewardRunner(reward, timeout_s=cfg.env.reward_timeout_s)
     eval_runner = (
-        RewardRunner(reward, timeout_s=cfg.reward_timeout_s) if evaluation is not None else None
+        RewardRunner(reward, timeout_s=cfg.env.reward_timeout_s) if evaluation is not None else None
     )
     return Recipe(tokenizer, train, evaluation, runner, stops, eval_runner)
 
 
 def _episodes(cfg: PipelineConfig, tokenizer: Any, processes: EnvProcesses | None) -> EpisodeRunner:
     """An env pipeline's runner of episodes, or an agent pipeline's."""
-    key = "env" if cfg.env else ("agent_api" if cfg.agent_api else "agent")
+    e = cfg.env
+    key = "env.env_class" if e.env_class else ("env.agent_api" if e.agent_api else "env.agent")
     limits: dict[str, Any] = {
-        "max_turns": cfg.max_turns,
+        "max_turns": e.max_turns,
         "max_tokens": cfg.rollout.max_tokens,
-        "max_episode_tokens": cfg.max_episode_tokens,
-        "step_timeout_s": cfg.env_step_timeout_s,
-        "reward": cfg.episode_reward,
+        "max_episode_tokens": e.max_episode_tokens,
+        "step_timeout_s": e.step_timeout_s,
+        "reward": e.episode_reward,
         "context_tokens": cfg.max_model_len,
     }
     try:
         chat = ChatTurns(tokenizer)
-        if cfg.env is not None:
+        if e.env_class is not None:
             decode = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
-            env = load_env(cfg.env, cfg.env_args)
+            env = load_env(e.env_class, e.env_args)
             return EpisodeRunner(env, chat, decode, processes=processes, **limits)
-        if cfg.agent_api is not None:
+        if e.agent_api is not None:
             try:  # the agents extra: not needed by any other pipeline
                 from rlix_async.rollout.api_agents import ApiAgentRunner
             except ImportError as exc:
                 raise RecipeError(
                     f"agent_api needs {exc.name} (bash scripts/setup.sh agents)"
                 ) from None
-            agent = load_agent(cfg.agent_api, cfg.agent_args, client="client")
-            host, name = cfg.agent_api_host, cfg.id
-            return ApiAgentRunner(agent, chat, tokenizer, host=host, model_name=name, **limits)
-        assert cfg.agent is not None
-        return AgentRunner(load_agent(cfg.agent, cfg.agent_args), chat, tokenizer, **limits)
+            from rlix_async.shards.engines import EngineUnavailable, engine_backend
+
+            agent = load_agent(e.agent_api, e.agent_args, client="client")
+            try:
+                tools = engine_backend(cfg.engine).tool_calls(cfg.model.path)
+            except EngineUnavailable as exc:
+                raise RecipeError(str(exc)) from None
+            host, name = e.api_host, cfg.id
+            return ApiAgentRunner(
+                agent, chat, tokenizer, host=host, model_name=name, tool_calls=tools, **limits
+            )
+        assert e.agent is not None
+        return AgentRunner(load_agent(e.agent, e.agent_args), chat, tokenizer, **limits)
     except (EnvError, ChatError) as exc:
         raise RecipeError(f"{key}: {exc}") from None
 

@@ -15,9 +15,9 @@ import msgspec
 
 from rlix_async.config import PipelineConfig
 from rlix_async.observe.loggers import Loggers
+from rlix_async.protocols.batch import Group
 from rlix_async.rollout.episodes import episode_stats, turns_of
 from rlix_async.rollout.prompts import Recipe, finite_mean, truncated
-from rlix_async.train.buffer import Group
 
 
 class RunRecords:

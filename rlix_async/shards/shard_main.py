@@ -11,46 +11,14 @@ import time
 import zlib
 
 from rlix_async.aio import stop_signals
-from rlix_async.config import EngineConfig, ShardConfig
+from rlix_async.config import ShardConfig
 from rlix_async.protocols.engine import ShardEngine
 from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
-from rlix_async.shards import vllm_api
 from rlix_async.shards.devices import DeviceBindingError, check_binding, cuda_device_count
+from rlix_async.shards.engines import EngineBackend, EngineStart, EngineUnavailable, engine_backend
 from rlix_async.shards.first_wake import FirstWakeEngine, shutdown_engine
 from rlix_async.shards.worker import ShardWorker
 from rlix_async.transport import TransportConfig
-
-
-def build_engine(
-    engine: EngineConfig,
-    model: str | None,
-    *,
-    seed: int = 0,
-    tp: int = 1,
-    cuda: bool = False,
-    keys_dir: str | None = None,
-    key_name: str = "",
-    adapters: bool = False,
-) -> ShardEngine:
-    """The shard's engine; ``adapters``: a base group's, serving LoRA adapters."""
-    if engine.kind == "custom":
-        from rlix_async.user_code import load_object
-
-        assert engine.custom is not None  # the config refuses custom without it
-        return load_object(engine.custom)(**engine.custom_args)  # type: ignore[no-any-return]
-    from rlix_async.shards.vllm_engine import VllmEngine
-
-    assert model is not None  # the config refuses vllm without it
-    return VllmEngine(
-        model,
-        engine.for_device(cuda),
-        seed=seed,
-        tp=tp,
-        cuda=cuda,
-        keys_dir=keys_dir,
-        key_name=key_name,
-        lora=engine.lora if adapters else None,
-    )
 
 
 def engine_seed(pipeline: str, rank: int) -> int:
@@ -67,11 +35,11 @@ async def serve(cfg: ShardConfig) -> int:
     is not one this package supports."""
     me = f"shard {cfg.pipeline}/{cfg.rank}"
     try:
-        cuda = _check_start(cfg)
-    except (DeviceBindingError, vllm_api.VllmVersionError) as exc:
+        backend, cuda = _check_start(cfg)
+    except (DeviceBindingError, EngineUnavailable) as exc:
         print(f"error: {me}: {exc}", file=sys.stderr, flush=True)
         return 2
-    worker, engine = _worker(cfg, cuda)
+    worker, engine = _worker(cfg, backend, cuda)
     try:
         await worker.start()
     except ConnectionError as exc:  # e.g. the coordinator refused our devices
@@ -100,28 +68,27 @@ async def serve(cfg: ShardConfig) -> int:
     return 0
 
 
-def _check_start(cfg: ShardConfig) -> bool:
-    """Before anything loads: the worker sees exactly its devices, and the installed
-    vLLM is one this package supports (a warning line for a newer one). The devices come
-    first: a launch that shows a worker the wrong devices is wrong whatever is
-    installed. Returns whether it runs on CUDA. Raises a one-line DeviceBindingError or
-    VllmVersionError."""
-    if cfg.engine.kind != "vllm":
-        check_binding(cfg.devices, cfg.tensor_parallel_size, None)
-        return False
-    # Counted without initialising CUDA here: vLLM forks its engine core from this
-    # process (see cuda_device_count).
+def _check_start(cfg: ShardConfig) -> tuple[EngineBackend, bool]:
+    """Before anything loads: the worker sees exactly its devices, and its engine can
+    run here (a warning line for, e.g., a vLLM newer than those checked). The devices
+    come first: a launch that shows a worker the wrong devices is wrong whatever is
+    installed. Returns the engine's backend and whether it runs on CUDA (the backend
+    says, from the devices seen). Raises a one-line DeviceBindingError or
+    EngineUnavailable."""
+    # Counted without initialising CUDA here: an engine may fork its processes from
+    # this one (vLLM does; see cuda_device_count).
     seen = cuda_device_count()
     check_binding(cfg.devices, cfg.tensor_parallel_size, seen if seen else None)
-    warning = vllm_api.check_version()
-    if cfg.members:  # adapters from memory use vLLM internals: checked now
-        vllm_api.check_internals()
+    backend = engine_backend(cfg.engine)
+    warning = backend.check_installed(bool(cfg.members))
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    return seen > 0
+    return backend, backend.uses_cuda(seen)
 
 
-def _worker(cfg: ShardConfig, cuda: bool) -> tuple[ShardWorker, ShardEngine]:
+def _worker(
+    cfg: ShardConfig, backend: EngineBackend, cuda: bool
+) -> tuple[ShardWorker, ShardEngine]:
     """The worker and its engine (built now, or at the first wake)."""
     engine_cfg = cfg.engine.for_device(cuda)
     # The shard's own key: shard-HOST, else shard, else the shared client key. Its
@@ -134,17 +101,19 @@ def _worker(cfg: ShardConfig, cuda: bool) -> tuple[ShardWorker, ShardEngine]:
         else ("", None)
     )
 
+    start = EngineStart(
+        model=cfg.model,
+        engine=engine_cfg,
+        tp=cfg.tensor_parallel_size,
+        cuda=cuda,
+        seed=engine_seed(cfg.pipeline, cfg.rank),
+        keys_dir=cfg.keys,
+        key_name=key_name,
+        adapters=bool(cfg.members),
+    )
+
     def build() -> ShardEngine:
-        return build_engine(
-            engine_cfg,
-            cfg.model,
-            seed=engine_seed(cfg.pipeline, cfg.rank),
-            tp=cfg.tensor_parallel_size,
-            cuda=cuda,
-            keys_dir=cfg.keys,
-            key_name=key_name,
-            adapters=bool(cfg.members),
-        )
+        return backend.build(start)
 
     engine: ShardEngine = FirstWakeEngine(build) if engine_cfg.load == "first_wake" else build()
     worker = ShardWorker(

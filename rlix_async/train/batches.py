@@ -31,7 +31,7 @@ import time
 
 import torch.distributed as dist
 
-from rlix_async.train.buffer import Group, decode_batch, encode_batch
+from rlix_async.protocols.batch import Group, decode_batch, encode_batch
 
 # How long a follower waits for a batch: rank 0 may wait that long for its rollout and
 # for the coordinator to grant its training devices while other pipelines train.

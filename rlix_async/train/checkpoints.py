@@ -4,6 +4,7 @@ state a checkpoint carries so a resumed run draws what the uninterrupted one wou
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import shutil
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from rlix_async.config import PipelineConfig
-from rlix_async.train.sharded_checkpoint import is_sharded
+from rlix_async.train.sharded_checkpoint import CheckpointError, is_sharded
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -32,6 +33,30 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate(state["python"])
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def write_checkpoint(path: Path, state: dict[str, Any]) -> Path:
+    """``state`` (tensors, containers and plain values only: what :func:`read_checkpoint`
+    accepts) to the file ``path``, whole or not at all: a kill mid-save never leaves a
+    torn checkpoint. Returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint file, read with ``weights_only``: tensors, containers and plain
+    values only, so a file we did not write cannot run code as it is read. A sharded
+    checkpoint (a directory) is refused, naming the backend that writes them."""
+    if path.is_dir():
+        raise CheckpointError(
+            f"{path}: a sharded checkpoint (written by a model-parallel megatron "
+            "trainer): resume it with train.backend: megatron"
+        )
+    ckpt: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    return ckpt
 
 
 def checkpoint_step(path: Path) -> int | None:

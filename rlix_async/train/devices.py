@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
+import torch
+
 
 def trainer_device(
     local_rank: int, local_world: int, cuda_count: int, visible_devices: str | None = None
@@ -26,3 +31,37 @@ def trainer_device(
             f"rank, so this node's ranks need {local_world}"
         )
     return f"cuda:{local_rank}"
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a trainer rank runs: its global rank of ``world``, its place among the
+    ranks on its node, and its device (one per rank, :func:`trainer_device`)."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    device: torch.device
+
+    @classmethod
+    def of(cls, rank: int, world: int) -> RankPlace:
+        """torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE, or without them the rank
+        arguments (every rank on this node); the device bound as the current one
+        before any NCCL group or CUDA allocation."""
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        device = torch.device(
+            trainer_device(
+                local_rank, local_world, cuda_count, os.environ.get("CUDA_VISIBLE_DEVICES")
+            )
+        )
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return cls(rank, world, local_rank, local_world, device)
+
+    @property
+    def backend(self) -> str:
+        """The collective backend of this rank's groups: NCCL on CUDA, gloo on CPU."""
+        return "nccl" if self.device.type == "cuda" else "gloo"

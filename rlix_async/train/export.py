@@ -27,6 +27,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from rlix_async.config import MegatronTrainConfig, TorchTrainConfig, TrainConfig
+
 
 class ExportError(ValueError):
     """A checkpoint that cannot be exported: one line, exit code 2."""
@@ -55,15 +57,16 @@ def export_checkpoint(ckpt: Path, hf_dir: Path, *, config: Path | None = None) -
             why = type(exc).__name__
             raise ExportError(f"{ckpt}: not a pipeline checkpoint ({why})") from None
     run_dir = ckpt.resolve().parent.parent  # OUT/<id>/ckpt/step_N[.pt]
-    backend = "torch"
+    train: TrainConfig = TorchTrainConfig()  # an adapter's: trained by the torch backend
     if lora is not None and config is None and lora.get("base"):
         base = Path(lora["base"])  # an adapter names its base: no pipeline config needed
     else:
-        base, backend = _base_from_config(config or run_dir / "pipeline.yaml", run_dir)
+        base, train = _base_from_config(config or run_dir / "pipeline.yaml", run_dir)
     if not (base / "config.json").is_file():
         raise ExportError(f"{base}: the base model directory is gone (config.json missing)")
-    if backend == "megatron" or ckpt.is_dir():
-        state = _hf_names(ckpt, base, state)
+    if ckpt.is_dir() and isinstance(train, TorchTrainConfig):  # only megatron writes them
+        train = MegatronTrainConfig()
+    state = _hf_names(ckpt, base, state, train)
     if (hf_dir / "config.json").exists():
         raise ExportError(f"{hf_dir}: already holds a model; choose an empty directory")
     model = _merged(ckpt, base, lora, state) if lora is not None else _full(ckpt, base, state)
@@ -83,8 +86,8 @@ def export_checkpoint(ckpt: Path, hf_dir: Path, *, config: Path | None = None) -
     return hf_dir
 
 
-def _base_from_config(config: Path, run_dir: Path) -> tuple[Path, str]:
-    """The base model directory of the pipeline config ``config``, and its backend."""
+def _base_from_config(config: Path, run_dir: Path) -> tuple[Path, TrainConfig]:
+    """The base model directory of the pipeline config ``config``, and its trainer."""
     from rlix_async.config import ConfigError, PipelineConfig, load_config
 
     if not config.is_file():
@@ -94,18 +97,17 @@ def _base_from_config(config: Path, run_dir: Path) -> tuple[Path, str]:
     except ConfigError as exc:
         raise ExportError(str(exc)) from None
     base = Path(cfg.model.path) if cfg.model.path else run_dir / "model"
-    return base, cfg.train.backend
+    return base, cfg.train
 
 
-def _hf_names(ckpt: Path, base: Path, state: dict[str, Any]) -> dict[str, Any]:
-    """A megatron checkpoint's model in the base's HF Llama names."""
-    from rlix_async.train.megatron_hf import MegatronModelError, llama_shape, megatron_to_hf
+def _hf_names(ckpt: Path, base: Path, state: dict[str, Any], train: TrainConfig) -> dict[str, Any]:
+    """A checkpoint's model in the base's HF names, as its trainer backend says."""
+    from rlix_async.train.backends import trainer_backend
 
     try:
-        s = llama_shape(str(base))
-        return megatron_to_hf(state, s["heads"], s["groups"], s["head_dim"])
-    except (MegatronModelError, KeyError, RuntimeError) as exc:
-        raise ExportError(f"{ckpt}: not a megatron checkpoint of {base} ({exc})") from None
+        return trainer_backend(train).hf_state(state, base)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise ExportError(f"{ckpt}: not a {train.backend} checkpoint of {base} ({exc})") from None
 
 
 def _full(ckpt: Path, base: Path, state: dict[str, Any]) -> Any:

@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from rlix_async.protocols.batch import Group
 from rlix_async.train.algo import group_advantages
-from rlix_async.train.buffer import Group
 
 
 def pack_batch(groups: list[Group], rank: int, world: int) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ reader's lease expires: the owner waits at most its ``send_wait_s`` and then
 writes anyway (and logs who held the slot). The seqlock stays as the check that
 catches exactly that case: the hung reader, if it ever resumes, finds the
 generation changed, and its load is redone from the version the slot holds now
-before anything is served (:func:`read_slot`, ``vllm_transfer``).
+before anything is served (:func:`read_slot`, ``shards/vllm/transfer.py``).
 
 Space. Slots are reserved with ``posix_fallocate`` when created: a directory
 too small for them fails with :class:`ShmSpaceError` at once, instead of the

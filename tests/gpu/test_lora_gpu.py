@@ -13,9 +13,9 @@ import pytest
 import torch
 from helpers.tiny_text import save_tiny_model
 
-from rlix_async.config import ModelConfig, TrainConfig
+from rlix_async.config import ModelConfig, TorchTrainConfig
 from rlix_async.config.lora import LoraConfig
-from rlix_async.train.buffer import Group
+from rlix_async.protocols.batch import Group
 from rlix_async.train.trainer import TorchTrainer
 
 LORA = LoraConfig(rank=2, alpha=8.0)
@@ -34,7 +34,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _trainer(base: Path, dtype: str = "float32") -> TorchTrainer:
-    cfg = TrainConfig(dtype=dtype, lr=1e-2, minibatches=1)  # type: ignore[arg-type]
+    cfg = TorchTrainConfig(dtype=dtype, lr=1e-2, minibatches=1)  # type: ignore[arg-type]
     return TorchTrainer(cfg, ModelConfig(path=str(base)), seed=0, lora=LORA)
 
 

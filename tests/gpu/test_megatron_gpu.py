@@ -13,9 +13,9 @@ import pytest
 import torch
 from helpers.trainer import assert_same_state, mass_below_8, sample_batch, state_snapshot
 
-from rlix_async.config import ModelConfig, TrainConfig
+from rlix_async.config import MegatronTrainConfig, ModelConfig
 from rlix_async.models.tiny import tiny_llama
-from rlix_async.train.buffer import Group
+from rlix_async.protocols.batch import Group
 
 SMALL = {"vocab_size": 64, "layers": 1, "hidden": 64}
 MEDIUM = {"vocab_size": 8192, "layers": 4, "hidden": 512}
@@ -26,7 +26,7 @@ BATCH = [Group([1, 2], [[3, 4, 5], [6, 7, 8]], [[-4.0] * 3] * 2, [[0] * 3] * 2, 
 def _trainer(shape: dict[str, int], **train: object):  # type: ignore[no-untyped-def]
     from rlix_async.train.megatron import MegatronTrainer
 
-    return MegatronTrainer(TrainConfig(backend="megatron", **train), ModelConfig(**shape), seed=0)  # type: ignore[arg-type]
+    return MegatronTrainer(MegatronTrainConfig(**train), ModelConfig(**shape), seed=0)  # type: ignore[arg-type]
 
 
 class _Hf:
@@ -76,10 +76,10 @@ def test_megatron_exports_weights_an_hf_model_runs_with_the_same_logits() -> Non
     hf = tiny_llama(0, **SMALL).eval().cuda()
     hf.load_state_dict(t.weights_for_cache(), strict=True)
     ids = torch.tensor([[5, 17, 30, 2, 9]], device="cuda")
-    t._parallel_state(None)
+    t.parallel_state(None)
     try:
         with torch.no_grad():
-            mg = t.forward_logits(t.model.eval(), ids).float()
+            mg = t.parallel.logits(t.model.eval(), ids).float()
             ref = hf(input_ids=ids).logits.float()
     finally:
         t.destroy_group()

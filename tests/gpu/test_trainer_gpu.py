@@ -31,8 +31,8 @@ from helpers.trainer import (
     state_snapshot,
 )
 
-from rlix_async.config import ModelConfig, TrainConfig
-from rlix_async.train.buffer import Group
+from rlix_async.config import ModelConfig, TorchTrainConfig
+from rlix_async.protocols.batch import Group
 from rlix_async.train.trainer import TorchTrainer
 
 MiB = 1 << 20
@@ -117,7 +117,7 @@ def test_a_rank_without_a_device_of_its_own_fails_in_one_line() -> None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_grpo_steps_on_the_device_raise_the_rewarded_tokens_probability(dtype: Any) -> None:
-    trainer = TorchTrainer(TrainConfig(lr=1e-2, dtype=dtype), SMALL, seed=0)
+    trainer = TorchTrainer(TorchTrainConfig(lr=1e-2, dtype=dtype), SMALL, seed=0)
     assert trainer.device == torch.device("cuda:0")
     assert {(p.device, p.dtype) for p in trainer.model.parameters()} == {
         (trainer.device, getattr(torch, dtype))
@@ -135,7 +135,7 @@ def test_twenty_offloads_empty_the_device_and_reloads_restore_it_bit_for_bit(
 ) -> None:
     allocated0, reserved0 = _empty_device()
     used0 = _device_used()
-    t = TorchTrainer(TrainConfig(dtype="float32"), MEDIUM, seed=0)
+    t = TorchTrainer(TorchTrainConfig(dtype="float32"), MEDIUM, seed=0)
     t.train_step(BATCH)  # the optimizer's state exists from here on
     reloaded = stepped = 0
     first_ptrs: list[int] = []
@@ -184,7 +184,7 @@ def test_twenty_offloads_empty_the_device_and_reloads_restore_it_bit_for_bit(
 
     # a checkpoint written while offloaded loads into a trainer on the device ...
     t.offload()
-    fresh = TorchTrainer(TrainConfig(dtype="float32"), MEDIUM, seed=1)
+    fresh = TorchTrainer(TorchTrainConfig(dtype="float32"), MEDIUM, seed=1)
     fresh.load(tmp_path / "offloaded.pt")
     assert_same_state(state_snapshot(fresh), first_state)
     del fresh
@@ -205,7 +205,7 @@ def test_twenty_offloads_empty_the_device_and_reloads_restore_it_bit_for_bit(
 
 def test_nccl_groups_come_and_go_twenty_times_without_growth(tmp_path: Path) -> None:
     allocated0, _ = _empty_device()
-    t = TorchTrainer(TrainConfig(), SMALL, rank=0, world=1)
+    t = TorchTrainer(TorchTrainConfig(), SMALL, rank=0, world=1)
     store = dist.HashStore()
     used, rss = [], []
     for _ in range(20):
@@ -230,7 +230,7 @@ def test_two_torchrun_ranks_cycle_twenty_times_one_device_each(tmp_path: Path) -
 
 
 def test_a_bf16_step_agrees_with_an_fp32_step() -> None:
-    sampler = TorchTrainer(TrainConfig(dtype="float32"), SMALL, seed=0)
+    sampler = TorchTrainer(TorchTrainConfig(dtype="float32"), SMALL, seed=0)
     batch = sample_batch(sampler, torch.Generator().manual_seed(0))
     # as if an older policy sampled them: the IS weights vary, so the loss is not ~0
     noise = torch.Generator().manual_seed(1)
@@ -240,7 +240,7 @@ def test_a_bf16_step_agrees_with_an_fp32_step() -> None:
         ]
     steps: dict[str, tuple[dict[str, float], torch.Tensor]] = {}
     for dtype in ("float32", "bfloat16"):
-        t = TorchTrainer(TrainConfig(lr=1e-3, minibatches=1, dtype=dtype), SMALL, seed=0)
+        t = TorchTrainer(TorchTrainConfig(lr=1e-3, minibatches=1, dtype=dtype), SMALL, seed=0)
         start = {n: p.detach().float().clone() for n, p in t.model.named_parameters()}
         stats = t.train_step(batch)
         delta = [(p.detach().float() - start[n]).flatten() for n, p in t.model.named_parameters()]
@@ -255,7 +255,7 @@ def test_a_pipeline_trainer_touches_its_device_only_from_its_first_reload() -> N
     """The pipeline builds its trainer before the coordinator grants it anything: the
     state stays in host memory until reload() (called once the stage is granted)."""
     allocated0, _ = _empty_device()
-    t = TorchTrainer(TrainConfig(dtype="float32"), MEDIUM, seed=0, start_offloaded=True)
+    t = TorchTrainer(TorchTrainConfig(dtype="float32"), MEDIUM, seed=0, start_offloaded=True)
     assert t.offloaded and torch.cuda.memory_allocated() - allocated0 < MiB
     assert {p.device.type for p in t.model.parameters()} == {"cpu"}
     t.reload()
@@ -274,7 +274,7 @@ def test_the_pipelines_build_order_copies_from_the_device_into_the_page_locked_s
 
     from rlix_async.weights.cache import WeightCache
 
-    t = TorchTrainer(TrainConfig(dtype="bfloat16"), MEDIUM, seed=0)
+    t = TorchTrainer(TorchTrainConfig(dtype="bfloat16"), MEDIUM, seed=0)
     t.train_step(BATCH)
     cache = WeightCache("P", f"g{uuid.uuid4().hex[:6]}", bucket_bytes=64 * MiB)
     try:

@@ -27,7 +27,7 @@ from helpers.shard_cycles import (
     wake_without_weights_then_shrink,
 )
 
-from rlix_async.config import EngineConfig
+from rlix_async.config import VllmEngineConfig
 from rlix_async.control.coordinator import Coordinator
 from rlix_async.models.tiny import save_tiny_llama, tiny_llama
 from rlix_async.protocols.generation import Sampling
@@ -55,9 +55,9 @@ async def _greedy(engine: object, prompt: list[int]) -> list[int]:
 
 
 def _engine(model: Path, level: int = 2, **cfg: object) -> object:
-    from rlix_async.shards.vllm_engine import VllmEngine
+    from rlix_async.shards.vllm.engine import VllmEngine
 
-    config = EngineConfig(
+    config = VllmEngineConfig(
         gpu_memory_utilization=0.3,
         max_model_len=256,
         sleep_level=level,
@@ -202,7 +202,7 @@ def test_a_sync_copies_straight_into_the_parameters_and_serves_the_new_weights(
     save_tiny_llama(new, seed=7, **SHAPE)
 
     async def run() -> None:
-        from rlix_async.shards.vllm_engine import VllmEngine
+        from rlix_async.shards.vllm.engine import VllmEngine
 
         reference = _engine(new, 1)
         try:
@@ -234,10 +234,10 @@ def test_a_shard_process_starts_its_engine_on_cuda(model: Path, tmp_path: Path) 
         "import torch\n"
         "n = cuda_device_count()\n"
         "assert n >= 1 and not torch.cuda.is_initialized(), n\n"
-        "from rlix_async.config import EngineConfig\n"
+        "from rlix_async.config import VllmEngineConfig\n"
         "from rlix_async.protocols.generation import Sampling\n"
-        "from rlix_async.shards.vllm_engine import VllmEngine\n"
-        f"e = VllmEngine({str(model)!r}, EngineConfig(gpu_memory_utilization=0.3, "
+        "from rlix_async.shards.vllm.engine import VllmEngine\n"
+        f"e = VllmEngine({str(model)!r}, VllmEngineConfig(gpu_memory_utilization=0.3, "
         "max_model_len=256), cuda=True)\n"
         "async def go():\n"
         "    async for c in e.generate([1, 2], Sampling(max_tokens=4, temperature=0.0)):\n"
@@ -259,11 +259,14 @@ def test_a_shard_process_starts_its_engine_on_cuda(model: Path, tmp_path: Path) 
 @pytest.mark.gpu2
 def test_a_tensor_parallel_shard_syncs_every_rank(model: Path, tmp_path: Path) -> None:
     """tp=2: both ranks load from the same leased slot, each its own slices."""
-    from rlix_async.shards.vllm_engine import VllmEngine
+    from rlix_async.shards.vllm.engine import VllmEngine
 
     async def run() -> None:
         engine = VllmEngine(
-            str(model), EngineConfig(gpu_memory_utilization=0.3, max_model_len=256), tp=2, cuda=True
+            str(model),
+            VllmEngineConfig(gpu_memory_utilization=0.3, max_model_len=256),
+            tp=2,
+            cuda=True,
         )
         cache = WeightCache("P", f"g{uuid.uuid4().hex[:6]}", bucket_bytes=4 * MiB)
         try:

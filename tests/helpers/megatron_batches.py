@@ -4,7 +4,7 @@ vocabulary (below 63)."""
 
 from __future__ import annotations
 
-from rlix_async.train.buffer import Group
+from rlix_async.protocols.batch import Group
 
 
 def _group(prompt: list[int], seed: int) -> Group:

@@ -30,7 +30,7 @@ ckpt = Path(sys.argv[5]) if len(sys.argv) > 5 else None
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 from helpers.megatron_batches import BATCHES  # noqa: E402
-from rlix_async.config import ModelConfig, TrainConfig  # noqa: E402
+from rlix_async.config import MegatronTrainConfig, ModelConfig  # noqa: E402
 from rlix_async.train.megatron import MegatronTrainer  # noqa: E402
 from rlix_async.train.packing import Piece  # noqa: E402
 
@@ -39,8 +39,7 @@ out.mkdir(parents=True, exist_ok=True)
 store = dist.FileStore(str(out / f"store-{tp}x{pp}-{world}-{ckpt is not None}"), world)
 torch.manual_seed(0)
 trainer = MegatronTrainer(
-    TrainConfig(  # two micro-batches per minibatch at one replica: the schedule interleaves
-        backend="megatron",
+    MegatronTrainConfig(  # two micro-batches per minibatch at one replica: the schedule interleaves
         dtype="float32",
         lr=1e-3,
         minibatches=2,
@@ -70,7 +69,7 @@ logits: list[torch.Tensor] = []  # on the last stage: every position's
 
 
 def keep(x: torch.Tensor) -> torch.Tensor:
-    if trainer._vocab_parallel:  # each rank's vocabulary slice: the whole, to compare
+    if trainer.parallel.vocab_parallel:  # each rank's vocabulary slice: the whole, to compare
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         x = gather_from_tensor_model_parallel_region(x)[..., : trainer._shape["vocab_size"]]
@@ -80,9 +79,9 @@ def keep(x: torch.Tensor) -> torch.Tensor:
 
 with torch.no_grad():
     trainer.model.eval()
-    trainer._forward(trainer.model, [Piece(ids, ids.shape[1] - 1, keep)])
+    trainer.parallel.forward(trainer.model, [Piece(ids, ids.shape[1] - 1, keep)])
     trainer.model.train()
-if logits and trainer.tp_rank == 0 and trainer.dp_rank == 0:
+if logits and trainer.layout.tp_rank == 0 and trainer.layout.dp_rank == 0:
     torch.save(logits[0], out / "logits.pt")
 
 

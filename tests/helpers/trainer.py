@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from rlix_async.train.buffer import Group
+from rlix_async.protocols.batch import Group
 from rlix_async.train.trainer import TorchTrainer
 
 
@@ -81,8 +81,8 @@ def assert_same_state(got: dict[str, object], want: dict[str, object]) -> None:
 
 CYCLES = r"""
 import gc, json, os, sys, torch, torch.distributed as dist
-from rlix_async.config import ModelConfig, TrainConfig
-from rlix_async.train.buffer import Group
+from rlix_async.config import MegatronTrainConfig, ModelConfig, TorchTrainConfig
+from rlix_async.protocols.batch import Group
 from rlix_async.train.trainer import TorchTrainer
 out_dir, backend = sys.argv[1], sys.argv[2]
 tp = 2 if backend == "megatron_tp2" else 1  # both ranks one replica
@@ -91,8 +91,9 @@ kw = {}
 if backend.startswith("megatron"):
     from megatron.core import parallel_state
     from rlix_async.train.megatron import MegatronTrainer as Trainer
+    TrainConfig = MegatronTrainConfig
 else:
-    Trainer = TorchTrainer
+    Trainer, TrainConfig = TorchTrainer, TorchTrainConfig
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
 if tp * pp > 1:

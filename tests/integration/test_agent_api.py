@@ -15,12 +15,12 @@ import pytest
 import torch
 from helpers.episodes import CHAT, TOKENIZER, ids, scripted_generate
 
+from rlix_async.protocols.batch import Group
 from rlix_async.protocols.generation import Sampling
 from rlix_async.rollout.agents import load_agent
 from rlix_async.rollout.api_agents import ApiAgentRunner
 from rlix_async.rollout.episodes import EnvFailure, Episode
-from rlix_async.rollout.tool_calls import hermes_messages
-from rlix_async.train.buffer import Group
+from rlix_async.shards.tool_calls import hermes_messages
 from rlix_async.train.packing import pack_batch
 
 TOOLS = [

@@ -53,10 +53,7 @@ pipelines:
     eval_every: 2
     model: {{path: {model}}}
     data: {{train: {train}, eval: {eval}, prompt_key: question}}
-    agent_api: {agent}:solve
-    agent_args: {{log: {log}}}
-    max_turns: 4
-    max_episode_tokens: 256
+    env: {{agent_api: "{agent}:solve", agent_args: {{log: {log}}}, max_turns: 4, max_episode_tokens: 256}}
     rollout: {{groups_per_step: 2, group_size: 3, max_tokens: 6, temperature: 1.0}}
     train: {{lr: 0.001}}
     clusters:

@@ -20,8 +20,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from rlix_async.protocols.batch import Group
 from rlix_async.train.batches import BatchChannel, RankGone
-from rlix_async.train.buffer import Group
 from rlix_async.train.trainer_store import SECRET_BYTES, SealedStore, StoreServer
 
 BATCH = [

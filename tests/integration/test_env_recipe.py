@@ -64,9 +64,7 @@ pipelines:
     eval_every: 2
     model: {{path: {model}}}
     data: {{train: {train}, eval: {eval}, prompt_key: question}}
-    env: {env}:Guess
-    env_args: {{log: {log}}}
-    max_turns: 4
+    env: {{env_class: "{env}:Guess", env_args: {{log: {log}}}, max_turns: 4}}
     samples_per_step: 2
     rollout: {{groups_per_step: 2, group_size: 3, max_tokens: 6, temperature: 1.0}}
     train: {{lr: 0.001}}

@@ -14,7 +14,7 @@ from helpers.tiny_text import save_tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-from rlix_async.config import ModelConfig, TrainConfig  # noqa: E402
+from rlix_async.config import ModelConfig, TorchTrainConfig  # noqa: E402
 from rlix_async.train.trainer import TorchTrainer  # noqa: E402
 
 PIPELINE = """
@@ -41,7 +41,7 @@ def test_a_checkpoint_exports_as_a_model_directory(tmp_path: Path) -> None:
     run = tmp_path / "out" / "exp"
     run.mkdir(parents=True)
     (run / "pipeline.yaml").write_text(PIPELINE.format(model=base))
-    trainer = TorchTrainer(TrainConfig(dtype="float32"), ModelConfig(path=str(base)))
+    trainer = TorchTrainer(TorchTrainConfig(dtype="float32"), ModelConfig(path=str(base)))
     with torch.no_grad():  # "training": the exported weights must be these, not the base's
         for p in trainer.model.parameters():
             p.add_(0.01 * torch.randn_like(p))

@@ -34,7 +34,7 @@ pipelines:
     seed: 1
     model: {{path: {model}}}
     data: {{train: {train}, prompt_key: question}}
-    reward: {reward}:score
+    env: {{reward: "{reward}:score"}}
     lora: {{rank: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
     rollout: {{groups_per_step: 2, group_size: 2, max_tokens: 6, temperature: 1.0}}
     train: {{lr: 0.01}}
@@ -46,7 +46,7 @@ pipelines:
     seed: 2
     model: {{path: {model}}}
     data: {{train: {train}, prompt_key: question}}
-    reward: {reward}:score
+    env: {{reward: "{reward}:score"}}
     lora: {{rank: 8, alpha: 16, target_modules: [q_proj, k_proj, v_proj, o_proj]}}
     rollout: {{groups_per_step: 2, group_size: 2, max_tokens: 6, temperature: 1.0}}
     train: {{lr: 0.01}}

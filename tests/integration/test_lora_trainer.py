@@ -24,13 +24,13 @@ transformers = pytest.importorskip("transformers")
 
 from helpers.tiny_text import save_tiny_model  # noqa: E402
 
-from rlix_async.config import LossConfig, ModelConfig, TrainConfig  # noqa: E402
+from rlix_async.config import LossConfig, ModelConfig, TorchTrainConfig  # noqa: E402
 from rlix_async.config.lora import LORA_TARGETS, LoraConfig  # noqa: E402
 from rlix_async.models.hf import load_hf_model  # noqa: E402
 from rlix_async.models.tiny import save_tiny_llama  # noqa: E402
-from rlix_async.train import trainer as trainer_module  # noqa: E402
+from rlix_async.protocols.batch import Group  # noqa: E402
+from rlix_async.train import policy_update as trainer_module  # noqa: E402
 from rlix_async.train.algo import policy_loss  # noqa: E402
-from rlix_async.train.buffer import Group  # noqa: E402
 from rlix_async.train.export import ExportError, export_checkpoint  # noqa: E402
 from rlix_async.train.packing import pack_batch  # noqa: E402
 from rlix_async.train.trainer import TorchTrainer  # noqa: E402
@@ -55,7 +55,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def lora_trainer(base: Path, seed: int = 0, lora: LoraConfig = LORA, **train: Any) -> TorchTrainer:
-    cfg = TrainConfig(dtype="float32", lr=1e-2, minibatches=1, **train)
+    cfg = TorchTrainConfig(dtype="float32", lr=1e-2, minibatches=1, **train)
     return TorchTrainer(cfg, ModelConfig(path=str(base)), seed=seed, lora=lora)
 
 
@@ -195,7 +195,7 @@ def test_the_cache_is_the_adapter_with_b_scaled_as_the_shards_serve_it(base: Pat
 def test_bfloat16_keeps_the_base_in_bf16_the_adapter_in_float32_the_cache_in_bf16(
     base: Path,
 ) -> None:
-    t = TorchTrainer(TrainConfig(dtype="bfloat16"), ModelConfig(path=str(base)), lora=LORA)
+    t = TorchTrainer(TorchTrainConfig(dtype="bfloat16"), ModelConfig(path=str(base)), lora=LORA)
     assert {p.dtype for p in base_params(t).values()} == {torch.bfloat16}
     assert {p.dtype for p in adapter_params(t).values()} == {torch.float32}
     stats = t.train_step(BATCH)
@@ -221,8 +221,8 @@ def test_the_kl_reference_is_the_base_model_with_no_second_copy(
     packed = pack_batch(BATCH, 0, 1)
     ids, width = packed["ids"], packed["mask"].shape[1]  # the response positions
     with torch.no_grad():
-        policy = t._logp(t.model.eval(), ids, width)
-        want = t._logp(load_hf_model(str(base), torch.float32).eval(), ids, width)
+        policy = t.logp(t.model.eval(), ids, width)
+        want = t.logp(load_hf_model(str(base), torch.float32).eval(), ids, width)
     stats = t.train_step(BATCH)
     (ref,) = seen
     assert torch.allclose(ref, want, atol=1e-6, rtol=0)
@@ -246,7 +246,7 @@ def test_pi_old_is_the_adapter_without_dropout(base: Path, monkeypatch: pytest.M
     monkeypatch.setattr(trainer_module, "policy_loss", recording)
     packed = pack_batch(BATCH, 0, 1)
     with torch.no_grad():
-        want = t._logp(t.model.eval(), packed["ids"], packed["mask"].shape[1])
+        want = t.logp(t.model.eval(), packed["ids"], packed["mask"].shape[1])
     t.train_step(BATCH)
     assert torch.equal(seen[0], want)
     assert t.model.training  # the update ran in train mode
@@ -293,8 +293,8 @@ def test_an_adapter_checkpoint_holds_no_base_and_resumes_bit_exactly(
         assert torch.equal(p, adapter_params(a)[n]), n
 
     with pytest.raises(ValueError, match="a LoRA adapter checkpoint; this trainer trains all"):
-        TorchTrainer(TrainConfig(), ModelConfig(path=str(base))).load(path)
-    a_full = TorchTrainer(TrainConfig(), ModelConfig(path=str(base)))
+        TorchTrainer(TorchTrainConfig(), ModelConfig(path=str(base))).load(path)
+    a_full = TorchTrainer(TorchTrainConfig(), ModelConfig(path=str(base)))
     a_full.save(tmp_path / "full.pt", {})
     with pytest.raises(ValueError, match="a full-weight checkpoint; this trainer trains a LoRA"):
         lora_trainer(base).load(tmp_path / "full.pt")
@@ -375,11 +375,11 @@ TWO_RANKS = r"""
 import json, os, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[2])
 from lora_case import BATCH, LORA
-from rlix_async.config import ModelConfig, TrainConfig
+from rlix_async.config import ModelConfig, TorchTrainConfig
 from rlix_async.train.trainer import TorchTrainer
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
-t = TorchTrainer(TrainConfig(dtype="float32", lr=1e-2, minibatches=1), ModelConfig(path=sys.argv[3]),
+t = TorchTrainer(TorchTrainConfig(dtype="float32", lr=1e-2, minibatches=1), ModelConfig(path=sys.argv[3]),
                  seed=rank, rank=rank, world=world, lora=LORA)  # seeds differ: DDP syncs the adapter
 norms = []
 for _ in range(2):
@@ -399,7 +399,7 @@ def test_two_ranks_train_one_adapter_as_one_rank_does(base: Path, tmp_path: Path
     a single rank trains on the whole batch, and the base untouched."""
     (tmp_path / "lora_case.py").write_text(
         "from rlix_async.config.lora import LoraConfig\n"
-        "from rlix_async.train.buffer import Group\n"
+        "from rlix_async.protocols.batch import Group\n"
         f"LORA = LoraConfig(rank={LORA.rank}, alpha={LORA.alpha})\nBATCH = {BATCH!r}\n"
     )
     (tmp_path / "run.py").write_text(TWO_RANKS)

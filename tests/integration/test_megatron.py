@@ -30,10 +30,10 @@ def test_megatron_weights_load_into_hf_llama_with_identical_logits() -> None:
     hf = tiny_llama(0).eval()
     hf.load_state_dict(t.weights_for_cache(), strict=True)
     ids = torch.tensor([[5, 17, 300, 2, 9]])
-    t._parallel_state(None)
+    t.parallel_state(None)
     try:
         with torch.no_grad():
-            mg = t.forward_logits(t.model.eval(), ids)
+            mg = t.parallel.logits(t.model.eval(), ids)
     finally:
         t.destroy_group()
     assert torch.allclose(mg, hf(input_ids=ids).logits, atol=1e-5)
@@ -48,7 +48,7 @@ def test_megatron_loads_an_hf_llama_directory_with_identical_logits(
     import transformers
     from helpers.tiny_text import save_tiny_model
 
-    from rlix_async.config import LossConfig, ModelConfig, TrainConfig
+    from rlix_async.config import LossConfig, MegatronTrainConfig, ModelConfig
     from rlix_async.train.megatron import MegatronTrainer
 
     path = save_tiny_model(tmp_path / "m", "llama", seed=4, tie_word_embeddings=tied)
@@ -62,22 +62,22 @@ def test_megatron_loads_an_hf_llama_directory_with_identical_logits(
     c.save_pretrained(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     # with a KL reference: a second model holding the directory's weights too
-    cfg = TrainConfig(backend="megatron", loss=LossConfig(kl_coef=0.1))
+    cfg = MegatronTrainConfig(loss=LossConfig(kl_coef=0.1))
     t = MegatronTrainer(cfg, ModelConfig(path=str(path)), seed=0)
     assert t.reference is not None
     for name, p in t.model.state_dict().items():
         assert p is None or torch.equal(t.reference.state_dict()[name], p), name
     expected = hf.state_dict()
     if tied:
-        expected.pop("lm_head.weight")  # the receiver ties it again (vllm_transfer)
+        expected.pop("lm_head.weight")  # the receiver ties it again (shards/vllm/transfer.py)
     cache = t.weights_for_cache()
     assert cache.keys() == expected.keys()
     assert all(torch.equal(cache[k], v) for k, v in expected.items())
     ids = torch.tensor([[5, 17, 30, 2, 9, 44]])
-    t._parallel_state(None)
+    t.parallel_state(None)
     try:
         with torch.no_grad():
-            mg = t.forward_logits(t.model.eval(), ids)
+            mg = t.parallel.logits(t.model.eval(), ids)
     finally:
         t.destroy_group()
     assert torch.allclose(mg, hf(input_ids=ids).logits, atol=1e-5)
@@ -96,12 +96,12 @@ def test_megatron_refuses_a_model_family_it_would_build_wrong(tmp_path: Path) ->
 def test_megatron_grpo_steps_learn() -> None:
     from helpers.trainer import mass_below_8, sample_batch
 
-    from rlix_async.config import ModelConfig, TrainConfig
+    from rlix_async.config import MegatronTrainConfig, ModelConfig
     from rlix_async.models.tiny import tiny_llama
     from rlix_async.train.megatron import MegatronTrainer
 
     small = ModelConfig(**SMALL)
-    t = MegatronTrainer(TrainConfig(lr=1e-2), small, seed=0)
+    t = MegatronTrainer(MegatronTrainConfig(lr=1e-2), small, seed=0)
     hf = tiny_llama(0, **SMALL).eval()  # samples and measures with the exported weights
     gen = torch.Generator().manual_seed(0)
 
@@ -119,11 +119,11 @@ def test_megatron_grpo_steps_learn() -> None:
 def test_the_megatron_reference_stays_at_the_start_and_the_kl_grows() -> None:
     from helpers.trainer import sample_batch
 
-    from rlix_async.config import LossConfig, ModelConfig, TrainConfig
+    from rlix_async.config import LossConfig, MegatronTrainConfig, ModelConfig
     from rlix_async.models.tiny import tiny_llama
     from rlix_async.train.megatron import MegatronTrainer
 
-    cfg = TrainConfig(backend="megatron", lr=1e-2, minibatches=1, loss=LossConfig(kl_coef=0.1))
+    cfg = MegatronTrainConfig(lr=1e-2, minibatches=1, loss=LossConfig(kl_coef=0.1))
     t = MegatronTrainer(cfg, ModelConfig(**SMALL), seed=0)
     assert t.reference is not None
 

@@ -73,14 +73,14 @@ async def test_vllm_serves_it_and_matches_transformers_after_a_weight_update(
     pytest.importorskip("vllm")
     import asyncio
 
-    from rlix_async.config import EngineConfig
-    from rlix_async.shards.vllm_engine import VllmEngine
+    from rlix_async.config import VllmEngineConfig
+    from rlix_async.shards.vllm.engine import VllmEngine
     from rlix_async.weights.cache import WeightCache
 
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     rendered = tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
     prompt: list[int] = tok(rendered, add_special_tokens=False)["input_ids"]
-    engine = VllmEngine(str(model_dir), EngineConfig(max_model_len=512, kv_cache_mb=64))
+    engine = VllmEngine(str(model_dir), VllmEngineConfig(max_model_len=512, kv_cache_mb=64))
     cache = WeightCache(f"pm{uuid.uuid4().hex[:6]}", bucket_bytes=16 << 20)
 
     async def vllm_greedy(n: int) -> list[int]:
@@ -130,7 +130,7 @@ pipelines:
     eval_every: 1
     model: {{path: {model}}}
     data: {{train: {train}, eval: {eval}}}
-    reward: math_answer
+    env: {{reward: math_answer}}
     rollout: {{groups_per_step: 2, group_size: 4, max_tokens: 16, temperature: 1.0}}
     train: {{lr: 1.0e-6, dtype: float32}}
     clusters:

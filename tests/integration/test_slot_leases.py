@@ -165,7 +165,7 @@ class _StandInModel:
 def test_a_load_whose_lease_expired_is_redone_from_the_version_the_slot_holds(
     cache: WeightCache,
 ) -> None:
-    from rlix_async.shards.vllm_transfer import RlixShmTransferEngine
+    from rlix_async.shards.vllm.transfer import RlixShmTransferEngine
 
     cache.send_wait_s = 0.5
 

@@ -25,9 +25,9 @@ transformers = pytest.importorskip("transformers")
 
 from helpers.tiny_text import save_tiny_model  # noqa: E402
 
-from rlix_async.config import EngineConfig, ModelConfig, TrainConfig  # noqa: E402
+from rlix_async.config import ModelConfig, TorchTrainConfig, VllmEngineConfig  # noqa: E402
 from rlix_async.protocols.generation import Sampling  # noqa: E402
-from rlix_async.shards.vllm_engine import VllmEngine  # noqa: E402
+from rlix_async.shards.vllm.engine import VllmEngine  # noqa: E402
 from rlix_async.train.algo import token_log_probs  # noqa: E402
 from rlix_async.train.trainer import TorchTrainer  # noqa: E402
 from rlix_async.weights.cache import WeightCache  # noqa: E402
@@ -66,12 +66,12 @@ async def test_trainer_weights_reach_the_engine_by_name(tmp_path: Path, family: 
     path = save_tiny_model(tmp_path / family, family, seed=0)  # type: ignore[arg-type]
     # the engine before any model is loaded in this process (a vLLM start after a big
     # transformers load has hung here)
-    engine = VllmEngine(str(path), EngineConfig(max_model_len=256, kv_cache_mb=16))
+    engine = VllmEngine(str(path), VllmEngineConfig(max_model_len=256, kv_cache_mb=16))
     cache = WeightCache(f"te{uuid.uuid4().hex[:6]}", bucket_bytes=1 << 20)
     try:
         assert engine.has_tokenizer
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-        trainer = TorchTrainer(TrainConfig(dtype="float32"), ModelConfig(path=str(path)))
+        trainer = TorchTrainer(TorchTrainConfig(dtype="float32"), ModelConfig(path=str(path)))
         prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
         for ids in prompts:
             got = await run(engine, ids, 10, temperature=0.0)
@@ -106,7 +106,7 @@ def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.timeout(300)
 async def test_stop_tokens_and_strings_end_a_response(text_model: Path) -> None:
-    engine = VllmEngine(str(text_model), EngineConfig(max_model_len=256, kv_cache_mb=16))
+    engine = VllmEngine(str(text_model), VllmEngineConfig(max_model_len=256, kv_cache_mb=16))
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(text_model)
         ids = chat_ids(tokenizer, PROMPTS[0])
@@ -136,7 +136,7 @@ async def test_stop_tokens_and_strings_end_a_response(text_model: Path) -> None:
 async def test_engine_log_probs_are_the_sampling_distributions(text_model: Path) -> None:
     """vLLM's log-probs (processed: after temperature and top-p) equal the trainer's
     for the same weights, at T=0.7 and top-p 0.8; raw log-probs would not."""
-    engine = VllmEngine(str(text_model), EngineConfig(max_model_len=256, kv_cache_mb=16))
+    engine = VllmEngine(str(text_model), VllmEngineConfig(max_model_len=256, kv_cache_mb=16))
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(text_model)
         model = transformers.AutoModelForCausalLM.from_pretrained(text_model).float().eval()

@@ -43,8 +43,7 @@ pipelines:
     eval_every: 1
     model: {{path: {model}}}
     data: {{train: {train}, eval: {eval}, prompt_key: question}}
-    reward: {reward}
-    reward_timeout_s: 10
+    env: {{reward: "{reward}", reward_timeout_s: 10}}
     samples_per_step: 3
     loggers: [tensorboard]
     rollout: {{groups_per_step: 2, group_size: 2, max_tokens: 8, temperature: 0.9, top_p: 0.95}}
@@ -157,7 +156,7 @@ def test_a_text_recipe_trains_evaluates_and_writes_samples(
     ("changes", "message"),
     [
         ({"train": "/nonexistent/train.jsonl"}, "/nonexistent/train.jsonl: no such file"),
-        ({"reward": "no_such_module_x:score"}, "reward: cannot load reward"),
+        ({"reward": "no_such_module_x:score"}, "env.reward: cannot load reward"),
         ({"reward": "{reward}:nope"}, "has no 'nope'"),
         ({"eval": "{bad}"}, "bad.jsonl:2: not JSON"),
         ({"train": "{nokey}"}, "nokey.jsonl:1: row has no 'question'"),

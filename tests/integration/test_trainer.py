@@ -29,11 +29,12 @@ from helpers.trainer import (
     state_snapshot,
 )
 
-from rlix_async.config import LossConfig, ModelConfig, TrainConfig
+from rlix_async.config import LossConfig, MegatronTrainConfig, ModelConfig, TorchTrainConfig
 from rlix_async.models.tiny import save_tiny_llama
-from rlix_async.train import trainer as trainer_module
+from rlix_async.protocols.batch import Group
+from rlix_async.train import policy_update as trainer_module
 from rlix_async.train.algo import policy_loss
-from rlix_async.train.buffer import Group, ReplayBuffer, StalenessBound
+from rlix_async.train.buffer import ReplayBuffer, StalenessBound
 from rlix_async.train.checkpoints import latest_checkpoint
 from rlix_async.train.devices import trainer_device
 from rlix_async.train.packing import pack_batch
@@ -45,7 +46,7 @@ BATCH = [Group([1, 2], [[3, 4, 5], [6, 7, 8]], [[-4.0] * 3] * 2, [[0] * 3] * 2, 
 
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
 def test_grpo_steps_raise_the_rewarded_tokens_probability(dtype: Any) -> None:
-    trainer = TorchTrainer(TrainConfig(lr=1e-2, dtype=dtype), SMALL, seed=0)
+    trainer = TorchTrainer(TorchTrainConfig(lr=1e-2, dtype=dtype), SMALL, seed=0)
     gen = torch.Generator().manual_seed(0)
     before = mass_below_8(trainer)
     for _ in range(8):
@@ -136,7 +137,7 @@ def test_the_trainer_takes_its_local_rank_from_torchrun(monkeypatch: pytest.Monk
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     t = TorchTrainer(model=SMALL, rank=1, world=2)  # global rank 1, alone on its node
-    assert (t.local_rank, t.local_world) == (0, 1)
+    assert (t.place.local_rank, t.place.local_world) == (0, 1)
     assert t.device.type == "cpu" or t.device == torch.device("cuda:0")
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -178,7 +179,7 @@ def test_bf16_weights_keep_their_optimizer_state_as_configured_and_the_loss_math
         return loss, stats
 
     monkeypatch.setattr(trainer_module, "policy_loss", recording_policy_loss)
-    t = TorchTrainer(TrainConfig(dtype=dtype, minibatches=2), SMALL, seed=0)
+    t = TorchTrainer(TorchTrainConfig(dtype=dtype, minibatches=2), SMALL, seed=0)
     stats = t.train_step(BATCH)
     assert len(seen) == 2 and all(set(s.values()) == {torch.float32} for s in seen), seen
     assert stats and all(math.isfinite(v) for v in stats.values()), stats
@@ -196,7 +197,7 @@ def test_bf16_weights_keep_their_optimizer_state_as_configured_and_the_loss_math
 def _weights_after_one_step(dtype: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Every weight before and after one step at lr 1e-6, in float32 (the main copy where
     the optimizer keeps one)."""
-    t = TorchTrainer(TrainConfig(lr=1e-6, dtype=dtype, minibatches=1), SMALL, seed=0)  # type: ignore[arg-type]
+    t = TorchTrainer(TorchTrainConfig(lr=1e-6, dtype=dtype, minibatches=1), SMALL, seed=0)  # type: ignore[arg-type]
     before = {n: p.detach().float().clone() for n, p in t.model.named_parameters()}
     t.train_step(BATCH)
     after = {}
@@ -229,10 +230,10 @@ def test_at_rl_learning_rates_bf16_updates_land_in_the_main_weights() -> None:
 
 
 def test_main_weights_survive_a_checkpoint_in_float32(tmp_path: Path) -> None:
-    a = TorchTrainer(TrainConfig(lr=1e-6, dtype="bfloat16"), SMALL, seed=0)
+    a = TorchTrainer(TorchTrainConfig(lr=1e-6, dtype="bfloat16"), SMALL, seed=0)
     a.train_step(BATCH)
     a.save(tmp_path / "step_1.pt", {})
-    b = TorchTrainer(TrainConfig(lr=1e-6, dtype="bfloat16"), SMALL, seed=3)
+    b = TorchTrainer(TorchTrainConfig(lr=1e-6, dtype="bfloat16"), SMALL, seed=3)
     b.load(tmp_path / "step_1.pt")
     for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
         sa, sb = a.optim.state[pa], b.optim.state[pb]
@@ -249,10 +250,10 @@ def test_main_weights_survive_a_checkpoint_in_float32(tmp_path: Path) -> None:
 def test_a_checkpoint_resumes_across_precisions(tmp_path: Path, saved: Any, loaded: Any) -> None:
     """A checkpoint without main copies starts them at its weights; a plain optimizer
     resuming one with them leaves them behind. Either way the next step runs."""
-    a = TorchTrainer(TrainConfig(lr=1e-6, dtype=saved), SMALL, seed=0)
+    a = TorchTrainer(TorchTrainConfig(lr=1e-6, dtype=saved), SMALL, seed=0)
     a.train_step(BATCH)
     a.save(tmp_path / "step_1.pt", {})
-    b = TorchTrainer(TrainConfig(lr=1e-6, dtype=loaded), SMALL, seed=3)
+    b = TorchTrainer(TorchTrainConfig(lr=1e-6, dtype=loaded), SMALL, seed=3)
     b.load(tmp_path / "step_1.pt")
     assert math.isfinite(b.train_step(BATCH)["loss"])
     for p, state in b.optim.state.items():
@@ -266,7 +267,7 @@ def test_a_checkpoint_resumes_across_precisions(tmp_path: Path, saved: Any, load
 def test_a_pretrained_model_loads_in_the_configured_dtype(tmp_path: Path) -> None:
     path = save_tiny_llama(tmp_path / "m", 0, **SMALL.tiny)
     for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
-        t = TorchTrainer(TrainConfig(dtype=name), ModelConfig(path=str(path)))
+        t = TorchTrainer(TorchTrainConfig(dtype=name), ModelConfig(path=str(path)))
         assert {p.dtype for p in t.model.parameters()} == {dtype}, name
 
 
@@ -335,7 +336,7 @@ def test_megatron_parameters_and_cache_follow_the_configured_dtype() -> None:
     pytest.importorskip("megatron.core")
     from rlix_async.train.megatron import MegatronTrainer
 
-    t = MegatronTrainer(TrainConfig(dtype="bfloat16"), SMALL, seed=0)
+    t = MegatronTrainer(MegatronTrainConfig(dtype="bfloat16"), SMALL, seed=0)
     # params_dtype covers the linear layers; the local spec's norms are cast after the build
     assert {p.dtype for p in t.model.parameters()} == {torch.bfloat16}
     stats = t.train_step(BATCH)
@@ -354,9 +355,9 @@ def test_megatron_recompute_takes_the_same_step(kind: Any) -> None:
     from rlix_async.train.megatron import MegatronTrainer
 
     steps = [
-        MegatronTrainer(
-            TrainConfig(backend="megatron", minibatches=1, recompute=r), SMALL, seed=0
-        ).train_step(BATCH)
+        MegatronTrainer(MegatronTrainConfig(minibatches=1, recompute=r), SMALL, seed=0).train_step(
+            BATCH
+        )
         for r in ("none", kind)
     ]
     assert steps[1]["loss"] == pytest.approx(steps[0]["loss"], rel=1e-6, abs=1e-7)
@@ -408,9 +409,11 @@ def test_micro_batches_and_recompute_add_up_to_the_same_update(split: dict[str, 
     step scales every component to about +-lr, so a component near zero turns
     summation-order noise into a difference of lr.) fp32 sums in another order differ
     by a few ulps of the terms: the tolerance is 1e-5 of the largest component."""
-    a = TorchTrainer(TrainConfig(minibatches=1), ModelConfig(vocab_size=64, layers=1, hidden=64))
+    a = TorchTrainer(
+        TorchTrainConfig(minibatches=1), ModelConfig(vocab_size=64, layers=1, hidden=64)
+    )
     b = TorchTrainer(
-        TrainConfig(minibatches=1, **split), ModelConfig(vocab_size=64, layers=1, hidden=64)
+        TorchTrainConfig(minibatches=1, **split), ModelConfig(vocab_size=64, layers=1, hidden=64)
     )
     ga, gb = _gradients_at_the_update(a), _gradients_at_the_update(b)
     batch = _uneven_batch() * 3  # rows of 8 and 3 tokens, three of each
@@ -428,7 +431,7 @@ def test_full_recompute_runs_each_layer_again_in_the_backward_pass() -> None:
     calls = {}
     for kind in ("none", "full"):
         t = TorchTrainer(
-            TrainConfig(minibatches=1, recompute=kind),  # type: ignore[arg-type]
+            TorchTrainConfig(minibatches=1, recompute=kind),  # type: ignore[arg-type]
             ModelConfig(vocab_size=64, layers=1, hidden=64),
         )
         seen: list[bool] = []
@@ -448,10 +451,10 @@ def test_the_first_minibatch_takes_pi_old_from_its_own_update_pass() -> None:
     gradients at every update, the same entropy, as the separate pass gives. (Undetached
     they would cancel in the ratio and leave no gradient; not computed, the ratio
     would be against zeros.)"""
-    cfg = TrainConfig(minibatches=2)
+    cfg = TorchTrainConfig(minibatches=2)
     a, b = TorchTrainer(cfg, SMALL), TorchTrainer(cfg, SMALL)
-    b._passes_agree = lambda: False  # type: ignore[method-assign]  # the separate pass
-    assert a._passes_agree()
+    b.update.passes_agree = lambda model: False  # the separate pass
+    assert a.update.passes_agree(a.model)
     ga, gb = _gradients_at_the_update(a), _gradients_at_the_update(b)
     sa, sb = a.train_step(_uneven_batch()), b.train_step(_uneven_batch())
     for key in ("loss", "entropy", "clip_frac", "is_weight_mean", "grad_norm"):
@@ -476,7 +479,7 @@ def test_logits_only_for_response_positions_leave_the_loss_as_over_every_positio
         Group([7, 8, 9, 10, 11], [[12, 13], [14, 15, 16]], [[-3.0] * 2, [-1.0] * 3],
               [[0] * 2, [0] * 3], [0.0, 1.0]),
     ]  # fmt: skip
-    t = TorchTrainer(TrainConfig(minibatches=1), SMALL, seed=0)
+    t = TorchTrainer(TorchTrainConfig(minibatches=1), SMALL, seed=0)
     rows = []
     for g in groups:
         adv = group_advantages(torch.tensor(g.rewards)).tolist()
@@ -501,18 +504,18 @@ def test_logits_only_for_response_positions_leave_the_loss_as_over_every_positio
 def test_dropout_keeps_the_separate_pi_old_pass() -> None:
     """With dropout a train-mode pass is a noisy draw, not pi_old: the step keeps the
     eval-mode pass then (LoRA's dropout is a module, HF attention's a config value)."""
-    t = TorchTrainer(TrainConfig(), SMALL)
+    t = TorchTrainer(TorchTrainConfig(), SMALL)
     t.model.config.attention_dropout = 0.1
-    assert not t._passes_agree()
+    assert not t.update.passes_agree(t.model)
     t.model.config.attention_dropout = 0.0
     t.model.add_module("extra", torch.nn.Dropout(0.05))
-    assert not t._passes_agree()
+    assert not t.update.passes_agree(t.model)
 
 
 def test_a_linear_schedule_decays_to_zero_at_the_runs_last_update() -> None:
     """steps x minibatches updates, the first at lr: 2 steps of 2 give 1, 3/4, 1/2, 1/4;
     the step's row reports its first update's rate."""
-    cfg = TrainConfig(lr=1e-3, minibatches=2, lr_schedule="linear")
+    cfg = TorchTrainConfig(lr=1e-3, minibatches=2, lr_schedule="linear")
     t = TorchTrainer(cfg, SMALL, total_steps=2)
     seen: list[float] = []
     step = t.optim.step
@@ -531,7 +534,7 @@ def test_a_linear_schedule_decays_to_zero_at_the_runs_last_update() -> None:
 
 
 def test_the_reference_model_stays_at_the_start_and_the_kl_grows() -> None:
-    cfg = TrainConfig(minibatches=1, lr=1e-2, loss=LossConfig(kl_coef=0.1))
+    cfg = TorchTrainConfig(minibatches=1, lr=1e-2, loss=LossConfig(kl_coef=0.1))
     t = TorchTrainer(cfg, ModelConfig(vocab_size=64, layers=1, hidden=64))
     assert t.reference is not None
     start = {k: v.clone() for k, v in t.model.state_dict().items()}
@@ -542,18 +545,18 @@ def test_the_reference_model_stays_at_the_start_and_the_kl_grows() -> None:
     for name, p in t.reference.state_dict().items():
         assert torch.equal(p, start[name]), name
     assert not all(torch.equal(p, start[n]) for n, p in t.model.state_dict().items())
-    assert TorchTrainer(TrainConfig()).reference is None  # no KL: no second copy
+    assert TorchTrainer(TorchTrainConfig()).reference is None  # no KL: no second copy
 
 
 GLOBAL_TOKENS = r"""
 import json, os, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[2])
 from helpers_batch import batch
-from rlix_async.config import ModelConfig, TrainConfig
+from rlix_async.config import ModelConfig, TorchTrainConfig
 from rlix_async.train.trainer import TorchTrainer
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
-t = TorchTrainer(TrainConfig(minibatches=1), ModelConfig(vocab_size=64, layers=1, hidden=64), rank=rank, world=world)
+t = TorchTrainer(TorchTrainConfig(minibatches=1), ModelConfig(vocab_size=64, layers=1, hidden=64), rank=rank, world=world)
 t.init_group(store)
 stats = t.train_step(batch())
 t.destroy_group()
@@ -573,7 +576,7 @@ def test_two_ranks_weigh_every_token_as_one_rank_does(tmp_path: Path) -> None:
     import sys
 
     (tmp_path / "helpers_batch.py").write_text(
-        "from rlix_async.train.buffer import Group\n"
+        "from rlix_async.protocols.batch import Group\n"
         + inspect.getsource(_uneven_batch).replace("_uneven_batch", "batch")
     )
     (tmp_path / "run.py").write_text(GLOBAL_TOKENS)
@@ -596,7 +599,9 @@ def test_two_ranks_weigh_every_token_as_one_rank_does(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     two = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    one = TorchTrainer(TrainConfig(minibatches=1), ModelConfig(vocab_size=64, layers=1, hidden=64))
+    one = TorchTrainer(
+        TorchTrainConfig(minibatches=1), ModelConfig(vocab_size=64, layers=1, hidden=64)
+    )
     alone = one.train_step(_uneven_batch())
     assert two[0]["grad_norm"] == pytest.approx(two[1]["grad_norm"], rel=1e-6)
     assert two[0]["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-4)
@@ -605,11 +610,11 @@ def test_two_ranks_weigh_every_token_as_one_rank_does(tmp_path: Path) -> None:
 def _logit_grads(batch: list[Group]) -> torch.Tensor:
     """d loss / d logits of one train step on ``batch`` (one row), from a hook on the
     trainer's own forward: the gradient every position's prediction received."""
-    t = TorchTrainer(TrainConfig(minibatches=1), SMALL, seed=0)
+    t = TorchTrainer(TorchTrainConfig(minibatches=1), SMALL, seed=0)
     grads: list[torch.Tensor] = []
-    forward = t.forward_logits
+    forward = t.parallel.logits
 
-    def hooked(model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+    def hooked(model: torch.nn.Module, ids: torch.Tensor, keep: int) -> torch.Tensor:
         logits = forward(model, ids, keep)
         if logits.requires_grad:  # the positions before the kept ones get none: zeros
             skipped = ids.shape[1] - logits.shape[1]
@@ -618,7 +623,7 @@ def _logit_grads(batch: list[Group]) -> torch.Tensor:
             )
         return logits
 
-    t.forward_logits = hooked  # type: ignore[method-assign]
+    t.parallel.logits = hooked
     t.train_step(batch)
     (grad,) = grads
     return grad[0]

@@ -17,9 +17,9 @@ import torch
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from rlix_async.config import EngineConfig  # noqa: E402
+from rlix_async.config import VllmEngineConfig  # noqa: E402
 from rlix_async.protocols.generation import Sampling  # noqa: E402
-from rlix_async.shards.vllm_engine import VllmEngine  # noqa: E402
+from rlix_async.shards.vllm.engine import VllmEngine  # noqa: E402
 from rlix_async.weights.cache import SHM_DIR, WeightCache  # noqa: E402
 from rlix_async.weights.shm import pipeline_prefix  # noqa: E402
 
@@ -76,7 +76,7 @@ def models(
 @pytest.mark.timeout(300)
 async def test_greedy_matches_hf_across_weight_updates(models) -> None:
     path, first, second = models
-    engine = VllmEngine(str(path), EngineConfig(max_model_len=256, kv_cache_mb=64))
+    engine = VllmEngine(str(path), VllmEngineConfig(max_model_len=256, kv_cache_mb=64))
     pipeline = f"vt{uuid.uuid4().hex[:6]}"
     cache = WeightCache(pipeline, bucket_bytes=1 << 20)
     try:
@@ -122,7 +122,7 @@ async def test_greedy_matches_hf_across_weight_updates(models) -> None:
 @pytest.fixture
 async def engine(models):
     path, _, _ = models
-    e = VllmEngine(str(path), EngineConfig(max_model_len=256, kv_cache_mb=32))
+    e = VllmEngine(str(path), VllmEngineConfig(max_model_len=256, kv_cache_mb=32))
     yield e
     e.shutdown()
 

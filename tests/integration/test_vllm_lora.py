@@ -34,13 +34,13 @@ transformers = pytest.importorskip("transformers")
 import pytest_asyncio  # noqa: E402
 from helpers.tiny_text import save_tiny_model  # noqa: E402
 
-from rlix_async.config import EngineConfig  # noqa: E402
+from rlix_async.config import VllmEngineConfig  # noqa: E402
 from rlix_async.config.lora import LORA_TARGETS, EngineLoraConfig  # noqa: E402
 from rlix_async.protocols.cache_ref import CacheRef  # noqa: E402
 from rlix_async.protocols.engine import GenerationChunk  # noqa: E402
 from rlix_async.protocols.generation import Sampling  # noqa: E402
-from rlix_async.shards.vllm_engine import VllmEngine  # noqa: E402
-from rlix_async.shards.vllm_lora import AdapterError  # noqa: E402
+from rlix_async.shards.vllm.engine import VllmEngine  # noqa: E402
+from rlix_async.shards.vllm.lora import AdapterError  # noqa: E402
 from rlix_async.weights.cache import SHM_DIR, WeightCache  # noqa: E402
 from rlix_async.weights.shm import pipeline_prefix  # noqa: E402
 
@@ -133,7 +133,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
 async def engine(world: World) -> AsyncIterator[VllmEngine]:
     e = VllmEngine(
         str(world.path),
-        EngineConfig(max_model_len=512, kv_cache_mb=32),
+        VllmEngineConfig(max_model_len=512, kv_cache_mb=32),
         lora=EngineLoraConfig(max_lora_rank=8, max_loras=2),
     )
     yield e
@@ -309,13 +309,13 @@ async def test_the_trainers_adapter_serves_as_its_merged_export(
     cache and a shard's engine gives the greedy tokens of the model the trainer's
     checkpoint exports (merged into the base). An adapter on the last layer only
     (``lora.layers``) serves too: the engine adapts no other layer."""
-    from rlix_async.config import ModelConfig, TrainConfig
+    from rlix_async.config import ModelConfig, TorchTrainConfig
     from rlix_async.config.lora import LoraConfig
     from rlix_async.train.export import export_checkpoint
     from rlix_async.train.trainer import TorchTrainer
 
     trainer = TorchTrainer(
-        TrainConfig(dtype="float32"),
+        TorchTrainConfig(dtype="float32"),
         ModelConfig(path=str(world.path)),
         lora=LoraConfig(rank=RANK, alpha=ALPHA, layers=layers),
     )

@@ -153,12 +153,18 @@ def test_an_agent_pipeline_config_is_checked() -> None:
         "model": {"path": "m"},
         "data": {"train": "t.jsonl"},
     }
-    cfg = convert({**base, "agent": "a.py:solve", "agent_args": {"k": 1}}, PipelineConfig, "c")
-    assert cfg.agent == "a.py:solve"
-    with pytest.raises(ConfigError, match="env and agent: name one"):
-        convert({**base, "agent": "a.py:solve", "env": "e.py:E"}, PipelineConfig, "c")
-    with pytest.raises(ConfigError, match="agent_args: needs agent"):
-        convert({**base, "reward": "exact_match", "agent_args": {"k": 1}}, PipelineConfig, "c")
+    env = {"agent": "a.py:solve", "agent_args": {"k": 1}}
+    cfg = convert({**base, "env": env}, PipelineConfig, "c")
+    assert cfg.env.agent == "a.py:solve"
+    with pytest.raises(ConfigError, match=r"env\.agent: env_class and agent: name one"):
+        convert(
+            {**base, "env": {"agent": "a.py:solve", "env_class": "e.py:E"}}, PipelineConfig, "c"
+        )
+    with pytest.raises(ConfigError, match=r"env\.agent_args: needs agent or agent_api"):
+        env = {"reward": "exact_match", "agent_args": {"k": 1}}
+        convert({**base, "env": env}, PipelineConfig, "c")
+    with pytest.raises(ConfigError, match=r"agent: unknown key \(it is env.agent now\)"):
+        convert({**base, "agent": "a.py:solve"}, PipelineConfig, "c")
 
 
 def test_an_agent_pipeline_loads_its_agent_before_any_process_starts(tmp_path: Path) -> None:
@@ -174,16 +180,15 @@ def test_an_agent_pipeline_loads_its_agent_before_any_process_starts(tmp_path: P
         "clusters": {"actor_train": {"devices": [0]}, "actor_infer": {"devices": [0]}},
         "model": {"path": str(model)},
         "data": {"train": str(tmp_path / "t.jsonl")},
-        "agent": f"{tmp_path / 'agent.py'}:solve",
+        "env": {"agent": f"{tmp_path / 'agent.py'}:solve"},
     }
     recipe = load_recipe(convert(raw, PipelineConfig, "c"))
     assert isinstance(recipe.episodes, AgentRunner) and recipe.runner is None
     recipe.close()
     (tmp_path / "plain.py").write_text("def solve(row, llm):\n    return 1.0\n")
-    with pytest.raises(RecipeError, match=r"agent: agent .*must be an async def function"):
-        load_recipe(
-            convert({**raw, "agent": f"{tmp_path / 'plain.py'}:solve"}, PipelineConfig, "c")
-        )
+    with pytest.raises(RecipeError, match=r"env.agent: agent .*must be an async def function"):
+        env = {"agent": f"{tmp_path / 'plain.py'}:solve"}
+        load_recipe(convert({**raw, "env": env}, PipelineConfig, "c"))
 
 
 async def two_at_once(row: dict[str, Any], llm: AgentClient) -> float:

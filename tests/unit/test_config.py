@@ -102,12 +102,13 @@ def test_every_field_of_every_config_has_a_description() -> None:
         (
             {"pipelines": [_pipeline()]},
             ["engine.kind=custom"],
-            "engine.custom: kind custom needs the engine class ('module:Class')",
+            "engine.custom: required, missing",
         ),
         (
             {"pipelines": [_pipeline(task={"name": "copy_first", "lo": 3})]},
             [],
-            "pipelines[0].task.lo: unknown key (known: prompt_len, vocab)",  # copy_first's keys
+            # target_tokens' key, not copy_first's
+            "pipelines[0].task.lo: unknown key (a key of name target_tokens, not copy_first)",
         ),
         (
             {
@@ -293,8 +294,8 @@ def test_recipe_keys_are_checked_together() -> None:
             convert({"pipelines": [_pipeline(**keys)]}, LaunchConfig, "f.yaml")
         return str(err.value)
 
-    text = {"data": {"train": "t.jsonl"}, "model": {"path": "m"}, "reward": "math_answer"}
-    assert "reward: needs data" in bad(reward="math_answer")
+    text = {"data": {"train": "t.jsonl"}, "model": {"path": "m"}, "env": {"reward": "math_answer"}}
+    assert "env.reward: needs data" in bad(env={"reward": "math_answer"})
     assert "rollout.stop: needs data" in bad(rollout={"stop": ["\n"]})
     assert "model.path: data needs a model directory" in bad(data={"train": "t.jsonl"})
     assert "eval_every: needs data.eval" in bad(**text, eval_every=2)
@@ -316,7 +317,7 @@ def test_the_launcher_resolves_recipe_paths_and_fills_max_prompt_tokens(
     text = {
         "model": {"path": "models/m"},
         "data": {"train": "d/train.jsonl", "eval": "d/eval.jsonl"},
-        "reward": "rewards.py:score",
+        "env": {"reward": "rewards.py:score"},
         "rollout": {"max_tokens": 40},
     }
     cfg = convert(
@@ -328,13 +329,13 @@ def test_the_launcher_resolves_recipe_paths_and_fills_max_prompt_tokens(
     assert a.model.path == str(tmp_path / "models/m")
     assert a.data is not None and a.data.train == str(tmp_path / "d/train.jsonl")
     assert a.data.eval == str(tmp_path / "d/eval.jsonl") and a.data.max_prompt_tokens == 216
-    assert a.reward == f"{tmp_path / 'rewards.py'}:score"
+    assert a.env.reward == f"{tmp_path / 'rewards.py'}:score"
     assert a.max_model_len == 256  # an env's episodes never outgrow the engine's context
     assert b.data is None and b.model.path is None  # a token-task pipeline as it was
-    env = {**text, "reward": None, "env": "envs/game.py:Game"}
+    env = {**text, "env": {"env_class": "envs/game.py:Game"}}
     cfg = convert({"pipelines": [_pipeline(**env)]}, LaunchConfig, "f")
     (c,) = resolve_recipes(cfg).pipelines
-    assert c.env == f"{tmp_path / 'envs/game.py'}:Game"  # SLURM steps run from elsewhere
+    assert c.env.env_class == f"{tmp_path / 'envs/game.py'}:Game"  # SLURM steps run from elsewhere
 
 
 @pytest.mark.parametrize(
@@ -390,8 +391,11 @@ def test_pure_bf16_training_is_warned_at_launch_naming_the_learning_rate() -> No
             "max_tokens_per_micro_batch: cut micro-batches by rows (micro_batch_size) or by "
             "tokens, not both",
         ),
-        ({"recompute": "selective"}, "recompute: selective (core attention only) is the megatron"),
-        ({"distributed_optimizer": True}, "distributed_optimizer: the megatron backend's"),
+        ({"recompute": "selective"}, "recompute: invalid value 'selective' (one of full, none)"),
+        (
+            {"distributed_optimizer": True},
+            "distributed_optimizer: unknown key (a key of backend megatron, not torch)",
+        ),
     ],
 )
 def test_memory_levers_that_cannot_work_are_refused_naming_the_field(

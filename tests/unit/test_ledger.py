@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlix_async.protocols.batch import Group
 from rlix_async.rollout.ledger import Ledger, Tally, read_events, tally
-from rlix_async.train.buffer import Group
 
 
 def _group(gid: str, n: int = 2) -> Group:

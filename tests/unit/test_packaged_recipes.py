@@ -56,7 +56,9 @@ def test_the_demo_recipe_config_points_at_its_data_and_model(
     assert p.data is not None and Path(p.data.train).parent == out / "data"
     assert Path(p.data.train).is_file() and p.data.eval and Path(p.data.eval).is_file()
     # everything else is the packaged YAML's
-    assert p.reward == recipe_raw("arithmetic")["pipelines"][0]["reward"] == "math_answer"
+    assert (
+        p.env.reward == recipe_raw("arithmetic")["pipelines"][0]["env"]["reward"] == "math_answer"
+    )
 
 
 def test_guess_games_are_mostly_small_with_a_few_large_ones(
@@ -82,7 +84,7 @@ def test_guess_games_are_mostly_small_with_a_few_large_ones(
     monkeypatch.setenv("RLIX_ASYNC_CACHE", str(cache))
     (p,) = demo_config(str(tmp_path / "run"), steps=2, recipe="guess").pipelines
     assert p.lora is not None and p.lora.layers == [26, 27, 28, 29]
-    assert p.env == "rlix_async.recipes.guess:GuessNumber" and p.max_turns == 16
+    assert p.env.env_class == "rlix_async.recipes.guess:GuessNumber" and p.env.max_turns == 16
 
 
 def test_reward_png_shows_eval_accuracy_when_a_pipeline_evaluates(

@@ -68,7 +68,7 @@ def cfg(**rollout: Any) -> PipelineConfig:
             "id": "p",
             "model": {"path": "m"},
             "data": {"train": "t.jsonl"},
-            "reward": "unused",
+            "env": {"reward": "unused"},
             "rollout": {"groups_per_step": 1, "group_size": 3, **rollout},
             "clusters": {"actor_train": {"devices": [0]}, "actor_infer": {"devices": [0]}},
         },
@@ -179,7 +179,8 @@ async def test_an_episode_pipeline_whose_groups_keep_failing_stops_naming_the_fi
     from rlix_async.rollout.episodes import EnvFailure, EpisodeRunner, load_env
 
     col = collector(tmp_path, dataset, "exact_match")
-    col.cfg = msgspec.structs.replace(col.cfg, fail_after_groups=3)
+    env = msgspec.structs.replace(col.cfg.env, fail_after_groups=3)
+    col.cfg = msgspec.structs.replace(col.cfg, env=env)
     runner = EpisodeRunner(load_env(f"{__name__}:_Broken"), CHAT, decode, max_turns=2,
                            max_tokens=4, max_episode_tokens=64, step_timeout_s=2.0)  # fmt: skip
     col.episodes = runner

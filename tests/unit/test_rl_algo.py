@@ -122,7 +122,7 @@ def test_tasks_score_in_unit_interval() -> None:
 
 
 def _group(version: int, n: int = 2):  # type: ignore[no-untyped-def]
-    from rlix_async.train.buffer import Group
+    from rlix_async.protocols.batch import Group
 
     return Group([1], [[5, 6]] * n, [[-1.0, -1.0]] * n, [[version, version]] * n, [0.0] * n)
 
@@ -177,7 +177,8 @@ def test_a_collector_within_room_never_generates_stale(
 
 
 def test_replay_buffer_state_round_trip_and_bad_groups() -> None:
-    from rlix_async.train.buffer import Group, ReplayBuffer, StalenessBound
+    from rlix_async.protocols.batch import Group
+    from rlix_async.train.buffer import ReplayBuffer, StalenessBound
 
     buf = ReplayBuffer(StalenessBound(2))
     buf.add(_group(3))

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from rlix_async.bench.transparency import RunRecord, compare, format_transparency, read_run
+from rlix_async.protocols.batch import Group
 from rlix_async.rollout.ledger import LEDGER, Ledger
-from rlix_async.train.buffer import Group
 
 STEPS = [0, 2]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlix_async.shards import vllm_api
+from rlix_async.shards.vllm import api as vllm_api
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.1+cpu", "0.32.0rc1"])
@@ -25,7 +25,7 @@ def test_older_versions_are_refused_in_one_line(version: str) -> None:
 def test_newer_versions_start_with_one_warning_line() -> None:
     warning = vllm_api.check_version("0.35.2")
     assert warning is not None and "\n" not in warning
-    assert "0.35.2" in warning and "vllm_api.py" in warning
+    assert "0.35.2" in warning and "shards/vllm/api.py" in warning
 
 
 def test_without_vllm_the_engine_is_refused_naming_the_extra(
@@ -41,7 +41,7 @@ def test_the_installed_vllm_is_read_without_importing_it() -> None:
     import sys
 
     code = (
-        "import sys; from rlix_async.shards import vllm_api; "
+        "import sys; from rlix_async.shards.vllm import api as vllm_api; "
         "print(vllm_api.installed_version(), 'vllm' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,7 +1,7 @@
 """The production engine: vLLM's ``AsyncLLM`` driven in-process.
 
 Written against the API of vLLM >= 0.32 (every vLLM name it uses comes through
-:mod:`rlix_async.shards.vllm_api`, which states the supported versions):
+:mod:`rlix_async.shards.vllm.api`, which states the supported versions):
 ``AsyncLLM.from_engine_args``, ``generate`` on token ids,
 ``abort``, ``pause_generation(mode=...)`` / ``resume_generation``,
 ``sleep(level)`` / ``wake_up(tags)``, and the native weight-transfer API
@@ -18,7 +18,7 @@ on the GPU machines it was tested on): tests/gpu/test_vllm_sleep_gpu.py is the c
 
 Started with ``lora`` (a base group's shard) it is an
 :class:`~rlix_async.protocols.engine.AdapterEngine`: vLLM's LoRA support, adapters
-loaded from the weight cache in memory (:mod:`rlix_async.shards.vllm_lora`).
+loaded from the weight cache in memory (:mod:`rlix_async.shards.vllm.lora`).
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from typing import Any
 
 import msgspec
 
-from rlix_async.config import EngineConfig
+from rlix_async.config import VllmEngineConfig
 from rlix_async.config.lora import EngineLoraConfig
 from rlix_async.protocols.cache_ref import CacheRef
 from rlix_async.protocols.engine import GenerationChunk, PauseMode
 from rlix_async.protocols.generation import Sampling
 from rlix_async.protocols.sinks import SyncError
-from rlix_async.shards.vllm_lora import AdapterError, Adapters, Served, engine_args
-from rlix_async.shards.vllm_plugin import BACKEND
-from rlix_async.shards.vllm_worker import EXTENSION
+from rlix_async.shards.vllm.lora import AdapterError, Adapters, Served, engine_args
+from rlix_async.shards.vllm.plugin import BACKEND
+from rlix_async.shards.vllm.worker_extension import EXTENSION
 from rlix_async.weights.shm import SHM_DIR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -78,7 +78,7 @@ class VllmEngine:
     def __init__(
         self,
         model: str,
-        config: EngineConfig | None = None,
+        config: VllmEngineConfig | None = None,
         *,
         seed: int = 0,
         tp: int = 1,
@@ -90,10 +90,11 @@ class VllmEngine:
         """``keys_dir``/``key_name``: this shard's CURVE pair, with which vLLM's worker
         pulls versions served over tcp by a trainer on another node. ``lora``: serve
         LoRA adapters (``load_adapter``, ``generate(adapter=...)``)."""
-        from rlix_async.shards import vllm_api, vllm_plugin
+        from rlix_async.shards.vllm import api as vllm_api
+        from rlix_async.shards.vllm import plugin as vllm_plugin
 
         vllm_plugin.register()  # this process too (the entry point covers the others)
-        config = (config or EngineConfig()).for_device(cuda)
+        config = (config or VllmEngineConfig()).for_device(cuda)
         self.has_tokenizer = has_tokenizer(model)
         kwargs: dict[str, Any] = dict(
             model=model,
@@ -150,7 +151,7 @@ class VllmEngine:
     ) -> AsyncIterator[GenerationChunk]:
         """``adapter``: a member's newest adapter version (None: the base model); each
         chunk's ``weight_version`` is then that adapter version."""
-        from rlix_async.shards import vllm_api
+        from rlix_async.shards.vllm import api as vllm_api
 
         if sampling.stop and not self.has_tokenizer:
             raise ValueError("stop strings need a model directory with a tokenizer")
@@ -238,7 +239,7 @@ class VllmEngine:
 
     async def load_version(self, ref: CacheRef) -> None:
         """One weight-update session: the whole cached version, bucket by bucket."""
-        from rlix_async.shards import vllm_api
+        from rlix_async.shards.vllm import api as vllm_api
 
         # Refuse before vLLM starts a layerwise reload: one begun and never fed
         # leaves the model's layers on the meta device (the engine dies).

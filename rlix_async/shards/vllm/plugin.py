@@ -10,8 +10,8 @@ BACKEND = "rlix_shm"
 
 
 def register() -> None:
-    from rlix_async.shards import vllm_api
+    from rlix_async.shards.vllm import api as vllm_api
 
     vllm_api.register_transfer_backend(
-        BACKEND, "rlix_async.shards.vllm_transfer", "RlixShmTransferEngine"
+        BACKEND, "rlix_async.shards.vllm.transfer", "RlixShmTransferEngine"
     )

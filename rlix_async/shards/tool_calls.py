@@ -1,4 +1,5 @@
-"""Tool calls in the Hermes format, for chat templates that do not render tools.
+"""Tool calls in the Hermes format: the tool-call format the vLLM engine declares
+today (shards/vllm/backend.py), and one an engine of your own may return.
 
 A template that takes ``tools`` (it names them: Qwen2.5, Llama 3.1, Hermes) renders the
 request's tool schemas and tool messages itself. One that does not (SmolLM2's) gets
@@ -12,6 +13,7 @@ back into OpenAI ``tool_calls``; text that is not a well-formed call stays conte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from typing import Any
@@ -126,3 +128,39 @@ def parse_tool_calls(text: str, call_id: str) -> tuple[str | None, list[dict[str
         )
     content = _CALL.sub("", text).strip()
     return (content or None), calls
+
+
+def for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates that render tools expect it (vLLM's rendering): text
+    content, no None-valued keys (``'tool_calls' in message`` tests), and each call's
+    arguments as an object (templates ``tojson`` them: a JSON string would be quoted
+    twice)."""
+    out = {k: v for k, v in message.items() if v is not None}
+    out["content"] = text_of(message.get("content"))
+    calls = []
+    for call in out.get("tool_calls") or []:
+        fn = dict(call.get("function") or {}) if isinstance(call, dict) else {}
+        if isinstance(fn.get("arguments"), str):
+            with contextlib.suppress(json.JSONDecodeError):
+                fn["arguments"] = json.loads(fn["arguments"])
+        calls.append({**call, "function": fn} if isinstance(call, dict) else call)
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+class HermesToolCalls:
+    """The :class:`~rlix_async.protocols.engine.ToolCallFormat` of Hermes-style models:
+    a template that renders tools gets them (and the messages as such templates expect
+    them, :func:`for_template`); one that does not gets them in the system prompt
+    (:func:`hermes_messages`). Calls are read back with :func:`parse_tool_calls`."""
+
+    def render(
+        self, messages: Messages, tools: list[dict[str, Any]] | None, tokenizer: Any
+    ) -> tuple[Messages, list[dict[str, Any]] | None]:
+        if template_takes_tools(tokenizer):
+            return [for_template(m) for m in messages], tools
+        return hermes_messages(messages, tools), None
+
+    def parse(self, text: str, call_id: str) -> tuple[str | None, list[dict[str, Any]]]:
+        return parse_tool_calls(text, call_id)

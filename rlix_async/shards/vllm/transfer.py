@@ -39,7 +39,7 @@ import torch
 from rlix_async.protocols.cache_ref import CacheRef, Layout
 from rlix_async.protocols.sinks import SlotOverwritten, SyncError
 from rlix_async.security import ClientKeys
-from rlix_async.shards import vllm_api
+from rlix_async.shards.vllm import api as vllm_api
 from rlix_async.weights.pull import on_owner_node, pull_blocking
 from rlix_async.weights.shm import SHM_DIR, current_slot_ref, forget_mappings, read_slot
 

@@ -3,7 +3,7 @@
 vLLM mixes the extension class into its worker class; the engine reaches its
 methods with ``collective_rpc``, once per tensor-parallel rank. Every shard's
 engine gets it: the LoRA methods serve a base group's adapters
-(:class:`~rlix_async.shards.vllm_lora.RlixLoraWorker`), the others report what the
+(:class:`~rlix_async.shards.vllm.lora.RlixLoraWorker`), the others report what the
 weight-transfer backend did (``rlix_last_load``) and measure the floor of a sync
 (``rlix_reload_from_memory``: vLLM reloading a version already in the worker's own
 memory, which ``rlix-async bench weights --receiver vllm`` sets a shard's sync
@@ -18,9 +18,9 @@ from typing import Any
 import msgspec
 
 from rlix_async.protocols.cache_ref import CacheRef
-from rlix_async.shards.vllm_lora import RlixLoraWorker
+from rlix_async.shards.vllm.lora import RlixLoraWorker
 
-EXTENSION = "rlix_async.shards.vllm_worker.RlixWorker"
+EXTENSION = "rlix_async.shards.vllm.worker_extension.RlixWorker"
 
 
 class RlixWorker(RlixLoraWorker):
@@ -35,7 +35,7 @@ class RlixWorker(RlixLoraWorker):
         """Seconds of each of ``rounds`` loads of version ``ref`` from a private copy in
         this worker's memory (made first, not timed), by the same path a sync takes.
         A benchmark's floor: the model's reload with no transfer at all."""
-        from rlix_async.shards.vllm_transfer import stage_version
+        from rlix_async.shards.vllm.transfer import stage_version
 
         transfer = self.weight_transfer_engine
         _, transfer.layout, named = stage_version(

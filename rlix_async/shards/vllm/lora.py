@@ -9,10 +9,10 @@ the adapter name (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weig
 so it is served with lora_alpha = r (scaling 1).
 
 No disk round trip: the worker extension (:class:`RlixLoraWorker`, part of vLLM's
-``worker_extension_cls``, :mod:`rlix_async.shards.vllm_worker`) builds vLLM's
+``worker_extension_cls``, :mod:`rlix_async.shards.vllm.worker_extension`) builds vLLM's
 ``LoRAModel`` from the staged tensors and registers it in the worker's LoRA
 manager, which is what ``add_lora`` does after reading a directory (vLLM has no
-public API for it: :mod:`rlix_async.shards.vllm_api` says why and checks it at
+public API for it: :mod:`rlix_async.shards.vllm.api` says why and checks it at
 start). Each load gets a fresh lora id, and a LoRARequest name of its own: a
 version replaced in place would change the weights under requests decoding with it,
 and vLLM tells LoRARequests apart by name alone (their equality and hash: two ids with
@@ -196,7 +196,7 @@ def _stage(
 ) -> _Staged:
     """In the staging thread: a private, checked copy of the adapter version."""
     from rlix_async.security import ClientKeys
-    from rlix_async.shards.vllm_transfer import stage_version
+    from rlix_async.shards.vllm.transfer import stage_version
 
     t0 = time.perf_counter()
     keys = ClientKeys.load(keys_dir, key_name or "client") if keys_dir else None
@@ -216,7 +216,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 class RlixLoraWorker:
-    """Part of the worker extension (:mod:`rlix_async.shards.vllm_worker`); the engine
+    """Part of the worker extension (:mod:`rlix_async.shards.vllm.worker_extension`); the engine
     calls these with ``collective_rpc``, once per tensor-parallel rank. Failures come back as an
     ``error`` string: a raising call would log a worker traceback for a refused adapter."""
 
@@ -274,7 +274,7 @@ class RlixLoraWorker:
     def _register(self, lora_id: int, staged: _Staged) -> None:
         """What vLLM's ``WorkerLoRAManager._load_adapter`` and the LRU manager's
         ``add_adapter`` do with a directory, from tensors (vllm 0.32)."""
-        from rlix_async.shards import vllm_api
+        from rlix_async.shards.vllm import api as vllm_api
 
         worker_manager = self.model_runner.lora_manager
         manager = vllm_api.adapter_manager(worker_manager)
@@ -372,7 +372,7 @@ class Adapters:
             await self._load(name, ref)
 
     async def _load(self, name: str, ref: CacheRef) -> None:
-        from rlix_async.shards import vllm_api
+        from rlix_async.shards.vllm import api as vllm_api
 
         where = f"adapter {name} version {ref.version}"
         if len(self.current) + len(self.retired) >= self.capacity:

@@ -112,7 +112,7 @@ def check_version(version: str | None = None) -> str | None:
         newest = ".".join(map(str, NEWEST_CHECKED))
         return (
             f"vLLM {version} is newer than {newest}, the newest checked with this package: "
-            "if shards fail to sync or serve adapters, re-check rlix_async/shards/vllm_api.py"
+            "if shards fail to sync or serve adapters, re-check rlix_async/shards/vllm/api.py"
         )
     return None
 
@@ -171,5 +171,5 @@ def check_internals() -> None:
     if missing:
         raise VllmVersionError(
             f"vLLM {installed_version()} lacks {', '.join(missing)}, which serving LoRA "
-            "adapters from memory uses (rlix_async/shards/vllm_api.py)"
+            "adapters from memory uses (rlix_async/shards/vllm/api.py)"
         )

@@ -1,0 +1,300 @@
+"""How a megatron-core GPTModel runs over tensor x pipeline x data parallel ranks: the
+megatron backend's :class:`~rlix_async.train.policy_update.ModelParallel`.
+
+``tp`` x ``pp`` consecutive ranks hold one replica (Megatron's order tp-pp-dp). At
+pipeline parallel 1 pieces run one by one and replicas average their gradients
+under torch DDP (:class:`~rlix_async.train.data_parallel.DataParallel`); at P > 1
+they go through Megatron's 1F1B schedule, whose interleaving defeats DDP's
+forward-time decision, so the replicas' gradients are averaged after it. The last
+stage computes every loss and log-prob, from each tensor-parallel rank's vocabulary
+slice of the logits (``train/vocab_parallel.py``; gathered under top-p, which sorts
+the whole vocabulary). The gradient norm counts every weight once over the
+model-parallel group; a tied embedding's two copies sum their gradients over the
+embedding group. With the distributed optimizer each replica steps its share of the
+parameters and sends those weights to the others (``train/distributed_optimizer.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlix_async.train.data_parallel import DataParallel
+from rlix_async.train.distributed_optimizer import ParameterOwners
+from rlix_async.train.megatron_model import rebind_groups, run_model, seed_rng_tracker
+from rlix_async.train.packing import Piece
+from rlix_async.train.policy_update import sampling_token_logp
+from rlix_async.train.vocab_parallel import vocab_parallel_logp
+
+
+class MegatronLayout:
+    """Where a rank sits in the tp x pp x dp layout, and Megatron's parallel state over
+    a fresh group for it."""
+
+    def __init__(self, rank: int, world: int, tp: int, pp: int, device: torch.device) -> None:
+        self.rank, self.world, self.tp, self.pp = rank, world, tp, pp
+        self.device = device
+        self.dp_rank, self.dp_world = rank // (tp * pp), world // (tp * pp)
+        self.group_gen = 0
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether a replica spans several ranks."""
+        return self.tp * self.pp > 1
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage."""
+        return self.rank // self.tp % self.pp
+
+    def dp_group(self) -> dist.ProcessGroup | None:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group() if self.model_parallel else None
+
+    def init(
+        self,
+        store: dist.Store | None,
+        models: list[torch.nn.Module],
+        seed: int,
+        backend: str | None = None,
+    ) -> None:
+        """Megatron's parallel state over a fresh group on ``store`` (None: a private
+        one-rank group); ``backend`` by default NCCL on CUDA, gloo on CPU; ``models``
+        (the GPTModels built so far) rebound to the new groups."""
+        from megatron.core import parallel_state
+
+        if not dist.is_initialized():
+            self.group_gen += 1
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # per thread: the pipeline trains in one
+            dist.init_process_group(
+                backend or ("nccl" if self.device.type == "cuda" else "gloo"),
+                store=dist.PrefixStore(f"rlix-mg-{self.group_gen}", store or dist.HashStore()),
+                rank=self.rank if store is not None else 0,
+                world_size=self.world if store is not None else 1,
+            )
+        if not parallel_state.model_parallel_is_initialized():
+            tp, pp = (self.tp, self.pp) if store is not None else (1, 1)
+            # tp-pp-dp: a replica is tp x pp consecutive ranks (the launcher's layout)
+            parallel_state.initialize_model_parallel(tp, pp, order="tp-pp-dp")
+            rebind_groups(models)
+        seed_rng_tracker(seed)
+
+    def destroy(self) -> None:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class MegatronParallel:
+    """The step's parallel part for ``layout``; ``vocab``: the true vocabulary size
+    (the padded one's extra rows are cut or set to -inf); ``tied``: the output layer
+    shares the embedding."""
+
+    def __init__(
+        self,
+        layout: MegatronLayout,
+        *,
+        vocab: int,
+        tied: bool,
+        temperature: float,
+        top_p: float,
+        max_grad_norm: float,
+    ) -> None:
+        self.layout = layout
+        self.dp_rank, self.dp_world = layout.dp_rank, layout.dp_world
+        self.vocab, self.tied = vocab, tied
+        self.temperature, self.top_p = temperature, top_p
+        self.max_grad_norm = max_grad_norm
+        self.owners: ParameterOwners | None = None  # the distributed optimizer's shares
+        self.model: torch.nn.Module | None = None  # the policy (its tied embedding's grads)
+        # pipeline parallel 1: one stage per replica, DDP over the replicas
+        self.data = DataParallel(
+            layout.device,
+            layout.dp_rank,
+            layout.dp_world,
+            temperature=temperature,
+            top_p=top_p,
+            max_grad_norm=max_grad_norm,
+            logits=self.stage_logits,
+            group=layout.dp_group,
+        )
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """Whether each tensor-parallel rank keeps its own vocabulary slice of the
+        logits (train/vocab_parallel.py) rather than gathering them: not under top-p,
+        which sorts the whole vocabulary."""
+        return self.layout.tp > 1 and self.top_p >= 1.0
+
+    def share(
+        self, trainable: list[torch.nn.Parameter], distributed: bool
+    ) -> list[torch.nn.Parameter]:
+        """The parameters this rank's optimizer keeps state for and steps: all of
+        ``trainable``, or with the distributed optimizer this replica's share."""
+        if not distributed or self.dp_world == 1:
+            return trainable
+        span = self.layout.tp * self.layout.pp  # data-parallel rank d: d x span + offset
+        ranks = [d * span + self.layout.rank % span for d in range(self.dp_world)]
+        self.owners = ParameterOwners(trainable, self.dp_rank, ranks)
+        return self.owners.mine
+
+    def logits(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Every position's logits: the true vocabulary's, or this rank's slice."""
+        if self.vocab_parallel:
+            return run_model(model, ids, gather=False)
+        return run_model(model, ids)[..., : self.vocab]
+
+    def stage_logits(self, model: torch.nn.Module, ids: torch.Tensor, keep: int) -> torch.Tensor:
+        """The last ``keep`` positions' logits, one stage only: under pipeline parallel
+        pieces go through :meth:`forward` (Megatron computes every position's)."""
+        if self.layout.pp > 1:
+            raise RuntimeError("one stage's logits under pipeline parallel: use forward()")
+        return self.logits(model, ids)[:, -keep:]
+
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.layout.dp_group()
+
+    def training_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.data.training_model(model)
+
+    def grads_averaged(self) -> bool:
+        return self.data.grads_averaged() or (self.layout.pp > 1 and self.dp_world > 1)
+
+    def after_optim_step(self) -> None:
+        if self.owners is not None:  # each replica stepped its share: every weight to all
+            self.owners.broadcast(self.dp_group())
+
+    def token_logp(
+        self, logits: torch.Tensor, ids: torch.Tensor, width: int, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.vocab_parallel:
+            return sampling_token_logp(
+                logits,
+                ids,
+                width,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                with_entropy=with_entropy,
+            )
+        return vocab_parallel_logp(
+            logits[:, :-1],
+            ids[:, -width:],
+            temperature=self.temperature,
+            vocab=self.vocab,
+            with_entropy=with_entropy,
+        )
+
+    def forward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
+        if self.layout.pp == 1:
+            self.data.forward(model, pieces)
+        else:
+            self._schedule(model, pieces, forward_only=True)
+
+    def forward_backward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
+        if self.layout.pp == 1:
+            self.data.forward_backward(model, pieces)
+            return
+        self._schedule(model, pieces, forward_only=False)
+        self._reduce_grads()
+
+    def _schedule(self, model: torch.nn.Module, pieces: list[Piece], forward_only: bool) -> None:
+        """Megatron's 1F1B pipeline schedule over ``pieces`` (each stage runs its layers;
+        the last one hands each piece's logits to its ``take`` and backpropagates what
+        that returns, unless ``forward_only``)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        vocab = None if self.vocab_parallel else self.vocab
+        one = torch.ones((), dtype=torch.int)
+
+        def step(it: Any, stage_model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+            piece = next(it)
+            out = run_model(stage_model, piece.ids, gather=vocab is not None)
+
+            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                # calculate_per_token_loss: the schedule neither divides nor scales it
+                return piece.take(logits[:, -(piece.width + 1) :, :vocab]), one, {}
+
+            return out, loss_func
+
+        get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iter(pieces),
+            model=[model],
+            num_microbatches=len(pieces),
+            seq_length=0,  # variable_seq_lengths: each piece's shape crosses with it
+            micro_batch_size=0,
+            forward_only=forward_only,
+        )
+
+    def _reduce_grads(self) -> None:
+        """After a pipelined backward: the replicas' gradients averaged over the
+        data-parallel group (one flat buffer per dtype) and a tied embedding's two
+        copies' gradients summed over the embedding group (first and last stage)."""
+        from megatron.core import parallel_state
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        assert self.model is not None  # set by the trainer before any step
+        if self.dp_world > 1:
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+            for grads in by_dtype.values():
+                flat = _flatten_dense_tensors(grads)
+                dist.all_reduce(flat, group=self.dp_group())
+                flat.div_(self.dp_world)
+                for g, r in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+                    g.copy_(r)
+        if self.tied and parallel_state.is_rank_in_embedding_group():
+            weight = self.model.shared_embedding_or_output_weight()  # type: ignore[operator]
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+
+    def clip_grads(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        if not self.layout.model_parallel:
+            return self.data.clip_grads(params)
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        # each split weight's squares once per rank, each whole one (the same on every
+        # rank of a stage) only on tensor-parallel rank 0, a tied embedding's last-stage
+        # copy (``shared``) never: summed over the stages' ranks, every weight once
+        grads = [(p, p.grad) for p in params if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float32, device=self.layout.device)
+        for p, g in grads:
+            if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
+                squares += g.float().pow(2).sum()
+        dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+        norm = squares.sqrt()
+        if torch.isfinite(norm):
+            coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            for _, g in grads:
+                g.mul_(coef.to(g.dtype))
+        return norm
+
+    def from_last_stage(self, stats: dict[str, float]) -> dict[str, float]:
+        """The step's figures as the last stage computed them (only it sees logits)."""
+        from megatron.core import parallel_state
+
+        keys = sorted(stats)
+        values = torch.tensor(
+            [stats[k] for k in keys], dtype=torch.float64, device=self.layout.device
+        )
+        dist.broadcast(
+            values,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return dict(zip(keys, values.tolist(), strict=True))
