@@ -73,7 +73,8 @@ class ClusterHooks:
         group: str | None = None,
     ) -> ClusterHooks:
         """Connect, register the topology (fair-share weight, and a LoRA pipeline's base
-        group) and get admitted."""
+        group) and get admitted. A refused join (e.g. a weight over the key's
+        max_weight) closes its connection before raising, so a retry is admitted."""
         client = await PipelineClient.connect(
             endpoint,
             pipeline_id=pipeline_id,
@@ -81,8 +82,16 @@ class ClusterHooks:
             transport=transport,
             timeout=connect_timeout_s,
         )
-        await client.register(topology, weight, group)
-        await client.admit()
+        try:
+            await client.register(topology, weight, group)
+            await client.admit()
+        except BaseException:
+            # Left open, its socket would keep beating under <pipeline>/driver/0, and
+            # the server never hands a live identity over: the caller's next join
+            # would go unanswered until this process exits. Closing says goodbye, so
+            # the server frees the identity at once.
+            await client.close()
+            raise
         return cls(client, Router(client, keys=keys, transport=transport))
 
     async def before_training(self, step: int) -> None:
