@@ -36,7 +36,13 @@ from typing import IO
 
 import msgspec
 
-from rlix_async.config import LaunchConfig, PipelineConfig, dump
+from rlix_async.config import (
+    CustomEngineConfig,
+    CustomTrainConfig,
+    LaunchConfig,
+    PipelineConfig,
+    dump,
+)
 from rlix_async.placement import (
     NodePlanError,
     PlacedProcess,
@@ -120,12 +126,16 @@ def _write(path: Path, cfg: msgspec.Struct) -> Path:
 
 
 def resolve_recipes(cfg: LaunchConfig) -> LaunchConfig:
-    """Pipelines as every process reads them: the model directory, data files and a
-    reward, env or agent file as absolute paths, the engine (its section, and its
+    """Pipelines as every process reads them: the model directory, data files, a
+    reward, env or agent file and a custom engine or trainer backend's file as absolute
+    paths, the engine (its section, and its
     ``max_model_len``) (``rlix-async export`` reads the model directory from
     the pipeline's config, from wherever it runs), and ``max_prompt_tokens`` unset
     filled in with what the engine's context leaves after the response (longer prompts
     would fail in the engine)."""
+    engine = cfg.engine
+    if isinstance(engine, CustomEngineConfig):  # every shard reads it, from wherever it runs
+        engine = msgspec.structs.replace(engine, custom=_absolute_file(engine.custom) or "")
     pipelines = []
     for p in cfg.pipelines:
         if p.model.path is not None:
@@ -150,8 +160,11 @@ def resolve_recipes(cfg: LaunchConfig) -> LaunchConfig:
             p = msgspec.structs.replace(
                 p, data=data, env=env, max_model_len=cfg.engine.max_model_len
             )
-        pipelines.append(msgspec.structs.replace(p, engine=cfg.engine))
-    return msgspec.structs.replace(cfg, pipelines=pipelines)
+        if isinstance(p.train, CustomTrainConfig):
+            train = msgspec.structs.replace(p.train, custom=_absolute_file(p.train.custom))
+            p = msgspec.structs.replace(p, train=train)
+        pipelines.append(msgspec.structs.replace(p, engine=engine))
+    return msgspec.structs.replace(cfg, pipelines=pipelines, engine=engine)
 
 
 def _absolute_file(spec: str | None) -> str | None:

@@ -108,9 +108,11 @@ class VllmEngineConfig(EngineSection, frozen=True, tag="vllm"):
 
 
 class CustomEngineConfig(EngineSection, frozen=True, kw_only=True, tag="custom"):
-    """An engine of your own: a ShardEngine class, or an EngineBackend object that also
-    says whether it uses CUDA, its environment and its tool-call format
-    (rlix_async/shards/engines.py; examples/engines/ has one)."""
+    """An engine of your own (examples/engines/hf_engine.py is one).
+
+    ``custom`` names an EngineBackend, which also says whether it uses CUDA, its
+    environment and its tool-call format (rlix_async/shards/engines.py), or a plain
+    ShardEngine class."""
 
     custom: Annotated[
         str,

@@ -129,8 +129,9 @@ class TorchTrainConfig(TrainSection, frozen=True, tag="torch"):
 
 
 class MegatronTrainConfig(TrainSection, frozen=True, tag="megatron"):
-    """A megatron-core GPTModel at tensor x pipeline x data parallel (train/megatron.py),
-    built from model.path (Llama-family directories only; others are refused at
+    """A megatron-core GPTModel at tensor x pipeline x data parallel (train/megatron.py).
+
+    Built from model.path (Llama-family directories only; others are refused at
     launch) or the tiny model's shape."""
 
     recompute: Annotated[
@@ -189,9 +190,10 @@ class MegatronTrainConfig(TrainSection, frozen=True, tag="megatron"):
 
 
 class CustomTrainConfig(TrainSection, frozen=True, kw_only=True, tag="custom"):
-    """A trainer backend of your own (examples/trainers/ has one): it reads the common
-    keys above as the in-tree backends do, and whatever it needs more from custom_args.
-    Its layout (tp, pp) is its own to check."""
+    """A trainer backend of your own (examples/trainers/sgd_trainer.py is one).
+
+    It reads the common keys as the package's backends do, and whatever more it needs
+    from custom_args; its layout (tp, pp) is its own to check."""
 
     custom: Annotated[
         str,

@@ -35,7 +35,7 @@ async def serve(cfg: ShardConfig) -> int:
     is not one this package supports."""
     me = f"shard {cfg.pipeline}/{cfg.rank}"
     try:
-        backend, cuda = _check_start(cfg)
+        backend, cuda = check_start(cfg)
     except (DeviceBindingError, EngineUnavailable) as exc:
         print(f"error: {me}: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -68,7 +68,7 @@ async def serve(cfg: ShardConfig) -> int:
     return 0
 
 
-def _check_start(cfg: ShardConfig) -> tuple[EngineBackend, bool]:
+def check_start(cfg: ShardConfig) -> tuple[EngineBackend, bool]:
     """Before anything loads: the worker sees exactly its devices, and its engine can
     run here (a warning line for, e.g., a vLLM newer than those checked). The devices
     come first: a launch that shows a worker the wrong devices is wrong whatever is
@@ -86,11 +86,26 @@ def _check_start(cfg: ShardConfig) -> tuple[EngineBackend, bool]:
     return backend, backend.uses_cuda(seen)
 
 
+def engine_start(cfg: ShardConfig, cuda: bool, key_name: str = "") -> EngineStart:
+    """What the shard builds its engine from: its engine section with the defaults of
+    the device it runs on (CUDA as its backend said: bfloat16, built at the first wake;
+    CPU: float32, built at start)."""
+    return EngineStart(
+        model=cfg.model,
+        engine=cfg.engine.for_device(cuda),
+        tp=cfg.tensor_parallel_size,
+        cuda=cuda,
+        seed=engine_seed(cfg.pipeline, cfg.rank),
+        keys_dir=cfg.keys,
+        key_name=key_name,
+        adapters=bool(cfg.members),
+    )
+
+
 def _worker(
     cfg: ShardConfig, backend: EngineBackend, cuda: bool
 ) -> tuple[ShardWorker, ShardEngine]:
     """The worker and its engine (built now, or at the first wake)."""
-    engine_cfg = cfg.engine.for_device(cuda)
     # The shard's own key: shard-HOST, else shard, else the shared client key. Its
     # tcp data plane serves with that same pair (never the coordinator's secret);
     # routers learn its public key from the coordinator. vLLM's worker pulls weights
@@ -100,22 +115,13 @@ def _worker(
         if cfg.keys
         else ("", None)
     )
-
-    start = EngineStart(
-        model=cfg.model,
-        engine=engine_cfg,
-        tp=cfg.tensor_parallel_size,
-        cuda=cuda,
-        seed=engine_seed(cfg.pipeline, cfg.rank),
-        keys_dir=cfg.keys,
-        key_name=key_name,
-        adapters=bool(cfg.members),
-    )
+    start = engine_start(cfg, cuda, key_name)
 
     def build() -> ShardEngine:
         return backend.build(start)
 
-    engine: ShardEngine = FirstWakeEngine(build) if engine_cfg.load == "first_wake" else build()
+    first_wake = start.engine.load == "first_wake"
+    engine: ShardEngine = FirstWakeEngine(build) if first_wake else build()
     worker = ShardWorker(
         engine,
         cfg.coordinator or ipc_endpoint("coordinator"),
