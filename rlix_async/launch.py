@@ -128,8 +128,7 @@ def _write(path: Path, cfg: msgspec.Struct) -> Path:
 def resolve_recipes(cfg: LaunchConfig) -> LaunchConfig:
     """Pipelines as every process reads them: the model directory, data files, a
     reward, env or agent file and a custom engine or trainer backend's file as absolute
-    paths, the engine (its section, and its
-    ``max_model_len``) (``rlix-async export`` reads the model directory from
+    paths, the engine's ``max_model_len`` (``rlix-async export`` reads the model directory from
     the pipeline's config, from wherever it runs), and ``max_prompt_tokens`` unset
     filled in with what the engine's context leaves after the response (longer prompts
     would fail in the engine)."""
@@ -163,7 +162,7 @@ def resolve_recipes(cfg: LaunchConfig) -> LaunchConfig:
         if isinstance(p.train, CustomTrainConfig):
             train = msgspec.structs.replace(p.train, custom=_absolute_file(p.train.custom))
             p = msgspec.structs.replace(p, train=train)
-        pipelines.append(msgspec.structs.replace(p, engine=engine))
+        pipelines.append(p)
     return msgspec.structs.replace(cfg, pipelines=pipelines, engine=engine)
 
 

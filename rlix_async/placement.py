@@ -320,7 +320,8 @@ def place_processes(
             )
     group_of = {p.id: gid for gid, ms in groups.items() for p in ms}
     for i, p in enumerate(cfg.pipelines):
-        p = msgspec.structs.replace(p, base_group=group_of.get(p.id))
+        # the engine its shards run: the agent endpoint takes its tool-call format
+        p = msgspec.structs.replace(p, base_group=group_of.get(p.id), engine=cfg.engine)
         plan += trainer_processes(
             p, out, coordinator, gpn, keys=keys, resume=resume,
             trainer_endpoint=trainer_endpoint(cfg, i),

@@ -40,6 +40,7 @@ from rlix_async.rollout.api_episode import ApiEpisode
 from rlix_async.rollout.chat import ChatTurns
 from rlix_async.rollout.episodes import EnvFailure, Episode, Generate, finite_numbers
 from rlix_async.rollout.openai_server import ApiServer
+from rlix_async.shards.tool_calls import HermesToolCalls
 from rlix_async.user_code import await_guarded
 
 # the episode's OPENAI_BASE_URL and OPENAI_API_KEY, in its agent's task and what it runs
@@ -81,14 +82,15 @@ class ApiAgentRunner(AgentRunner):
         *,
         host: str,
         model_name: str,
-        tool_calls: ToolCallFormat,
+        tool_calls: ToolCallFormat | None = None,
         **limits: Any,
     ) -> None:
-        """``tool_calls``: the serving engine's tool-call format (shards/engines.py)."""
+        """``tool_calls``: the serving engine's tool-call format (its backend's,
+        shards/engines.py; the pipeline passes it). Unset: the Hermes format."""
         super().__init__(agent, chat, tokenizer, **limits)
         self.name = f"agent_api {agent.name}"
         self.host = host
-        self.tool_calls = tool_calls
+        self.tool_calls = tool_calls or HermesToolCalls()
         self.model_name = model_name
         self.server: ApiServer | None = None  # once started
         self._starting: asyncio.Future[None] | None = None

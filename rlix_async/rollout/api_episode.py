@@ -37,7 +37,7 @@ from rlix_async.rollout.agents import AgentRunner
 from rlix_async.rollout.chat import ChatError, ChatTurns
 from rlix_async.rollout.episodes import Episode, Generate, with_budget
 from rlix_async.rollout.openai_server import ApiError
-from rlix_async.shards.tool_calls import text_of
+from rlix_async.shards.tool_calls import HermesToolCalls, text_of
 
 Messages = list[dict[str, Any]]
 MAX_STOPS = 4  # OpenAI's
@@ -80,11 +80,12 @@ class ApiEpisode:
         min_version: int | None,
         name: str,
         model_name: str,
-        tool_calls: ToolCallFormat,
+        tool_calls: ToolCallFormat | None = None,
     ) -> None:
         self.runner = runner
         self.model_name = model_name
-        self.tool_calls = tool_calls  # the serving engine's (shards/engines.py)
+        # the serving engine's (its backend's, shards/engines.py); unset: Hermes
+        self.tool_calls = tool_calls or HermesToolCalls()
         self.generate, self.sampling, self.min_version = generate, sampling, min_version
         self.name = name  # tool call ids start with it
         self.done: list[Episode] = []  # trajectories split off, trained as they stand

@@ -128,7 +128,8 @@ def test_process_commands_refuse_bad_keys_before_starting() -> None:
     out = rlix("shard", "pipeline=p", "rank=0", "engine.kind=custom", "engine.custom=nope:X")
     assert (
         out.returncode == 2
-        and out.stderr.strip() == "error: cannot import nope: No module named 'nope'"
+        and out.stderr.strip()
+        == "error: shard p/0: engine.custom: cannot import nope: No module named 'nope'"
     )
 
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.cluster import SCRIPTED_ENGINE, rlix
+from helpers.cluster import rlix
 
 TWO_NODES = """
 out: {out}
@@ -233,13 +233,13 @@ def test_dry_run_says_when_the_users_own_binding_goes_to_every_process(tmp_path:
         ),
         (
             ["pipelines[0].clusters.actor_train.tp=2"],
-            "pipelines[0].clusters.actor_train.tp: 2: tensor- and pipeline-parallel training is "
-            "the megatron backend's",
+            "pipelines[0].clusters.actor_train.tp: 2: the torch backend is data parallel only "
+            "(use tp: 1, pp: 1; tensor and pipeline parallel are the megatron backend's)",
         ),
         (
             ["pipelines[0].clusters.actor_train.pp=2"],
-            "pipelines[0].clusters.actor_train.pp: 2: tensor- and pipeline-parallel training is "
-            "the megatron backend's",
+            "pipelines[0].clusters.actor_train.pp: 2: the torch backend is data parallel only "
+            "(use tp: 1, pp: 1; tensor and pipeline parallel are the megatron backend's)",
         ),
         (
             [
@@ -378,7 +378,9 @@ def test_the_real_launch_starts_exactly_the_dry_run_plan(
 
     kinds = {"coordinator": CoordinatorConfig, "shard": ShardConfig, "trainer": PipelineConfig}
     pid = f"pl{os.getpid() % 10000}"
-    text = ONE_NODE.replace("{engine}", SCRIPTED_ENGINE).replace("{pid}", pid)
+    # the scripted engine, pinned as vllm-cpu is: the binding is its backend's to declare
+    pinned = f"{Path(__file__).parents[1] / 'helpers' / 'pinned_engine.py'}:BACKEND"
+    text = ONE_NODE.replace("{engine}", pinned).replace("{pid}", pid)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # a user's would win
     planned = dry_run(tmp_path, text)["processes"]
     launcher = Launcher(load_config(tmp_path / "launch.yaml", LaunchConfig))
