@@ -192,7 +192,8 @@ class Driver:
 
         keys = ServerKeys.load(self.cfg.keys, key_name) if self.cfg.keys else None
         server = await WeightServer(cache, endpoint, keys=keys).start()
-        cache.serve(server.endpoint, keys.public.decode() if keys is not None else "")
+        public = keys.public.decode() if keys is not None else ""
+        cache.serve(server.endpoint, public, self.cfg.weights.transport)
         log.info("%s: serving weights at %s", self.cfg.id, server.endpoint)
         return server
 
@@ -498,7 +499,7 @@ def _run_rank(
 
     from rlix_async.aio import run
 
-    cache = WeightCache(cfg.id)
+    cache = WeightCache(cfg.id, bucket_bytes=cfg.weights.bucket_mb << 20)
     try:
         driver = Driver(cfg, trainer, store, ckpt, channel=channel, resumed=resume, recipe=recipe)
         run(driver.run(cache))

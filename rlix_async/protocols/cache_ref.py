@@ -39,6 +39,10 @@ class CacheRef(msgspec.Struct, frozen=True):
     # Its CURVE public key (z85): a shard authenticates the server it pulls from with
     # this key, which reaches it through the coordinator from the pipeline's own driver.
     server_key: str = ""
+    # How the owner serves receivers on other nodes (weights/transports/): "sealed"
+    # streams or "zmq" frames, the pipeline's weights.transport. On the owner's node a
+    # receiver reads shared memory whatever this says.
+    transport: str = "sealed"
 
     def check_names(self) -> None:
         """Refuse (:class:`BadRef`, one line) a reference whose names could reach outside

@@ -79,6 +79,7 @@ class WeightCache:
         # Set by serve(): where shards on other nodes pull from (see weights/tcp.py)
         self.server = ""
         self.server_key = ""
+        self.transport = "sealed"  # how the server sends a version (weights/transports/)
         cleanup_stale(pipeline, owner, shm_dir)
 
     @property
@@ -124,9 +125,10 @@ class WeightCache:
         self.current = version
         return self.ref(version)
 
-    def serve(self, endpoint: str, public_key: str = "") -> None:
-        """Name the WeightServer that serves this cache in every ref from now on."""
-        self.server, self.server_key = endpoint, public_key
+    def serve(self, endpoint: str, public_key: str = "", transport: str = "sealed") -> None:
+        """Name the WeightServer that serves this cache, and how it sends a version
+        (``transport``: weights/transports/), in every ref from now on."""
+        self.server, self.server_key, self.transport = endpoint, public_key, transport
 
     def ref(self, version: int | None = None) -> CacheRef:
         version = self.current if version is None else version
@@ -144,6 +146,7 @@ class WeightCache:
             socket.gethostname(),
             self.server,
             self.server_key,
+            self.transport,
         )
 
     def buffer(self, version: int) -> memoryview:

@@ -76,7 +76,7 @@ import torch
 from rlix_async.protocols.cache_ref import CacheRef, Layout
 from rlix_async.protocols.engine import GenerationChunk
 from rlix_async.protocols.generation import Sampling
-from rlix_async.weights.pull import pull
+from rlix_async.weights.transports import pull
 
 SLEEP_TAGS = frozenset(("weights", "kv_cache"))  # vllm/v1/executor/abstract.py
 

@@ -23,9 +23,9 @@ from rlix_async.protocols.sinks import SyncError
 from rlix_async.security import ClientKeys, ServerKeys
 from rlix_async.transport import CallContext, Reply
 from rlix_async.weights.cache import WeightCache
-from rlix_async.weights.pull import pull
 from rlix_async.weights.stream import SealedStreamer
 from rlix_async.weights.tcp import BucketMeta, FetchBucket, WeightServer, sync_remote
+from rlix_async.weights.transports import pull
 
 
 @pytest.fixture

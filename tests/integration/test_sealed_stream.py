@@ -27,7 +27,6 @@ from rlix_async.protocols.sinks import SyncError
 from rlix_async.security import ClientKeys
 from rlix_async.transport import RpcClient
 from rlix_async.weights.cache import WeightCache
-from rlix_async.weights.pull import pull
 from rlix_async.weights.sinks import TensorSink
 from rlix_async.weights.stream import (
     MAGIC,
@@ -39,6 +38,7 @@ from rlix_async.weights.stream import (
     receive_sealed,
 )
 from rlix_async.weights.tcp import GetLayout, LayoutReply, WeightServer, sync_remote
+from rlix_async.weights.transports import pull
 
 
 @pytest.fixture

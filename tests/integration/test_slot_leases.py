@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import msgspec
 import pytest
@@ -147,40 +147,30 @@ def test_a_hung_readers_lease_expires_and_it_finds_its_version_gone(
         reader.close()
 
 
-class _StandInModel:
-    """Stands in for vLLM's model inside RlixShmTransferEngine (a real vLLM load cannot
-    be held still at a chosen point): ``load_weights`` records the first value of each
-    tensor it is given and, the first time, lets the owner break the lease meanwhile."""
-
-    def __init__(self, during_first_load: object) -> None:
-        self.loads: list[dict[str, float]] = []
-        self.during_first_load = during_first_load
-
-    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        self.loads.append({n: float(t.flatten()[0]) for n, t in named})
-        if len(self.loads) == 1:
-            self.during_first_load()  # type: ignore[operator]
-
-
 def test_a_load_whose_lease_expired_is_redone_from_the_version_the_slot_holds(
     cache: WeightCache,
 ) -> None:
-    from rlix_async.shards.vllm.transfer import RlixShmTransferEngine
+    """weights/staging.py's leased load, as every engine's load on the owner's node runs
+    it (vLLM's transfer engine hands it its model's load_weights): here the load records
+    the first value of each tensor and, the first time, lets the owner break the lease."""
+    from rlix_async.weights.staging import load_leased
 
     cache.send_wait_s = 0.5
+    loads: list[dict[str, float]] = []
 
     def owner_moves_on() -> None:  # version 3 into slot 0 while we hold it: lease broken
         thread, done = _build_in_thread(cache, 3)
         thread.join(timeout=10)
         assert done
 
-    transfer = object.__new__(RlixShmTransferEngine)  # no vLLM worker around it
-    transfer.model = _StandInModel(owner_moves_on)
-    transfer.model_config = None
-    transfer.reload_reason = None  # the direct path: load_weights only
-    loaded = transfer._load_leased(cache.ref(1))
-    assert loaded.version == 3
-    first, second = transfer.model.loads
+    def load(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loads.append({n: float(t.flatten()[0]) for n, t in named})
+        if len(loads) == 1:
+            owner_moves_on()
+
+    loaded, layout = load_leased(cache.ref(1), None, load)
+    assert loaded.version == 3 and layout.fingerprint() == loaded.fingerprint
+    first, second = loads
     expected = {n: float(t.flatten()[0].float()) for n, t in state(3).items()}
     assert second == expected  # the whole version again, from the slot's new contents
     assert first.keys() == second.keys()

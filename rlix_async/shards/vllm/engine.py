@@ -41,7 +41,7 @@ from rlix_async.protocols.sinks import SyncError
 from rlix_async.shards.vllm.lora import AdapterError, Adapters, Served, engine_args
 from rlix_async.shards.vllm.plugin import BACKEND
 from rlix_async.shards.vllm.worker_extension import EXTENSION
-from rlix_async.weights.shm import SHM_DIR
+from rlix_async.weights.transports import unreachable
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -243,10 +243,9 @@ class VllmEngine:
 
         # Refuse before vLLM starts a layerwise reload: one begun and never fed
         # leaves the model's layers on the meta device (the engine dies).
-        if not ref.server and not (SHM_DIR / ref.segment).exists():
-            raise SyncError(
-                f"version {ref.version}: the owner's cache is gone (pipeline finished?)"
-            )
+        why = unreachable(ref)
+        if why is not None:
+            raise SyncError(why)
         if not self._transfer_ready:
             await self.llm.init_weight_transfer_engine(
                 vllm_api.WeightTransferInitRequest(init_info=self._transfer_init)

@@ -196,7 +196,7 @@ def _stage(
 ) -> _Staged:
     """In the staging thread: a private, checked copy of the adapter version."""
     from rlix_async.security import ClientKeys
-    from rlix_async.shards.vllm.transfer import stage_version
+    from rlix_async.weights.staging import stage_version
 
     t0 = time.perf_counter()
     keys = ClientKeys.load(keys_dir, key_name or "client") if keys_dir else None

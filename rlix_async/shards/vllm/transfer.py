@@ -14,6 +14,10 @@ the model one of two ways:
   received into private memory first: a stream can break halfway, and a model
   must never be left with half a version.
 
+Both are engine-neutral and live in ``weights/staging.py`` (``load_leased``,
+``stage_version``); which transport reaches a version is ``weights/transports/``'s
+choice. What is vLLM's is here: the transfer engine, the reload, the tied head.
+
 Loading is vLLM's layerwise reload (``initialize_layerwise_reload``, the model's
 ``load_weights``, ``finalize_layerwise_reload``), which rebuilds each layer and
 re-runs what vLLM does to weights after loading (repacking on CPU, quantisation).
@@ -37,15 +41,14 @@ import msgspec
 import torch
 
 from rlix_async.protocols.cache_ref import CacheRef, Layout
-from rlix_async.protocols.sinks import SlotOverwritten, SyncError
+from rlix_async.protocols.sinks import SyncError
 from rlix_async.security import ClientKeys
 from rlix_async.shards.vllm import api as vllm_api
-from rlix_async.weights.pull import on_owner_node, pull_blocking
-from rlix_async.weights.shm import SHM_DIR, current_slot_ref, forget_mappings, read_slot
+from rlix_async.weights.shm import SHM_DIR, forget_mappings
+from rlix_async.weights.staging import Named, load_leased, stage_version
+from rlix_async.weights.transports import on_owner_node
 
 logger = logging.getLogger(__name__)
-MAX_ATTEMPTS = 20
-Named = list[tuple[str, torch.Tensor]]
 
 
 @dataclass
@@ -67,50 +70,7 @@ class RlixUpdateInfo(vllm_api.WeightTransferUpdateInfo):  # type: ignore[misc]
     host: str
     server: str = ""
     server_key: str = ""
-
-
-class _StagingSink:
-    """Private copies of a version's tensors, for versions received over tcp and for
-    LoRA adapters (small; vLLM keeps its own copy of an adapter anyway)."""
-
-    def __init__(self) -> None:
-        self.named: Named = []
-
-    def start(self, version: int, layout: Layout) -> None:
-        self.named = []
-
-    def load(self, named: Named) -> None:
-        self.named.extend((name, t.clone()) for name, t in named)
-
-    def finish(self, version: int) -> None:
-        pass
-
-    def abort(self) -> None:
-        self.named = []
-
-
-def stage_version(
-    ref: CacheRef,
-    layout: Layout | None,
-    *,
-    keys: ClientKeys | None = None,
-    shm_dir: Path = SHM_DIR,
-) -> tuple[CacheRef, Layout, Named]:
-    """A consistent private copy of the version ``ref`` names: shared memory on the
-    owner's node, else tcp. If the owner overwrote the slot meanwhile, the copy is
-    retried from the newer version the slot holds (the returned ref names the version
-    copied)."""
-    for _ in range(MAX_ATTEMPTS):
-        staged = _StagingSink()
-        try:
-            layout = pull_blocking(ref, staged, layout, keys=keys, shm_dir=shm_dir)
-        except SlotOverwritten as exc:
-            logger.warning("%s; copying what the slot holds now", exc)
-            time.sleep(0.01)
-            ref = current_slot_ref(ref, shm_dir) or ref
-            continue
-        return ref, layout, staged.named
-    raise SyncError(f"no consistent version of {ref.pipeline} after {MAX_ATTEMPTS} tries")
+    transport: str = "sealed"
 
 
 class RlixShmTransferEngine(vllm_api.WeightTransferEngine):  # type: ignore[misc]
@@ -148,8 +108,8 @@ class RlixShmTransferEngine(vllm_api.WeightTransferEngine):  # type: ignore[misc
         ref = msgspec.convert(update_info.__dict__, CacheRef)
         t0 = time.perf_counter()
         staged = 0
-        if on_owner_node(ref, self.shm_dir):
-            ref = self._load_leased(ref)
+        if on_owner_node(ref, self.shm_dir):  # views of the mapped slot, no private copy
+            ref, self.layout = load_leased(ref, self.layout, self._load, self.shm_dir)
         else:
             ref, self.layout, named = stage_version(
                 ref, self.layout, keys=self.keys, shm_dir=self.shm_dir
@@ -164,29 +124,6 @@ class RlixShmTransferEngine(vllm_api.WeightTransferEngine):  # type: ignore[misc
             "reload_reason": self.reload_reason,
             "staged_bytes": staged,  # a private copy: only what came over tcp
         }
-
-    def _load_leased(self, ref: CacheRef) -> CacheRef:
-        """Load straight from the owner's slot while holding it. Returns the ref loaded
-        (newer than asked if the owner had moved on)."""
-        for _ in range(MAX_ATTEMPTS):
-            with read_slot(ref, self.layout, self.shm_dir) as slot:
-                try:
-                    slot.check("before")
-                except SlotOverwritten as exc:  # moved on before our lease: follow it
-                    logger.info("%s; loading what the slot holds now", exc)
-                    ref = slot.current() or ref
-                    continue
-                self.layout = slot.layout
-                self._load(slot.named())
-                try:
-                    slot.check("during")
-                except SlotOverwritten as exc:  # our lease expired mid-load
-                    logger.warning("%s; loading the version the slot holds now", exc)
-                    ref = slot.current() or ref
-                    continue
-                return ref
-            time.sleep(0.01)  # (only after a 'continue': the slot was being written)
-        raise SyncError(f"no consistent version of {ref.pipeline} after {MAX_ATTEMPTS} tries")
 
     def _load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Every tensor into the model exactly once: a direct copy where vLLM allows

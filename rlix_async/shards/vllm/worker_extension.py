@@ -35,7 +35,7 @@ class RlixWorker(RlixLoraWorker):
         """Seconds of each of ``rounds`` loads of version ``ref`` from a private copy in
         this worker's memory (made first, not timed), by the same path a sync takes.
         A benchmark's floor: the model's reload with no transfer at all."""
-        from rlix_async.shards.vllm.transfer import stage_version
+        from rlix_async.weights.staging import stage_version
 
         transfer = self.weight_transfer_engine
         _, transfer.layout, named = stage_version(
