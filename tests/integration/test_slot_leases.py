@@ -109,7 +109,9 @@ def test_the_owner_waits_for_a_reader_and_writes_as_soon_as_it_leaves(cache: Wei
         assert reader.line() == "RELEASED"
         left = time.monotonic()
         thread.join(timeout=10)
-        assert done and done[0] - left < 1.0
+        # at the release, not at the end of the owner's wait (send_wait_s, 30 s): a
+        # bound only the broken rule reaches, whatever the host's load
+        assert done and done[0] - left < cache.send_wait_s / 2
     finally:
         reader.close()
     assert cache.ref(3).version == 3 and cache.versions == [3, 2]
@@ -124,7 +126,7 @@ def test_a_dead_readers_lease_goes_with_it(cache: WeightCache) -> None:
     reader.proc.kill()  # SIGKILL: the kernel drops its flock with its descriptors
     reader.close()
     thread.join(timeout=10)
-    assert done and done[0] - killed < 1.0
+    assert done and done[0] - killed < cache.send_wait_s / 2  # not the whole wait
 
 
 def test_a_hung_readers_lease_expires_and_it_finds_its_version_gone(
