@@ -104,8 +104,6 @@ class MegatronTrainer:
                 f"{tp * pp} ranks"
             )
         self.cfg = cfg or MegatronTrainConfig()
-        if self.cfg.lr_schedule == "linear" and not total_steps:
-            raise ValueError("lr_schedule linear needs the run's total_steps")
         self.model_cfg = model or ModelConfig()
         self.seed = seed
         self.place = RankPlace.of(rank, world)

@@ -25,7 +25,6 @@ from rlix_async.train.data_parallel import DataParallel
 from rlix_async.train.distributed_optimizer import ParameterOwners
 from rlix_async.train.megatron_model import rebind_groups, run_model, seed_rng_tracker
 from rlix_async.train.packing import Piece
-from rlix_async.train.policy_update import sampling_token_logp
 from rlix_async.train.vocab_parallel import vocab_parallel_logp
 
 
@@ -178,15 +177,8 @@ class MegatronParallel:
     def token_logp(
         self, logits: torch.Tensor, ids: torch.Tensor, width: int, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not self.vocab_parallel:
-            return sampling_token_logp(
-                logits,
-                ids,
-                width,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                with_entropy=with_entropy,
-            )
+        if not self.vocab_parallel:  # the whole vocabulary's logits, as one rank has them
+            return self.data.token_logp(logits, ids, width, with_entropy)
         return vocab_parallel_logp(
             logits[:, :-1],
             ids[:, -width:],

@@ -121,6 +121,9 @@ class PolicyUpdate:
         total_steps: int,
         adapter_reference: bool = False,
     ) -> None:
+        # the pipeline's steps: where a linear learning-rate schedule reaches 0
+        if cfg.lr_schedule == "linear" and not total_steps:
+            raise ValueError("lr_schedule linear needs the run's total_steps")
         self.cfg = cfg
         self.parallel = parallel
         self.device = device

@@ -77,9 +77,6 @@ class TorchTrainer:
     ) -> None:
         self.cfg = cfg or TorchTrainConfig()
         self.lora = lora
-        # the pipeline's steps: where a linear learning-rate schedule reaches 0
-        if self.cfg.lr_schedule == "linear" and not total_steps:
-            raise ValueError("lr_schedule linear needs the run's total_steps")
         self.model_cfg = model or ModelConfig()
         self.seed = seed
         self.place = RankPlace.of(rank, world)

@@ -43,13 +43,13 @@ pipelines:
 
 
 def _launch(
-    tmp_path: Path, momentum: object = 0.9
+    tmp_path: Path, trainer: str = SGD, momentum: object = 0.9
 ) -> tuple[subprocess.CompletedProcess[str], Path, str]:
     pid = f"sgd{os.getpid() % 10000}"
     out = tmp_path / "out"
     cfg = tmp_path / "sgd.yaml"
     cfg.write_text(
-        CONFIG.format(out=out, pid=pid, engine=SCRIPTED_ENGINE, trainer=SGD, momentum=momentum)
+        CONFIG.format(out=out, pid=pid, engine=SCRIPTED_ENGINE, trainer=trainer, momentum=momentum)
     )
     run = subprocess.run(
         [sys.executable, "-m", "rlix_async.cli", "launch", str(cfg)],
@@ -109,18 +109,7 @@ def test_a_trainer_backend_from_outside_the_package_trains_through_launch(tmp_pa
 def test_a_trainer_backend_refusing_its_pipeline_stops_the_launch_before_anything_starts(
     tmp_path: Path, trainer: str, momentum: object, message: str
 ) -> None:
-    pid = f"sgd{os.getpid() % 10000}"
-    cfg = tmp_path / "sgd.yaml"
-    out = tmp_path / "out"
-    cfg.write_text(
-        CONFIG.format(out=out, pid=pid, engine=SCRIPTED_ENGINE, trainer=trainer, momentum=momentum)
-    )
-    run = subprocess.run(
-        [sys.executable, "-m", "rlix_async.cli", "launch", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    run, out, _ = _launch(tmp_path, trainer, momentum)
     assert run.returncode == 2, run.stderr[-2000:]
     (line,) = run.stderr.strip().splitlines()
     assert message in line and "Traceback" not in run.stderr
