@@ -25,8 +25,7 @@ the env boundary, not of the engine. Episodes run 16 at a time. It passes when n
 exception other than the runner's ``EnvFailure`` leaves an episode, no episode
 outlives its bound, every hostile episode failed (``huge`` aside: cut), a good one
 failed only beside a worker that died, was stopped or hung, the driver's loop never
-stalled as only a blocked loop would (``STALL_S``; the lag is reported), and
-afterwards a batch of good episodes all finish.
+stalled a second, and afterwards a batch of good episodes all finish.
 """
 
 from __future__ import annotations
@@ -53,11 +52,6 @@ STEP_TIMEOUT_S = 3.0
 EPISODE_BOUND_S = 60.0  # far past any episode's own bounds: reaching it is a failure
 CONCURRENCY = 16
 FINAL_GOOD = 20
-# A stall of the driver's loop that only a blocked loop reaches: a hostile step run on
-# the loop itself would hold it for its own sleep (``hangs``: 30 s), while a loaded
-# 2-core host delays a 10 ms sleep by about a second (1.14 s seen in CI). The lag
-# itself is reported (``loop_lag_max_s``); this bound is the verdict.
-STALL_S = 10.0
 # a good episode on a worker that died or was stopped, or queued behind a hung call
 COLLATERAL = ("WorkerDied", "was replaced", "took longer than")
 
@@ -140,7 +134,7 @@ async def fuzz_env(tokenizer_dir: str, inputs: int, seed: int, workers: int = 2)
             runner.close()
     if served != FINAL_GOOD:
         fuzz.bad.append(f"afterwards {served} of {FINAL_GOOD} good episodes finished")
-    if lag.max_s >= STALL_S:
+    if lag.max_s >= 1.0:
         fuzz.bad.append(f"the driver's loop stalled {lag.max_s:.2f} s")
     return {
         "target": "env",
