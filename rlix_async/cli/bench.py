@@ -40,7 +40,8 @@ def _fuzz(args: argparse.Namespace) -> int:
             f"env: {r['inputs']} broken episodes in {r['hostile_s']} s "
             f"({', '.join(f'{k} {v}' for k, v in r['kinds'].items())}); "
             f"{r['workers_replaced']} env workers replaced; the driver's loop lagged at most "
-            f"{r['loop_lag_max_s']} s; then {r['then_served']} good episodes finished"
+            f"{r['loop_lag_max_s']} s (its own CPU at most {r['loop_cpu_max_s']} s a tick); "
+            f"then {r['then_served']} good episodes finished"
             + "".join(f"\n  problem: {p}" for p in r["problems"])
         )
     elif r["target"] == "store":

@@ -20,7 +20,10 @@ def test_broken_envs_fail_their_own_episodes_and_the_driver_serves_on(tmp_path: 
     tiny_tokenizer().save_pretrained(tmp_path / "tok")
     r = run_fuzz_bench("env", 200, seed=1, model=str(tmp_path / "tok"))
     assert r["problems"] == [] and r["ok"], r
-    assert r["then_served"] == 20 and r["loop_lag_max_s"] < 1.0
+    # the loop's verdicts are in problems: no second of its own CPU in one go, no stall
+    # a blocked loop would make (LOOP_BLOCKED_S); how late its timer fired measures the
+    # host as much as the driver, so it decides nothing here
+    assert r["then_served"] == 20
     assert set(r["kinds"]) == {
         "garbage", "raises", "exits", "dies", "hangs", "unpicklable", "bad_reset",
         "init_raises", "huge", "good",
