@@ -138,6 +138,15 @@ async def fuzz_env(tokenizer_dir: str, inputs: int, seed: int, workers: int = 2)
         try:
             await asyncio.gather(*(fuzz.one(k, n) for n, k in enumerate(kinds)))
             hostile_s = time.perf_counter() - started
+            # the workers the storm replaced are up before the last batch: a call's 3 s
+            # bound counts a new worker's start, which a busy host can stretch past it
+            await asyncio.wait_for(
+                asyncio.gather(
+                    *(asyncio.wrap_future(w.pid) for w in processes.workers),
+                    return_exceptions=True,
+                ),
+                EPISODE_BOUND_S,
+            )
             before = fuzz.outcomes["good: finished (done)"]
             await asyncio.gather(*(fuzz.one("good", inputs + n) for n in range(FINAL_GOOD)))
             served = fuzz.outcomes["good: finished (done)"] - before
