@@ -24,10 +24,21 @@ from rlix_async.rollout.chat import ChatTurns
 from rlix_async.rollout.episodes import EpisodeRunner, StepResult, load_env
 from rlix_async.shards.router import Router
 from rlix_async.shards.worker import ShardWorker
+from rlix_async.transport import TransportConfig
 
 TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0, 1))}
 TOKENIZER = tiny_tokenizer()
 TURN_TOKENS = 60  # 0.6 s a turn: the shrink lands mid-turn even on a loaded machine
+# The whole cluster shares the test's event loop: coordinator, both shards, the driver,
+# the router and, for the API agent, its server and eight clients. Beside the suite's
+# engine tests on 2 cores that loop stalled past the default 2.5 s heartbeat timeout:
+# every peer was declared dead, the lost shards were fenced and put to sleep, and the
+# episodes waited for an awake shard until the 90 s deadline. A shrink under running
+# turns is what is tested here, not liveness: a peer is dead after 30 s of silence.
+TRANSPORT = TransportConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0)
+# the env's (the agent's) own time a turn, bounded only against a hang: a stalled loop
+# counts in it, and no bound on it is tested here
+STEP_S = 60.0
 
 
 class ThreeTurns:
@@ -48,26 +59,32 @@ async def _shrunk_under(ipc_ep: str, runner: EpisodeRunner) -> tuple[list[Any], 
     """Eight episodes of ``runner`` on two scripted shards; shard 0 shrunk (training
     takes its device) while it decodes their turns. The episodes, and the tokens the
     shards decoded."""
-    async with Coordinator(ipc_ep, ClusterShape(1, 2)) as co:
-        driver = await joined_pipeline(co.endpoint, "P", TOPO)
+    async with Coordinator(ipc_ep, ClusterShape(1, 2), transport=TRANSPORT) as co:
+        driver = await joined_pipeline(co.endpoint, "P", TOPO, transport=TRANSPORT)
         # the engine's token ids stay inside the tokenizer's vocabulary (decoded as actions)
         workers = [
             await ShardWorker(
-                ScriptedEngine(token_delay_s=0.01, vocab=250), co.endpoint, "P", r, sleep_level=1
+                ScriptedEngine(token_delay_s=0.01, vocab=250),
+                co.endpoint,
+                "P",
+                r,
+                sleep_level=1,
+                transport=TRANSPORT,
             ).start()
             for r in range(2)
         ]
-        router = Router(driver)
+        router = Router(driver, transport=TRANSPORT)
         try:
             await driver.report_progress(8, 0, force=True)
-            await driver.request("actor_infer", "GENERATION", timeout=10)
+            # deadlines on events, generous: a loaded host slows every step here
+            await driver.request("actor_infer", "GENERATION", timeout=30)
             episodes = [asyncio.ensure_future(runner.run({}, router.generate)) for _ in range(8)]
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(30):
                 while workers[0].engine.num_running() < 4 or not workers[0].decoded_tokens:  # noqa: ASYNC110
                     await asyncio.sleep(0.01)
             # training needs device 0: shard 0 is shrunk under its running turns
             await driver.report_progress(8, 8)
-            await driver.request("actor_train", "ACTOR_TRAINING", timeout=10)
+            await driver.request("actor_train", "ACTOR_TRAINING", timeout=30)
             done = await asyncio.wait_for(asyncio.gather(*episodes), 90)
             assert workers[0].state == ShardState.ASLEEP
         finally:
@@ -101,7 +118,7 @@ async def test_a_shrink_mid_turn_resumes_the_turn_with_no_token_lost_or_doubled(
         max_turns=5,
         max_tokens=TURN_TOKENS,
         max_episode_tokens=1000,
-        step_timeout_s=5.0,
+        step_timeout_s=STEP_S,
     )
     _check_whole(*await _shrunk_under(ipc_ep, runner))
 
@@ -138,7 +155,7 @@ async def test_an_openai_api_agent_never_sees_the_shrink_under_its_request(ipc_e
         max_turns=5,
         max_tokens=TURN_TOKENS,
         max_episode_tokens=1000,
-        step_timeout_s=5.0,
+        step_timeout_s=STEP_S,
     )
     USAGE.clear()
     try:
