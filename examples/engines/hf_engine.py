@@ -24,13 +24,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from rlix_async.weights.staging import stage_version
 
 from rlix_async.models.hf import load_hf_model
 from rlix_async.protocols.cache_ref import CacheRef, Layout
@@ -40,6 +40,7 @@ from rlix_async.security import ClientKeys
 from rlix_async.shards.engines import EngineStart, EngineUnavailable
 from rlix_async.shards.tool_calls import HermesToolCalls
 from rlix_async.train.algo import sampling_log_softmax
+from rlix_async.weights.staging import stage_version
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,7 +85,8 @@ class HfEngine:
             raise ValueError("stop strings: this engine matches stop token ids only")
         rid = request_id or f"r{next(self._ids)}"
         request = self._running[rid] = _Request()
-        seed = sampling.seed if sampling.seed is not None else self.seed + hash(rid) % 2**31
+        # its own stream per request, the same in every run (str hashes vary by process)
+        seed = sampling.seed if sampling.seed is not None else self.seed + zlib.crc32(rid.encode())
         generator = torch.Generator().manual_seed(seed)
         ids, past = torch.tensor([prompt_ids], device=self.device), None
         try:
