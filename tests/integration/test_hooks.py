@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers.waits import until
 
 from rlix_async.control.coordinator import Coordinator
 from rlix_async.hooks import ClusterHooks
@@ -35,8 +36,10 @@ async def test_a_refused_join_frees_its_identity_for_the_retry(tmp_path: Path) -
         with pytest.raises(RpcError, match=re.escape("weight 8 is over key 'drv'")) as info:
             await ClusterHooks.join(co.endpoint, "exp-b", TOPO, keys=drv, weight=8.0)
         assert info.value.code == ErrorCode.FORBIDDEN
-        # the refused join left nothing behind: no live peer, no registration
-        assert m.driver_identity("exp-b") not in co.server.peers
+        # The refused join left nothing behind: no registration, and its goodbye frees
+        # the peer entry once the server reads it (the goodbye is sent, not awaited, so
+        # the server's receive task may not have run yet when join raises).
+        await until(lambda: m.driver_identity("exp-b") not in co.server.peers, timeout=5)
         assert "exp-b" not in co.registry.pipelines or not co.registry.pipelines["exp-b"].registered
         # The retry's connect deadline is shorter than the old code's wait (20 s and
         # more): a join that must outwait a leftover connection fails here.
