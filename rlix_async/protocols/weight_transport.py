@@ -13,7 +13,7 @@ and a tag.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -25,14 +25,27 @@ if TYPE_CHECKING:
 
 
 class WeightTransport(Protocol):
+    """Brings the version a ``CacheRef`` names into a ``WeightSink``.
+
+    Every member promises the same: the sink sees ``start``, ``load`` once per bucket
+    (views valid only during the call) and ``finish``, and only after the transport
+    has checked that what it loaded is the version the ref names (its layout, each
+    bucket, the slot's seqlock generation after the last bucket). On any failure the
+    sink is aborted (it keeps its old weights) and a ``SyncError`` names what went
+    wrong in one line; a ``SlotOverwritten`` says the owner moved on, and the caller
+    may follow it to the version the slot holds now.
+    """
+
     name: str  # the tag a CacheRef carries for it ("shm" for the owner's node)
 
     async def pull(self, ref: CacheRef, sink: WeightSink, layout: Layout | None) -> Layout:
-        """Bring the version ``ref`` names into ``sink`` (``start``, ``load`` per bucket,
-        ``finish``); returns its layout (keep it: the next version of the same model
-        needs no layout exchange). On any failure the sink is aborted (it keeps its old
-        weights) and a SyncError names what went wrong, in one line; a
-        ``SlotOverwritten`` says the owner moved on and the caller may follow it."""
+        """``ref``'s version into ``sink``; returns its layout (keep it and pass it
+        again: the next version of the same model needs no layout exchange)."""
+        ...
+
+    def pull_blocking(self, ref: CacheRef, sink: WeightSink, layout: Layout | None) -> Layout:
+        """:meth:`pull` for a caller with no running event loop in its thread (an
+        engine's worker process, a staging thread), with the same promises."""
         ...
 
 
@@ -57,10 +70,19 @@ class LeasedVersion(Protocol):
         ...
 
 
+@runtime_checkable
 class MappedTransport(WeightTransport, Protocol):
-    """A transport whose versions can be read in place, with no private copy."""
+    """A transport whose versions can be read in place, with no private copy: a load
+    from it needs no staging (``weights/staging.py`` checks for it)."""
 
     def leased(self, ref: CacheRef, layout: Layout | None) -> AbstractContextManager[LeasedVersion]:
-        """Hold the slot of ``ref`` while the block reads it (the caller checks the
-        version before and after)."""
+        """Hold the slot of ``ref`` with a reader's lease while the block reads it: the
+        owner does not rewrite it meanwhile, unless the lease outlives the owner's
+        ``send_wait_s``. The yielded version is not checked: the caller calls ``check``
+        before and after the read, and reads nothing of it after the block."""
+        ...
+
+    def current(self, ref: CacheRef) -> CacheRef | None:
+        """The consistent version the slot of ``ref`` holds now, without a lease (None
+        while it is being written): where a copy goes after a ``SlotOverwritten``."""
         ...

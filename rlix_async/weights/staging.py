@@ -1,12 +1,16 @@
 """What every engine's version load does, whatever the engine and the transport.
 
+- :func:`load_version`: the whole version into an engine's ``load`` callable, by the
+  transport ``weights/transports/`` chooses: straight from the mapped slot where the
+  transport maps one (:func:`load_leased`), else from a private copy
+  (:func:`stage_version`).
 - :func:`stage_version`: a consistent private copy of a version (from any transport),
   for loads that must not touch the model before the whole version is here (a stream
   can break halfway) and for adapters.
 - :func:`load_leased`: on the owner's node, a load straight from the mapped slot under
   a reader's lease, no private copy, checked by the seqlock before and after.
 
-Both follow the owner when it moved on: a slot rewritten before or during the read is
+Each follows the owner when it moved on: a slot rewritten before or during the read is
 retried from the version the slot holds now (the ref returned names the version
 loaded), so a receiver never loads a mixture and never fails a sync because the
 trainer was fast.
@@ -18,19 +22,24 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from rlix_async.protocols.cache_ref import CacheRef, Layout
 from rlix_async.protocols.sinks import SlotOverwritten, SyncError
+from rlix_async.protocols.weight_transport import MappedTransport, WeightTransport
 from rlix_async.security import ClientKeys
-from rlix_async.weights.shm import SHM_DIR, current_slot_ref
-from rlix_async.weights.transports import pull_blocking
+from rlix_async.weights.shm import SHM_DIR
+from rlix_async.weights.transports import transport_for
 from rlix_async.weights.transports.shm import SharedMemory
 
 logger = logging.getLogger(__name__)
 MAX_ATTEMPTS = 20
 Named = list[tuple[str, torch.Tensor]]
+# An engine's load: every tensor of one version into its model, reading each view only
+# during the call (on the leased path they are the owner's mapped memory).
+Load = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 
 
 class StagingSink:
@@ -52,6 +61,36 @@ class StagingSink:
         self.named = []
 
 
+class Loaded(NamedTuple):
+    ref: CacheRef  # the version loaded: newer than asked if the owner had moved on
+    layout: Layout  # keep it for the next version of the same model
+    staged_bytes: int  # the private copy made first (0: loaded from the mapped slot)
+
+
+def load_version(
+    ref: CacheRef,
+    layout: Layout | None,
+    load: Load,
+    *,
+    keys: ClientKeys | None = None,
+    shm_dir: Path = SHM_DIR,
+) -> Loaded:
+    """Every tensor of ``ref``'s version into ``load``, by the transport chosen for the
+    ref. Where that transport maps the slot (the owner's node) ``load`` reads it in
+    place under a lease, and is called again with the newer version if the lease
+    expired under it (the engine must not serve in between); elsewhere ``load`` gets a
+    private copy, once, after the whole version arrived, so a failed transfer never
+    reaches the model. Raises SyncError (one line) with ``load`` not called, or not
+    completed, when no consistent version could be had."""
+    transport = transport_for(ref, keys=keys, shm_dir=shm_dir)
+    if isinstance(transport, MappedTransport):
+        ref, layout = load_leased(ref, layout, load, transport=transport)
+        return Loaded(ref, layout, 0)
+    ref, layout, named = _staged(transport, ref, layout)
+    load(named)
+    return Loaded(ref, layout, sum(t.numel() * t.element_size() for _, t in named))
+
+
 def stage_version(
     ref: CacheRef,
     layout: Layout | None,
@@ -62,14 +101,24 @@ def stage_version(
     """A consistent private copy of the version ``ref`` names, by its transport. If the
     owner overwrote the slot meanwhile, the copy is retried from the newer version the
     slot holds (the returned ref names the version copied)."""
+    return _staged(transport_for(ref, keys=keys, shm_dir=shm_dir), ref, layout)
+
+
+def _staged(
+    transport: WeightTransport, ref: CacheRef, layout: Layout | None
+) -> tuple[CacheRef, Layout, Named]:
+    """The copy loop of :func:`stage_version`, on the transport chosen for ``ref``
+    (a newer version of the same slot comes the same way)."""
     for _ in range(MAX_ATTEMPTS):
         staged = StagingSink()
         try:
-            layout = pull_blocking(ref, staged, layout, keys=keys, shm_dir=shm_dir)
+            layout = transport.pull_blocking(ref, staged, layout)
         except SlotOverwritten as exc:
+            if not isinstance(transport, MappedTransport):
+                raise
             logger.warning("%s; copying what the slot holds now", exc)
             time.sleep(0.01)
-            ref = current_slot_ref(ref, shm_dir) or ref
+            ref = transport.current(ref) or ref
             continue
         return ref, layout, staged.named
     raise SyncError(f"no consistent version of {ref.pipeline} after {MAX_ATTEMPTS} tries")
@@ -78,17 +127,20 @@ def stage_version(
 def load_leased(
     ref: CacheRef,
     layout: Layout | None,
-    load: Callable[[Iterable[tuple[str, torch.Tensor]]], None],
+    load: Load,
     shm_dir: Path = SHM_DIR,
+    *,
+    transport: MappedTransport | None = None,
 ) -> tuple[CacheRef, Layout]:
     """``load`` every tensor of ``ref``'s version straight from the owner's mapped slot
     (views, valid only during the call) while a reader's lease holds it. Returns the ref
     loaded (newer than asked if the owner had moved on) and its layout. A lease that
     expired under a hung load is caught by the seqlock after it, and the load is redone
-    from the version the slot holds then: the caller's engine must not serve in between."""
-    transport = SharedMemory(shm_dir)
+    from the version the slot holds then: the caller's engine must not serve in between.
+    ``transport``: the mapped transport to read (default: shared memory in ``shm_dir``)."""
+    mapped: MappedTransport = transport or SharedMemory(shm_dir)
     for _ in range(MAX_ATTEMPTS):
-        with transport.leased(ref, layout) as slot:
+        with mapped.leased(ref, layout) as slot:
             try:
                 slot.check("before")
             except SlotOverwritten as exc:  # moved on before our lease: follow it

@@ -1,13 +1,14 @@
 """Weights for shards on other nodes: the owner's :class:`WeightServer` and ``sync_remote``.
 
 The server is the only door: on tcp it is CURVE, and it admits only receivers
-of its own pipeline. The bytes then move one of two ways (``transport``):
+of its own pipeline. The bytes then move one of two ways (``transport``, which the
+caller names: the ref's tag, chosen in ``weights/transports/``):
 
-- ``sealed`` (the default on tcp): the server grants a key and a ticket, and the
-  buckets stream as AES-256-GCM chunks over a plain tcp socket next to it, about
-  3.3x faster than through CURVE here (see :mod:`rlix_async.weights.stream`);
+- ``sealed``: the server grants a key and a ticket, and the buckets stream as
+  AES-256-GCM chunks over a plain tcp socket next to it, about 3.3x faster than
+  through CURVE here (see :mod:`rlix_async.weights.stream`); a server on tcp only;
 - ``zmq``: the buckets come as zero-copy ZMQ frames on the server's own socket
-  (CURVE on tcp, the default on ipc), with optional CRC32 checks.
+  (CURVE on tcp), with optional CRC32 checks; any server.
 
 Either way the receiver keeps at most ``credits`` buckets in flight, so its
 extra memory stays within ``credits x bucket``; every bucket is checked against
@@ -24,6 +25,7 @@ import os
 import socket
 import uuid
 import zlib
+from typing import Literal
 
 from rlix_async.protocol import ErrorCode, Message, RpcError
 from rlix_async.protocols.cache_ref import CacheRef, Layout
@@ -40,7 +42,9 @@ from rlix_async.weights.stream import (
     receive_sealed,
 )
 
-TRANSPORTS = ("sealed", "zmq")
+# What a WeightServer speaks to a receiver on another node (CacheRef.transport's tags).
+Transport = Literal["sealed", "zmq"]
+TRANSPORTS: tuple[Transport, ...] = ("sealed", "zmq")
 
 _MALLOC_TUNED = False
 
@@ -228,13 +232,13 @@ async def sync_remote(
     identity: str | None = None,
     timeout: float = 60.0,
     config: TransportConfig | None = None,
-    transport: str | None = None,
+    transport: str,
 ) -> Layout:
     """Stream ``ref`` from the owner's WeightServer with ``credits`` buckets in flight,
-    ``sealed`` on tcp and ``zmq`` frames otherwise unless ``transport`` says."""
+    by ``transport`` (one of :data:`TRANSPORTS`; the caller's choice, never guessed
+    here from the endpoint)."""
     if credits < 1:
         raise ValueError("credits must be >= 1")
-    transport = transport or ("sealed" if endpoint.startswith("tcp://") else "zmq")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
     return_freed_buffers_to_os()

@@ -117,7 +117,7 @@ async def test_a_server_with_another_key_than_the_published_one_is_never_trusted
         with pytest.raises(SyncError, match="failed"):
             await sync_remote(
                 ref, ref.server, sink, keys=ClientKeys.load(keys, "shard").for_server(
-                    impostor.encode()), timeout=3,
+                    impostor.encode()), timeout=3, transport="sealed",
             )  # fmt: skip
     assert sink.version is None
 

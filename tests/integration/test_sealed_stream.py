@@ -251,7 +251,9 @@ async def test_a_slot_rewritten_during_the_stream_is_refused(
     async with serving(cache, keys):
         ref = cache.ref(1)
         with pytest.raises(SyncError, match="overwritten"):
-            await sync_remote(ref, ref.server, sink, keys=shard_keys(keys, cache))
+            await sync_remote(
+                ref, ref.server, sink, keys=shard_keys(keys, cache), transport="sealed"
+            )
     assert sink.version is None
 
 
@@ -263,8 +265,8 @@ async def test_sealed_streams_are_for_tcp_servers_only(cache: WeightCache, tmp_p
         assert server.streamer is None
         with pytest.raises(SyncError, match="not served"):
             await sync_remote(cache.ref(1), server.endpoint, fresh(), transport="sealed")
-        sink = fresh()  # the default there: zmq frames
-        await sync_remote(cache.ref(1), server.endpoint, sink)
+        sink = fresh()  # what an ipc server speaks: zmq frames
+        await sync_remote(cache.ref(1), server.endpoint, sink, transport="zmq")
         assert sink.version == 1
     finally:
         await server.close()
@@ -288,7 +290,7 @@ async def test_buckets_in_several_chunks_land_whole_and_reordered_chunks_never(
     sink = fresh()
     async with serving(cache, keys) as server, small_chunks(server):
         ref = cache.ref(1)
-        await sync_remote(ref, ref.server, sink, keys=shard_keys(keys, cache))
+        await sync_remote(ref, ref.server, sink, keys=shard_keys(keys, cache), transport="sealed")
         assert sink.version == 1
         assert all(torch.equal(sink.tensors[k], v) for k, v in state(1).items())
         assert cache.layout is not None and cache.layout.bucket_sizes[0] > 2000

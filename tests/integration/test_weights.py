@@ -195,21 +195,21 @@ def test_remote_sync_and_owner_killed_mid_sync() -> None:
     sink = SlowSink(fresh(1), delay=0.0)
     try:
         ref1 = owner.build(1, 1)
-        run(sync_remote(ref1, owner.endpoint, sink, credits=2))
+        run(sync_remote(ref1, owner.endpoint, sink, credits=2, transport="zmq"))
         assert sink.version == 1
         ref2 = owner.build(2, 2)
         sink.delay = 0.3  # slow enough to kill the owner in the middle
         killer = threading.Timer(0.5, owner.p.kill)
         killer.start()
         with pytest.raises(SyncError):
-            run(sync_remote(ref2, owner.endpoint, sink, credits=1, timeout=3))
+            run(sync_remote(ref2, owner.endpoint, sink, credits=1, timeout=3, transport="zmq"))
         killer.join(timeout=10)
         assert sink.version == 1  # the failed sync did not change the version
         owner.p.wait(timeout=10)
         owner = Owner(pipe, ep)  # restarted owner removes the dead one's segments
         sink.delay = 0.0
         ref3 = owner.build(3, 3)
-        run(sync_remote(ref3, owner.endpoint, sink))
+        run(sync_remote(ref3, owner.endpoint, sink, transport="zmq"))
         assert sink.version == 3
         assert all(torch.equal(sink.tensors[k], v) for k, v in state(3).items())
     finally:
@@ -228,7 +228,7 @@ def test_two_pipelines_sync_concurrently() -> None:
         def one(i: int) -> TensorSink:
             sink = SlowSink(fresh(1), delay=0.05)
             t0 = time.monotonic()
-            run(sync_remote(refs[i], owners[i].endpoint, sink, credits=1))
+            run(sync_remote(refs[i], owners[i].endpoint, sink, credits=1, transport="zmq"))
             spans[pipes[i]] = (t0, time.monotonic())
             return sink
 

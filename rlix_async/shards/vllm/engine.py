@@ -241,8 +241,9 @@ class VllmEngine:
         """One weight-update session: the whole cached version, bucket by bucket."""
         from rlix_async.shards.vllm import api as vllm_api
 
-        # Refuse before vLLM starts a layerwise reload: one begun and never fed
-        # leaves the model's layers on the meta device (the engine dies).
+        # Refuse before vLLM starts an update, what the worker's transport choice
+        # (weights/transports/) would refuse: one begun and never fed leaves the
+        # model's layers on the meta device (the engine dies).
         why = unreachable(ref)
         if why is not None:
             raise SyncError(why)

@@ -14,9 +14,10 @@ the model one of two ways:
   received into private memory first: a stream can break halfway, and a model
   must never be left with half a version.
 
-Both are engine-neutral and live in ``weights/staging.py`` (``load_leased``,
-``stage_version``); which transport reaches a version is ``weights/transports/``'s
-choice. What is vLLM's is here: the transfer engine, the reload, the tied head.
+Both are engine-neutral: ``weights/staging.py``'s ``load_version`` asks
+``weights/transports/`` which transport reaches the version and takes the leased or
+the staged path for it. What is vLLM's is here: the transfer engine, the reload, the
+tied head.
 
 Loading is vLLM's layerwise reload (``initialize_layerwise_reload``, the model's
 ``load_weights``, ``finalize_layerwise_reload``), which rebuilds each layer and
@@ -45,8 +46,7 @@ from rlix_async.protocols.sinks import SyncError
 from rlix_async.security import ClientKeys
 from rlix_async.shards.vllm import api as vllm_api
 from rlix_async.weights.shm import SHM_DIR, forget_mappings
-from rlix_async.weights.staging import Named, load_leased, stage_version
-from rlix_async.weights.transports import on_owner_node
+from rlix_async.weights.staging import Named, load_version
 
 logger = logging.getLogger(__name__)
 
@@ -105,24 +105,22 @@ class RlixShmTransferEngine(vllm_api.WeightTransferEngine):  # type: ignore[misc
         pass  # receive_weights finished the reload while it held the slot
 
     def receive_weights(self, update_info: RlixUpdateInfo) -> None:
-        ref = msgspec.convert(update_info.__dict__, CacheRef)
         t0 = time.perf_counter()
-        staged = 0
-        if on_owner_node(ref, self.shm_dir):  # views of the mapped slot, no private copy
-            ref, self.layout = load_leased(ref, self.layout, self._load, self.shm_dir)
-        else:
-            ref, self.layout, named = stage_version(
-                ref, self.layout, keys=self.keys, shm_dir=self.shm_dir
-            )
-            staged = sum(t.numel() * t.element_size() for _, t in named)
-            self._load(named)
+        loaded = load_version(
+            msgspec.convert(update_info.__dict__, CacheRef),
+            self.layout,
+            self._load,
+            keys=self.keys,
+            shm_dir=self.shm_dir,
+        )
+        self.layout = loaded.layout
         self.loads += 1
         self.last_load = {
-            "version": ref.version,
+            "version": loaded.ref.version,
             "seconds": time.perf_counter() - t0,
             "path": "layerwise" if self.reload_reason else "direct",
             "reload_reason": self.reload_reason,
-            "staged_bytes": staged,  # a private copy: only what came over tcp
+            "staged_bytes": loaded.staged_bytes,  # a private copy: only what came over tcp
         }
 
     def _load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:

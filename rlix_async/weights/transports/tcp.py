@@ -6,35 +6,30 @@ as frames on the CURVE socket itself (slower; no second port to reach)."""
 
 from __future__ import annotations
 
-from typing import Literal
+import asyncio
 
 from rlix_async.protocols.cache_ref import CacheRef, Layout
-from rlix_async.protocols.sinks import SyncError, WeightSink
+from rlix_async.protocols.sinks import WeightSink
 from rlix_async.security import ClientKeys
-from rlix_async.weights.tcp import sync_remote
+from rlix_async.weights.tcp import TRANSPORTS, Transport, sync_remote
 
-RemoteKind = Literal["sealed", "zmq"]
-REMOTE_KINDS: tuple[RemoteKind, ...] = ("sealed", "zmq")
+REMOTE_KINDS: tuple[Transport, ...] = TRANSPORTS
 
 
 class Remote:
-    def __init__(self, kind: RemoteKind, keys: ClientKeys | None) -> None:
+    """Pulls from the server the ref names, by exactly the ``kind`` it was made with
+    (the ref's tag, as ``transport_for`` read it): an owner that does not serve that
+    kind fails the sync in one line rather than being reached some other way."""
+
+    def __init__(self, kind: Transport, keys: ClientKeys | None) -> None:
         self.kind = kind
         self.name: str = kind
+        # this receiver's pair, set for the owner's public key (None: an ipc server)
         self.keys = keys
 
     async def pull(self, ref: CacheRef, sink: WeightSink, layout: Layout | None) -> Layout:
-        keys = self.keys
-        if ref.server.startswith("tcp://"):
-            if keys is None:
-                raise SyncError(
-                    f"version {ref.version} is served at {ref.server}, which needs CURVE keys; "
-                    "this shard has none (set keys=DIR)"
-                )
-            if not ref.server_key:
-                raise SyncError(f"version {ref.version}: {ref.server} comes without its public key")
-            # our own pair, and the owner's public key as its driver published it
-            keys = keys.for_server(ref.server_key.encode())
-        # a sealed stream needs a tcp listener: an ipc server (one machine) sends frames
-        kind = self.kind if ref.server.startswith("tcp://") else "zmq"
-        return await sync_remote(ref, ref.server, sink, layout, keys=keys, transport=kind)
+        return await sync_remote(ref, ref.server, sink, layout, keys=self.keys, transport=self.kind)
+
+    def pull_blocking(self, ref: CacheRef, sink: WeightSink, layout: Layout | None) -> Layout:
+        """On an event loop of its own (the caller's thread must have none running)."""
+        return asyncio.run(self.pull(ref, sink, layout))
