@@ -41,8 +41,11 @@ class ShardEngine(Protocol):
         ``sampling.stop`` (both kept in the output)."""
         ...
 
-    async def load_version(self, ref: CacheRef) -> None:
-        """Reach the cached weights ``ref``; on failure keep serving the old ones."""
+    async def load_version(self, ref: CacheRef) -> int | None:
+        """Reach the cached weights ``ref`` (or a newer version, if the owner moved on
+        meanwhile: return its number; None means ``ref``'s). A ``SyncError``: the old
+        weights serve on; any other failure: they may be partly new (the shard serves
+        nothing until a later load succeeds)."""
         ...
 
     async def abort_all(self) -> int: ...

@@ -48,6 +48,12 @@ class WeightTransport(Protocol):
         engine's worker process, a staging thread), with the same promises."""
         ...
 
+    def current(self, ref: CacheRef) -> CacheRef | None:
+        """Where a receiver goes after a ``SlotOverwritten`` (blocking, no event loop
+        in the caller's thread): the version the owner holds now in place of ``ref``'s,
+        or None (nothing consistent or newer yet: retry later)."""
+        ...
+
 
 class LeasedVersion(Protocol):
     """A version mapped in place while a reader's lease holds its slot (the owner's node)."""
@@ -80,9 +86,4 @@ class MappedTransport(WeightTransport, Protocol):
         owner does not rewrite it meanwhile, unless the lease outlives the owner's
         ``send_wait_s``. The yielded version is not checked: the caller calls ``check``
         before and after the read, and reads nothing of it after the block."""
-        ...
-
-    def current(self, ref: CacheRef) -> CacheRef | None:
-        """The consistent version the slot of ``ref`` holds now, without a lease (None
-        while it is being written): where a copy goes after a ``SlotOverwritten``."""
         ...

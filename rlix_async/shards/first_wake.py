@@ -59,8 +59,8 @@ class FirstWakeEngine:
         engine: AdapterEngine = self._built()  # type: ignore[assignment]  # a group's engine
         await engine.load_adapter(name, ref)
 
-    async def load_version(self, ref: CacheRef) -> None:
-        await self._built().load_version(ref)
+    async def load_version(self, ref: CacheRef) -> int | None:
+        return await self._built().load_version(ref)
 
     async def abort_all(self) -> int:
         return await self.engine.abort_all() if self.engine is not None else 0

@@ -470,7 +470,7 @@ class ShardWorker:
             raise SyncError(f"shard of {self.pipeline} refuses weights of {ref.pipeline}")
         previous = self.synced_version
         try:
-            await self.engine.load_version(ref)
+            loaded = await self.engine.load_version(ref)
         except Exception as exc:
             log.error(
                 "%s/infer/%d: sync to %s failed (%s); still on %s",
@@ -481,7 +481,8 @@ class ShardWorker:
                 previous,
             )
             raise
-        self.synced_version = ref.version
+        # the version it serves and acknowledges: newer than asked if the owner moved on
+        self.synced_version = ref.version if loaded is None else loaded
         self.weights_valid = True
         self.syncs += 1
 

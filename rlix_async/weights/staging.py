@@ -3,7 +3,8 @@
 - :func:`load_version`: the whole version into an engine's ``load`` callable, by the
   transport ``weights/transports/`` chooses: straight from the mapped slot where the
   transport maps one (:func:`load_leased`), else from a private copy
-  (:func:`stage_version`).
+  (:func:`stage_version`); :func:`fetch_version` is its first half, for engines
+  whose ranks must all hold the copy before any loads it.
 - :func:`stage_version`: a consistent private copy of a version (from any transport),
   for loads that must not touch the model before the whole version is here (a stream
   can break halfway) and for adapters.
@@ -61,10 +62,33 @@ class StagingSink:
         self.named = []
 
 
-class Loaded(NamedTuple):
-    ref: CacheRef  # the version loaded: newer than asked if the owner had moved on
+class Fetched(NamedTuple):
+    ref: CacheRef  # the version fetched: newer than asked if the owner had moved on
     layout: Layout  # keep it for the next version of the same model
-    staged_bytes: int  # the private copy made first (0: loaded from the mapped slot)
+    staged: Named | None  # the private copy still to load (None: loaded, or in place)
+    staged_bytes: int  # the private copy's size (0: read in place from the mapped slot)
+
+
+def fetch_version(
+    ref: CacheRef,
+    layout: Layout | None,
+    load: Load,
+    *,
+    keys: ClientKeys | None = None,
+    shm_dir: Path = SHM_DIR,
+) -> Fetched:
+    """The first half of :func:`load_version`, for an engine whose ranks must all have
+    a version before any of them loads it (a tensor-parallel shard: one rank's failed
+    transfer must leave every rank on the old weights). Where the chosen transport
+    maps the slot (the owner's node) ``load`` reads it in place now, as there is no
+    transfer to fail; elsewhere the whole version is copied and returned, not loaded.
+    Raises SyncError (one line) when no consistent version could be had."""
+    transport = transport_for(ref, keys=keys, shm_dir=shm_dir)
+    if isinstance(transport, MappedTransport):
+        ref, layout = load_leased(ref, layout, load, transport=transport)
+        return Fetched(ref, layout, None, 0)
+    ref, layout, named = _staged(transport, ref, layout)
+    return Fetched(ref, layout, named, sum(t.numel() * t.element_size() for _, t in named))
 
 
 def load_version(
@@ -74,7 +98,7 @@ def load_version(
     *,
     keys: ClientKeys | None = None,
     shm_dir: Path = SHM_DIR,
-) -> Loaded:
+) -> Fetched:
     """Every tensor of ``ref``'s version into ``load``, by the transport chosen for the
     ref. Where that transport maps the slot (the owner's node) ``load`` reads it in
     place under a lease, and is called again with the newer version if the lease
@@ -82,13 +106,10 @@ def load_version(
     private copy, once, after the whole version arrived, so a failed transfer never
     reaches the model. Raises SyncError (one line) with ``load`` not called, or not
     completed, when no consistent version could be had."""
-    transport = transport_for(ref, keys=keys, shm_dir=shm_dir)
-    if isinstance(transport, MappedTransport):
-        ref, layout = load_leased(ref, layout, load, transport=transport)
-        return Loaded(ref, layout, 0)
-    ref, layout, named = _staged(transport, ref, layout)
-    load(named)
-    return Loaded(ref, layout, sum(t.numel() * t.element_size() for _, t in named))
+    fetched = fetch_version(ref, layout, load, keys=keys, shm_dir=shm_dir)
+    if fetched.staged is not None:
+        load(fetched.staged)
+    return fetched._replace(staged=None)  # the caller keeps no copy alive
 
 
 def stage_version(
@@ -114,9 +135,9 @@ def _staged(
         try:
             layout = transport.pull_blocking(ref, staged, layout)
         except SlotOverwritten as exc:
-            if not isinstance(transport, MappedTransport):
-                raise
-            logger.warning("%s; copying what the slot holds now", exc)
+            # the owner moved on (a slot rewritten, a version gone from its two
+            # slots): copy what it holds now, as the leased path does
+            logger.warning("%s; copying the owner's newer version", exc)
             time.sleep(0.01)
             ref = transport.current(ref) or ref
             continue

@@ -27,9 +27,11 @@ import uuid
 import zlib
 from typing import Literal
 
+import msgspec
+
 from rlix_async.protocol import ErrorCode, Message, RpcError
-from rlix_async.protocols.cache_ref import CacheRef, Layout
-from rlix_async.protocols.sinks import SyncError, WeightSink
+from rlix_async.protocols.cache_ref import BadRef, CacheRef, Layout
+from rlix_async.protocols.sinks import SlotOverwritten, SyncError, WeightSink
 from rlix_async.security import ClientKeys, ServerKeys
 from rlix_async.transport import CallContext, Reply, RpcClient, RpcServer, TransportConfig
 from rlix_async.weights.cache import WeightCache
@@ -101,6 +103,15 @@ class Generation(Message):
     generation: int  # -1: no longer cached
 
 
+class GetCurrent(Message):
+    """Which version the owner publishes now: where a receiver whose version left the
+    owner's two slots goes instead (the local path follows a moved slot the same way)."""
+
+
+class CurrentVersion(Message):
+    ref: CacheRef | None  # None: nothing promoted (the owner restarted, or is closing)
+
+
 class WeightServer:
     """Serves one cache's buckets to shards on other nodes (data plane, not the coordinator)."""
 
@@ -120,6 +131,7 @@ class WeightServer:
         self.server.on(FetchBucket, self._fetch)
         self.server.on(GetGeneration, self._generation)
         self.server.on(OpenStream, self._open_stream)
+        self.server.on(GetCurrent, self._current)
         self.server.admit_peer = self._admit
         self.streamer: SealedStreamer | None = None
 
@@ -183,6 +195,12 @@ class WeightServer:
             raise RpcError("unknown_version", f"version {msg.version} is not cached")
         return self.streamer.grant(msg.version, ctx.peer)
 
+    def _current(self, msg: GetCurrent, ctx: CallContext) -> CurrentVersion:
+        cache = self.cache
+        if cache.current is None or cache.layout is None:
+            return CurrentVersion(ref=None)
+        return CurrentVersion(ref=cache.ref(cache.current))
+
     def _generation(self, msg: GetGeneration, ctx: CallContext) -> Generation:
         if msg.version not in self.cache.versions:
             return Generation(generation=-1)
@@ -205,10 +223,11 @@ def check_bucket(meta: BucketMeta, nbytes: int, ref: CacheRef, layout: Layout, i
         else "",
     ]
     if any(problems):
-        raise SyncError(
-            f"bucket {index} of version {ref.version} refused: got "
-            + ", ".join(p for p in problems if p)
+        why = f"bucket {index} of version {ref.version} refused: got " + ", ".join(
+            p for p in problems if p
         )
+        # only the slot's generation differs: the owner rewrote it, a receiver may follow
+        raise (SlotOverwritten if problems[2] and sum(map(bool, problems)) == 1 else SyncError)(why)
 
 
 def _fits_buckets(config: TransportConfig | None, layout: Layout | None) -> TransportConfig:
@@ -264,12 +283,19 @@ async def sync_remote(
         # so make sure the slot was not rewritten while they were in flight.
         after = await client.call(GetGeneration(version=ref.version), timeout=timeout)
         if not isinstance(after, Generation) or after.generation != ref.generation:
-            raise SyncError(f"version {ref.version} was overwritten during the sync")
+            raise SlotOverwritten(f"version {ref.version} was overwritten during the sync")
         sink.finish(ref.version)
         return layout
     except SyncError:
         sink.abort()
         raise
+    except RpcError as exc:
+        sink.abort()
+        if exc.code == "unknown_version":  # the owner's two slots moved past it
+            raise SlotOverwritten(
+                f"version {ref.version} left the cache at {endpoint} before it was sent"
+            ) from exc
+        raise SyncError(f"sync of version {ref.version} from {endpoint} failed: {exc}") from exc
     except BaseException as exc:
         sink.abort()
         if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt)):
@@ -333,3 +359,46 @@ async def _receive_frames(
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+async def current_remote(
+    ref: CacheRef,
+    *,
+    keys: ClientKeys | None = None,
+    timeout: float = 10.0,
+    config: TransportConfig | None = None,
+) -> CacheRef | None:
+    """The version the owner that served ``ref`` publishes now, if newer than ``ref``'s
+    (None: nothing newer). Only what names a version is taken from the reply: the
+    server, its key and the transport stay ``ref``'s, so an owner cannot send a
+    receiver anywhere else, and it must be the same pipeline's."""
+    ident = f"{ref.pipeline}/weights/{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    client = RpcClient(ref.server, ident, keys=keys, config=config)
+    try:
+        await client.connect(timeout=timeout)
+        reply = await client.call(GetCurrent(), timeout=timeout)
+    except Exception as exc:
+        raise SyncError(f"asking {ref.server} for its current version failed: {exc}") from exc
+    finally:
+        await client.close()
+    if not isinstance(reply, CurrentVersion) or reply.ref is None:
+        return None
+    now = reply.ref
+    if now.pipeline != ref.pipeline or now.owner != ref.owner:
+        raise SyncError(
+            f"{ref.server} answered with {now.pipeline}'s version, not {ref.pipeline}'s"
+        )
+    if now.version <= ref.version:
+        return None
+    try:
+        now.check_names()  # its segment name becomes a file name on the owner's node only
+    except BadRef as exc:
+        raise SyncError(f"{ref.server} answered with a bad ref: {exc}") from None
+    return msgspec.structs.replace(
+        ref,
+        version=now.version,
+        segment=now.segment,
+        generation=now.generation,
+        fingerprint=now.fingerprint,
+        total_bytes=now.total_bytes,
+    )

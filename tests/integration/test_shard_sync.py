@@ -64,11 +64,13 @@ async def test_wake_syncs_active_stale_shards_sync_sleeping_ones_wait(ipc_ep: st
             # v2: only awake, stale shards pull it; sleeping ones are left alone
             cache.build(2, weights(2))
             syncs_before = [w.syncs for w in workers]
-            await driver.publish_weights(cache.promote(2))
+            # who is awake is read before the publish: after it, a shard may already
+            # be SYNCING (the coordinator's sync can arrive before publish returns)
             awake = [w for w in workers if w.state == ShardState.ACTIVE]
-            assert awake
-            await until(lambda: all(w.synced_version == 2 for w in awake))
             asleep = [w for w in workers if w.state == ShardState.ASLEEP]
+            assert awake and len(awake) + len(asleep) == len(workers)
+            await driver.publish_weights(cache.promote(2))
+            await until(lambda: all(w.synced_version == 2 for w in awake))
             assert all(w.syncs == syncs_before[w.rank] for w in asleep)
 
             # training done, rollout again: woken shards catch up to v2 on wake

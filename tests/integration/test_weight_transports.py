@@ -226,3 +226,31 @@ async def test_an_engines_load_reads_the_mapped_slot_here_and_a_whole_copy_elsew
     for sink in (here, there):
         for name, value in state(1).items():
             assert torch.equal(sink.tensors[name], value), name
+
+
+async def test_a_remote_copy_of_a_version_gone_from_the_owner_follows_to_its_newest(
+    cache: WeightCache, tmp_path: Path, elsewhere: Path
+) -> None:
+    """Over tcp, the version asked for left the owner's two slots before the copy began
+    (it promoted 2 and 3): the copy is of version 3, whole, and says so, where the
+    receiver used to fail with "version 1 is not cached". What the owner answers is
+    taken only as a version: the server, its key and the transport stay the ref's."""
+    keys = make_keys(tmp_path)
+    async with serving(cache, keys):
+        stale = cache.ref(1)
+        for v in (2, 3):
+            cache.build(v, state(v))
+            cache.promote(v)
+        assert 1 not in cache.versions
+        got, _, named = await asyncio.to_thread(
+            stage_version, stale, None, keys=ClientKeys.load(keys, "shard"), shm_dir=elsewhere
+        )
+    assert got.version == 3
+    assert (got.server, got.server_key, got.transport, got.host) == (
+        stale.server,
+        stale.server_key,
+        stale.transport,
+        stale.host,
+    )
+    for name, t in named:
+        assert torch.equal(t, state(3)[name]), name

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -42,6 +43,18 @@ from rlix_async.shards.vllm.lora import AdapterError, Adapters, Served, engine_a
 from rlix_async.shards.vllm.plugin import BACKEND
 from rlix_async.shards.vllm.worker_extension import EXTENSION
 from rlix_async.weights.transports import unreachable
+
+log = logging.getLogger(__name__)
+# Sessions in which the ranks may follow the owner to different versions before a load
+# gives up: each retry is at the newest version one of them reached.
+_AGREE_ATTEMPTS = 3
+
+
+def _one_line(text: str, limit: int = 500) -> str:
+    """A worker's error as vLLM relays it (it may carry a traceback) in one line."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -237,8 +250,13 @@ class VllmEngine:
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self.llm.wake_up(tags)
 
-    async def load_version(self, ref: CacheRef) -> None:
-        """One weight-update session: the whole cached version, bucket by bucket."""
+    async def load_version(self, ref: CacheRef) -> int:
+        """One weight-update session: the whole cached version, bucket by bucket, on
+        every tensor-parallel rank. Returns the version loaded (newer than ``ref``'s if
+        the owner had moved on). A SyncError leaves every rank on its old weights; any
+        other failure may have changed some ranks (the caller must not serve until a
+        later load succeeds). Either way no rank is left inside a session, so the next
+        load (or wake) works."""
         from rlix_async.shards.vllm import api as vllm_api
 
         # Refuse before vLLM starts an update, what the worker's transport choice
@@ -252,14 +270,71 @@ class VllmEngine:
                 vllm_api.WeightTransferInitRequest(init_info=self._transfer_init)
             )
             self._transfer_ready = True
-        await self.llm.start_weight_update()
-        # A failed update ends vLLM's session itself (and our transfer engine starts
-        # the reload only once the version is staged): finish only after success.
-        await self.llm.update_weights(
-            vllm_api.WeightTransferUpdateRequest(update_info=msgspec.to_builtins(ref))
-        )
-        await self.llm.finish_weight_update(weight_version=str(ref.version))  # vLLM: a str
+        await self._end_sessions()  # what an earlier process or failure left open
+        changed = False  # whether some rank's model took a version in this call
+        for _ in range(_AGREE_ATTEMPTS):
+            try:
+                await self.llm.start_weight_update()
+                # our backend keeps a rank's failure to itself (transfer.py): read below
+                await self.llm.update_weights(
+                    vllm_api.WeightTransferUpdateRequest(update_info=msgspec.to_builtins(ref))
+                )
+                ranks = list(await self.llm.collective_rpc("rlix_weight_session"))
+            except BaseException:
+                await self._end_sessions()
+                raise
+            changed |= any(r["loaded"] for r in ranks)
+            failed = next((r["error"] for r in ranks if r["error"]), None)
+            if failed is not None:
+                held = await self._end_sessions()
+                why = _one_line(f"sync of version {ref.version} failed: {failed}")
+                if changed or self._ranks_changed(held):
+                    raise RuntimeError(f"{why} (some ranks took it: resync before serving)")
+                raise SyncError(why)
+            fetched = [msgspec.convert(r["ref"], CacheRef) for r in ranks]
+            newest = max(fetched, key=lambda r: r.version)
+            if all(r.version == newest.version for r in fetched):
+                return await self._finish(newest)
+            # Ranks followed the owner to different versions: all again at the newest.
+            log.warning(
+                "ranks fetched versions %s; all again at %d",
+                [r.version for r in fetched],
+                newest.version,
+            )
+            await self._end_sessions()
+            ref = newest
+        why = f"the ranks never fetched one version of {ref.pipeline} ({_AGREE_ATTEMPTS} tries)"
+        raise (RuntimeError if changed else SyncError)(why)
+
+    async def _finish(self, ref: CacheRef) -> int:
+        """Every rank loads the copy it fetched of ``ref``'s version (a read in place has
+        loaded already); a failed load leaves the ranks' weights unknown."""
+        try:
+            await self.llm.finish_weight_update(weight_version=str(ref.version))
+            ranks = list(await self.llm.collective_rpc("rlix_weight_session"))
+        except BaseException:
+            await self._end_sessions()
+            raise
+        failed = next((r["error"] for r in ranks if r["error"]), None)
+        if failed is not None:
+            await self._end_sessions()
+            raise RuntimeError(
+                _one_line(f"loading version {ref.version} failed: {failed}")
+                + " (the ranks' weights are unknown: resync before serving)"
+            )
         self.weight_version = ref.version
+        return ref.version
+
+    async def _end_sessions(self) -> list[int | None]:
+        """End every rank's weight-update session (vLLM ends only the rank that raised);
+        each rank's model version."""
+        if not self._transfer_ready:
+            return []
+        return list(await self.llm.collective_rpc("rlix_end_weight_update"))
+
+    def _ranks_changed(self, held: list[int | None]) -> bool:
+        """Whether a failed session changed some rank's model from the version served."""
+        return any(v != self.weight_version for v in held)
 
     async def last_load(self) -> list[dict[str, Any]]:
         """Each tensor-parallel rank's account of the last sync (version, seconds, path)."""

@@ -14,10 +14,12 @@ the model one of two ways:
   received into private memory first: a stream can break halfway, and a model
   must never be left with half a version.
 
-Both are engine-neutral: ``weights/staging.py``'s ``load_version`` asks
+Both are engine-neutral: ``weights/staging.py``'s ``fetch_version`` asks
 ``weights/transports/`` which transport reaches the version and takes the leased or
-the staged path for it. What is vLLM's is here: the transfer engine, the reload, the
-tied head.
+the staged path for it. A staged copy is loaded at ``finish_weight_update``, after
+every tensor-parallel rank fetched the same version (``VllmEngine.load_version``): one
+rank's failed transfer leaves all of them on the old weights. What is vLLM's is here:
+the transfer engine, the reload, the tied head.
 
 Loading is vLLM's layerwise reload (``initialize_layerwise_reload``, the model's
 ``load_weights``, ``finalize_layerwise_reload``), which rebuilds each layer and
@@ -46,9 +48,10 @@ from rlix_async.protocols.sinks import SyncError
 from rlix_async.security import ClientKeys
 from rlix_async.shards.vllm import api as vllm_api
 from rlix_async.weights.shm import SHM_DIR, forget_mappings
-from rlix_async.weights.staging import Named, load_version
+from rlix_async.weights.staging import Fetched, Named, fetch_version
 
 logger = logging.getLogger(__name__)
+PARTLY_LOADED = -1  # a model_version no cached version has: a load failed part way
 
 
 @dataclass
@@ -85,6 +88,12 @@ class RlixShmTransferEngine(vllm_api.WeightTransferEngine):  # type: ignore[misc
     reload_reason: str | None = "not initialised"
     loads = 0  # versions loaded by this worker, and how (for tests and benchmarks)
     last_load: dict[str, object] = {}
+    # the version this rank's model holds (None: as built; PARTLY_LOADED: a load failed)
+    model_version: int | None = None
+    error: str | None = None  # why this session's fetch or load failed (None: it did not)
+    # this session's fetched version (not yet loaded where ``staged`` is set)
+    pending: Fetched | None = None
+    pending_started = 0.0
 
     def init_transfer_engine(self, init_info: RlixInitInfo) -> None:
         if init_info.shm_dir:
@@ -96,31 +105,72 @@ class RlixShmTransferEngine(vllm_api.WeightTransferEngine):  # type: ignore[misc
         )
 
     def start_weight_update(self) -> None:
-        # Nothing yet: the load (reload included) runs whole inside receive_weights,
-        # once the version is reachable, so a sync that fails before (cache gone, owner
-        # unreachable) leaves the model untouched and serving its previous weights.
-        pass
-
-    def finish_weight_update(self) -> None:
-        pass  # receive_weights finished the reload while it held the slot
+        # Nothing to prepare: the reload runs whole inside the load, once the version
+        # is here, so a sync that fails before (cache gone, owner unreachable, a
+        # broken stream) leaves the model untouched and serving its previous weights.
+        self.pending, self.error = None, None
 
     def receive_weights(self, update_info: RlixUpdateInfo) -> None:
+        """Fetch the version (``update_weights``); on the owner's node the slot is read
+        in place now, elsewhere the private copy waits for ``finish_weight_update``, so
+        that a tensor-parallel shard loads only once every rank has the version (the
+        engine checks they hold the same one in between: ``VllmEngine.load_version``).
+
+        A failure is kept in ``error``, not raised: vLLM's executor stops reading its
+        workers' replies at the first rank that raised, and the replies of the ranks
+        after it would then answer the engine's next calls (every later call one
+        reply behind). The engine reads ``error`` from each rank instead."""
         t0 = time.perf_counter()
-        loaded = load_version(
-            msgspec.convert(update_info.__dict__, CacheRef),
-            self.layout,
-            self._load,
-            keys=self.keys,
-            shm_dir=self.shm_dir,
-        )
-        self.layout = loaded.layout
+        try:
+            self.pending = fetch_version(
+                msgspec.convert(update_info.__dict__, CacheRef),
+                self.layout,
+                self._load,
+                keys=self.keys,
+                shm_dir=self.shm_dir,
+            )
+        except Exception as exc:
+            logger.error("weight update failed: %s", exc)
+            self.error = f"{type(exc).__name__}: {exc}"
+            return
+        self.layout = self.pending.layout
+        self.pending_started = t0
+        if self.pending.staged is None:  # read in place: loaded already
+            self._loaded(t0)
+
+    def finish_weight_update(self) -> None:
+        """Load the private copy ``receive_weights`` fetched (nothing if it read the
+        slot in place, or if the session was abandoned). A failed load is kept in
+        ``error`` (see ``receive_weights``), and the model's version is then unknown."""
+        pending, self.pending = self.pending, None
+        if pending is None or pending.staged is None:
+            return
+        try:
+            self._load(pending.staged)
+        except Exception as exc:
+            logger.error("loading version %d failed: %s", pending.ref.version, exc)
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.model_version = PARTLY_LOADED
+            return
+        self.pending = pending
+        self._loaded(self.pending_started)
+        self.pending = None
+
+    def abandon(self) -> None:
+        """Drop a fetched copy that will not be loaded (another rank failed its fetch)."""
+        self.pending = None
+
+    def _loaded(self, t0: float) -> None:
+        assert self.pending is not None
         self.loads += 1
+        self.model_version = self.pending.ref.version
         self.last_load = {
-            "version": loaded.ref.version,
+            "version": self.pending.ref.version,
             "seconds": time.perf_counter() - t0,
             "path": "layerwise" if self.reload_reason else "direct",
             "reload_reason": self.reload_reason,
-            "staged_bytes": loaded.staged_bytes,  # a private copy: only what came over tcp
+            # a private copy: only what came over tcp
+            "staged_bytes": self.pending.staged_bytes,
         }
 
     def _load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:

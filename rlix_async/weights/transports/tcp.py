@@ -11,7 +11,7 @@ import asyncio
 from rlix_async.protocols.cache_ref import CacheRef, Layout
 from rlix_async.protocols.sinks import WeightSink
 from rlix_async.security import ClientKeys
-from rlix_async.weights.tcp import TRANSPORTS, Transport, sync_remote
+from rlix_async.weights.tcp import TRANSPORTS, Transport, current_remote, sync_remote
 
 REMOTE_KINDS: tuple[Transport, ...] = TRANSPORTS
 
@@ -33,3 +33,8 @@ class Remote:
     def pull_blocking(self, ref: CacheRef, sink: WeightSink, layout: Layout | None) -> Layout:
         """On an event loop of its own (the caller's thread must have none running)."""
         return asyncio.run(self.pull(ref, sink, layout))
+
+    def current(self, ref: CacheRef) -> CacheRef | None:
+        """The newer version the owner publishes now (None: none newer), asked of its
+        server: where a receiver goes when ``ref``'s version left the owner's slots."""
+        return asyncio.run(current_remote(ref, keys=self.keys))
