@@ -215,19 +215,20 @@ def check_bucket(meta: BucketMeta, nbytes: int, ref: CacheRef, layout: Layout, i
     problems = [
         f"index {meta.index}" if meta.index != index else "",
         f"version {meta.version}" if meta.version != ref.version else "",
-        f"generation {meta.generation} (slot rewritten)"
-        if meta.generation != ref.generation
-        else "",
         f"{nbytes} bytes ({meta.nbytes} announced, layout says {expected})"
         if not nbytes == meta.nbytes == expected
         else "",
     ]
+    rewritten = meta.generation != ref.generation
+    if rewritten:
+        problems.append(f"generation {meta.generation} (slot rewritten)")
     if any(problems):
         why = f"bucket {index} of version {ref.version} refused: got " + ", ".join(
             p for p in problems if p
         )
         # only the slot's generation differs: the owner rewrote it, a receiver may follow
-        raise (SlotOverwritten if problems[2] and sum(map(bool, problems)) == 1 else SyncError)(why)
+        only_rewritten = rewritten and not any(problems[:-1])
+        raise (SlotOverwritten if only_rewritten else SyncError)(why)
 
 
 def _fits_buckets(config: TransportConfig | None, layout: Layout | None) -> TransportConfig:
@@ -238,6 +239,13 @@ def _fits_buckets(config: TransportConfig | None, layout: Layout | None) -> Tran
     if config.max_message_bytes >= need:
         return config
     return dataclasses.replace(config, max_message_bytes=need)
+
+
+def receiver_identity(ref: CacheRef) -> str:
+    """A new identity for one receiver of ``ref``'s pipeline. Unique by construction:
+    two receivers never share an identity (and so never each other's replies),
+    whatever their host, process or sink."""
+    return f"{ref.pipeline}/weights/{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 async def sync_remote(
@@ -261,11 +269,7 @@ async def sync_remote(
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
     return_freed_buffers_to_os()
-    # Unique by construction: two receivers never share an identity (and so never
-    # each other's replies), whatever their host, process or sink.
-    ident = identity or (
-        f"{ref.pipeline}/weights/{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    )
+    ident = identity or receiver_identity(ref)
     client = RpcClient(endpoint, ident, keys=keys, config=_fits_buckets(config, layout))
     try:
         await client.connect(timeout=timeout)
@@ -372,8 +376,7 @@ async def current_remote(
     (None: nothing newer). Only what names a version is taken from the reply: the
     server, its key and the transport stay ``ref``'s, so an owner cannot send a
     receiver anywhere else, and it must be the same pipeline's."""
-    ident = f"{ref.pipeline}/weights/{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    client = RpcClient(ref.server, ident, keys=keys, config=config)
+    client = RpcClient(ref.server, receiver_identity(ref), keys=keys, config=config)
     try:
         await client.connect(timeout=timeout)
         reply = await client.call(GetCurrent(), timeout=timeout)

@@ -143,6 +143,9 @@ class VllmEngine:
         self._ids = itertools.count()
         self._inflight: set[str] = set()
         self._transfer_ready = False
+        # Some rank may still be inside a weight-update session: set from a session's
+        # start until it is finished or ended on every rank.
+        self._session_open = False
         self._transfer_init = {"keys_dir": keys_dir, "key_name": key_name} if keys_dir else {}
         self._adapters = (
             Adapters(self.llm, kwargs["max_cpu_loras"], keys_dir, key_name)
@@ -270,10 +273,12 @@ class VllmEngine:
                 vllm_api.WeightTransferInitRequest(init_info=self._transfer_init)
             )
             self._transfer_ready = True
-        await self._end_sessions()  # what an earlier process or failure left open
+        if self._session_open:  # an earlier call was cut before it could end it
+            await self._end_sessions()
         changed = False  # whether some rank's model took a version in this call
         for _ in range(_AGREE_ATTEMPTS):
             try:
+                self._session_open = True
                 await self.llm.start_weight_update()
                 # our backend keeps a rank's failure to itself (transfer.py): read below
                 await self.llm.update_weights(
@@ -322,6 +327,7 @@ class VllmEngine:
                 _one_line(f"loading version {ref.version} failed: {failed}")
                 + " (the ranks' weights are unknown: resync before serving)"
             )
+        self._session_open = False  # vLLM's finish ended it on every rank
         self.weight_version = ref.version
         return ref.version
 
@@ -330,7 +336,9 @@ class VllmEngine:
         each rank's model version."""
         if not self._transfer_ready:
             return []
-        return list(await self.llm.collective_rpc("rlix_end_weight_update"))
+        held = list(await self.llm.collective_rpc("rlix_end_weight_update"))
+        self._session_open = False
+        return held
 
     def _ranks_changed(self, held: list[int | None]) -> bool:
         """Whether a failed session changed some rank's model from the version served."""

@@ -136,7 +136,7 @@ class RlixShmTransferEngine(vllm_api.WeightTransferEngine):  # type: ignore[misc
         self.layout = self.pending.layout
         self.pending_started = t0
         if self.pending.staged is None:  # read in place: loaded already
-            self._loaded(t0)
+            self._loaded(self.pending, t0)
 
     def finish_weight_update(self) -> None:
         """Load the private copy ``receive_weights`` fetched (nothing if it read the
@@ -152,25 +152,22 @@ class RlixShmTransferEngine(vllm_api.WeightTransferEngine):  # type: ignore[misc
             self.error = f"{type(exc).__name__}: {exc}"
             self.model_version = PARTLY_LOADED
             return
-        self.pending = pending
-        self._loaded(self.pending_started)
-        self.pending = None
+        self._loaded(pending, self.pending_started)
 
     def abandon(self) -> None:
         """Drop a fetched copy that will not be loaded (another rank failed its fetch)."""
         self.pending = None
 
-    def _loaded(self, t0: float) -> None:
-        assert self.pending is not None
+    def _loaded(self, fetched: Fetched, t0: float) -> None:
         self.loads += 1
-        self.model_version = self.pending.ref.version
+        self.model_version = fetched.ref.version
         self.last_load = {
-            "version": self.pending.ref.version,
+            "version": fetched.ref.version,
             "seconds": time.perf_counter() - t0,
             "path": "layerwise" if self.reload_reason else "direct",
             "reload_reason": self.reload_reason,
             # a private copy: only what came over tcp
-            "staged_bytes": self.pending.staged_bytes,
+            "staged_bytes": fetched.staged_bytes,
         }
 
     def _load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
