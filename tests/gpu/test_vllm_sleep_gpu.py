@@ -195,7 +195,7 @@ def test_a_sleep_during_a_sync_runs_after_it(model: Path) -> None:
 def test_a_sync_copies_straight_into_the_parameters_and_serves_the_new_weights(
     model: Path, tmp_path: Path
 ) -> None:
-    """Unquantised on CUDA the layerwise reload is skipped (vllm_api.direct_copy_applies):
+    """Unquantised on CUDA the layerwise reload is skipped (vllm_api.reload_needed):
     the version goes from the page-locked slot into the serving parameters, and the
     engine then answers as one started from those weights does."""
     new = tmp_path / "new"

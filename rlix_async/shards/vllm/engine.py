@@ -65,7 +65,7 @@ def has_tokenizer(model: str) -> bool:
 
 
 # glibc settings of a CPU engine's processes (vLLM starts them with this environment).
-# A sync on vLLM's CPU build rebuilds and repacks every layer (vllm_api.direct_copy_applies);
+# A sync on vLLM's CPU build rebuilds and repacks every layer (vllm_api.reload_needed);
 # with glibc's defaults the freed per-layer buffers stay with the process, 0.55-0.9x the
 # model after every sync (bench weights --receiver vllm, docs/PERF.md). Returning freed
 # memory at once, and backing large blocks with transparent huge pages so that taking

@@ -24,8 +24,8 @@ the transfer engine, the reload, the tied head.
 Loading is vLLM's layerwise reload (``initialize_layerwise_reload``, the model's
 ``load_weights``, ``finalize_layerwise_reload``), which rebuilds each layer and
 re-runs what vLLM does to weights after loading (repacking on CPU, quantisation).
-Where vLLM uses weights as loaded (unquantised, CUDA: :func:`vllm_api.direct_copy_applies`)
-it is skipped, and ``load_weights`` copies each tensor straight into the serving
+Where every module vLLM built uses its weights as loaded (CUDA, an allowlist of
+layers: :func:`vllm_api.reload_needed`) it is skipped, and ``load_weights`` copies each tensor straight into the serving
 parameters. A lease that expired under a hung load (the owner rewrote the slot)
 is caught by the seqlock after the load, and the load is redone from the version
 the slot holds then; the worker's engine is paused throughout, so nothing is
@@ -100,9 +100,7 @@ class RlixShmTransferEngine(vllm_api.WeightTransferEngine):  # type: ignore[misc
             self.shm_dir = Path(init_info.shm_dir)
         if init_info.keys_dir:
             self.keys = ClientKeys.load(init_info.keys_dir, init_info.key_name or "client")
-        self.reload_reason = vllm_api.direct_copy_applies(
-            vllm_api.current_platform.is_cuda(), self.model_config.quantization
-        )
+        self.reload_reason = vllm_api.reload_needed(self.model, vllm_api.current_platform.is_cuda())
 
     def start_weight_update(self) -> None:
         # Nothing to prepare: the reload runs whole inside the load, once the version
