@@ -1,4 +1,4 @@
-"""Processes and jobs: ``coordinator``, ``shard``, ``launch``, ``demo``."""
+"""Processes and jobs: ``coordinator``, ``shard``, ``node-cache``, ``launch``, ``demo``."""
 
 from __future__ import annotations
 
@@ -55,6 +55,16 @@ def _shard(args: argparse.Namespace) -> int:
     from rlix_async.shards.shard_main import serve
 
     return run(serve(cfg))
+
+
+def _node_cache(args: argparse.Namespace) -> int:
+    if args.keys and not Path(args.keys).is_dir():
+        raise UsageError(f"--keys: {args.keys} is not a directory")
+    from rlix_async.aio import run
+    from rlix_async.weights.node_main import serve
+
+    run(serve(args.pipeline, args.keys))
+    return 0
 
 
 def _supervised(job: Callable[[], None]) -> int:
@@ -197,6 +207,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--config", help="ShardConfig file (YAML/JSON); see docs/CONFIG.md")
     add_overrides(p, "pipeline=my-exp rank=0 model=DIR")
     p.set_defaults(func=_shard)
+
+    p = sub.add_parser(
+        "node-cache",
+        help="receive a pipeline's weights once for this node (launch --node starts it)",
+    )
+    p.add_argument("--pipeline", required=True, help="the pipeline whose weights to receive")
+    p.add_argument("--keys", help="the node's key directory (its shard key pulls the weights)")
+    p.set_defaults(func=_node_cache)
 
     p = sub.add_parser("launch", help="coordinator, shards and torchrun pipelines from a YAML")
     p.add_argument("config", help="LaunchConfig file, e.g. examples/pipelines.yaml")

@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 
 from rlix_async.protocols.cache_ref import CacheRef, Layout
+from rlix_async.protocols.sinks import SyncError
 from rlix_async.weights.packing import layout_of, pack_into
 from rlix_async.weights.seqlock import HEADER, write_header
 from rlix_async.weights.shm import (
@@ -75,6 +76,7 @@ class WeightCache:
         self.generation = [0, 0]
         self.current: int | None = None
         self._trackers: list[list[SendTracker]] = [[], []]
+        self._leased = [False, False]  # whether we hold a slot's exclusive lock
         self._layout_segment: Segment | None = None
         # Set by serve(): where shards on other nodes pull from (see weights/tcp.py)
         self.server = ""
@@ -93,32 +95,59 @@ class WeightCache:
             raise KeyError(f"version {version} is not cached") from None
 
     def build(self, version: int, tensors: Mapping[str, torch.Tensor]) -> CacheRef:
-        if version in self.slot_version:
-            raise ValueError(f"version {version} already built")
         if self.layout is None or _layout_changed(self.layout, tensors):
             self._reset(layout_of(tensors, self.bucket_bytes))
         assert self.layout is not None
+        slot = self._open_slot(version, self.layout)
+        try:
+            pack_into(tensors, self.layout, self.slots[slot].buf[HEADER:])
+        except BaseException:
+            self._close_slot(slot, None)
+            raise
+        self._close_slot(slot, version)
+        return self.ref(version)
+
+    def receive(self) -> SlotWriter:
+        """A sink that fills the spare slot with a version as a transport delivers it
+        (a node cache's receiver): offered, and promoted, only once it is whole."""
+        return SlotWriter(self)
+
+    def _open_slot(self, version: int, layout: Layout) -> int:
+        """Take the slot that does not hold the promoted version for ``version``: no
+        longer offered, its sends drained, its readers' leases ended (or expired),
+        its generation odd (readers of what it held now fail). Until
+        :meth:`_close_slot` the caller holds it exclusively."""
+        if version in self.slot_version:
+            raise ValueError(f"version {version} already built")
+        if self.layout is None or self.layout.fingerprint() != layout.fingerprint():
+            self._reset(layout)
         current = self.current
         keep = self.slot_version.index(current) if current in self.versions else 1
         slot = 1 - keep
         # No longer offered (new remote reads of it are refused) while its sends drain.
         self.slot_version[slot] = None
         self._wait_sends(slot)
-        seg, fp = self.slots[slot], self.layout.fingerprint()
         # Same-node readers hold the slot while they read it (leases); one that holds
         # it past send_wait_s has its lease broken (see weights/shm.py).
-        leased = seg.lock_exclusive(self.send_wait_s)
-        try:
-            gen = self.generation[slot] + 1  # odd: readers of the old content now fail
-            write_header(seg.buf, gen, self.layout.total_bytes, None, fp)
-            pack_into(tensors, self.layout, seg.buf[HEADER:])
-            self.generation[slot] = gen + 1
-            write_header(seg.buf, gen + 1, self.layout.total_bytes, version, fp)
-        finally:
-            if leased:
-                seg.unlock_exclusive()
+        self._leased[slot] = self.slots[slot].lock_exclusive(self.send_wait_s)
+        gen = self.generation[slot] + 1  # odd: readers of the old content now fail
+        write_header(self.slots[slot].buf, gen, layout.total_bytes, None, layout.fingerprint())
+        self.generation[slot] = gen
+        return slot
+
+    def _close_slot(self, slot: int, version: int | None) -> None:
+        """End a write begun by :meth:`_open_slot`: the slot holds ``version`` whole
+        (offered from now on), or nothing (None: the write failed)."""
+        assert self.layout is not None
+        gen = self.generation[slot] + 1
+        write_header(
+            self.slots[slot].buf, gen, self.layout.total_bytes, version, self.layout.fingerprint()
+        )
+        self.generation[slot] = gen
+        if self._leased[slot]:
+            self.slots[slot].unlock_exclusive()
+            self._leased[slot] = False
         self.slot_version[slot] = version
-        return self.ref(version)
 
     def promote(self, version: int) -> CacheRef:
         self._slot_of(version)
@@ -228,3 +257,49 @@ def _layout_changed(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> bool
         if t is None or tuple(t.shape) != e.shape or str(t.dtype).removeprefix("torch.") != e.dtype:
             return True
     return False
+
+
+class SlotWriter:
+    """Fills a cache's spare slot from a transport (a
+    :class:`~rlix_async.protocols.sinks.WeightSink`): each bucket's tensors are copied
+    to their places as they arrive, and the version is offered and promoted only at
+    ``finish``, once every tensor of the layout arrived. A stream that breaks halfway
+    (``abort``) leaves that slot empty and the promoted version where it was, so
+    readers of the cache never see part of a version."""
+
+    def __init__(self, cache: WeightCache) -> None:
+        self.cache = cache
+        self._slot: int | None = None
+        self._raw: torch.Tensor | None = None
+        self._places: dict[str, tuple[int, int]] = {}
+        self._seen: set[str] = set()
+
+    def start(self, version: int, layout: Layout) -> None:
+        slot = self.cache._open_slot(version, layout)
+        self._slot = slot
+        self._raw = torch.frombuffer(self.cache.slots[slot].buf[HEADER:], dtype=torch.uint8)
+        starts = layout.bucket_offsets
+        self._places = {e.name: (starts[e.bucket] + e.offset, e.nbytes) for e in layout.entries}
+        self._seen = set()
+
+    def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        assert self._raw is not None, "load before start"
+        for name, tensor in named:
+            start, nbytes = self._places[name]
+            if nbytes:
+                self._raw[start : start + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+            self._seen.add(name)
+
+    def finish(self, version: int) -> None:
+        assert self._slot is not None, "finish before start"
+        if len(self._seen) != len(self._places):
+            missing = len(self._places) - len(self._seen)
+            raise SyncError(f"version {version}: {missing} tensors never arrived")
+        slot, self._slot, self._raw = self._slot, None, None
+        self.cache._close_slot(slot, version)
+        self.cache.promote(version)
+
+    def abort(self) -> None:
+        if self._slot is not None:
+            slot, self._slot, self._raw = self._slot, None, None
+            self.cache._close_slot(slot, None)

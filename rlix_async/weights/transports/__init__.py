@@ -1,6 +1,8 @@
 """The weight transports, and the one place a receiver's is chosen (:func:`transport_for`).
 
 - ``shm`` (transports/shm.py): on the owner's node, its shared-memory slot.
+- ``node`` (transports/node.py): on another node where a receiver runs for the
+  pipeline, that node's own cache (one pull per version for the whole node).
 - ``sealed``, ``zmq`` (transports/tcp.py): from another node, the owner's
   ``WeightServer``; which of the two is the ref's ``transport`` tag (the pipeline's
   ``weights.transport``).
@@ -18,7 +20,9 @@ from rlix_async.protocols.cache_ref import CacheRef, Layout
 from rlix_async.protocols.sinks import SyncError, WeightSink
 from rlix_async.protocols.weight_transport import WeightTransport
 from rlix_async.security import ClientKeys
+from rlix_async.weights.node_cache import is_node_ref, receiver_running
 from rlix_async.weights.shm import SHM_DIR
+from rlix_async.weights.transports.node import NodeCached
 from rlix_async.weights.transports.shm import SharedMemory
 from rlix_async.weights.transports.tcp import REMOTE_KINDS, Remote
 
@@ -54,13 +58,25 @@ def unreachable(ref: CacheRef, shm_dir: Path = SHM_DIR) -> str | None:
 def transport_for(
     ref: CacheRef, *, keys: ClientKeys | None = None, shm_dir: Path = SHM_DIR
 ) -> WeightTransport:
-    """The transport that brings ``ref`` here: shared memory on the owner's node,
-    elsewhere the one the ref's tag names, with ``keys`` (this receiver's CURVE pair)
-    set for the owner's public key. Raises a one-line SyncError if there is none: the
-    owner's cache is gone, it serves no endpoint, the tag is unknown, or a tcp owner
-    comes without its public key or this receiver has no keys."""
+    """The transport that brings ``ref`` here: shared memory on the owner's node; on a
+    node whose receiver runs for the pipeline (``rlix-async node-cache``), that node's
+    cache; elsewhere the one the ref's tag names (:func:`remote_transport`). Raises a
+    one-line SyncError if there is none."""
     if on_owner_node(ref, shm_dir):
         return SharedMemory(shm_dir)
+    if is_node_ref(ref) or receiver_running(ref.pipeline):
+        return NodeCached(shm_dir)
+    return remote_transport(ref, keys=keys, shm_dir=shm_dir)
+
+
+def remote_transport(
+    ref: CacheRef, *, keys: ClientKeys | None = None, shm_dir: Path = SHM_DIR
+) -> Remote:
+    """The owner's server, by the transport the ref's tag names, with ``keys`` (this
+    receiver's CURVE pair) set for the owner's public key: what a worker with no node
+    cache, and a node cache's receiver, pull with. Raises a one-line SyncError if the
+    owner's cache is gone, it serves no endpoint, the tag is unknown, or a tcp owner
+    comes without its public key or this receiver has no keys."""
     why = unreachable(ref, shm_dir)
     if why is not None:
         raise SyncError(why)

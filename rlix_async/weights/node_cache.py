@@ -1,0 +1,242 @@
+"""A node's own copy of a pipeline's weights, pulled once per version for every shard
+and tensor-parallel worker on the node.
+
+Without it each vLLM worker on a node other than the owner's pulls the whole version
+over its own stream into a private copy: a tp=8 shard receives eight copies per
+version and holds eight in host memory while loading. With it one receiver per
+(pipeline, node) (:class:`NodeCache`, served by ``rlix-async node-cache``, which
+``rlix-async launch --node K`` starts and restarts) pulls each version once into the
+node's two-slot shared-memory cache (a :class:`~rlix_async.weights.cache.WeightCache`
+whose owner is ``<owner>.node``: the same seqlock, generations and reader leases as
+the owner's slots), and every worker on the node then reads it exactly as workers on
+the owner's node read the owner's slots: mapped, leased, each rank its own slices,
+no private copy (``weights/transports/node.py``).
+
+A version is offered in the node's cache only once the whole of it arrived
+(:class:`~rlix_async.weights.cache.SlotWriter`): a stream that breaks halfway leaves
+the previous version in place, and a worker's sync fails on the old weights (the
+engine's SyncError) instead of loading part of a version. A newer version than the
+one asked for is answered where the owner moved on, as every receiver follows it.
+
+The receiver speaks to this node's workers on an ipc socket named by job, pipeline
+and host (hosts in network namespaces of one machine share the ipc directory), and to
+the owner's ``WeightServer`` with the node's shard key (``P/weights/*`` identities).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+
+from rlix_async.protocol import ErrorCode, Message, RpcError
+from rlix_async.protocols.cache_ref import BadRef, CacheRef
+from rlix_async.protocols.sinks import SlotOverwritten, SyncError
+from rlix_async.security import ClientKeys, ipc_endpoint
+from rlix_async.transport import CallContext, RpcClient, RpcServer
+from rlix_async.weights.cache import WeightCache
+from rlix_async.weights.shm import SHM_DIR
+from rlix_async.weights.tcp import current_remote
+
+log = logging.getLogger(__name__)
+NODE_OWNER_SUFFIX = ".node"
+PULL_ATTEMPTS = 5  # the owner moving on under a pull: follow it this many times
+# A worker's wait for its version: one whole transfer over a slow link (140 GB at
+# 1.2 GiB/s is ~110 s), with room for a pull already under way ahead of it.
+ENSURE_TIMEOUT_S = float(os.environ.get("RLIX_NODE_CACHE_TIMEOUT_S", "900"))
+
+
+def node_owner(owner: str) -> str:
+    """The owner name a node's cache of ``owner``'s versions has (its segment names)."""
+    return f"{owner}{NODE_OWNER_SUFFIX}"
+
+
+def is_node_ref(ref: CacheRef) -> bool:
+    """Whether ``ref`` names a version in this node's cache (not the owner's)."""
+    return ref.owner.endswith(NODE_OWNER_SUFFIX)
+
+
+def node_cache_endpoint(pipeline: str, host: str | None = None) -> str:
+    """The ipc endpoint of ``pipeline``'s receiver on this node."""
+    host = host or socket.gethostname()
+    job = os.environ.get("RLIX_JOB", "")
+    tag = hashlib.sha1(f"{job}/{pipeline}/{host}".encode()).hexdigest()[:16]
+    return ipc_endpoint(f"node-{tag}")
+
+
+def receiver_running(pipeline: str) -> bool:
+    """Whether this node has a receiver for ``pipeline`` (its socket exists)."""
+    return os.path.exists(node_cache_endpoint(pipeline).removeprefix("ipc://"))
+
+
+class EnsureVersion(Message):
+    """From a worker: have the owner's version ``ref`` names (or a newer one) in this
+    node's cache. ``newest``: rather the version the owner publishes now, if newer."""
+
+    ref: CacheRef
+    newest: bool = False
+
+
+class NodeVersion(Message):
+    ref: CacheRef | None  # in this node's cache; None: nothing newer (``newest``)
+
+
+class NodeCache:
+    """The receiver's state: one node cache per owner of ``pipeline``, filled one pull
+    at a time (a second worker asking for the same version waits for the first pull
+    and then reads it: one transfer per version per node)."""
+
+    def __init__(
+        self,
+        pipeline: str,
+        *,
+        keys: ClientKeys | None = None,
+        shm_dir: Path = SHM_DIR,
+        send_wait_s: float = 120.0,
+    ) -> None:
+        self.pipeline = pipeline
+        self.keys = keys
+        self.shm_dir = shm_dir
+        self.send_wait_s = send_wait_s
+        self.caches: dict[str, WeightCache] = {}
+        self._lock = asyncio.Lock()
+        self.pulls: list[dict[str, object]] = []  # each transfer: version, bytes, seconds
+
+    def _cache(self, owner: str) -> WeightCache:
+        cache = self.caches.get(owner)
+        if cache is None:
+            cache = WeightCache(
+                self.pipeline,
+                node_owner(owner),
+                shm_dir=self.shm_dir,
+                send_wait_s=self.send_wait_s,
+            )
+            self.caches[owner] = cache
+        return cache
+
+    def _check(self, ref: CacheRef) -> None:
+        if ref.pipeline != self.pipeline:
+            raise SyncError(f"this node's receiver serves {self.pipeline}, not {ref.pipeline}")
+        if is_node_ref(ref):
+            raise SyncError(f"version {ref.version} is a node cache's, not its owner's")
+        try:
+            ref.check_names()
+        except BadRef as exc:
+            raise SyncError(str(exc)) from None
+
+    async def ensure(self, ref: CacheRef, *, newest: bool = False) -> CacheRef | None:
+        """This node's ref of ``ref``'s version, or of a newer one where the owner moved
+        on (pulled now if the node does not hold it); with ``newest``, of the version
+        the owner publishes now, None if that is not newer than ``ref``'s."""
+        self._check(ref)
+        # (imported here: the transports module asks this one whether a receiver runs)
+        from rlix_async.weights.transports import remote_transport
+
+        transport = remote_transport(ref, keys=self.keys)  # a SyncError if none
+        async with self._lock:
+            if newest:
+                now = await current_remote(ref, keys=transport.keys)
+                if now is None:
+                    return None
+                ref = now
+            cache = self._cache(ref.owner)
+            held = max(cache.versions, default=None)
+            if held is not None and held >= ref.version:
+                return cache.ref(ref.version if ref.version in cache.versions else held)
+            for _ in range(PULL_ATTEMPTS):
+                t0 = time.perf_counter()
+                try:
+                    await transport.pull(ref, cache.receive(), cache.layout)
+                except SlotOverwritten as exc:
+                    log.warning("%s; pulling the owner's newer version", exc)
+                    ref = await current_remote(ref, keys=transport.keys) or ref
+                    await asyncio.sleep(0.05)
+                    continue
+                assert cache.layout is not None
+                self.pulls.append(
+                    {
+                        "version": ref.version,
+                        "bytes": cache.layout.total_bytes,
+                        "seconds": round(time.perf_counter() - t0, 4),
+                    }
+                )
+                log.info(
+                    "node cache of %s holds version %d (%.1f MiB in %.2f s)",
+                    self.pipeline,
+                    ref.version,
+                    cache.layout.total_bytes / (1 << 20),
+                    time.perf_counter() - t0,
+                )
+                return cache.ref(ref.version)
+            raise SyncError(
+                f"no consistent version of {self.pipeline} from {ref.server} "
+                f"after {PULL_ATTEMPTS} tries (the owner keeps moving on)"
+            )
+
+    def close(self) -> None:
+        """Remove the node's segments (the pipeline ended, or the receiver stops)."""
+        for cache in self.caches.values():
+            cache.close()
+        self.caches.clear()
+
+
+class NodeCacheServer:
+    """The receiver's ipc endpoint for this node's workers."""
+
+    def __init__(self, cache: NodeCache, endpoint: str | None = None) -> None:
+        self.cache = cache
+        self.server = RpcServer(
+            endpoint or node_cache_endpoint(cache.pipeline), name="node-cache"
+        )
+        self.server.on(EnsureVersion, self._ensure)
+        self.server.admit_peer = self._admit
+
+    @property
+    def endpoint(self) -> str:
+        return self.server.endpoint
+
+    async def start(self) -> NodeCacheServer:
+        await self.server.start()
+        return self
+
+    async def close(self) -> None:
+        await self.server.close()
+
+    def _admit(self, identity: str, info: dict[str, object]) -> None:
+        if identity.split("/")[:2] != [self.cache.pipeline, "weights"]:
+            raise RpcError(
+                ErrorCode.FORBIDDEN, f"{identity} may not read {self.cache.pipeline}'s weights"
+            )
+
+    async def _ensure(self, msg: EnsureVersion, ctx: CallContext) -> NodeVersion:
+        try:
+            return NodeVersion(ref=await self.cache.ensure(msg.ref, newest=msg.newest))
+        except SyncError as exc:
+            raise RpcError("sync_failed", str(exc)) from None
+
+
+async def ensure_on_node(
+    ref: CacheRef, *, newest: bool = False, timeout: float = ENSURE_TIMEOUT_S
+) -> CacheRef | None:
+    """Ask this node's receiver for ``ref``'s version (a worker's side). Raises a
+    one-line SyncError when it cannot have it, or does not answer within ``timeout``."""
+    endpoint = node_cache_endpoint(ref.pipeline)
+    identity = f"{ref.pipeline}/weights/{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    client = RpcClient(endpoint, identity)
+    try:
+        await client.connect(timeout=10.0)
+        reply = await client.call(EnsureVersion(ref=ref, newest=newest), timeout=timeout)
+    except RpcError as exc:
+        raise SyncError(f"this node's cache of {ref.pipeline}: {exc.detail}") from None
+    except Exception as exc:
+        raise SyncError(f"this node's cache of {ref.pipeline} ({endpoint}): {exc}") from None
+    finally:
+        await client.close()
+    if not isinstance(reply, NodeVersion):
+        raise SyncError(f"{endpoint} answered with {type(reply).__name__}")
+    return reply.ref

@@ -1,0 +1,34 @@
+"""``rlix-async node-cache --pipeline P``: this node's receiver of ``P``'s weights
+(``weights/node_cache.py``). ``rlix-async launch --node K`` runs one for each pipeline
+whose shards run on node K while its trainer's rank 0 (the weights' owner) runs
+elsewhere, and starts it again if it dies; its segments go when it stops."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from rlix_async.aio import stop_signals
+from rlix_async.security import ClientKeys
+from rlix_async.weights.node_cache import NodeCache, NodeCacheServer
+
+log = logging.getLogger(__name__)
+
+
+async def serve(pipeline: str, keys_dir: str | None) -> None:
+    # the node's shard key, as the shards on this node pull with (P/weights/* identities)
+    keys = (
+        ClientKeys.load_first(keys_dir, f"shard-{socket.gethostname()}", "shard", "client")[1]
+        if keys_dir
+        else None
+    )
+    cache = NodeCache(pipeline, keys=keys)
+    server = await NodeCacheServer(cache).start()
+    try:
+        stop = stop_signals()
+        print(f"READY node-cache {pipeline} {server.endpoint}", flush=True)
+        await stop.wait()
+    finally:
+        await server.close()
+        cache.close()
+        log.info("node cache of %s removed", pipeline)

@@ -1,0 +1,184 @@
+"""A node's cache of another node's weights (weights/node_cache.py): the receiver is a
+real ``rlix-async node-cache`` process, the owner a real WeightServer over tcp with
+CURVE keys, the workers real loads (``weights/staging.py``) in threads of this
+process. "Another node" is a shared-memory directory of its own (the owner's slots
+are not in it), as on a second machine; the multinode tier runs it across network
+namespaces."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.remote_weights import make_cache, make_keys, serving
+from helpers.waits import until
+from helpers.weights_owner import state
+from rlix_async.protocol import RpcError
+from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.protocols.sinks import SyncError
+from rlix_async.security import ClientKeys
+from rlix_async.transport import CallContext, Reply
+from rlix_async.weights.node_cache import node_cache_endpoint, node_owner
+from rlix_async.weights.staging import Fetched, load_version
+from rlix_async.weights.stream import OpenStream, StreamGrant
+from rlix_async.weights.tcp import FetchBucket, WeightServer
+from rlix_async.weights.transports import transport_for
+from rlix_async.weights.transports.node import NodeCached
+
+pytestmark = pytest.mark.asyncio
+
+
+class CountingServer(WeightServer):
+    """Counts what leaves the owner: sealed streams granted, buckets sent as frames;
+    ``lose_bucket``: the next frame reply of that bucket is an error instead (a
+    stream that breaks halfway)."""
+
+    streams = 0
+    frames = 0
+    lose_bucket: int | None = None
+
+    def _open_stream(self, msg: OpenStream, ctx: CallContext) -> StreamGrant:
+        self.streams += 1
+        return super()._open_stream(msg, ctx)
+
+    def _fetch(self, msg: FetchBucket, ctx: CallContext) -> Reply:
+        if msg.index == self.lose_bucket:
+            self.lose_bucket = None
+            raise RpcError("injected", f"bucket {msg.index} lost")
+        self.frames += 1
+        return super()._fetch(msg, ctx)
+
+
+@pytest.fixture
+def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """This "node"'s shared-memory directory, and a job of its own (the receiver's
+    ipc endpoint and segment names are per job)."""
+    monkeypatch.setenv("RLIX_JOB", f"t{uuid.uuid4().hex[:8]}")
+    d = tmp_path / "node-shm"
+    d.mkdir(mode=0o700)
+    yield d
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Path:
+    return make_keys(tmp_path)
+
+
+class Receiver:
+    def __init__(self, keys: Path, shm_dir: Path, log: Path) -> None:
+        self.args = [sys.executable, "-m", "rlix_async.cli", "node-cache", "--pipeline", "p"]
+        self.args += ["--keys", str(keys)]
+        self.env = {**os.environ, "RLIX_SHM_DIR": str(shm_dir)}
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            self.args, env=self.env, stdout=self.log.open("ab"), stderr=subprocess.STDOUT
+        )
+
+    async def ready(self) -> None:
+        await until(
+            lambda: self.log.read_bytes().count(b"READY node-cache") >= 1
+            and os.path.exists(node_cache_endpoint("p").removeprefix("ipc://")),
+            timeout=30,
+        )
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        try:
+            return self.proc.wait(10)
+        finally:
+            self.proc = None
+
+
+@pytest.fixture
+def receiver(keys: Path, node: Path, tmp_path: Path) -> Iterator[Receiver]:
+    r = Receiver(keys, node, tmp_path / "receiver.log")
+    r.start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def _worker_load(ref: CacheRef, keys: Path, node: Path) -> tuple[Fetched, dict[str, torch.Tensor]]:
+    """One worker's sync on this node, by the transport chosen for it."""
+    got: dict[str, torch.Tensor] = {}
+
+    def load(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, t in named:
+            got[name] = t.clone()
+
+    fetched = load_version(ref, None, load, keys=ClientKeys.load(keys, "shard"), shm_dir=node)
+    return fetched, got
+
+
+async def test_a_version_crosses_once_per_node_and_every_worker_reads_the_node_slot(
+    keys: Path, node: Path, receiver: Receiver
+) -> None:
+    await receiver.ready()
+    cache = make_cache()
+    try:
+        async with serving(cache, keys, CountingServer) as server:
+            assert isinstance(server, CountingServer)
+            ref = cache.ref(1)
+            assert isinstance(transport_for(ref, shm_dir=node), NodeCached)
+            loads = await asyncio.gather(
+                *(asyncio.to_thread(_worker_load, ref, keys, node) for _ in range(4))
+            )
+            for fetched, got in loads:
+                assert fetched.ref.version == 1 and fetched.staged_bytes == 0  # no private copy
+                for name, t in state(1).items():
+                    assert torch.equal(got[name], t), name
+            assert server.streams == 1  # one transfer for four workers
+
+            cache.build(2, state(2))
+            cache.promote(2)
+            fetched, got = await asyncio.to_thread(_worker_load, cache.ref(2), keys, node)
+            assert fetched.ref.version == 2 and torch.equal(got["embed.weight"], state(2)["embed.weight"])
+            fetched, _ = await asyncio.to_thread(_worker_load, cache.ref(2), keys, node)
+            assert server.streams == 2
+            # the node's two slots, in the node's directory, named for the node's cache
+            slots = sorted(p.name for p in node.iterdir() if "slot" in p.name)
+            assert len(slots) == 2 and all(node_owner(cache.owner) in s for s in slots)
+    finally:
+        cache.close()
+    assert receiver.stop() == 0
+    assert not [p for p in node.iterdir()], "the receiver left segments behind"
+
+
+async def test_a_stream_broken_halfway_leaves_the_node_on_the_previous_version(
+    keys: Path, node: Path, receiver: Receiver
+) -> None:
+    await receiver.ready()
+    cache = make_cache()
+    try:
+        async with serving(cache, keys, CountingServer) as server:
+            assert isinstance(server, CountingServer)
+            cache.serve(server.endpoint, cache.server_key, transport="zmq")  # frames: countable
+            fetched, _ = await asyncio.to_thread(_worker_load, cache.ref(1), keys, node)
+            assert fetched.ref.version == 1
+            cache.build(2, state(2))
+            cache.promote(2)
+            server.lose_bucket = 1
+            with pytest.raises(SyncError, match="bucket 1 lost"):
+                await asyncio.to_thread(_worker_load, cache.ref(2), keys, node)
+            # the node still offers version 1 whole; nothing of 2 is offered
+            fetched, got = await asyncio.to_thread(_worker_load, cache.ref(1), keys, node)
+            assert fetched.ref.version == 1 and torch.equal(got["embed.weight"], state(1)["embed.weight"])
+            # the next try pulls version 2 whole
+            fetched, got = await asyncio.to_thread(_worker_load, cache.ref(2), keys, node)
+            assert fetched.ref.version == 2 and torch.equal(got["embed.weight"], state(2)["embed.weight"])
+    finally:
+        cache.close()
