@@ -279,6 +279,7 @@ class Launcher:
             )
         self.coordinator: Proc | None = None
         self.shards: list[Proc] = []
+        self.node_caches: list[Proc] = []  # this node's receivers of remote owners' weights
         self.pipelines: dict[str, Proc] = {}
         self.exit_codes: dict[str, int] = {}
         self.env = _child_env()
@@ -349,6 +350,10 @@ class Launcher:
                 proc = self._proc(planned)
                 proc.start(self.env)
                 self.shards.append(proc)
+            elif planned.role == "node_cache":
+                proc = self._proc(planned)
+                proc.start(self.env)
+                self.node_caches.append(proc)
         self._wait_shards_ready()
         for planned in self.plan:
             if planned.role == "trainer":
@@ -433,7 +438,7 @@ class Launcher:
             if now >= self._coordinator_restart_at:
                 self._coordinator_restart_at = None
                 self.restart_coordinator()
-        for shard in self.shards:
+        for shard in [*self.node_caches, *self.shards]:
             code = shard.poll()
             if code is not None and not self._finished():
                 if shard.restarts >= self.max_shard_restarts:
@@ -501,7 +506,11 @@ class Launcher:
         deadline = time.monotonic() + 15
         for proc in self.pipelines.values():
             proc.stop(max(0.1, deadline - time.monotonic()))
-        rest = [*self.shards, *([self.coordinator] if self.coordinator else [])]
+        rest = [
+            *self.shards,
+            *self.node_caches,  # after the shards (they read its slots), with them
+            *([self.coordinator] if self.coordinator else []),
+        ]
         for proc in rest:
             proc.terminate()
         deadline = time.monotonic() + 15

@@ -41,7 +41,7 @@ from rlix_async.protocols.topology import (
 )
 from rlix_async.shards.engines import engine_backend
 
-Role = Literal["coordinator", "shard", "trainer"]
+Role = Literal["coordinator", "shard", "node_cache", "trainer"]
 
 
 @dataclass
@@ -462,6 +462,33 @@ def node_share(plan: list[PlacedProcess], node: int, address: str) -> list[Place
         if proc.role == "trainer" and SPAN_WORLD in proc.env:
             proc.env[SPAN_ADDRESS] = address  # its collective links use this interface
         mine.append(proc)
+    # One receiver per pipeline whose versions this node's shards load from an owner
+    # elsewhere: each version then crosses the network once for the whole node
+    # (weights/node_cache.py), not once per shard and tensor-parallel worker.
+    away = sorted(
+        {
+            pid
+            for proc in mine
+            if proc.role == "shard" and proc.pipeline is not None
+            for pid in served[proc.pipeline]
+            if trainer_node[pid] != node
+        }
+    )
+    shard_keys = {p.config.keys for p in mine if isinstance(p.config, ShardConfig)}
+    logs = next(p.log_path.parent for p in plan if p.log_path is not None)
+    for pid in away:
+        keys = next(iter(shard_keys), None)
+        mine.append(
+            PlacedProcess(
+                role="node_cache",
+                name=f"node cache {pid}",
+                argv=cli_argv("node-cache", "--pipeline", pid, *(["--keys", keys] if keys else [])),
+                node=node,
+                pipeline=pid,
+                env={"CUDA_VISIBLE_DEVICES": ""},  # host memory only; workers pin their own
+                log_path=logs / f"node-cache-{pid}-{node}.log",
+            )
+        )
     return mine
 
 

@@ -190,9 +190,7 @@ class NodeCacheServer:
 
     def __init__(self, cache: NodeCache, endpoint: str | None = None) -> None:
         self.cache = cache
-        self.server = RpcServer(
-            endpoint or node_cache_endpoint(cache.pipeline), name="node-cache"
-        )
+        self.server = RpcServer(endpoint or node_cache_endpoint(cache.pipeline), name="node-cache")
         self.server.on(EnsureVersion, self._ensure)
         self.server.admit_peer = self._admit
 
@@ -226,7 +224,9 @@ async def ensure_on_node(
     """Ask this node's receiver for ``ref``'s version (a worker's side). Raises a
     one-line SyncError when it cannot have it, or does not answer within ``timeout``."""
     endpoint = node_cache_endpoint(ref.pipeline)
-    identity = f"{ref.pipeline}/weights/{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    identity = (
+        f"{ref.pipeline}/weights/{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    )
     client = RpcClient(endpoint, identity)
     try:
         await client.connect(timeout=10.0)

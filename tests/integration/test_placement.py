@@ -456,8 +456,15 @@ def test_each_node_runs_its_share_wired_across_nodes(tmp_path: Path) -> None:
 
     assert list(share(0, "10.0.0.1")) == [("coordinator", None, None)]
     one = share(1, "10.0.0.2")
+    # far's owner is on node 2: node 1 receives far's versions once, for its shard
     assert sorted(one, key=str) == sorted(
-        [("shard", "near", 0), ("shard", "far", 0), ("trainer", "near", None)], key=str
+        [
+            ("shard", "near", 0),
+            ("shard", "far", 0),
+            ("trainer", "near", None),
+            ("node_cache", "far", None),
+        ],
+        key=str,
     )
     assert one[("shard", "near", 0)].data_endpoint is None  # its router is on this node
     assert one[("shard", "far", 0)].data_endpoint == "tcp://10.0.0.2:*"
@@ -465,7 +472,12 @@ def test_each_node_runs_its_share_wired_across_nodes(tmp_path: Path) -> None:
     two = share(2, "10.0.0.3")
     assert two[("shard", "near", 1)].data_endpoint == "tcp://10.0.0.3:*"
     assert two[("trainer", "far", None)].weights_endpoint == "tcp://10.0.0.3:*"
-    assert {c.keys for c in [*one.values(), *two.values()]} == {"/k"}  # type: ignore[attr-defined]
+    assert ("node_cache", "near", None) in two and ("node_cache", "far", None) not in two
+    configs = [c for c in [*one.values(), *two.values()] if c is not None]
+    assert {c.keys for c in configs} == {"/k"}  # type: ignore[attr-defined]
+    plan = place_processes(cfg, tmp_path / "out", "tcp://10.0.0.1:7600", keys="/k")
+    receiver = next(p for p in node_share(plan, 1, "10.0.0.2") if p.role == "node_cache")
+    assert receiver.argv[-4:] == ["--pipeline", "far", "--keys", "/k"]
 
 
 def test_the_launchs_heartbeat_period_reaches_the_coordinator(tmp_path: Path) -> None:
