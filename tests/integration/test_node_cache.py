@@ -17,23 +17,26 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers.remote_weights import make_cache, make_keys, serving
 from helpers.waits import until
 from helpers.weights_owner import state
+
 from rlix_async.protocol import RpcError
 from rlix_async.protocols.cache_ref import CacheRef
 from rlix_async.protocols.sinks import SyncError
 from rlix_async.security import ClientKeys
 from rlix_async.transport import CallContext, Reply
+from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.node_cache import node_cache_endpoint, node_owner
+from rlix_async.weights.packing import buckets_of
+from rlix_async.weights.shm import sync_local
+from rlix_async.weights.sinks import TensorSink
 from rlix_async.weights.staging import Fetched, load_version
 from rlix_async.weights.stream import OpenStream, StreamGrant
 from rlix_async.weights.tcp import FetchBucket, WeightServer
 from rlix_async.weights.transports import transport_for
 from rlix_async.weights.transports.node import NodeCached
 
-pytestmark = pytest.mark.asyncio
 
 
 class CountingServer(WeightServer):
@@ -87,8 +90,10 @@ class Receiver:
 
     async def ready(self) -> None:
         await until(
-            lambda: self.log.read_bytes().count(b"READY node-cache") >= 1
-            and os.path.exists(node_cache_endpoint("p").removeprefix("ipc://")),
+            lambda: (
+                self.log.read_bytes().count(b"READY node-cache") >= 1
+                and os.path.exists(node_cache_endpoint("p").removeprefix("ipc://"))
+            ),
             timeout=30,
         )
 
@@ -146,16 +151,18 @@ async def test_a_version_crosses_once_per_node_and_every_worker_reads_the_node_s
             cache.build(2, state(2))
             cache.promote(2)
             fetched, got = await asyncio.to_thread(_worker_load, cache.ref(2), keys, node)
-            assert fetched.ref.version == 2 and torch.equal(got["embed.weight"], state(2)["embed.weight"])
+            assert fetched.ref.version == 2 and torch.equal(
+                got["embed.weight"], state(2)["embed.weight"]
+            )
             fetched, _ = await asyncio.to_thread(_worker_load, cache.ref(2), keys, node)
             assert server.streams == 2
             # the node's two slots, in the node's directory, named for the node's cache
-            slots = sorted(p.name for p in node.iterdir() if "slot" in p.name)
+            slots = sorted(n for n in os.listdir(node) if "slot" in n)
             assert len(slots) == 2 and all(node_owner(cache.owner) in s for s in slots)
     finally:
         cache.close()
     assert receiver.stop() == 0
-    assert not [p for p in node.iterdir()], "the receiver left segments behind"
+    assert not os.listdir(node), "the receiver left segments behind"
 
 
 async def test_a_stream_broken_halfway_leaves_the_node_on_the_previous_version(
@@ -176,9 +183,53 @@ async def test_a_stream_broken_halfway_leaves_the_node_on_the_previous_version(
                 await asyncio.to_thread(_worker_load, cache.ref(2), keys, node)
             # the node still offers version 1 whole; nothing of 2 is offered
             fetched, got = await asyncio.to_thread(_worker_load, cache.ref(1), keys, node)
-            assert fetched.ref.version == 1 and torch.equal(got["embed.weight"], state(1)["embed.weight"])
+            assert fetched.ref.version == 1 and torch.equal(
+                got["embed.weight"], state(1)["embed.weight"]
+            )
             # the next try pulls version 2 whole
             fetched, got = await asyncio.to_thread(_worker_load, cache.ref(2), keys, node)
-            assert fetched.ref.version == 2 and torch.equal(got["embed.weight"], state(2)["embed.weight"])
+            assert fetched.ref.version == 2 and torch.equal(
+                got["embed.weight"], state(2)["embed.weight"]
+            )
     finally:
         cache.close()
+
+
+def test_a_node_slot_is_offered_only_once_its_whole_version_arrived() -> None:
+    """The node cache's slot writer (no processes: the buckets come from an owner's
+    cache in this process): a stream that breaks halfway, or ends short, leaves the
+    promoted version where it was and readable whole."""
+    owner = make_cache()
+    node_cache = WeightCache("p", f"n{uuid.uuid4().hex[:6]}", bucket_bytes=4096)
+    try:
+        layout = owner.layout
+        assert layout is not None and len(layout.bucket_sizes) > 2
+
+        def stream(version: int, buckets: int | None = None, finish: bool = True) -> None:
+            writer = node_cache.receive()
+            writer.start(version, layout)
+            for bucket in buckets_of(layout, owner.buffer(version))[:buckets]:
+                writer.load(bucket.tensors(layout))
+            if finish:
+                writer.finish(version)
+            else:
+                writer.abort()
+
+        stream(1)
+        assert node_cache.current == 1
+        owner.build(2, state(2))
+        owner.promote(2)
+        stream(2, buckets=1, finish=False)  # broke after its first bucket
+        assert node_cache.versions == [1] and node_cache.current == 1
+        with pytest.raises(SyncError, match="never arrived"):
+            stream(2, buckets=2)  # ended short, yet said it was done
+        node_cache.receive().abort()  # (an abort before start is harmless)
+        sink = TensorSink({k: torch.zeros_like(v) for k, v in state(1).items()})
+        sync_local(node_cache.ref(1), sink, None, shm_dir=node_cache.shm_dir)
+        for name, t in state(1).items():
+            assert torch.equal(sink.tensors[name], t), name
+        stream(2)
+        assert node_cache.current == 2 and sorted(node_cache.versions) == [1, 2]
+    finally:
+        owner.close()
+        node_cache.close()
