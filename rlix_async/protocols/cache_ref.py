@@ -43,6 +43,11 @@ class CacheRef(msgspec.Struct, frozen=True):
     # streams or "zmq" frames, the pipeline's weights.transport. On the owner's node a
     # receiver reads shared memory whatever this says.
     transport: str = "sealed"
+    # Which start of the owner's cache wrote it: a restarted owner numbers its versions
+    # from its checkpoint again, so a version number alone does not name the weights
+    # (a node cache holding the old incarnation's version 6 must not serve it for the
+    # new one's). Empty from an owner older than this field.
+    incarnation: str = ""
 
     def check_names(self) -> None:
         """Refuse (:class:`BadRef`, one line) a reference whose names could reach outside

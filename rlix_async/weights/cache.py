@@ -24,6 +24,7 @@ import contextlib
 import logging
 import socket
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
@@ -82,6 +83,7 @@ class WeightCache:
         self.server = ""
         self.server_key = ""
         self.transport = "sealed"  # how the server sends a version (weights/transports/)
+        self.incarnation = uuid.uuid4().hex[:12]  # this start's (CacheRef.incarnation)
         cleanup_stale(pipeline, owner, shm_dir)
 
     @property
@@ -176,6 +178,7 @@ class WeightCache:
             self.server,
             self.server_key,
             self.transport,
+            self.incarnation,
         )
 
     def buffer(self, version: int) -> memoryview:

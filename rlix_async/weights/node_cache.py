@@ -32,6 +32,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from rlix_async.protocol import ErrorCode, Message, RpcError
@@ -98,25 +99,41 @@ class NodeCache:
         keys: ClientKeys | None = None,
         shm_dir: Path = SHM_DIR,
         send_wait_s: float = 120.0,
+        report: Callable[[dict[str, object]], None] | None = None,
     ) -> None:
+        """``report``: called with each transfer's record (version, bytes, seconds)."""
+        self.report = report
         self.pipeline = pipeline
         self.keys = keys
         self.shm_dir = shm_dir
         self.send_wait_s = send_wait_s
-        self.caches: dict[str, WeightCache] = {}
+        self.caches: dict[str, WeightCache] = {}  # per owner
+        self.incarnations: dict[str, str] = {}  # per owner: whose versions its cache holds
         self._lock = asyncio.Lock()
         self.pulls: list[dict[str, object]] = []  # each transfer: version, bytes, seconds
 
-    def _cache(self, owner: str) -> WeightCache:
-        cache = self.caches.get(owner)
+    def _cache(self, ref: CacheRef) -> WeightCache:
+        """The node's cache of ``ref``'s owner, emptied if that owner started again
+        since (its version numbers restart from its checkpoint: what the node holds
+        under a number may not be what the owner means by it now)."""
+        cache = self.caches.get(ref.owner)
+        if cache is not None and self.incarnations.get(ref.owner) != ref.incarnation:
+            log.warning(
+                "the owner of %s started again: dropping this node's versions %s",
+                self.pipeline,
+                sorted(cache.versions),
+            )
+            cache.close()
+            cache = None
         if cache is None:
             cache = WeightCache(
                 self.pipeline,
-                node_owner(owner),
+                node_owner(ref.owner),
                 shm_dir=self.shm_dir,
                 send_wait_s=self.send_wait_s,
             )
-            self.caches[owner] = cache
+            self.caches[ref.owner] = cache
+            self.incarnations[ref.owner] = ref.incarnation
         return cache
 
     def _check(self, ref: CacheRef) -> None:
@@ -144,7 +161,7 @@ class NodeCache:
                 if now is None:
                     return None
                 ref = now
-            cache = self._cache(ref.owner)
+            cache = self._cache(ref)
             held = max(cache.versions, default=None)
             if held is not None and held >= ref.version:
                 return cache.ref(ref.version if ref.version in cache.versions else held)
@@ -158,20 +175,14 @@ class NodeCache:
                     await asyncio.sleep(0.05)
                     continue
                 assert cache.layout is not None
-                self.pulls.append(
-                    {
-                        "version": ref.version,
-                        "bytes": cache.layout.total_bytes,
-                        "seconds": round(time.perf_counter() - t0, 4),
-                    }
-                )
-                log.info(
-                    "node cache of %s holds version %d (%.1f MiB in %.2f s)",
-                    self.pipeline,
-                    ref.version,
-                    cache.layout.total_bytes / (1 << 20),
-                    time.perf_counter() - t0,
-                )
+                pulled: dict[str, object] = {
+                    "version": ref.version,
+                    "bytes": cache.layout.total_bytes,
+                    "seconds": round(time.perf_counter() - t0, 4),
+                }
+                self.pulls.append(pulled)
+                if self.report is not None:
+                    self.report(pulled)
                 return cache.ref(ref.version)
             raise SyncError(
                 f"no consistent version of {self.pipeline} from {ref.server} "

@@ -22,7 +22,17 @@ async def serve(pipeline: str, keys_dir: str | None) -> None:
         if keys_dir
         else None
     )
-    cache = NodeCache(pipeline, keys=keys)
+
+    def report(pulled: dict[str, object]) -> None:
+        # one line per version received for this node (its log is the node's record)
+        mib = int(pulled["bytes"]) / (1 << 20)  # type: ignore[call-overload]
+        print(
+            f"received version {pulled['version']} of {pipeline}: {mib:.1f} MiB "
+            f"in {pulled['seconds']} s",
+            flush=True,
+        )
+
+    cache = NodeCache(pipeline, keys=keys, report=report)
     server = await NodeCacheServer(cache).start()
     try:
         stop = stop_signals()

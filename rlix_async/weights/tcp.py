@@ -404,4 +404,5 @@ async def current_remote(
         generation=now.generation,
         fingerprint=now.fingerprint,
         total_bytes=now.total_bytes,
+        incarnation=now.incarnation,  # the same server, started again: its versions
     )

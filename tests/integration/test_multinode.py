@@ -19,6 +19,7 @@ launcher is started again.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -191,3 +192,15 @@ def test_two_pipelines_train_across_hosts_and_one_survives_losing_a_host(tmp_pat
     assert any(p == "far" and v and v >= 1 for p, _, v in synced), sorted(synced)  # type: ignore[operator]
     # near's second shard (host 2) pulled at least its first version from host 1
     assert any(p == "near" and r == 1 and v is not None for p, r, v in synced), sorted(synced)
+    # Each version left its trainer once per receiving node: to that node's cache
+    # (weights/node_cache.py), whose workers read it from the node's shared memory.
+    # (A resumed trainer numbers its versions from its checkpoint again: counted apart.)
+    for pipeline, host in (("near", "host2"), ("far", "host1")):
+        log = (logs / f"pipeline-{pipeline}.log").read_text()
+        for part in log.split("resumed from"):
+            sent = re.findall(rf"sealed stream of version (\d+) to {pipeline}/weights/(\w+)-", part)
+            assert {h for _, h in sent} <= {host}, sent
+            versions = [v for v, _ in sent]
+            assert len(versions) == len(set(versions)), f"{pipeline}: a version sent twice {sent}"
+    received = (logs / "node-cache-near-2.log").read_text()
+    assert "received version" in received, received[-2000:]

@@ -233,3 +233,29 @@ def test_a_node_slot_is_offered_only_once_its_whole_version_arrived() -> None:
     finally:
         owner.close()
         node_cache.close()
+
+
+async def test_an_owner_started_again_is_not_served_its_predecessors_version(
+    keys: Path, node: Path, receiver: Receiver
+) -> None:
+    """A restarted trainer numbers its versions from its checkpoint again: the node's
+    version 1 of the first start must not answer the second start's version 1."""
+    await receiver.ready()
+    first = make_cache()
+    try:
+        async with serving(first, keys):
+            fetched, got = await asyncio.to_thread(_worker_load, first.ref(1), keys, node)
+            assert torch.equal(got["embed.weight"], state(1)["embed.weight"])
+    finally:
+        first.close()
+    again = WeightCache("p", first.owner, bucket_bytes=4096)  # the same owner, started again
+    try:
+        again.build(1, state(3))
+        again.promote(1)
+        async with serving(again, keys, CountingServer) as server:
+            assert isinstance(server, CountingServer)
+            fetched, got = await asyncio.to_thread(_worker_load, again.ref(1), keys, node)
+            assert fetched.ref.version == 1 and server.streams == 1
+            assert torch.equal(got["embed.weight"], state(3)["embed.weight"])
+    finally:
+        again.close()
