@@ -83,6 +83,12 @@ def _weights(args: argparse.Namespace) -> int:
     for option, receiver in only.items():
         if getattr(args, option) is not None and args.receiver != receiver:
             raise UsageError(f"--{option} applies to --receiver {receiver} only")
+    cluster = ("shards_per_host", "tp", "link_mbit", "path", "transport", "versions")
+    if args.hosts is not None:
+        return _weights_cluster(args)
+    given = [f"--{o.replace('_', '-')}" for o in cluster if getattr(args, o) is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)}: only with --hosts N")
     if args.receiver == "vllm":
         return _weights_vllm(args)
     from rlix_async.bench.weights import run_weights_bench
@@ -111,6 +117,54 @@ def _weights(args: argparse.Namespace) -> int:
         f"  peak_extra_mb  {r['peak_extra_mb']:6.1f} MiB (local {r['local_extra_mb']:.1f}, "
         f"remote {r['remote_extra_mb']:.1f})"
     )
+    return 0
+
+
+def _weights_cluster(args: argparse.Namespace) -> int:
+    if os.geteuid() != 0:
+        raise UsageError("--hosts makes network namespaces and shapes links: run it as root")
+    if args.receiver != "tensors":
+        raise UsageError("--hosts: the workers load as the rlix_shm backend does; no --receiver")
+    import signal
+
+    from rlix_async.bench.hosts import HostsError
+    from rlix_async.bench.weights_cluster import run_cluster_bench
+
+    def _stopped(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # unwinds through the hosts' removal
+
+    signal.signal(signal.SIGTERM, _stopped)
+    try:
+        r = run_cluster_bench(
+            args.hosts,
+            args.shards_per_host or 1,
+            args.tp or 1,
+            args.link_mbit or 1000,
+            model_mb=args.size_mb or 256,
+            bucket_mb=args.bucket_mb,
+            transport=args.transport or "sealed",
+            path=args.path or "node",
+            versions=args.versions or 3,
+        )
+    except HostsError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    print(
+        f"{r['hosts']} hosts x {r['shards_per_host']} shards x tp {r['tp']}, links "
+        f"{r['link_mbit']} Mbit/s, {r['model_mb']} MiB, {r['transport']}, path {r['path']}"
+    )
+    for key in (
+        "owner_egress_per_model",
+        "seconds_one_link",
+        "seconds_to_all",
+        "seconds_to_all_over_one_link",
+        "node_extra_mem_per_model",
+        "link_utilization",
+        "cores_busy",
+    ):
+        print(f"  {key:30s} {r[key]}")
     return 0
 
 
@@ -395,6 +449,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--bucket-mb", type=positive_int, default=64)
     p.add_argument("--credits", type=positive_int, help="tensors: buckets in flight (default 2)")
     p.add_argument("--rounds", type=positive_int, help="vllm: timed syncs (default 5)")
+    p.add_argument(
+        "--hosts",
+        type=positive_int,
+        help="receiving hosts (network namespaces, root): a version reaching every worker",
+    )
+    p.add_argument("--shards-per-host", type=positive_int, help="--hosts: shards on each (1)")
+    p.add_argument("--tp", type=positive_int, help="--hosts: each shard's tensor-parallel size (1)")
+    p.add_argument("--link-mbit", type=positive_int, help="--hosts: each link's rate (1000)")
+    p.add_argument(
+        "--path",
+        choices=["node", "worker"],
+        help="--hosts: node caches (default), or every worker pulling its own copy",
+    )
+    p.add_argument("--transport", choices=["sealed", "zmq"], help="--hosts: (sealed)")
+    p.add_argument("--versions", type=positive_int, help="--hosts: timed versions (3)")
     _json_flag(p)
     p.set_defaults(func=_weights)
     p = bsub.add_parser(

@@ -1,0 +1,391 @@
+"""``rlix-async bench weights --hosts N``: a weight version reaching every shard worker
+of N hosts over links shaped to R Mbit/s, with and without node caches.
+
+Hosts are network namespaces of this machine (``bench/hosts.py``: each its own
+hostname and ``/dev/shm``), their veth links shaped with ``tc`` (a token bucket each
+way). Host 0 runs the owner: a real ``WeightCache`` (``--model-mb`` of transformer-like
+tensors) and its ``WeightServer`` on tcp with CURVE keys, by the pipeline's transport
+(``--transport``). Hosts 1..N each run ``K x T`` worker processes (K shards of
+tensor-parallel size T) and, with ``--path node`` (the default), the node's real
+receiver (``rlix-async node-cache``). A worker's load is the ``rlix_shm`` backend's
+own (``weights/staging.py::fetch_version``, as ``RlixShmTransferEngine.receive_weights``
+calls it, then the staged copy loaded as at ``finish_weight_update``); what stands in
+for vLLM's model is a dict of plain tensors, into which each rank copies its own
+slice of every tensor (dim 0 split T ways, as a column-parallel loader narrows it).
+No coordinator: this process hands the workers each version's ref through a shared
+directory (the coordinator's part of a sync is timed in ``bench coordinator``).
+``--path worker`` is today's path without node caches: every worker pulls its own
+private copy from the owner.
+
+Per version: ``owner_egress_per_model`` (host 0's sent bytes from the kernel's counter,
+over the model's bytes), ``seconds_to_all`` (from publishing to the last worker's load),
+``seconds_one_link`` (one whole transfer over one shaped link, measured first in the
+same run, by one receiver alone), ``node_extra_mem_per_model`` (on the busiest
+receiving host: its shared-memory files plus every process's private memory growth
+during the version, over the model's bytes), ``link_utilization`` (the one-link
+transfer's rate over R) and ``cores_busy`` (this machine's busy fraction during the
+version: near 1.0 says the 2 cores, not the links, were the bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rlix_async.bench.hosts import Hosts, make_hosts, shape_link, tx_bytes
+from rlix_async.protocols.cache_ref import CacheRef
+
+MIB = 1 << 20
+PIPELINE = "bench"
+WAIT_S = 600.0  # any one wait of the benchmark
+
+
+def _wait_for(path: Path, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout:.0f} s")
+        time.sleep(0.005)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(msgspec.json.encode(data))
+    tmp.replace(path)
+
+
+# --- processes on the hosts ----------------------------------------------------------
+
+
+def owner(d: Path, keys: str, address: str, model_mb: int, bucket_mb: int, transport: str) -> None:
+    """Host 0: build each version when asked (``go-V``), publish its ref (``ref-V``)."""
+    import asyncio
+
+    from rlix_async.bench.weights import model_like
+    from rlix_async.security import ServerKeys
+    from rlix_async.weights.cache import WeightCache
+    from rlix_async.weights.tcp import WeightServer
+
+    tensors = model_like(model_mb * MIB)
+
+    async def serve() -> None:
+        cache = WeightCache(PIPELINE, "rank0", bucket_bytes=bucket_mb * MIB)
+        server_keys = ServerKeys.load(keys, f"driver-{PIPELINE}")
+        server = await WeightServer(cache, f"tcp://{address}:0", keys=server_keys).start()
+        cache.serve(server.endpoint, server_keys.public.decode(), transport=transport)
+        try:
+            version = 1
+            while not (d / "stop").exists():
+                if not (d / f"go-{version}").exists():
+                    await asyncio.sleep(0.005)
+                    continue
+                for t in tensors.values():
+                    t.fill_(float(version))
+                cache.build(version, tensors)
+                ref = cache.promote(version)
+                _write_json(d / f"ref-{version}.json", {"ref": ref, "published": time.time()})
+                version += 1
+        finally:
+            await server.close()
+            cache.close()
+
+    asyncio.run(serve())
+
+
+def worker(d: Path, keys: str, name: str, rank: int, tp: int, first: int, last: int) -> None:
+    """One tensor-parallel rank of a shard: load versions ``first..last`` as published."""
+    import torch
+
+    from rlix_async.bench.weights import PeakSampler
+    from rlix_async.security import ClientKeys
+    from rlix_async.weights.staging import fetch_version
+
+    client = ClientKeys.load(keys, "shard")
+    model: dict[str, torch.Tensor] = {}  # stands in for vLLM's model: this rank's slices
+
+    def load(named: Any) -> None:
+        for tensor_name, t in named:
+            part = t.narrow(0, rank * (t.shape[0] // tp), t.shape[0] // tp) if tp > 1 else t
+            if tensor_name not in model:
+                model[tensor_name] = torch.empty_like(part)
+            model[tensor_name].copy_(part)
+
+    layout = None
+    for version in range(first, last + 1):
+        _wait_for(d / f"ref-{version}.json")
+        published = msgspec.json.decode((d / f"ref-{version}.json").read_bytes())
+        ref = msgspec.convert(published["ref"], CacheRef)
+        t0 = time.time()
+        with PeakSampler() as mem:
+            fetched = fetch_version(ref, layout, load, keys=client)
+            if fetched.staged is not None:
+                load(fetched.staged)
+            staged_bytes, layout = fetched.staged_bytes, fetched.layout
+            del fetched  # the private copy, where there was one
+        _write_json(
+            d / f"done-{version}-{name}.json",
+            {
+                "seconds": time.time() - t0,
+                "done": time.time(),
+                "staged_bytes": staged_bytes,
+                "private_growth": mem.peak - mem.base,
+            },
+        )
+
+
+# --- the driver -------------------------------------------------------------------------
+
+
+def _cpu_times() -> tuple[int, int]:
+    with open("/proc/stat") as fh:
+        parts = [int(x) for x in fh.readline().split()[1:]]
+    idle = parts[3] + parts[4]
+    return sum(parts) - idle, sum(parts)
+
+
+def _anon(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as fh:
+                todo += [int(c) for c in fh.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
+
+
+def _shm_bytes(pid: int) -> int:
+    """Bytes in the shared-memory directory of ``pid``'s host (its mount namespace)."""
+    root = Path(f"/proc/{pid}/root/dev/shm")
+    try:
+        return sum(p.stat().st_blocks * 512 for p in root.iterdir() if p.is_file())
+    except (FileNotFoundError, PermissionError, ProcessLookupError):
+        return 0
+
+
+class HostMemory:
+    """Peak extra memory on one host while the block runs: its shared-memory files (a
+    node cache's slots, whole) plus every process's private memory growth over what it
+    held when the block began (the workers' own model tensors are not extra)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+
+    def _now(self) -> tuple[int, int]:
+        procs = [q for p in self.pids for q in _descendants(p)]
+        return _shm_bytes(self.pids[0]), sum(_anon(p) for p in procs)
+
+    def __enter__(self) -> HostMemory:
+        shm, self.base = self._now()
+        self.peak = shm
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            shm, anon = self._now()
+            self.peak = max(self.peak, shm + max(0, anon - self.base))
+            time.sleep(0.02)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_cluster_bench(
+    hosts_n: int,
+    shards_per_host: int,
+    tp: int,
+    link_mbit: int,
+    *,
+    model_mb: int = 256,
+    bucket_mb: int = 64,
+    transport: str = "sealed",
+    path: str = "node",
+    versions: int = 3,
+    work: Path | None = None,
+) -> dict[str, Any]:
+    """The figures of one configuration (see the module docstring)."""
+    from rlix_async.security import keygen
+
+    tmp = Path(tempfile.mkdtemp(prefix="rlix-bench-", dir=work))
+    d = tmp / "exchange"
+    d.mkdir()
+    keys = tmp / "keys"
+    keygen(keys, [f"driver-{PIPELINE}"], role="driver", pipelines=[PIPELINE])
+    keygen(keys, ["shard"], role="shard", pipelines=[PIPELINE])
+    py = [sys.executable, "-m", "rlix_async.bench.weights_cluster"]
+    logs = tmp / "logs"
+    logs.mkdir()
+    first_timed = 3  # version 1: the one-link probe; 2: warm-up (allocations, connections)
+    last = first_timed + versions - 1
+    with make_hosts(hosts_n + 1, tmp / "hosts") as hosts:
+        for h in hosts.hosts:
+            shape_link(h, link_mbit)
+        hosts.start(
+            hosts[0],
+            [*py, "owner", str(d), str(keys), hosts[0].address, str(model_mb), str(bucket_mb),
+             transport],
+            logs / "owner.log",
+        )  # fmt: skip
+        model_bytes = _model_bytes(model_mb)
+        # one whole transfer over one shaped link, one receiver alone (no node cache yet)
+        probe = hosts.start(
+            hosts[1], [*py, "worker", str(d), str(keys), "probe", "0", "1", "1", "1"],
+            logs / "probe.log",
+        )  # fmt: skip
+        (d / "go-1").touch()
+        _wait_for(d / "done-1-probe.json")
+        probe.wait(60)
+        one_link = msgspec.json.decode((d / "done-1-probe.json").read_bytes())["seconds"]
+        # Each host's processes start from one shell on it: a host's processes share its
+        # /dev/shm only when they share its mount namespace (each start makes a new one).
+        per_host: dict[int, list[int]] = {}
+        names = []
+        for i in range(1, hosts_n + 1):
+            commands = []
+            if path == "node":
+                receiver = [sys.executable, "-m", "rlix_async.cli", "node-cache"]
+                receiver += ["--pipeline", PIPELINE, "--keys", str(keys)]
+                commands.append((receiver, logs / f"node-cache-{i}.log"))
+            for s in range(shards_per_host):
+                for r in range(tp):
+                    name = f"h{i}s{s}r{r}"
+                    names.append(name)
+                    argv = [*py, "worker", str(d), str(keys), name, str(r), str(tp), "2", str(last)]
+                    commands.append((argv, logs / f"worker-{name}.log"))
+            script = " ".join(
+                f"{shlex.join(argv)} >{shlex.quote(str(log))} 2>&1 &" for argv, log in commands
+            )
+            shell = hosts.start(hosts[i], ["sh", "-c", script + " wait"], logs / f"host-{i}.log")
+            per_host[i] = [shell.pid]
+        if path == "node":
+            _wait_receivers(hosts, logs, hosts_n)
+        rows = []
+        for version in range(2, last + 1):
+            sent0 = tx_bytes(hosts[0])
+            busy0, total0 = _cpu_times()
+            memories = [HostMemory(per_host[i]) for i in range(1, hosts_n + 1)]
+            for m in memories:
+                m.__enter__()
+            try:
+                (d / f"go-{version}").touch()
+                for name in names:
+                    _wait_for(d / f"done-{version}-{name}.json")
+            finally:
+                for m in memories:
+                    m.__exit__()
+            busy1, total1 = _cpu_times()
+            published = msgspec.json.decode((d / f"ref-{version}.json").read_bytes())["published"]
+            done = [
+                msgspec.json.decode((d / f"done-{version}-{n}.json").read_bytes()) for n in names
+            ]
+            if version < first_timed:
+                continue
+            rows.append(
+                {
+                    "version": version,
+                    "owner_egress_per_model": (tx_bytes(hosts[0]) - sent0) / model_bytes,
+                    "seconds_to_all": max(x["done"] for x in done) - published,
+                    "node_extra_mem_per_model": max(m.peak for m in memories) / model_bytes,
+                    "worker_staged_bytes": max(x["staged_bytes"] for x in done),
+                    "cores_busy": (busy1 - busy0) / max(1, total1 - total0),
+                }
+            )
+        (d / "stop").touch()
+        hosts.stop()
+    result = {
+        "hosts": hosts_n,
+        "shards_per_host": shards_per_host,
+        "tp": tp,
+        "link_mbit": link_mbit,
+        "transport": transport,
+        "path": path,
+        "model_mb": round(model_bytes / MIB, 1),
+        "seconds_one_link": round(one_link, 3),
+        "link_utilization": round(model_bytes * 8 / one_link / (link_mbit * 1e6), 3),
+        "versions": rows,
+    }
+    for key in ("owner_egress_per_model", "seconds_to_all", "node_extra_mem_per_model",
+                "cores_busy"):  # fmt: skip
+        result[key] = round(statistics.median(r[key] for r in rows), 3)
+    result["seconds_to_all_over_one_link"] = round(result["seconds_to_all"] / one_link, 3)
+    _remove(tmp)
+    return result
+
+
+def _model_bytes(model_mb: int) -> int:
+    from rlix_async.bench.weights import model_like
+
+    return sum(t.numel() * t.element_size() for t in model_like(model_mb * MIB).values())
+
+
+def _wait_receivers(hosts: Hosts, logs: Path, n: int) -> None:
+    for i in range(1, n + 1):
+        log = logs / f"node-cache-{i}.log"
+        deadline = time.monotonic() + 60
+        while b"READY" not in (log.read_bytes() if log.exists() else b""):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the receiver on host {i} did not start: {log}")
+            time.sleep(0.05)
+
+
+def _remove(tmp: Path) -> None:
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="rlix_async.bench.weights_cluster")
+    sub = p.add_subparsers(dest="role", required=True)
+    o = sub.add_parser("owner")
+    for name in ("dir", "keys", "address"):
+        o.add_argument(name)
+    o.add_argument("model_mb", type=int)
+    o.add_argument("bucket_mb", type=int)
+    o.add_argument("transport")
+    w = sub.add_parser("worker")
+    for name in ("dir", "keys", "name"):
+        w.add_argument(name)
+    for name in ("rank", "tp", "first", "last"):
+        w.add_argument(name, type=int)
+    args = p.parse_args(argv)
+    if args.role == "owner":
+        owner(
+            Path(args.dir), args.keys, args.address, args.model_mb, args.bucket_mb, args.transport
+        )
+    else:
+        worker(Path(args.dir), args.keys, args.name, args.rank, args.tp, args.first, args.last)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main(sys.argv[1:])
+    print(json.dumps({"ok": True}))
