@@ -232,9 +232,28 @@ def run_cluster_bench(
     work: Path | None = None,
 ) -> dict[str, Any]:
     """The figures of one configuration (see the module docstring)."""
+    tmp = Path(tempfile.mkdtemp(prefix="rlix-bench-", dir=work))
+    try:
+        return _run(tmp, hosts_n, shards_per_host, tp, link_mbit, model_mb, bucket_mb,
+                    transport, path, versions)  # fmt: skip
+    finally:
+        _remove(tmp)
+
+
+def _run(
+    tmp: Path,
+    hosts_n: int,
+    shards_per_host: int,
+    tp: int,
+    link_mbit: int,
+    model_mb: int,
+    bucket_mb: int,
+    transport: str,
+    path: str,
+    versions: int,
+) -> dict[str, Any]:
     from rlix_async.security import keygen
 
-    tmp = Path(tempfile.mkdtemp(prefix="rlix-bench-", dir=work))
     d = tmp / "exchange"
     d.mkdir()
     keys = tmp / "keys"
@@ -336,7 +355,6 @@ def run_cluster_bench(
                 "cores_busy"):  # fmt: skip
         result[key] = round(statistics.median(r[key] for r in rows), 3)
     result["seconds_to_all_over_one_link"] = round(result["seconds_to_all"] / one_link, 3)
-    _remove(tmp)
     return result
 
 

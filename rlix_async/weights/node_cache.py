@@ -39,7 +39,7 @@ from rlix_async.protocol import ErrorCode, Message, RpcError
 from rlix_async.protocols.cache_ref import BadRef, CacheRef
 from rlix_async.protocols.sinks import SlotOverwritten, SyncError
 from rlix_async.security import ClientKeys, ipc_endpoint
-from rlix_async.transport import CallContext, RpcClient, RpcServer
+from rlix_async.transport import CallContext, RpcClient, RpcServer, TransportConfig
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.shm import SHM_DIR
 from rlix_async.weights.tcp import current_remote
@@ -50,6 +50,11 @@ PULL_ATTEMPTS = 5  # the owner moving on under a pull: follow it this many times
 # A worker's wait for its version: one whole transfer over a slow link (140 GB at
 # 1.2 GiB/s is ~110 s), with room for a pull already under way ahead of it.
 ENSURE_TIMEOUT_S = float(os.environ.get("RLIX_NODE_CACHE_TIMEOUT_S", "900"))
+# The workers' link to the receiver is local (ipc): a peer is only lost when its process
+# ends, which the socket itself reports. Heartbeats at the control plane's 1 s / 2.5 s
+# declared idle workers dead when a loaded host stalled their processes for two
+# seconds while versions streamed in (bench weights --hosts 3 on 2 cores).
+LINK = TransportConfig.with_heartbeat(5.0)
 
 
 def node_owner(owner: str) -> str:
@@ -168,7 +173,13 @@ class NodeCache:
             for _ in range(PULL_ATTEMPTS):
                 t0 = time.perf_counter()
                 try:
-                    await transport.pull(ref, cache.receive(), cache.layout)
+                    # On a thread with its own loop: receiving and copying into the slot
+                    # take whole seconds, and this loop must keep answering its workers
+                    # (their heartbeats) meanwhile. The lock keeps the cache to that
+                    # thread until the pull ends.
+                    await asyncio.to_thread(
+                        transport.pull_blocking, ref, cache.receive(), cache.layout
+                    )
                 except SlotOverwritten as exc:
                     log.warning("%s; pulling the owner's newer version", exc)
                     ref = await current_remote(ref, keys=transport.keys) or ref
@@ -238,7 +249,7 @@ async def ensure_on_node(
     identity = (
         f"{ref.pipeline}/weights/{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     )
-    client = RpcClient(endpoint, identity)
+    client = RpcClient(endpoint, identity, config=LINK)
     try:
         await client.connect(timeout=10.0)
         reply = await client.call(EnsureVersion(ref=ref, newest=newest), timeout=timeout)
