@@ -31,8 +31,12 @@ class EngineSection(Config, frozen=True, tag_field="kind"):
         doc(
             "How a shard sleeps on CUDA. 1: weights move to host memory (a wake copies "
             "them back, no resync if the version is current; costs the model's size in "
-            "host RAM per shard). 2: weights and KV cache are discarded (no host RAM; "
-            "every wake resyncs from the weight cache)."
+            "host RAM per shard). 2: weights and KV cache are discarded (no host RAM of "
+            "its own; every wake resyncs from the weight cache: on the trainer's node its "
+            "slots, elsewhere the node cache's, both read from local shared memory). Host "
+            "RAM per node and pipeline, by arithmetic (M: the model's bytes, S: its shards "
+            "there): level 2 costs the cache's two slots, 2M, whatever S; level 1 costs "
+            "2M + S x M."
         ),
     ] = 2
     load: Annotated[
