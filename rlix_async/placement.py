@@ -482,7 +482,14 @@ def node_share(plan: list[PlacedProcess], node: int, address: str) -> list[Place
             PlacedProcess(
                 role="node_cache",
                 name=f"node cache {pid}",
-                argv=cli_argv("node-cache", "--pipeline", pid, *(["--keys", keys] if keys else [])),
+                argv=cli_argv(
+                    "node-cache",
+                    "--pipeline",
+                    pid,
+                    *(["--keys", keys] if keys else []),
+                    "--address",  # it relays each version on to the nodes behind it
+                    address,
+                ),
                 node=node,
                 pipeline=pid,
                 env={"CUDA_VISIBLE_DEVICES": ""},  # host memory only; workers pin their own

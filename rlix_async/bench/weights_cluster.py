@@ -229,13 +229,14 @@ def run_cluster_bench(
     transport: str = "sealed",
     path: str = "node",
     versions: int = 3,
+    relay: bool = True,
     work: Path | None = None,
 ) -> dict[str, Any]:
     """The figures of one configuration (see the module docstring)."""
     tmp = Path(tempfile.mkdtemp(prefix="rlix-bench-", dir=work))
     try:
         return _run(tmp, hosts_n, shards_per_host, tp, link_mbit, model_mb, bucket_mb,
-                    transport, path, versions)  # fmt: skip
+                    transport, path, versions, relay)  # fmt: skip
     finally:
         _remove(tmp)
 
@@ -251,6 +252,7 @@ def _run(
     transport: str,
     path: str,
     versions: int,
+    relay: bool,
 ) -> dict[str, Any]:
     from rlix_async.security import keygen
 
@@ -292,6 +294,7 @@ def _run(
             if path == "node":
                 receiver = [sys.executable, "-m", "rlix_async.cli", "node-cache"]
                 receiver += ["--pipeline", PIPELINE, "--keys", str(keys)]
+                receiver += ["--address", hosts[i].address] if relay else []
                 commands.append((receiver, logs / f"node-cache-{i}.log"))
             for s in range(shards_per_host):
                 for r in range(tp):
@@ -346,6 +349,7 @@ def _run(
         "link_mbit": link_mbit,
         "transport": transport,
         "path": path,
+        "relay": relay and path == "node",
         "model_mb": round(model_bytes / MIB, 1),
         "seconds_one_link": round(one_link, 3),
         "link_utilization": round(model_bytes * 8 / one_link / (link_mbit * 1e6), 3),

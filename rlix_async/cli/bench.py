@@ -84,6 +84,8 @@ def _weights(args: argparse.Namespace) -> int:
         if getattr(args, option) is not None and args.receiver != receiver:
             raise UsageError(f"--{option} applies to --receiver {receiver} only")
     cluster = ("shards_per_host", "tp", "link_mbit", "path", "transport", "versions")
+    if args.no_relay and args.hosts is None:
+        raise UsageError("--no-relay: only with --hosts N")
     if args.hosts is not None:
         return _weights_cluster(args)
     given = [f"--{o.replace('_', '-')}" for o in cluster if getattr(args, o) is not None]
@@ -145,6 +147,7 @@ def _weights_cluster(args: argparse.Namespace) -> int:
             transport=args.transport or "sealed",
             path=args.path or "node",
             versions=args.versions or 3,
+            relay=not args.no_relay,
         )
     except HostsError as exc:
         raise UsageError(str(exc)) from None
@@ -154,6 +157,7 @@ def _weights_cluster(args: argparse.Namespace) -> int:
     print(
         f"{r['hosts']} hosts x {r['shards_per_host']} shards x tp {r['tp']}, links "
         f"{r['link_mbit']} Mbit/s, {r['model_mb']} MiB, {r['transport']}, path {r['path']}"
+        + (", relayed" if r["relay"] else "")
     )
     for key in (
         "owner_egress_per_model",
@@ -464,6 +468,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--transport", choices=["sealed", "zmq"], help="--hosts: (sealed)")
     p.add_argument("--versions", type=positive_int, help="--hosts: timed versions (3)")
+    p.add_argument(
+        "--no-relay",
+        action="store_true",
+        help="--hosts: each node cache pulls from the owner (no relay chain)",
+    )
     _json_flag(p)
     p.set_defaults(func=_weights)
     p = bsub.add_parser(

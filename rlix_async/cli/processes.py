@@ -63,7 +63,7 @@ def _node_cache(args: argparse.Namespace) -> int:
     from rlix_async.aio import run
     from rlix_async.weights.node_main import serve
 
-    run(serve(args.pipeline, args.keys))
+    run(serve(args.pipeline, args.keys, args.address or ""))
     return 0
 
 
@@ -214,6 +214,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--pipeline", required=True, help="the pipeline whose weights to receive")
     p.add_argument("--keys", help="the node's key directory (its shard key pulls the weights)")
+    p.add_argument(
+        "--address", help="this node's address: relay each version to the nodes behind it"
+    )
     p.set_defaults(func=_node_cache)
 
     p = sub.add_parser("launch", help="coordinator, shards and torchrun pipelines from a YAML")

@@ -48,6 +48,10 @@ class CacheRef(msgspec.Struct, frozen=True):
     # (a node cache holding the old incarnation's version 6 must not serve it for the
     # new one's). Empty from an owner older than this field.
     incarnation: str = ""
+    # The owner's Ed25519 public key (hex) for this incarnation: it signs each version's
+    # manifest of bucket digests (weights/manifest.py), which a node checks what another
+    # node relays against. Empty from an owner older than this field.
+    manifest_key: str = ""
 
     def check_names(self) -> None:
         """Refuse (:class:`BadRef`, one line) a reference whose names could reach outside

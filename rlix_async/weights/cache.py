@@ -25,7 +25,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -33,6 +33,7 @@ import torch
 
 from rlix_async.protocols.cache_ref import CacheRef, Layout
 from rlix_async.protocols.sinks import SyncError
+from rlix_async.weights.manifest import Manifest, ManifestSigner, bucket_digest
 from rlix_async.weights.packing import layout_of, pack_into
 from rlix_async.weights.seqlock import HEADER, write_header
 from rlix_async.weights.shm import (
@@ -84,6 +85,8 @@ class WeightCache:
         self.server_key = ""
         self.transport = "sealed"  # how the server sends a version (weights/transports/)
         self.incarnation = uuid.uuid4().hex[:12]  # this start's (CacheRef.incarnation)
+        self.signer: ManifestSigner | None = None  # made at the first manifest asked for
+        self._manifests: dict[int, tuple[int, Manifest]] = {}  # slot -> (generation, it)
         cleanup_stale(pipeline, owner, shm_dir)
 
     @property
@@ -109,10 +112,18 @@ class WeightCache:
         self._close_slot(slot, version)
         return self.ref(version)
 
-    def receive(self) -> SlotWriter:
+    def receive(
+        self,
+        digests: list[bytes] | None = None,
+        on_open: Callable[[int, int], None] | None = None,
+        on_landed: Callable[[int], None] | None = None,
+    ) -> SlotWriter:
         """A sink that fills the spare slot with a version as a transport delivers it
-        (a node cache's receiver): offered, and promoted, only once it is whole."""
-        return SlotWriter(self)
+        (a node cache's receiver): offered, and promoted, only once it is whole. With
+        ``digests`` (the owner's signed manifest) each bucket is checked as it lands;
+        ``on_open(slot, generation)`` and ``on_landed(bucket)`` let a relay forward
+        each bucket as soon as it is here and checked (called on the writer's thread)."""
+        return SlotWriter(self, digests, on_open, on_landed)
 
     def _open_slot(self, version: int, layout: Layout) -> int:
         """Take the slot that does not hold the promoted version for ``version``: no
@@ -179,7 +190,33 @@ class WeightCache:
             self.server_key,
             self.transport,
             self.incarnation,
+            self.manifest_key,
         )
+
+    @property
+    def manifest_key(self) -> str:
+        """The public key this cache's manifests are signed with."""
+        return self._signer().public_hex
+
+    def _signer(self) -> ManifestSigner:
+        if self.signer is None:  # made on first use: a cache nobody relays never signs
+            self.signer = ManifestSigner()
+        return self.signer
+
+    def manifest(self, version: int) -> Manifest:
+        """The signed manifest of ``version`` (its buckets' digests), computed once per
+        write of its slot. KeyError if the version left the cache meanwhile."""
+        slot = self._slot_of(version)
+        gen = self.generation[slot]
+        cached = self._manifests.get(slot)
+        if cached is not None and cached[0] == gen:
+            return cached[1]
+        assert self.layout is not None
+        signed = self._signer().sign(self.ref(version), self.layout, self.buffer(version))
+        if self.generation[slot] != gen or self.slot_version[slot] != version:
+            raise KeyError(f"version {version} was rewritten while its manifest was made")
+        self._manifests[slot] = (gen, signed)
+        return signed
 
     def buffer(self, version: int) -> memoryview:
         """The packed bytes of ``version`` (all buckets back to back)."""
@@ -265,39 +302,70 @@ def _layout_changed(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> bool
 class SlotWriter:
     """Fills a cache's spare slot from a transport (a
     :class:`~rlix_async.protocols.sinks.WeightSink`): each bucket's tensors are copied
-    to their places as they arrive, and the version is offered and promoted only at
-    ``finish``, once every tensor of the layout arrived. A stream that breaks halfway
-    (``abort``) leaves that slot empty and the promoted version where it was, so
-    readers of the cache never see part of a version."""
+    to their places as they arrive (and, given the owner's digests, the bucket checked
+    against its digest), and the version is offered and promoted only at ``finish``,
+    once every bucket of the layout arrived. A stream that breaks halfway (``abort``)
+    leaves that slot empty and the promoted version where it was, so readers of the
+    cache never see part of a version."""
 
-    def __init__(self, cache: WeightCache) -> None:
+    def __init__(
+        self,
+        cache: WeightCache,
+        digests: list[bytes] | None = None,
+        on_open: Callable[[int, int], None] | None = None,
+        on_landed: Callable[[int], None] | None = None,
+    ) -> None:
         self.cache = cache
+        self.digests = digests
+        self.on_open = on_open
+        self.on_landed = on_landed
         self._slot: int | None = None
         self._raw: torch.Tensor | None = None
-        self._places: dict[str, tuple[int, int]] = {}
-        self._seen: set[str] = set()
+        self._layout: Layout | None = None
+        self._places: dict[str, tuple[int, int, int]] = {}  # name -> bucket, start, nbytes
+        self._landed: set[int] = set()
 
     def start(self, version: int, layout: Layout) -> None:
+        if self.digests is not None and len(self.digests) != len(layout.bucket_sizes):
+            raise SyncError(f"version {version}: the manifest does not fit the layout")
         slot = self.cache._open_slot(version, layout)
-        self._slot = slot
+        self._slot, self._layout = slot, layout
         self._raw = torch.frombuffer(self.cache.slots[slot].buf[HEADER:], dtype=torch.uint8)
         starts = layout.bucket_offsets
-        self._places = {e.name: (starts[e.bucket] + e.offset, e.nbytes) for e in layout.entries}
-        self._seen = set()
+        self._places = {
+            e.name: (e.bucket, starts[e.bucket] + e.offset, e.nbytes) for e in layout.entries
+        }
+        self._landed = set()
+        if self.on_open is not None:
+            # the generation the slot will hold once whole (what a relay's readers check)
+            self.on_open(slot, self.cache.generation[slot] + 1)
 
     def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        assert self._raw is not None, "load before start"
+        assert self._raw is not None and self._layout is not None, "load before start"
+        buckets = set()
         for name, tensor in named:
-            start, nbytes = self._places[name]
+            bucket, start, nbytes = self._places[name]
             if nbytes:
                 self._raw[start : start + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
-            self._seen.add(name)
+            buckets.add(bucket)
+        for bucket in buckets:  # a transport hands over one whole bucket per call
+            start = self._layout.bucket_offsets[bucket]
+            data = self.cache.slots[self._slot or 0].buf[
+                HEADER + start : HEADER + start + self._layout.bucket_sizes[bucket]
+            ]
+            if self.digests is not None and bucket_digest(data) != self.digests[bucket]:
+                raise SyncError(
+                    f"bucket {bucket} does not match the owner's manifest (altered on its way)"
+                )
+            self._landed.add(bucket)
+            if self.on_landed is not None:
+                self.on_landed(bucket)
 
     def finish(self, version: int) -> None:
-        assert self._slot is not None, "finish before start"
-        if len(self._seen) != len(self._places):
-            missing = len(self._places) - len(self._seen)
-            raise SyncError(f"version {version}: {missing} tensors never arrived")
+        assert self._slot is not None and self._layout is not None, "finish before start"
+        missing = len(self._layout.bucket_sizes) - len(self._landed)
+        if missing:
+            raise SyncError(f"version {version}: {missing} buckets never arrived")
         slot, self._slot, self._raw = self._slot, None, None
         self.cache._close_slot(slot, version)
         self.cache.promote(version)

@@ -33,16 +33,30 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlix_async.protocol import ErrorCode, Message, RpcError
 from rlix_async.protocols.cache_ref import BadRef, CacheRef
 from rlix_async.protocols.sinks import SlotOverwritten, SyncError
-from rlix_async.security import ClientKeys, ipc_endpoint
+from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
 from rlix_async.transport import CallContext, RpcClient, RpcServer, TransportConfig
 from rlix_async.weights.cache import WeightCache
+from rlix_async.weights.manifest import Manifest, verify
+from rlix_async.weights.relay import GetRelayed, Relayed, RelayServer
 from rlix_async.weights.shm import SHM_DIR
-from rlix_async.weights.tcp import current_remote
+from rlix_async.weights.tcp import (
+    GetManifest,
+    ManifestReply,
+    PlanSource,
+    Source,
+    current_remote,
+    receiver_identity,
+)
+
+if TYPE_CHECKING:  # (the transports package asks this module whether a receiver runs)
+    from rlix_async.weights.transports.tcp import Remote
 
 log = logging.getLogger(__name__)
 NODE_OWNER_SUFFIX = ".node"
@@ -80,6 +94,14 @@ def receiver_running(pipeline: str) -> bool:
     return os.path.exists(node_cache_endpoint(pipeline).removeprefix("ipc://"))
 
 
+class RelayFailed(SyncError):
+    """The relay a pull came from failed it (the node then asks the owner)."""
+
+    def __init__(self, endpoint: str, why: str) -> None:
+        super().__init__(f"the relay at {endpoint} failed: {why}")
+        self.endpoint = endpoint
+
+
 class EnsureVersion(Message):
     """From a worker: have the owner's version ``ref`` names (or a newer one) in this
     node's cache. ``newest``: rather the version the owner publishes now, if newer."""
@@ -105,9 +127,17 @@ class NodeCache:
         shm_dir: Path = SHM_DIR,
         send_wait_s: float = 120.0,
         report: Callable[[dict[str, object]], None] | None = None,
+        relay_address: str = "",
+        server_keys: ServerKeys | None = None,
     ) -> None:
-        """``report``: called with each transfer's record (version, bytes, seconds)."""
+        """``report``: called with each transfer's record (version, bytes, seconds,
+        source). ``relay_address``: where this node relays what it receives to the
+        nodes behind it (its address as they reach it; "": it does not relay), with
+        ``server_keys`` (the node's own pair)."""
         self.report = report
+        self.relay_address = relay_address
+        self.server_keys = server_keys
+        self.relays: dict[str, RelayServer] = {}  # per owner
         self.pipeline = pipeline
         self.keys = keys
         self.shm_dir = shm_dir
@@ -170,26 +200,27 @@ class NodeCache:
             held = max(cache.versions, default=None)
             if held is not None and held >= ref.version:
                 return cache.ref(ref.version if ref.version in cache.versions else held)
-            for _ in range(PULL_ATTEMPTS):
+            relay = await self._relay_for(ref.owner, cache)
+            failed_relays: list[str] = []
+            for _ in range(PULL_ATTEMPTS + 2):
                 t0 = time.perf_counter()
                 try:
-                    # On a thread with its own loop: receiving and copying into the slot
-                    # take whole seconds, and this loop must keep answering its workers
-                    # (their heartbeats) meanwhile. The lock keeps the cache to that
-                    # thread until the pull ends.
-                    await asyncio.to_thread(
-                        transport.pull_blocking, ref, cache.receive(), cache.layout
-                    )
+                    source = await self._pull(ref, cache, transport, relay, failed_relays)
                 except SlotOverwritten as exc:
                     log.warning("%s; pulling the owner's newer version", exc)
                     ref = await current_remote(ref, keys=transport.keys) or ref
                     await asyncio.sleep(0.05)
+                    continue
+                except RelayFailed as exc:
+                    log.warning("%s; taking the version from the owner", exc)
+                    failed_relays.append(exc.endpoint)
                     continue
                 assert cache.layout is not None
                 pulled: dict[str, object] = {
                     "version": ref.version,
                     "bytes": cache.layout.total_bytes,
                     "seconds": round(time.perf_counter() - t0, 4),
+                    "source": source or "owner",
                 }
                 self.pulls.append(pulled)
                 if self.report is not None:
@@ -199,6 +230,129 @@ class NodeCache:
                 f"no consistent version of {self.pipeline} from {ref.server} "
                 f"after {PULL_ATTEMPTS} tries (the owner keeps moving on)"
             )
+
+    async def _relay_for(self, owner: str, cache: WeightCache) -> RelayServer | None:
+        """This node's relay of ``cache`` (None: no address to serve on)."""
+        if not self.relay_address:
+            return None
+        relay = self.relays.get(owner)
+        if relay is not None and relay.cache is cache:
+            return relay
+        if relay is not None:  # the owner started again: a new cache, a new relay
+            await relay.close()
+        relay = await RelayServer(cache, f"tcp://{self.relay_address}:0", self.server_keys).start()
+        self.relays[owner] = relay
+        return relay
+
+    async def _ask(
+        self, ref: CacheRef, endpoint: str, keys: ClientKeys | None, msg: Message
+    ) -> Message:
+        client = RpcClient(endpoint, receiver_identity(ref), keys=keys)
+        try:
+            await client.connect(timeout=10.0)
+            return await client.call(msg, timeout=60.0)
+        finally:
+            await client.close()
+
+    async def _pull(
+        self,
+        ref: CacheRef,
+        cache: WeightCache,
+        owner: Remote,
+        relay: RelayServer | None,
+        failed_relays: list[str],
+    ) -> str:
+        """One pull of ``ref``'s version into ``cache``: from the node the owner names
+        (the relay chain) or from the owner, checked against the owner's signed
+        manifest where the owner signs, and relayed on as it lands. Returns the relay
+        it came from ("" for the owner). RelayFailed: that relay failed us."""
+        # From the moment it asks the owner, the owner may name this node as the source
+        # of the nodes asking after it: they wait here until the version starts landing.
+        inflight = relay.expect(ref.version) if relay is not None and ref.manifest_key else None
+        whole = False
+        try:
+            source, transport, pull_ref, manifest = await self._source(
+                ref, owner, relay, failed_relays
+            )
+            if relay is not None and inflight is not None and manifest is not None:
+                relay.begin(inflight, manifest)
+            writer = cache.receive(
+                manifest.digests if manifest is not None else None,
+                on_open=partial(relay.opened, inflight) if relay and inflight else None,
+                on_landed=partial(relay.landed, inflight) if relay and inflight else None,
+            )
+            try:
+                # On a thread with its own loop: receiving and copying into the slot take
+                # whole seconds, and this loop must keep answering its workers (their
+                # heartbeats) and the nodes behind it meanwhile. The lock keeps the cache
+                # to that thread until the pull ends.
+                await asyncio.to_thread(transport.pull_blocking, pull_ref, writer, cache.layout)
+            except SyncError as exc:
+                if source and not isinstance(exc, SlotOverwritten):
+                    raise RelayFailed(source, str(exc)) from None
+                raise
+            whole = True
+            return source
+        finally:
+            if relay is not None and inflight is not None:
+                relay.end(inflight, whole)
+
+    async def _source(
+        self, ref: CacheRef, owner: Remote, relay: RelayServer | None, failed_relays: list[str]
+    ) -> tuple[str, Remote, CacheRef, Manifest | None]:
+        """Where to pull ``ref``'s version from (the relay the owner names, "" for the
+        owner), the transport and ref to pull with, and the owner's checked manifest
+        (None from an owner that signs none)."""
+        source = Source(endpoint="")
+        if ref.manifest_key:
+            plan = PlanSource(
+                version=ref.version,
+                relay=relay.endpoint if relay is not None else "",
+                relay_key=relay.public_key if relay is not None else "",
+                exclude=failed_relays,
+            )
+            try:
+                answer = await self._ask(ref, ref.server, owner.keys, plan)
+            except RpcError as exc:
+                if exc.code == "unknown_version":
+                    raise SlotOverwritten(f"version {ref.version} left the owner") from None
+                raise SyncError(f"asking {ref.server} where to pull from: {exc.detail}") from None
+            except Exception as exc:
+                raise SyncError(f"asking {ref.server} where to pull from: {exc}") from None
+            if isinstance(answer, Source):
+                source = answer
+        reply: Message | None = None
+        transport, pull_ref = owner, ref
+        try:
+            if source.endpoint:
+                from rlix_async.weights.transports.tcp import Remote
+
+                keys = self.keys.for_server(source.key.encode()) if self.keys else None
+                relayed = await self._ask(
+                    ref, source.endpoint, keys, GetRelayed(version=ref.version)
+                )
+                if not isinstance(relayed, Relayed):
+                    raise SyncError(f"{source.endpoint} answered {type(relayed).__name__}")
+                transport, pull_ref = Remote("zmq", keys), relayed.ref
+                reply = await self._ask(
+                    ref, source.endpoint, keys, GetManifest(version=ref.version)
+                )
+            elif ref.manifest_key:
+                reply = await self._ask(
+                    ref, ref.server, owner.keys, GetManifest(version=ref.version)
+                )
+            if not ref.manifest_key:
+                return "", transport, pull_ref, None
+            if not isinstance(reply, ManifestReply):
+                raise SyncError(f"a manifest request was answered {type(reply).__name__}")
+            verify(reply.manifest, ref)
+            return source.endpoint, transport, pull_ref, reply.manifest
+        except (RpcError, SyncError, OSError, TimeoutError) as exc:
+            if source.endpoint:
+                raise RelayFailed(source.endpoint, str(exc)) from None
+            if isinstance(exc, RpcError) and exc.code == "unknown_version":
+                raise SlotOverwritten(f"version {ref.version} left the owner") from None
+            raise SyncError(f"the manifest of version {ref.version}: {exc}") from None
 
     def close(self) -> None:
         """Remove the node's segments (the pipeline ended, or the receiver stops)."""
@@ -226,6 +380,8 @@ class NodeCacheServer:
 
     async def close(self) -> None:
         await self.server.close()
+        for relay in self.cache.relays.values():
+            await relay.close()
 
     def _admit(self, identity: str, info: dict[str, object]) -> None:
         if identity.split("/")[:2] != [self.cache.pipeline, "weights"]:

@@ -9,18 +9,20 @@ import logging
 import socket
 
 from rlix_async.aio import stop_signals
-from rlix_async.security import ClientKeys
+from rlix_async.security import ClientKeys, ServerKeys
 from rlix_async.weights.node_cache import NodeCache, NodeCacheServer
 
 log = logging.getLogger(__name__)
 
 
-async def serve(pipeline: str, keys_dir: str | None) -> None:
-    # the node's shard key, as the shards on this node pull with (P/weights/* identities)
-    keys = (
-        ClientKeys.load_first(keys_dir, f"shard-{socket.gethostname()}", "shard", "client")[1]
+async def serve(pipeline: str, keys_dir: str | None, address: str = "") -> None:
+    """``address``: this node's, where it relays versions to the nodes behind it."""
+    # the node's shard key, as the shards on this node pull with (P/weights/* identities);
+    # its relay serves with the same pair (the owner checks it is the one it connected with)
+    name, keys = (
+        ClientKeys.load_first(keys_dir, f"shard-{socket.gethostname()}", "shard", "client")
         if keys_dir
-        else None
+        else ("", None)
     )
 
     def report(pulled: dict[str, object]) -> None:
@@ -28,11 +30,17 @@ async def serve(pipeline: str, keys_dir: str | None) -> None:
         mib = int(pulled["bytes"]) / (1 << 20)  # type: ignore[call-overload]
         print(
             f"received version {pulled['version']} of {pipeline}: {mib:.1f} MiB "
-            f"in {pulled['seconds']} s",
+            f"in {pulled['seconds']} s from {pulled['source']}",
             flush=True,
         )
 
-    cache = NodeCache(pipeline, keys=keys, report=report)
+    cache = NodeCache(
+        pipeline,
+        keys=keys,
+        report=report,
+        relay_address=address,
+        server_keys=ServerKeys.load(keys_dir, name) if keys_dir and address else None,
+    )
     server = await NodeCacheServer(cache).start()
     try:
         stop = stop_signals()

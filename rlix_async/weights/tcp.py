@@ -35,6 +35,7 @@ from rlix_async.protocols.sinks import SlotOverwritten, SyncError, WeightSink
 from rlix_async.security import ClientKeys, ServerKeys
 from rlix_async.transport import CallContext, Reply, RpcClient, RpcServer, TransportConfig
 from rlix_async.weights.cache import WeightCache
+from rlix_async.weights.manifest import Manifest
 from rlix_async.weights.packing import BucketView
 from rlix_async.weights.stream import (
     OpenStream,
@@ -112,6 +113,29 @@ class CurrentVersion(Message):
     ref: CacheRef | None  # None: nothing promoted (the owner restarted, or is closing)
 
 
+class GetManifest(Message):
+    version: int
+
+
+class ManifestReply(Message):
+    manifest: Manifest
+
+
+class PlanSource(Message):
+    """From a node's cache: where should it take ``version`` from? ``relay``/``relay_key``:
+    where it serves what it receives to the nodes behind it (its own key: checked)."""
+
+    version: int
+    relay: str
+    relay_key: str
+    exclude: list[str] = []  # relays that failed this node: never offered again to it
+
+
+class Source(Message):
+    endpoint: str  # "": the owner itself
+    key: str = ""  # the relay's public key (z85)
+
+
 class WeightServer:
     """Serves one cache's buckets to shards on other nodes (data plane, not the coordinator)."""
 
@@ -132,7 +156,12 @@ class WeightServer:
         self.server.on(GetGeneration, self._generation)
         self.server.on(OpenStream, self._open_stream)
         self.server.on(GetCurrent, self._current)
+        self.server.on(GetManifest, self._manifest)
+        self.server.on(PlanSource, self._plan_source)
         self.server.admit_peer = self._admit
+        # per version, the nodes' relays in the order they asked for it (a chain: each
+        # node takes the version from the one that asked before it, the first from us)
+        self._chains: dict[int, list[tuple[str, str]]] = {}
         self.streamer: SealedStreamer | None = None
 
     async def start(self) -> WeightServer:
@@ -200,6 +229,34 @@ class WeightServer:
         if cache.current is None or cache.layout is None:
             return CurrentVersion(ref=None)
         return CurrentVersion(ref=cache.ref(cache.current))
+
+    async def _manifest(self, msg: GetManifest, ctx: CallContext) -> ManifestReply:
+        try:  # digests of the whole version: seconds for a large model, off the loop
+            return ManifestReply(manifest=await asyncio.to_thread(self.cache.manifest, msg.version))
+        except KeyError:
+            raise RpcError("unknown_version", f"version {msg.version} is not cached") from None
+
+    def _plan_source(self, msg: PlanSource, ctx: CallContext) -> Source:
+        """The relay chain's one rule, kept here by the owner: a node takes a version from
+        the node that asked for it last (pipelined: a relay forwards each bucket as it
+        lands), the first node from the owner; a node that lost its relay, from the
+        owner. A relay must serve with the key it connected with."""
+        peer = self.server.peers.get(ctx.peer)
+        if peer is not None and peer.key is not None and peer.key != msg.relay_key.encode():
+            raise RpcError(ErrorCode.FORBIDDEN, f"{ctx.peer}: a relay key other than its own")
+        if msg.version not in self.cache.versions:
+            raise RpcError("unknown_version", f"version {msg.version} is not cached")
+        for old in [v for v in self._chains if v not in self.cache.versions]:
+            del self._chains[old]
+        chain = self._chains.setdefault(msg.version, [])
+        if msg.exclude or any(relay == msg.relay for relay, _ in chain):
+            # its relay failed it, or it asks again: straight from us (a node that asks
+            # again never takes it from one behind it: no cycle)
+            return Source(endpoint="")
+        source = Source(endpoint=chain[-1][0], key=chain[-1][1]) if chain else Source("")
+        if msg.relay:
+            chain.append((msg.relay, msg.relay_key))
+        return source
 
     def _generation(self, msg: GetGeneration, ctx: CallContext) -> Generation:
         if msg.version not in self.cache.versions:

@@ -38,7 +38,6 @@ from rlix_async.weights.transports import transport_for
 from rlix_async.weights.transports.node import NodeCached
 
 
-
 class CountingServer(WeightServer):
     """Counts what leaves the owner: sealed streams granted, buckets sent as frames;
     ``lose_bucket``: the next frame reply of that bucket is an error instead (a

@@ -477,7 +477,7 @@ def test_each_node_runs_its_share_wired_across_nodes(tmp_path: Path) -> None:
     assert {c.keys for c in configs} == {"/k"}  # type: ignore[attr-defined]
     plan = place_processes(cfg, tmp_path / "out", "tcp://10.0.0.1:7600", keys="/k")
     receiver = next(p for p in node_share(plan, 1, "10.0.0.2") if p.role == "node_cache")
-    assert receiver.argv[-4:] == ["--pipeline", "far", "--keys", "/k"]
+    assert receiver.argv[-6:] == ["--pipeline", "far", "--keys", "/k", "--address", "10.0.0.2"]
 
 
 def test_the_launchs_heartbeat_period_reaches_the_coordinator(tmp_path: Path) -> None:

@@ -1,0 +1,213 @@
+"""A node cache's relay: it serves the version it is receiving to the next node of the
+chain (``WeightServer._plan_source``, the owner's rule) bucket by bucket, each as soon
+as it landed and matched the owner's manifest, so a version reaches N nodes in about
+one transfer plus a bucket per hop while the owner sends it about once.
+
+It serves bucket frames on its CURVE socket (``zmq``: no sealed stream port), with the
+node's own key pair, and the owner's signed manifest as it received it: the nodes
+behind it check every bucket against that manifest (``weights/manifest.py``), so a relay
+cannot alter what it forwards. A relay that fails a node (its pull broke, it died) makes
+that node ask the owner again, which then sends it the version itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from dataclasses import dataclass, field
+
+from rlix_async.protocol import Message, RpcError
+from rlix_async.protocols.cache_ref import CacheRef
+from rlix_async.security import ServerKeys
+from rlix_async.transport import CallContext, Reply
+from rlix_async.weights.cache import WeightCache
+from rlix_async.weights.manifest import Manifest
+from rlix_async.weights.seqlock import HEADER
+from rlix_async.weights.stream import OpenStream, StreamGrant
+from rlix_async.weights.tcp import (
+    BucketMeta,
+    FetchBucket,
+    Generation,
+    GetGeneration,
+    GetManifest,
+    ManifestReply,
+    PlanSource,
+    Source,
+    WeightServer,
+)
+
+BUCKET_WAIT_S = 300.0  # a bucket not landed by then: the relay's upstream is stuck
+
+
+class GetRelayed(Message):
+    version: int
+
+
+class Relayed(Message):
+    ref: CacheRef  # the relay's own ref of the version: its generation once whole
+
+
+@dataclass
+class InFlight:
+    """A version the relay is receiving: where, and which buckets are here. Registered
+    before the node asks the owner for its source (from then on the owner may name this
+    node to others), ready once the owner's manifest is here and the slot is open."""
+
+    version: int
+    manifest: Manifest | None = None
+    landed: list[asyncio.Event] = field(default_factory=list)
+    slot: int = -1
+    generation: int = -1  # the slot's once the version is whole
+    failed: bool = False
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class RelayServer(WeightServer):
+    """Serves one node cache (``cache``) to the nodes behind it."""
+
+    def __init__(self, cache: WeightCache, endpoint: str, keys: ServerKeys | None) -> None:
+        super().__init__(cache, endpoint, keys=keys)
+        self.server.on(GetRelayed, self._relayed)
+        self.inflight: dict[int, InFlight] = {}
+        self.manifests: dict[int, Manifest] = {}  # the owner's, per version held whole
+        self.public_key = keys.public.decode() if keys is not None else ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> RelayServer:
+        self._loop = asyncio.get_running_loop()
+        await self.server.start()  # frames only: no sealed stream port
+        return self
+
+    # --- the receiving side (NodeCache) --------------------------------------------
+
+    def expect(self, version: int) -> InFlight:
+        fl = InFlight(version)
+        self.inflight[version] = fl
+        return fl
+
+    def begin(self, fl: InFlight, manifest: Manifest) -> None:
+        """The owner's manifest is here: the version's buckets can be waited for."""
+        fl.manifest = manifest
+        fl.landed = [asyncio.Event() for _ in manifest.digests]
+
+    def opened(self, fl: InFlight, slot: int, generation: int) -> None:
+        """(The writer's thread.) The slot the version is written into."""
+        assert self._loop is not None
+        fl.slot, fl.generation = slot, generation
+        self._loop.call_soon_threadsafe(fl.ready.set)
+
+    def landed(self, fl: InFlight, bucket: int) -> None:
+        """(The writer's thread.) A bucket is here and matched the manifest."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(fl.landed[bucket].set)
+
+    def end(self, fl: InFlight, whole: bool) -> None:
+        """The pull ended: the version is whole in the cache, or it failed (the nodes
+        waiting on its buckets are told, and go to the owner)."""
+        if whole and fl.manifest is not None:
+            self.manifests[fl.version] = fl.manifest
+            for old in [v for v in self.manifests if v not in self.cache.versions]:
+                del self.manifests[old]
+        fl.failed = not whole
+        for event in (fl.ready, *fl.landed):
+            event.set()
+        if self.inflight.get(fl.version) is fl:
+            del self.inflight[fl.version]
+
+    # --- what the nodes behind it ask ----------------------------------------------
+
+    async def _ready(self, version: int) -> InFlight | None:
+        """The version's in-flight record once ready (None: not in flight here)."""
+        fl = self.inflight.get(version)
+        if fl is None:
+            return None
+        try:
+            await asyncio.wait_for(fl.ready.wait(), BUCKET_WAIT_S)
+        except TimeoutError:
+            raise RpcError("stuck", f"version {version} did not start here") from None
+        if fl.failed:
+            raise RpcError("unknown_version", f"version {version}: its pull failed")
+        return fl
+
+    async def _relayed(self, msg: GetRelayed, ctx: CallContext) -> Relayed:
+        fl = await self._ready(msg.version)
+        if fl is not None:
+            if fl.failed:
+                raise RpcError("unknown_version", f"version {msg.version}: its pull failed")
+            return Relayed(ref=self._ref(msg.version, fl.slot, fl.generation))
+        if msg.version not in self.cache.versions:
+            raise RpcError("unknown_version", f"version {msg.version} is not here")
+        return Relayed(
+            ref=self._ref(
+                msg.version,
+                self.cache._slot_of(msg.version),
+                self.cache.ref(msg.version).generation,
+            )
+        )
+
+    def _ref(self, version: int, slot: int, generation: int) -> CacheRef:
+        c = self.cache
+        assert c.layout is not None
+        return CacheRef(
+            c.pipeline,
+            c.owner,
+            version,
+            c.slots[slot].name,
+            generation,
+            c.layout.fingerprint(),
+            c.layout.total_bytes,
+            "",
+            self.endpoint,
+            self.public_key,
+            "zmq",
+            c.incarnation,
+        )
+
+    async def _manifest(self, msg: GetManifest, ctx: CallContext) -> ManifestReply:
+        fl = await self._ready(msg.version)
+        manifest = fl.manifest if fl is not None else self.manifests.get(msg.version)
+        if manifest is None:
+            raise RpcError("unknown_version", f"version {msg.version} is not here")
+        return ManifestReply(manifest=manifest)
+
+    async def _fetch(self, msg: FetchBucket, ctx: CallContext) -> Reply:  # type: ignore[override]
+        fl = await self._ready(msg.version)
+        if fl is None:  # whole here (or gone): served as an owner serves its own slots
+            return super()._fetch(msg, ctx)
+        if not 0 <= msg.index < len(fl.landed):
+            raise RpcError("bad_bucket", f"bucket {msg.index} out of range")
+        try:
+            await asyncio.wait_for(fl.landed[msg.index].wait(), BUCKET_WAIT_S)
+        except TimeoutError:
+            raise RpcError("stuck", f"bucket {msg.index} did not arrive here") from None
+        if fl.failed:
+            raise RpcError("unknown_version", f"version {msg.version}: its pull failed")
+        layout = self.cache.layout
+        assert layout is not None
+        start = HEADER + layout.bucket_offsets[msg.index]
+        data = self.cache.slots[fl.slot].buf[start : start + layout.bucket_sizes[msg.index]]
+        meta = BucketMeta(
+            version=msg.version,
+            index=msg.index,
+            nbytes=len(data),
+            generation=fl.generation,
+            crc32=zlib.crc32(data) if self.checksums else None,
+        )
+        slot = fl.slot
+        return Reply(meta, [data], on_sent=lambda tracker: self._track(slot, tracker))
+
+    def _track(self, slot: int, tracker: object) -> None:
+        trackers = self.cache._trackers[slot]
+        self.cache._trackers[slot] = [*(t for t in trackers if not t.done), tracker]  # type: ignore[list-item]
+
+    def _generation(self, msg: GetGeneration, ctx: CallContext) -> Generation:
+        fl = self.inflight.get(msg.version)
+        if fl is not None:
+            return Generation(generation=-1 if fl.failed else fl.generation)
+        return super()._generation(msg, ctx)
+
+    def _open_stream(self, msg: OpenStream, ctx: CallContext) -> StreamGrant:
+        raise RpcError("unknown_transport", "a relay serves bucket frames only")
+
+    def _plan_source(self, msg: PlanSource, ctx: CallContext) -> Source:
+        raise RpcError("not_owner", "a relay does not plan: ask the owner")
