@@ -242,7 +242,8 @@ class WeightServer:
         lands), the first node from the owner; a node that lost its relay, from the
         owner. A relay must serve with the key it connected with."""
         peer = self.server.peers.get(ctx.peer)
-        if peer is not None and peer.key is not None and peer.key != msg.relay_key.encode():
+        keyed = peer is not None and peer.key is not None
+        if msg.relay and keyed and peer is not None and peer.key != msg.relay_key.encode():
             raise RpcError(ErrorCode.FORBIDDEN, f"{ctx.peer}: a relay key other than its own")
         if msg.version not in self.cache.versions:
             raise RpcError("unknown_version", f"version {msg.version} is not cached")

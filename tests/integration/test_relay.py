@@ -1,0 +1,173 @@
+"""Node caches relaying a version along the owner's chain (weights/relay.py), in one
+process: three node caches, each with a shared-memory directory of its own (as three
+machines), a real owner (WeightCache + WeightServer over tcp with CURVE keys), real
+relay servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers.remote_weights import make_cache, make_keys, serving
+from helpers.weights_owner import state
+
+from rlix_async.security import ClientKeys, ServerKeys
+from rlix_async.transport import CallContext, Reply
+from rlix_async.weights.cache import WeightCache
+from rlix_async.weights.node_cache import NodeCache
+from rlix_async.weights.relay import RelayServer
+from rlix_async.weights.stream import OpenStream, StreamGrant
+from rlix_async.weights.tcp import FetchBucket, WeightServer
+
+
+class CountingServer(WeightServer):
+    """Counts the owner's sends: sealed streams granted, bucket frames."""
+
+    streams = 0
+    frames = 0
+
+    def _open_stream(self, msg: OpenStream, ctx: CallContext) -> StreamGrant:
+        self.streams += 1
+        return super()._open_stream(msg, ctx)
+
+    def _fetch(self, msg: FetchBucket, ctx: CallContext) -> Reply:
+        self.frames += 1
+        return super()._fetch(msg, ctx)
+
+
+class FlippingRelay(RelayServer):
+    """A relay that alters what it forwards: one byte of bucket 1, every time."""
+
+    async def _fetch(self, msg: FetchBucket, ctx: CallContext) -> Reply:  # type: ignore[override]
+        reply = await super()._fetch(msg, ctx)
+        if msg.index != 1:
+            return reply
+        bad = bytearray(reply.frames[0])
+        bad[len(bad) // 2] ^= 0x01
+        return Reply(reply.msg, [bytes(bad)])
+
+
+class FlippingNode(NodeCache):
+    async def _relay_for(self, owner: str, cache: WeightCache) -> RelayServer | None:
+        relay = self.relays.get(owner)
+        if relay is None or relay.cache is not cache:
+            relay = await FlippingRelay(cache, "tcp://127.0.0.1:0", self.server_keys).start()
+            self.relays[owner] = relay
+        return relay
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Path:
+    return make_keys(tmp_path)
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> Iterator[list[Path]]:
+    out = []
+    for i in range(3):
+        d = tmp_path / f"node{i}"
+        d.mkdir(mode=0o700)
+        out.append(d)
+    yield out
+
+
+def _node(keys: Path, shm_dir: Path, cls: type[NodeCache] = NodeCache) -> NodeCache:
+    return cls(
+        "p",
+        keys=ClientKeys.load(keys, "shard"),
+        shm_dir=shm_dir,
+        relay_address="127.0.0.1",
+        server_keys=ServerKeys.load(keys, "shard"),
+    )
+
+
+async def _close(nodes: list[NodeCache]) -> None:
+    for node in nodes:
+        for relay in node.relays.values():
+            await relay.close()
+        node.close()
+
+
+async def test_three_nodes_take_a_version_the_owner_sent_once(keys: Path, dirs: list[Path]) -> None:
+    owner = make_cache()
+    nodes = [_node(keys, d) for d in dirs]
+    try:
+        async with serving(owner, keys, CountingServer) as server:
+            assert isinstance(server, CountingServer)
+            for version in (1, 2):
+                if version == 2:
+                    owner.build(2, state(2))
+                    owner.promote(2)
+                ref = owner.ref(version)
+                await asyncio.gather(*(node.ensure(ref) for node in nodes))
+                for node in nodes:  # every node holds the owner's bytes exactly
+                    held = node.caches[owner.owner]
+                    assert bytes(held.buffer(version)) == bytes(owner.buffer(version))
+                sources = [node.pulls[-1]["source"] for node in nodes]
+                assert sorted(sources).count("owner") == 1, sources  # the others: relays
+                relays = {n.relays[owner.owner].endpoint for n in nodes}
+                assert all(s in relays for s in sources if s != "owner"), sources
+            assert server.streams == 2 and server.frames == 0  # once per version
+    finally:
+        await _close(nodes)
+        owner.close()
+
+
+async def test_a_relay_that_alters_a_bucket_is_caught_and_the_owner_sends_instead(
+    keys: Path, dirs: list[Path]
+) -> None:
+    owner = make_cache()
+    bad = _node(keys, dirs[0], FlippingNode)
+    good = _node(keys, dirs[1])
+    try:
+        async with serving(owner, keys, CountingServer) as server:
+            assert isinstance(server, CountingServer)
+            ref = owner.ref(1)
+            await bad.ensure(ref)  # first to ask: from the owner; then it relays, badly
+            assert bad.pulls[-1]["source"] == "owner"
+            await good.ensure(ref)  # the owner names the bad relay; its bucket 1 fails
+            assert good.pulls[-1]["source"] == "owner"
+            held = good.caches[owner.owner]
+            assert held.versions == [1]
+            assert bytes(held.buffer(1)) == bytes(owner.buffer(1))
+            assert server.streams == 2
+    finally:
+        await _close([bad, good])
+        owner.close()
+
+
+async def test_a_node_may_offer_itself_as_a_relay_only_under_its_own_key(keys: Path) -> None:
+    """Else a node could name another's relay endpoint with a key it holds, and be the
+    one the owner points the next nodes to under that name."""
+    from rlix_async.protocol import RpcError
+    from rlix_async.transport import RpcClient
+    from rlix_async.weights.tcp import PlanSource, Source, receiver_identity
+
+    owner = make_cache()
+    try:
+        async with serving(owner, keys) as server:
+            ref = owner.ref(1)
+            mine = ClientKeys.load(keys, "shard")
+            other = ServerKeys.load(keys, "shard-any").public.decode()
+            client = RpcClient(
+                server.endpoint,
+                receiver_identity(ref),
+                keys=mine.for_server(ref.server_key.encode()),
+            )
+            await client.connect(timeout=10)
+            try:
+                with pytest.raises(RpcError, match="relay key other than its own"):
+                    await client.call(
+                        PlanSource(version=1, relay="tcp://10.0.0.9:1", relay_key=other), timeout=10
+                    )
+                answer = await client.call(
+                    PlanSource(version=1, relay="tcp://10.0.0.9:1", relay_key=mine.public.decode()),
+                    timeout=10,
+                )
+                assert isinstance(answer, Source) and answer.endpoint == ""  # first: from us
+            finally:
+                await client.close()
+    finally:
+        owner.close()
