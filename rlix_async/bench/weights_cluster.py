@@ -9,7 +9,7 @@ tensors) and its ``WeightServer`` on tcp with CURVE keys, by the pipeline's tran
 tensor-parallel size T) and, with ``--path node`` (the default), the node's real
 receiver (``rlix-async node-cache``). A worker's load is the ``rlix_shm`` backend's
 own (``weights/staging.py::fetch_version``, as ``RlixShmTransferEngine.receive_weights``
-calls it, then the staged copy loaded as at ``finish_weight_update``); what stands in
+calls it, then ``load_fetched`` as at ``finish_weight_update``); what stands in
 for vLLM's model is a dict of plain tensors, into which each rank copies its own
 slice of every tensor (dim 0 split T ways, as a column-parallel loader narrows it).
 No coordinator: this process hands the workers each version's ref through a shared
@@ -24,7 +24,8 @@ same run, by one receiver alone), ``node_extra_mem_per_model`` (on the busiest
 receiving host: its shared-memory files plus every process's private memory growth
 during the version, over the model's bytes), ``link_utilization`` (the one-link
 transfer's rate over R) and ``cores_busy`` (this machine's busy fraction during the
-version: near 1.0 says the 2 cores, not the links, were the bound).
+version: near 1.0 says the 2 cores, not the links, were the bound); ``sync_retries``
+counts workers' syncs that failed and were tried again (as the coordinator would).
 """
 
 from __future__ import annotations
@@ -107,9 +108,9 @@ def worker(d: Path, keys: str, name: str, rank: int, tp: int, first: int, last: 
     """One tensor-parallel rank of a shard: load versions ``first..last`` as published."""
     import torch
 
-    from rlix_async.bench.weights import PeakSampler
+    from rlix_async.protocols.sinks import SyncError
     from rlix_async.security import ClientKeys
-    from rlix_async.weights.staging import fetch_version
+    from rlix_async.weights.staging import fetch_version, load_fetched
 
     client = ClientKeys.load(keys, "shard")
     model: dict[str, torch.Tensor] = {}  # stands in for vLLM's model: this rank's slices
@@ -127,19 +128,29 @@ def worker(d: Path, keys: str, name: str, rank: int, tp: int, first: int, last: 
         published = msgspec.json.decode((d / f"ref-{version}.json").read_bytes())
         ref = msgspec.convert(published["ref"], CacheRef)
         t0 = time.time()
-        with PeakSampler() as mem:
-            fetched = fetch_version(ref, layout, load, keys=client)
-            if fetched.staged is not None:
-                load(fetched.staged)
-            staged_bytes, layout = fetched.staged_bytes, fetched.layout
-            del fetched  # the private copy, where there was one
+        # (no sampler here: the driver samples each host's memory, and a sampling thread
+        # in each of 20 workers would take the cores the transfer is measured on)
+        retries = 0
+        while True:  # a failed sync is retried, as the coordinator retries a shard's
+            try:
+                fetched = fetch_version(ref, layout, load, keys=client)
+                staged_bytes = fetched.staged_bytes
+                fetched = load_fetched(fetched, load)  # as at finish_weight_update
+                break
+            except SyncError as exc:
+                retries += 1
+                print(f"sync of version {version} failed ({exc}); retrying", flush=True)
+                if retries > 5:
+                    raise
+        layout = fetched.layout
+        del fetched  # the private copy, where there was one
         _write_json(
             d / f"done-{version}-{name}.json",
             {
                 "seconds": time.time() - t0,
                 "done": time.time(),
                 "staged_bytes": staged_bytes,
-                "private_growth": mem.peak - mem.base,
+                "retries": retries,
             },
         )
 
@@ -211,7 +222,7 @@ class HostMemory:
         while not self._stop.is_set():
             shm, anon = self._now()
             self.peak = max(self.peak, shm + max(0, anon - self.base))
-            time.sleep(0.02)
+            time.sleep(0.05)
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
@@ -337,6 +348,7 @@ def _run(
                     "seconds_to_all": max(x["done"] for x in done) - published,
                     "node_extra_mem_per_model": max(m.peak for m in memories) / model_bytes,
                     "worker_staged_bytes": max(x["staged_bytes"] for x in done),
+                    "sync_retries": sum(x["retries"] for x in done),
                     "cores_busy": (busy1 - busy0) / max(1, total1 - total0),
                 }
             )

@@ -100,6 +100,8 @@ class WeightCache:
             raise KeyError(f"version {version} is not cached") from None
 
     def build(self, version: int, tensors: Mapping[str, torch.Tensor]) -> CacheRef:
+        if version in self.slot_version:
+            raise ValueError(f"version {version} already built")
         if self.layout is None or _layout_changed(self.layout, tensors):
             self._reset(layout_of(tensors, self.bucket_bytes))
         assert self.layout is not None
@@ -251,6 +253,7 @@ class WeightCache:
             self._wait_sends(slot)
         self._drop_segments()
         self.layout, self.slot_version, self.current = None, [None, None], None
+        self._manifests.clear()  # generations start again: never the old layout's
         slot_bytes = HEADER + layout.total_bytes
         ensure_room(
             self.shm_dir,

@@ -37,6 +37,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from rlix_async.protocol import ErrorCode, Message, RpcError
 from rlix_async.protocols.cache_ref import BadRef, CacheRef
 from rlix_async.protocols.sinks import SlotOverwritten, SyncError
@@ -60,7 +62,7 @@ if TYPE_CHECKING:  # (the transports package asks this module whether a receiver
 
 log = logging.getLogger(__name__)
 NODE_OWNER_SUFFIX = ".node"
-PULL_ATTEMPTS = 5  # the owner moving on under a pull: follow it this many times
+PULL_ATTEMPTS = 7  # the owner moving on, or relays failing us: this many pulls at most
 # A worker's wait for its version: one whole transfer over a slow link (140 GB at
 # 1.2 GiB/s is ~110 s), with room for a pull already under way ahead of it.
 ENSURE_TIMEOUT_S = float(os.environ.get("RLIX_NODE_CACHE_TIMEOUT_S", "900"))
@@ -69,6 +71,7 @@ ENSURE_TIMEOUT_S = float(os.environ.get("RLIX_NODE_CACHE_TIMEOUT_S", "900"))
 # declared idle workers dead when a loaded host stalled their processes for two
 # seconds while versions streamed in (bench weights --hosts 3 on 2 cores).
 LINK = TransportConfig.with_heartbeat(5.0)
+MANIFEST_WAIT_S = 600.0
 
 
 def node_owner(owner: str) -> str:
@@ -202,13 +205,15 @@ class NodeCache:
                 return cache.ref(ref.version if ref.version in cache.versions else held)
             relay = await self._relay_for(ref.owner, cache)
             failed_relays: list[str] = []
-            for _ in range(PULL_ATTEMPTS + 2):
+            for _ in range(PULL_ATTEMPTS):
                 t0 = time.perf_counter()
                 try:
                     source = await self._pull(ref, cache, transport, relay, failed_relays)
                 except SlotOverwritten as exc:
                     log.warning("%s; pulling the owner's newer version", exc)
                     ref = await current_remote(ref, keys=transport.keys) or ref
+                    cache = self._cache(ref)  # (a restarted owner: its own cache)
+                    relay = await self._relay_for(ref.owner, cache)
                     await asyncio.sleep(0.05)
                     continue
                 except RelayFailed as exc:
@@ -333,7 +338,24 @@ class NodeCache:
                 )
                 if not isinstance(relayed, Relayed):
                     raise SyncError(f"{source.endpoint} answered {type(relayed).__name__}")
-                transport, pull_ref = Remote("zmq", keys), relayed.ref
+                theirs = relayed.ref
+                # What names the weights is the owner's (the coordinator's ref), never the
+                # relay's: its layout (the fingerprint hashes it whole) and version.
+                if (theirs.version, theirs.fingerprint, theirs.total_bytes) != (
+                    ref.version,
+                    ref.fingerprint,
+                    ref.total_bytes,
+                ) or theirs.pipeline != ref.pipeline:
+                    raise SyncError(f"{source.endpoint} offered another version or layout")
+                transport = Remote("zmq", keys)
+                pull_ref = msgspec.structs.replace(
+                    ref,
+                    segment=theirs.segment,
+                    generation=theirs.generation,
+                    server=source.endpoint,
+                    server_key=source.key,
+                    transport="zmq",
+                )
                 reply = await self._ask(
                     ref, source.endpoint, keys, GetManifest(version=ref.version)
                 )

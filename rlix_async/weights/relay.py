@@ -132,18 +132,13 @@ class RelayServer(WeightServer):
     async def _relayed(self, msg: GetRelayed, ctx: CallContext) -> Relayed:
         fl = await self._ready(msg.version)
         if fl is not None:
-            if fl.failed:
-                raise RpcError("unknown_version", f"version {msg.version}: its pull failed")
             return Relayed(ref=self._ref(msg.version, fl.slot, fl.generation))
-        if msg.version not in self.cache.versions:
-            raise RpcError("unknown_version", f"version {msg.version} is not here")
-        return Relayed(
-            ref=self._ref(
-                msg.version,
-                self.cache._slot_of(msg.version),
-                self.cache.ref(msg.version).generation,
-            )
-        )
+        try:  # (the receiving thread may move the cache on meanwhile)
+            slot = self.cache._slot_of(msg.version)
+            generation = self.cache.ref(msg.version).generation
+        except KeyError:
+            raise RpcError("unknown_version", f"version {msg.version} is not here") from None
+        return Relayed(ref=self._ref(msg.version, slot, generation))
 
     def _ref(self, version: int, slot: int, generation: int) -> CacheRef:
         c = self.cache
@@ -173,7 +168,10 @@ class RelayServer(WeightServer):
     async def _fetch(self, msg: FetchBucket, ctx: CallContext) -> Reply:  # type: ignore[override]
         fl = await self._ready(msg.version)
         if fl is None:  # whole here (or gone): served as an owner serves its own slots
-            return super()._fetch(msg, ctx)
+            try:
+                return super()._fetch(msg, ctx)
+            except KeyError:  # (moved on by the receiving thread meanwhile)
+                raise RpcError("unknown_version", f"version {msg.version} is not here") from None
         if not 0 <= msg.index < len(fl.landed):
             raise RpcError("bad_bucket", f"bucket {msg.index} out of range")
         try:

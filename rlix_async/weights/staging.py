@@ -31,8 +31,9 @@ from rlix_async.protocols.cache_ref import CacheRef, Layout
 from rlix_async.protocols.sinks import SlotOverwritten, SyncError
 from rlix_async.protocols.weight_transport import MappedTransport, WeightTransport
 from rlix_async.security import ClientKeys
-from rlix_async.weights.shm import SHM_DIR
+from rlix_async.weights.shm import SHM_DIR, layout_for
 from rlix_async.weights.transports import transport_for
+from rlix_async.weights.transports.node import NodeCached
 from rlix_async.weights.transports.shm import SharedMemory
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,13 @@ class Fetched(NamedTuple):
     layout: Layout  # keep it for the next version of the same model
     staged: Named | None  # the private copy still to load (None: loaded, or in place)
     staged_bytes: int  # the private copy's size (0: read in place from the mapped slot)
+    # a version on this node's cache still to load in place (:func:`load_fetched`)
+    mapped: CacheRef | None = None
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the model holds it already (nothing staged, nothing left mapped)."""
+        return self.staged is None and self.mapped is None
 
 
 def fetch_version(
@@ -84,6 +92,12 @@ def fetch_version(
     transfer to fail; elsewhere the whole version is copied and returned, not loaded.
     Raises SyncError (one line) when no consistent version could be had."""
     transport = transport_for(ref, keys=keys, shm_dir=shm_dir)
+    if isinstance(transport, NodeCached):
+        # the network part first, on every rank, loading nothing: the node's receiver
+        # pulls the version (or fails, and then every rank fails alike); the version
+        # is read in place from the node's slot by :func:`load_fetched`
+        local = transport.here(ref)
+        return Fetched(local, layout_for(local, layout, shm_dir), None, 0, mapped=local)
     if isinstance(transport, MappedTransport):
         ref, layout = load_leased(ref, layout, load, transport=transport)
         return Fetched(ref, layout, None, 0)
@@ -106,10 +120,19 @@ def load_version(
     private copy, once, after the whole version arrived, so a failed transfer never
     reaches the model. Raises SyncError (one line) with ``load`` not called, or not
     completed, when no consistent version could be had."""
-    fetched = fetch_version(ref, layout, load, keys=keys, shm_dir=shm_dir)
+    return load_fetched(fetch_version(ref, layout, load, keys=keys, shm_dir=shm_dir), load, shm_dir)
+
+
+def load_fetched(fetched: Fetched, load: Load, shm_dir: Path = SHM_DIR) -> Fetched:
+    """The second half: load what :func:`fetch_version` left to load (a private copy,
+    or a version on this node's cache, read in place under a lease and followed if the
+    node's slot moved on). Returns what was loaded, with no copy kept alive."""
     if fetched.staged is not None:
         load(fetched.staged)
-    return fetched._replace(staged=None)  # the caller keeps no copy alive
+    if fetched.mapped is not None:
+        ref, layout = load_leased(fetched.mapped, fetched.layout, load, shm_dir)
+        return Fetched(ref, layout, None, 0)
+    return fetched._replace(staged=None)
 
 
 def stage_version(

@@ -162,6 +162,7 @@ class WeightServer:
         # per version, the nodes' relays in the order they asked for it (a chain: each
         # node takes the version from the one that asked before it, the first from us)
         self._chains: dict[int, list[tuple[str, str]]] = {}
+        self._signing: dict[int, asyncio.Future[Manifest]] = {}  # manifests being made
         self.streamer: SealedStreamer | None = None
 
     async def start(self) -> WeightServer:
@@ -231,8 +232,15 @@ class WeightServer:
         return CurrentVersion(ref=cache.ref(cache.current))
 
     async def _manifest(self, msg: GetManifest, ctx: CallContext) -> ManifestReply:
-        try:  # digests of the whole version: seconds for a large model, off the loop
-            return ManifestReply(manifest=await asyncio.to_thread(self.cache.manifest, msg.version))
+        # digests of the whole version: seconds for a large model, off the loop, and once
+        # for all the nodes asking at the same time
+        pending = self._signing.get(msg.version)
+        if pending is None:
+            pending = asyncio.ensure_future(asyncio.to_thread(self.cache.manifest, msg.version))
+            self._signing[msg.version] = pending
+            pending.add_done_callback(lambda _: self._signing.pop(msg.version, None))
+        try:
+            return ManifestReply(manifest=await asyncio.shield(pending))
         except KeyError:
             raise RpcError("unknown_version", f"version {msg.version} is not cached") from None
 
@@ -250,9 +258,15 @@ class WeightServer:
         for old in [v for v in self._chains if v not in self.cache.versions]:
             del self._chains[old]
         chain = self._chains.setdefault(msg.version, [])
-        if msg.exclude or any(relay == msg.relay for relay, _ in chain):
-            # its relay failed it, or it asks again: straight from us (a node that asks
-            # again never takes it from one behind it: no cycle)
+        if msg.exclude:
+            # its relay failed it: straight from us; the failed relays leave the chain,
+            # and the asker (which now takes it whole from us) joins its end
+            chain[:] = [(r, k) for r, k in chain if r not in msg.exclude and r != msg.relay]
+            if msg.relay:
+                chain.append((msg.relay, msg.relay_key))
+            return Source(endpoint="")
+        if any(relay == msg.relay for relay, _ in chain):
+            # it asks again: straight from us (never from one behind it: no cycle)
             return Source(endpoint="")
         source = Source(endpoint=chain[-1][0], key=chain[-1][1]) if chain else Source("")
         if msg.relay:
@@ -463,4 +477,5 @@ async def current_remote(
         fingerprint=now.fingerprint,
         total_bytes=now.total_bytes,
         incarnation=now.incarnation,  # the same server, started again: its versions
+        manifest_key=now.manifest_key,  # and the key it signs them with
     )

@@ -10,9 +10,11 @@ the model one of two ways:
   never rewrites a slot under it, so the model's loader reads the slot's bytes
   directly, with no private copy of the version. Each rank's loader narrows every
   tensor to its own shard before copying, so it touches only those bytes.
-- **From another node** (the owner's ``WeightServer`` over tcp) the version is
-  received into private memory first: a stream can break halfway, and a model
-  must never be left with half a version.
+- **From another node** the node's cache receives it (``weights/node_cache.py``), or
+  where no receiver runs, the version is received into private memory first: a
+  stream can break halfway, and a model must never be left with half a version.
+  Either way each rank only fetches in ``receive_weights`` and loads in
+  ``finish_weight_update`` (from the node's slot in place, or its private copy).
 
 Both are engine-neutral: ``weights/staging.py``'s ``fetch_version`` asks
 ``weights/transports/`` which transport reaches the version and takes the leased or
@@ -48,7 +50,7 @@ from rlix_async.protocols.sinks import SyncError
 from rlix_async.security import ClientKeys
 from rlix_async.shards.vllm import api as vllm_api
 from rlix_async.weights.shm import SHM_DIR, forget_mappings
-from rlix_async.weights.staging import Fetched, Named, fetch_version
+from rlix_async.weights.staging import Fetched, Named, fetch_version, load_fetched
 
 logger = logging.getLogger(__name__)
 PARTLY_LOADED = -1  # a model_version no cached version has: a load failed part way
@@ -133,7 +135,7 @@ class RlixShmTransferEngine(vllm_api.WeightTransferEngine):  # type: ignore[misc
             return
         self.layout = self.pending.layout
         self.pending_started = t0
-        if self.pending.staged is None:  # read in place: loaded already
+        if self.pending.loaded:  # read in place on the owner's node: loaded already
             self._loaded(self.pending, t0)
 
     def finish_weight_update(self) -> None:
@@ -141,10 +143,10 @@ class RlixShmTransferEngine(vllm_api.WeightTransferEngine):  # type: ignore[misc
         slot in place, or if the session was abandoned). A failed load is kept in
         ``error`` (see ``receive_weights``), and the model's version is then unknown."""
         pending, self.pending = self.pending, None
-        if pending is None or pending.staged is None:
+        if pending is None or pending.loaded:
             return
         try:
-            self._load(pending.staged)
+            pending = load_fetched(pending, self._load, self.shm_dir)
         except Exception as exc:
             logger.error("loading version %d failed: %s", pending.ref.version, exc)
             self.error = f"{type(exc).__name__}: {exc}"

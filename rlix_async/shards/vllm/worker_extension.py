@@ -40,7 +40,7 @@ class RlixWorker(RlixLoraWorker):
         pending = getattr(transfer, "pending", None)
         return {
             "ref": msgspec.to_builtins(pending.ref) if pending is not None else None,
-            "loaded": pending is not None and pending.staged is None,
+            "loaded": pending is not None and pending.loaded,
             "model_version": getattr(transfer, "model_version", None),
             "error": getattr(transfer, "error", None),
         }
