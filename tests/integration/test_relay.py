@@ -171,3 +171,73 @@ async def test_a_node_may_offer_itself_as_a_relay_only_under_its_own_key(keys: P
                 await client.close()
     finally:
         owner.close()
+
+
+class ForgingRelay(RelayServer):
+    """A relay that serves the owner's bytes with a manifest it signed itself."""
+
+    async def _manifest(self, msg, ctx):  # type: ignore[no-untyped-def]
+        import msgspec
+
+        from rlix_async.weights.manifest import ManifestSigner
+
+        reply = await super()._manifest(msg, ctx)
+        forged = ManifestSigner()._key.sign(reply.manifest.payload())
+        return type(reply)(manifest=msgspec.structs.replace(reply.manifest, signature=forged))
+
+
+class LyingRelay(RelayServer):
+    """A relay that names another version than the one asked for, and serves the
+    owner's bytes under it (without the check, a node would hold version 101)."""
+
+    async def _fetch(self, msg, ctx):  # type: ignore[no-untyped-def]
+        import msgspec
+
+        real = msgspec.structs.replace(msg, version=msg.version % 100)
+        reply = await super()._fetch(real, ctx)
+        meta = msgspec.structs.replace(reply.msg, version=msg.version)
+        return Reply(meta, reply.frames, on_sent=reply.on_sent)
+
+    def _generation(self, msg, ctx):  # type: ignore[no-untyped-def]
+        import msgspec
+
+        return super()._generation(msgspec.structs.replace(msg, version=msg.version % 100), ctx)
+
+    async def _relayed(self, msg, ctx):  # type: ignore[no-untyped-def]
+        import msgspec
+
+        reply = await super()._relayed(msg, ctx)
+        return type(reply)(ref=msgspec.structs.replace(reply.ref, version=reply.ref.version + 100))
+
+
+def _node_with(relay_cls: type[RelayServer], keys: Path, shm_dir: Path) -> NodeCache:
+    class Node(NodeCache):
+        async def _relay_for(self, owner: str, cache: WeightCache) -> RelayServer | None:
+            relay = self.relays.get(owner)
+            if relay is None or relay.cache is not cache:
+                relay = await relay_cls(cache, "tcp://127.0.0.1:0", self.server_keys).start()
+                self.relays[owner] = relay
+            return relay
+
+    return _node(keys, shm_dir, Node)
+
+
+@pytest.mark.parametrize("relay_cls", [ForgingRelay, LyingRelay])
+async def test_a_relay_forging_the_manifest_or_the_version_is_refused(
+    relay_cls: type[RelayServer], keys: Path, dirs: list[Path]
+) -> None:
+    """Only the owner's key (from the coordinator's ref, never from a relay) signs a
+    manifest a node accepts, and only the owner's ref names the version."""
+    owner = make_cache()
+    bad = _node_with(relay_cls, keys, dirs[0])
+    good = _node(keys, dirs[1])
+    try:
+        async with serving(owner, keys):
+            ref = owner.ref(1)
+            await bad.ensure(ref)
+            await good.ensure(ref)  # named the bad relay first, then the owner
+            assert good.pulls[-1]["source"] == "owner", good.pulls
+            assert good.caches[owner.owner].versions == [1]
+    finally:
+        await _close([bad, good])
+        owner.close()
