@@ -327,6 +327,7 @@ class SlotWriter:
         self._layout: Layout | None = None
         self._places: dict[str, tuple[int, int, int]] = {}  # name -> bucket, start, nbytes
         self._landed: set[int] = set()
+        self.stopping = False  # set from another thread: the next bucket ends the pull
 
     def start(self, version: int, layout: Layout) -> None:
         if self.digests is not None and len(self.digests) != len(layout.bucket_sizes):
@@ -344,6 +345,8 @@ class SlotWriter:
             self.on_open(slot, self.cache.generation[slot] + 1)
 
     def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        if self.stopping:  # the receiver is stopping: end the pull, the slot unoffered
+            raise SyncError("the node's receiver is stopping")
         assert self._raw is not None and self._layout is not None, "load before start"
         buckets = set()
         for name, tensor in named:

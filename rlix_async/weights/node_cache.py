@@ -44,7 +44,7 @@ from rlix_async.protocols.cache_ref import BadRef, CacheRef
 from rlix_async.protocols.sinks import SlotOverwritten, SyncError
 from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
 from rlix_async.transport import CallContext, RpcClient, RpcServer, TransportConfig
-from rlix_async.weights.cache import WeightCache
+from rlix_async.weights.cache import SlotWriter, WeightCache
 from rlix_async.weights.manifest import Manifest, verify
 from rlix_async.weights.relay import GetRelayed, Relayed, RelayServer
 from rlix_async.weights.shm import SHM_DIR
@@ -141,6 +141,7 @@ class NodeCache:
         self.relay_address = relay_address
         self.server_keys = server_keys
         self.relays: dict[str, RelayServer] = {}  # per owner
+        self._writer: SlotWriter | None = None  # the pull under way
         self.pipeline = pipeline
         self.keys = keys
         self.shm_dir = shm_dir
@@ -281,7 +282,7 @@ class NodeCache:
             )
             if relay is not None and inflight is not None and manifest is not None:
                 relay.begin(inflight, manifest)
-            writer = cache.receive(
+            writer = self._writer = cache.receive(
                 manifest.digests if manifest is not None else None,
                 on_open=partial(relay.opened, inflight) if relay and inflight else None,
                 on_landed=partial(relay.landed, inflight) if relay and inflight else None,
@@ -376,6 +377,20 @@ class NodeCache:
                 raise SlotOverwritten(f"version {ref.version} left the owner") from None
             raise SyncError(f"the manifest of version {ref.version}: {exc}") from None
 
+    async def aclose(self, wait_s: float = 30.0) -> None:
+        """Stop: end a pull under way at its next bucket, wait for its thread to let go of
+        the cache (at most ``wait_s``), then close the relays and remove the segments."""
+        if self._writer is not None:
+            self._writer.stopping = True
+        try:
+            await asyncio.wait_for(self._lock.acquire(), wait_s)
+        except TimeoutError:
+            log.warning("a pull still runs after %.0f s; removing the segments anyway", wait_s)
+        for relay in self.relays.values():
+            await relay.close()
+        self.relays.clear()
+        self.close()
+
     def close(self) -> None:
         """Remove the node's segments (the pipeline ended, or the receiver stops)."""
         for cache in self.caches.values():
@@ -402,8 +417,6 @@ class NodeCacheServer:
 
     async def close(self) -> None:
         await self.server.close()
-        for relay in self.cache.relays.values():
-            await relay.close()
 
     def _admit(self, identity: str, info: dict[str, object]) -> None:
         if identity.split("/")[:2] != [self.cache.pipeline, "weights"]:

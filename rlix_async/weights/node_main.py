@@ -48,5 +48,5 @@ async def serve(pipeline: str, keys_dir: str | None, address: str = "") -> None:
         await stop.wait()
     finally:
         await server.close()
-        cache.close()
+        await cache.aclose()
         log.info("node cache of %s removed", pipeline)

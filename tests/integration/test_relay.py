@@ -85,9 +85,7 @@ def _node(keys: Path, shm_dir: Path, cls: type[NodeCache] = NodeCache) -> NodeCa
 
 async def _close(nodes: list[NodeCache]) -> None:
     for node in nodes:
-        for relay in node.relays.values():
-            await relay.close()
-        node.close()
+        await node.aclose()
 
 
 async def test_three_nodes_take_a_version_the_owner_sent_once(keys: Path, dirs: list[Path]) -> None:
