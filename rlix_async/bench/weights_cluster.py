@@ -296,62 +296,14 @@ def _run(
         _wait_for(d / "done-1-probe.json")
         probe.wait(60)
         one_link = msgspec.json.decode((d / "done-1-probe.json").read_bytes())["seconds"]
-        # Each host's processes start from one shell on it: a host's processes share its
-        # /dev/shm only when they share its mount namespace (each start makes a new one).
-        per_host: dict[int, list[int]] = {}
-        names = []
-        for i in range(1, hosts_n + 1):
-            commands = []
-            if path == "node":
-                receiver = [sys.executable, "-m", "rlix_async.cli", "node-cache"]
-                receiver += ["--pipeline", PIPELINE, "--keys", str(keys)]
-                receiver += ["--address", hosts[i].address] if relay else []
-                commands.append((receiver, logs / f"node-cache-{i}.log"))
-            for s in range(shards_per_host):
-                for r in range(tp):
-                    name = f"h{i}s{s}r{r}"
-                    names.append(name)
-                    argv = [*py, "worker", str(d), str(keys), name, str(r), str(tp), "2", str(last)]
-                    commands.append((argv, logs / f"worker-{name}.log"))
-            script = " ".join(
-                f"{shlex.join(argv)} >{shlex.quote(str(log))} 2>&1 &" for argv, log in commands
-            )
-            shell = hosts.start(hosts[i], ["sh", "-c", script + " wait"], logs / f"host-{i}.log")
-            per_host[i] = [shell.pid]
+        per_host, names = _start_hosts(hosts, d, keys, logs, shards_per_host, tp, path, relay, last)
         if path == "node":
             _wait_receivers(hosts, logs, hosts_n)
         rows = []
         for version in range(2, last + 1):
-            sent0 = tx_bytes(hosts[0])
-            busy0, total0 = _cpu_times()
-            memories = [HostMemory(per_host[i]) for i in range(1, hosts_n + 1)]
-            for m in memories:
-                m.__enter__()
-            try:
-                (d / f"go-{version}").touch()
-                for name in names:
-                    _wait_for(d / f"done-{version}-{name}.json")
-            finally:
-                for m in memories:
-                    m.__exit__()
-            busy1, total1 = _cpu_times()
-            published = msgspec.json.decode((d / f"ref-{version}.json").read_bytes())["published"]
-            done = [
-                msgspec.json.decode((d / f"done-{version}-{n}.json").read_bytes()) for n in names
-            ]
-            if version < first_timed:
-                continue
-            rows.append(
-                {
-                    "version": version,
-                    "owner_egress_per_model": (tx_bytes(hosts[0]) - sent0) / model_bytes,
-                    "seconds_to_all": max(x["done"] for x in done) - published,
-                    "node_extra_mem_per_model": max(m.peak for m in memories) / model_bytes,
-                    "worker_staged_bytes": max(x["staged_bytes"] for x in done),
-                    "sync_retries": sum(x["retries"] for x in done),
-                    "cores_busy": (busy1 - busy0) / max(1, total1 - total0),
-                }
-            )
+            row = _one_version(hosts, d, per_host, names, version, model_bytes)
+            if version >= first_timed:
+                rows.append(row)
         (d / "stop").touch()
         hosts.stop()
     result = {
@@ -372,6 +324,79 @@ def _run(
         result[key] = round(statistics.median(r[key] for r in rows), 3)
     result["seconds_to_all_over_one_link"] = round(result["seconds_to_all"] / one_link, 3)
     return result
+
+
+def _start_hosts(
+    hosts: Hosts,
+    d: Path,
+    keys: Path,
+    logs: Path,
+    shards_per_host: int,
+    tp: int,
+    path: str,
+    relay: bool,
+    last: int,
+) -> tuple[dict[int, list[int]], list[str]]:
+    """Each receiving host's receiver (node path) and workers; their pids per host, and
+    the workers' names. A host's processes start from one shell on it: they share its
+    /dev/shm only when they share its mount namespace (each start makes a new one)."""
+    py = [sys.executable, "-m", "rlix_async.bench.weights_cluster"]
+    per_host: dict[int, list[int]] = {}
+    names = []
+    for i in range(1, len(hosts.hosts)):
+        commands = []
+        if path == "node":
+            receiver = [sys.executable, "-m", "rlix_async.cli", "node-cache"]
+            receiver += ["--pipeline", PIPELINE, "--keys", str(keys)]
+            receiver += ["--address", hosts[i].address] if relay else []
+            commands.append((receiver, logs / f"node-cache-{i}.log"))
+        for s in range(shards_per_host):
+            for r in range(tp):
+                name = f"h{i}s{s}r{r}"
+                names.append(name)
+                argv = [*py, "worker", str(d), str(keys), name, str(r), str(tp), "2", str(last)]
+                commands.append((argv, logs / f"worker-{name}.log"))
+        script = " ".join(
+            f"{shlex.join(argv)} >{shlex.quote(str(log))} 2>&1 &" for argv, log in commands
+        )
+        shell = hosts.start(hosts[i], ["sh", "-c", script + " wait"], logs / f"host-{i}.log")
+        per_host[i] = [shell.pid]
+    return per_host, names
+
+
+def _one_version(
+    hosts: Hosts,
+    d: Path,
+    per_host: dict[int, list[int]],
+    names: list[str],
+    version: int,
+    model_bytes: int,
+) -> dict[str, Any]:
+    """Publish ``version`` and measure it reaching every worker."""
+    sent0 = tx_bytes(hosts[0])
+    busy0, total0 = _cpu_times()
+    memories = [HostMemory(pids) for pids in per_host.values()]
+    for m in memories:
+        m.__enter__()
+    try:
+        (d / f"go-{version}").touch()
+        for name in names:
+            _wait_for(d / f"done-{version}-{name}.json")
+    finally:
+        for m in memories:
+            m.__exit__()
+    busy1, total1 = _cpu_times()
+    published = msgspec.json.decode((d / f"ref-{version}.json").read_bytes())["published"]
+    done = [msgspec.json.decode((d / f"done-{version}-{n}.json").read_bytes()) for n in names]
+    return {
+        "version": version,
+        "owner_egress_per_model": (tx_bytes(hosts[0]) - sent0) / model_bytes,
+        "seconds_to_all": max(x["done"] for x in done) - published,
+        "node_extra_mem_per_model": max(m.peak for m in memories) / model_bytes,
+        "worker_staged_bytes": max(x["staged_bytes"] for x in done),
+        "sync_retries": sum(x["retries"] for x in done),
+        "cores_busy": (busy1 - busy0) / max(1, total1 - total0),
+    }
 
 
 def _model_bytes(model_mb: int) -> int:

@@ -414,6 +414,30 @@ def _register_rpc(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.set_defaults(func=_rpc)
 
 
+def _hosts_options(p: argparse.ArgumentParser) -> None:
+    """``bench weights --hosts N``'s options (a version reaching N namespace hosts)."""
+    p.add_argument(
+        "--hosts",
+        type=positive_int,
+        help="receiving hosts (network namespaces, root): a version reaching every worker",
+    )
+    p.add_argument("--shards-per-host", type=positive_int, help="--hosts: shards on each (1)")
+    p.add_argument("--tp", type=positive_int, help="--hosts: each shard's tensor-parallel size (1)")
+    p.add_argument("--link-mbit", type=positive_int, help="--hosts: each link's rate (1000)")
+    p.add_argument(
+        "--path",
+        choices=["node", "worker"],
+        help="--hosts: node caches (default), or every worker pulling its own copy",
+    )
+    p.add_argument("--transport", choices=["sealed", "zmq"], help="--hosts: (sealed)")
+    p.add_argument("--versions", type=positive_int, help="--hosts: timed versions (3)")
+    p.add_argument(
+        "--no-relay",
+        action="store_true",
+        help="--hosts: each node cache pulls from the owner (no relay chain)",
+    )
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
@@ -453,26 +477,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--bucket-mb", type=positive_int, default=64)
     p.add_argument("--credits", type=positive_int, help="tensors: buckets in flight (default 2)")
     p.add_argument("--rounds", type=positive_int, help="vllm: timed syncs (default 5)")
-    p.add_argument(
-        "--hosts",
-        type=positive_int,
-        help="receiving hosts (network namespaces, root): a version reaching every worker",
-    )
-    p.add_argument("--shards-per-host", type=positive_int, help="--hosts: shards on each (1)")
-    p.add_argument("--tp", type=positive_int, help="--hosts: each shard's tensor-parallel size (1)")
-    p.add_argument("--link-mbit", type=positive_int, help="--hosts: each link's rate (1000)")
-    p.add_argument(
-        "--path",
-        choices=["node", "worker"],
-        help="--hosts: node caches (default), or every worker pulling its own copy",
-    )
-    p.add_argument("--transport", choices=["sealed", "zmq"], help="--hosts: (sealed)")
-    p.add_argument("--versions", type=positive_int, help="--hosts: timed versions (3)")
-    p.add_argument(
-        "--no-relay",
-        action="store_true",
-        help="--hosts: each node cache pulls from the owner (no relay chain)",
-    )
+    _hosts_options(p)
     _json_flag(p)
     p.set_defaults(func=_weights)
     p = bsub.add_parser(

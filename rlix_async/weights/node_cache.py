@@ -26,26 +26,29 @@ the owner's ``WeightServer`` with the node's shard key (``P/weights/*`` identiti
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import os
-import socket
 import time
-import uuid
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from rlix_async.protocol import ErrorCode, Message, RpcError
 from rlix_async.protocols.cache_ref import BadRef, CacheRef
 from rlix_async.protocols.sinks import SlotOverwritten, SyncError
-from rlix_async.security import ClientKeys, ServerKeys, ipc_endpoint
-from rlix_async.transport import CallContext, RpcClient, RpcServer, TransportConfig
+from rlix_async.security import ClientKeys, ServerKeys
+from rlix_async.transport import CallContext, RpcClient, RpcServer
 from rlix_async.weights.cache import SlotWriter, WeightCache
 from rlix_async.weights.manifest import Manifest, verify
+from rlix_async.weights.node_link import (
+    LINK,
+    EnsureVersion,
+    NodeVersion,
+    is_node_ref,
+    node_cache_endpoint,
+    node_owner,
+)
 from rlix_async.weights.relay import GetRelayed, Relayed, RelayServer
 from rlix_async.weights.shm import SHM_DIR
 from rlix_async.weights.tcp import (
@@ -56,45 +59,12 @@ from rlix_async.weights.tcp import (
     current_remote,
     receiver_identity,
 )
-
-if TYPE_CHECKING:  # (the transports package asks this module whether a receiver runs)
-    from rlix_async.weights.transports.tcp import Remote
+from rlix_async.weights.transports import remote_transport
+from rlix_async.weights.transports.tcp import Remote
 
 log = logging.getLogger(__name__)
-NODE_OWNER_SUFFIX = ".node"
 PULL_ATTEMPTS = 7  # the owner moving on, or relays failing us: this many pulls at most
-# A worker's wait for its version: one whole transfer over a slow link (140 GB at
-# 1.2 GiB/s is ~110 s), with room for a pull already under way ahead of it.
-ENSURE_TIMEOUT_S = float(os.environ.get("RLIX_NODE_CACHE_TIMEOUT_S", "900"))
-# The workers' link to the receiver is local (ipc): a peer is only lost when its process
-# ends, which the socket itself reports. Heartbeats at the control plane's 1 s / 2.5 s
-# declared idle workers dead when a loaded host stalled their processes for two
-# seconds while versions streamed in (bench weights --hosts 3 on 2 cores).
-LINK = TransportConfig.with_heartbeat(5.0)
 MANIFEST_WAIT_S = 600.0
-
-
-def node_owner(owner: str) -> str:
-    """The owner name a node's cache of ``owner``'s versions has (its segment names)."""
-    return f"{owner}{NODE_OWNER_SUFFIX}"
-
-
-def is_node_ref(ref: CacheRef) -> bool:
-    """Whether ``ref`` names a version in this node's cache (not the owner's)."""
-    return ref.owner.endswith(NODE_OWNER_SUFFIX)
-
-
-def node_cache_endpoint(pipeline: str, host: str | None = None) -> str:
-    """The ipc endpoint of ``pipeline``'s receiver on this node."""
-    host = host or socket.gethostname()
-    job = os.environ.get("RLIX_JOB", "")
-    tag = hashlib.sha1(f"{job}/{pipeline}/{host}".encode()).hexdigest()[:16]
-    return ipc_endpoint(f"node-{tag}")
-
-
-def receiver_running(pipeline: str) -> bool:
-    """Whether this node has a receiver for ``pipeline`` (its socket exists)."""
-    return os.path.exists(node_cache_endpoint(pipeline).removeprefix("ipc://"))
 
 
 class RelayFailed(SyncError):
@@ -103,18 +73,6 @@ class RelayFailed(SyncError):
     def __init__(self, endpoint: str, why: str) -> None:
         super().__init__(f"the relay at {endpoint} failed: {why}")
         self.endpoint = endpoint
-
-
-class EnsureVersion(Message):
-    """From a worker: have the owner's version ``ref`` names (or a newer one) in this
-    node's cache. ``newest``: rather the version the owner publishes now, if newer."""
-
-    ref: CacheRef
-    newest: bool = False
-
-
-class NodeVersion(Message):
-    ref: CacheRef | None  # in this node's cache; None: nothing newer (``newest``)
 
 
 class NodeCache:
@@ -190,9 +148,6 @@ class NodeCache:
         on (pulled now if the node does not hold it); with ``newest``, of the version
         the owner publishes now, None if that is not newer than ``ref``'s."""
         self._check(ref)
-        # (imported here: the transports module asks this one whether a receiver runs)
-        from rlix_async.weights.transports import remote_transport
-
         transport = remote_transport(ref, keys=self.keys)  # a SyncError if none
         async with self._lock:
             if newest:
@@ -331,8 +286,6 @@ class NodeCache:
         transport, pull_ref = owner, ref
         try:
             if source.endpoint:
-                from rlix_async.weights.transports.tcp import Remote
-
                 keys = self.keys.for_server(source.key.encode()) if self.keys else None
                 relayed = await self._ask(
                     ref, source.endpoint, keys, GetRelayed(version=ref.version)
@@ -403,7 +356,10 @@ class NodeCacheServer:
 
     def __init__(self, cache: NodeCache, endpoint: str | None = None) -> None:
         self.cache = cache
-        self.server = RpcServer(endpoint or node_cache_endpoint(cache.pipeline), name="node-cache")
+        # the local link's heartbeats, as its workers' clients have them (node_link.LINK)
+        self.server = RpcServer(
+            endpoint or node_cache_endpoint(cache.pipeline), name="node-cache", config=LINK
+        )
         self.server.on(EnsureVersion, self._ensure)
         self.server.admit_peer = self._admit
 
@@ -429,27 +385,3 @@ class NodeCacheServer:
             return NodeVersion(ref=await self.cache.ensure(msg.ref, newest=msg.newest))
         except SyncError as exc:
             raise RpcError("sync_failed", str(exc)) from None
-
-
-async def ensure_on_node(
-    ref: CacheRef, *, newest: bool = False, timeout: float = ENSURE_TIMEOUT_S
-) -> CacheRef | None:
-    """Ask this node's receiver for ``ref``'s version (a worker's side). Raises a
-    one-line SyncError when it cannot have it, or does not answer within ``timeout``."""
-    endpoint = node_cache_endpoint(ref.pipeline)
-    identity = (
-        f"{ref.pipeline}/weights/{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    )
-    client = RpcClient(endpoint, identity, config=LINK)
-    try:
-        await client.connect(timeout=10.0)
-        reply = await client.call(EnsureVersion(ref=ref, newest=newest), timeout=timeout)
-    except RpcError as exc:
-        raise SyncError(f"this node's cache of {ref.pipeline}: {exc.detail}") from None
-    except Exception as exc:
-        raise SyncError(f"this node's cache of {ref.pipeline} ({endpoint}): {exc}") from None
-    finally:
-        await client.close()
-    if not isinstance(reply, NodeVersion):
-        raise SyncError(f"{endpoint} answered with {type(reply).__name__}")
-    return reply.ref

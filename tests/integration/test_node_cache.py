@@ -27,7 +27,7 @@ from rlix_async.protocols.sinks import SyncError
 from rlix_async.security import ClientKeys
 from rlix_async.transport import CallContext, Reply
 from rlix_async.weights.cache import WeightCache
-from rlix_async.weights.node_cache import node_cache_endpoint, node_owner
+from rlix_async.weights.node_link import node_cache_endpoint, node_owner
 from rlix_async.weights.packing import buckets_of
 from rlix_async.weights.shm import sync_local
 from rlix_async.weights.sinks import TensorSink

@@ -20,7 +20,7 @@ from rlix_async.protocols.cache_ref import CacheRef, Layout
 from rlix_async.protocols.sinks import SyncError, WeightSink
 from rlix_async.protocols.weight_transport import WeightTransport
 from rlix_async.security import ClientKeys
-from rlix_async.weights.node_cache import is_node_ref, receiver_running
+from rlix_async.weights.node_link import is_node_ref, receiver_running
 from rlix_async.weights.shm import SHM_DIR
 from rlix_async.weights.transports.node import NodeCached
 from rlix_async.weights.transports.shm import SharedMemory

@@ -14,7 +14,7 @@ from pathlib import Path
 from rlix_async.protocols.cache_ref import CacheRef, Layout
 from rlix_async.protocols.sinks import SyncError, WeightSink
 from rlix_async.protocols.weight_transport import LeasedVersion
-from rlix_async.weights.node_cache import ensure_on_node, is_node_ref
+from rlix_async.weights.node_link import ensure_on_node, is_node_ref
 from rlix_async.weights.shm import SHM_DIR
 from rlix_async.weights.transports.shm import SharedMemory
 
