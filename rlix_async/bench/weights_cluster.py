@@ -45,6 +45,7 @@ from typing import Any
 import msgspec
 
 from rlix_async.bench.hosts import Hosts, make_hosts, shape_link, tx_bytes
+from rlix_async.bench.weights import _rss_anon
 from rlix_async.protocols.cache_ref import CacheRef
 
 MIB = 1 << 20
@@ -165,17 +166,6 @@ def _cpu_times() -> tuple[int, int]:
     return sum(parts) - idle, sum(parts)
 
 
-def _anon(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return 0
-
-
 def _descendants(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
@@ -208,7 +198,7 @@ class HostMemory:
 
     def _now(self) -> tuple[int, int]:
         procs = [q for p in self.pids for q in _descendants(p)]
-        return _shm_bytes(self.pids[0]), sum(_anon(p) for p in procs)
+        return _shm_bytes(self.pids[0]), sum(_rss_anon(p) for p in procs)
 
     def __enter__(self) -> HostMemory:
         shm, self.base = self._now()

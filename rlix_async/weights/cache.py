@@ -227,7 +227,10 @@ class WeightCache:
 
     def track(self, version: int, tracker: SendTracker) -> None:
         """Remember a zero-copy send of this version's memory (see build)."""
-        slot = self._slot_of(version)
+        self.track_slot(self._slot_of(version), tracker)
+
+    def track_slot(self, slot: int, tracker: SendTracker) -> None:
+        """Remember a zero-copy send out of ``slot`` (a relay's, while it is written)."""
         self._trackers[slot] = [*(t for t in self._trackers[slot] if not t.done), tracker]
 
     def _wait_sends(self, slot: int) -> None:
@@ -347,7 +350,10 @@ class SlotWriter:
     def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         if self.stopping:  # the receiver is stopping: end the pull, the slot unoffered
             raise SyncError("the node's receiver is stopping")
-        assert self._raw is not None and self._layout is not None, "load before start"
+        slot = self._slot
+        assert slot is not None and self._raw is not None and self._layout is not None, (
+            "load before start"
+        )
         buckets = set()
         for name, tensor in named:
             bucket, start, nbytes = self._places[name]
@@ -356,7 +362,7 @@ class SlotWriter:
             buckets.add(bucket)
         for bucket in buckets:  # a transport hands over one whole bucket per call
             start = self._layout.bucket_offsets[bucket]
-            data = self.cache.slots[self._slot or 0].buf[
+            data = self.cache.slots[slot].buf[
                 HEADER + start : HEADER + start + self._layout.bucket_sizes[bucket]
             ]
             if self.digests is not None and bucket_digest(data) != self.digests[bucket]:

@@ -192,11 +192,7 @@ class RelayServer(WeightServer):
             crc32=zlib.crc32(data) if self.checksums else None,
         )
         slot = fl.slot
-        return Reply(meta, [data], on_sent=lambda tracker: self._track(slot, tracker))
-
-    def _track(self, slot: int, tracker: object) -> None:
-        trackers = self.cache._trackers[slot]
-        self.cache._trackers[slot] = [*(t for t in trackers if not t.done), tracker]  # type: ignore[list-item]
+        return Reply(meta, [data], on_sent=lambda tracker: self.cache.track_slot(slot, tracker))
 
     def _generation(self, msg: GetGeneration, ctx: CallContext) -> Generation:
         fl = self.inflight.get(msg.version)

@@ -34,11 +34,9 @@ SMALL = dict(
 
 def configs() -> dict[str, tuple[transformers.PretrainedConfig, dict[str, Any]]]:
     """kind -> (a tiny HF config, engine arguments beyond the defaults)."""
+    llama = transformers.LlamaConfig(**SMALL, head_dim=64, architectures=["LlamaForCausalLM"])
     return {
-        "llama": (
-            transformers.LlamaConfig(**SMALL, head_dim=64, architectures=["LlamaForCausalLM"]),
-            {},
-        ),
+        "llama": (llama, {}),
         # DeepSeek-V3's MLA attention (kv_lora_rank) with dense MLPs only, so that MLA
         # is the one layer here that rules the direct copy out
         "deepseek_mla": (
@@ -72,10 +70,7 @@ def configs() -> dict[str, tuple[transformers.PretrainedConfig, dict[str, Any]]]
             {},
         ),
         # vLLM's online fp8 (weights quantised at load): fp8 wants bf16 activations
-        "llama_fp8": (
-            transformers.LlamaConfig(**SMALL, head_dim=64, architectures=["LlamaForCausalLM"]),
-            {"quantization": "fp8", "dtype": "bfloat16"},
-        ),
+        "llama_fp8": (llama, {"quantization": "fp8", "dtype": "bfloat16"}),
     }
 
 

@@ -49,15 +49,6 @@ class FlippingRelay(RelayServer):
         return Reply(reply.msg, [bytes(bad)])
 
 
-class FlippingNode(NodeCache):
-    async def _relay_for(self, owner: str, cache: WeightCache) -> RelayServer | None:
-        relay = self.relays.get(owner)
-        if relay is None or relay.cache is not cache:
-            relay = await FlippingRelay(cache, "tcp://127.0.0.1:0", self.server_keys).start()
-            self.relays[owner] = relay
-        return relay
-
-
 @pytest.fixture
 def keys(tmp_path: Path) -> Path:
     return make_keys(tmp_path)
@@ -117,7 +108,7 @@ async def test_a_relay_that_alters_a_bucket_is_caught_and_the_owner_sends_instea
     keys: Path, dirs: list[Path]
 ) -> None:
     owner = make_cache()
-    bad = _node(keys, dirs[0], FlippingNode)
+    bad = _node_with(FlippingRelay, keys, dirs[0])
     good = _node(keys, dirs[1])
     try:
         async with serving(owner, keys, CountingServer) as server:

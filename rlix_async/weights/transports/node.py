@@ -7,8 +7,7 @@ owner's node reads the owner's: mapped, under a reader's lease, no private copy.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from rlix_async.protocols.cache_ref import CacheRef, Layout
@@ -53,12 +52,7 @@ class NodeCached:
         return self.local.pull_blocking(local, sink, layout)
 
     def leased(self, ref: CacheRef, layout: Layout | None) -> AbstractContextManager[LeasedVersion]:
-        return self._leased(ref, layout)
-
-    @contextmanager
-    def _leased(self, ref: CacheRef, layout: Layout | None) -> Iterator[LeasedVersion]:
-        with self.local.leased(self.here(ref), layout) as slot:
-            yield slot
+        return self.local.leased(self.here(ref), layout)
 
     def current(self, ref: CacheRef) -> CacheRef | None:
         """The node's ref of the version the owner publishes now, if newer than
