@@ -191,7 +191,9 @@ class Driver:
         from rlix_async.security import ServerKeys
 
         keys = ServerKeys.load(self.cfg.keys, key_name) if self.cfg.keys else None
-        server = await WeightServer(cache, endpoint, keys=keys).start()
+        server = await WeightServer(
+            cache, endpoint, keys=keys, streams=self.cfg.weights.streams
+        ).start()
         public = keys.public.decode() if keys is not None else ""
         cache.serve(server.endpoint, public, self.cfg.weights.transport)
         log.info("%s: serving weights at %s", self.cfg.id, server.endpoint)

@@ -432,9 +432,12 @@ def node_share(plan: list[PlacedProcess], node: int, address: str) -> list[Place
     trainer_node: dict[str, int] = {}
     shard_nodes: dict[str, set[int]] = {}  # per pipeline: where its rollouts run
     served: dict[str, list[str]] = {}  # shard owner -> the pipelines it serves
+    prefetch: dict[str, bool] = {}  # per pipeline: its weights.prefetch
     for proc in plan:
         if proc.role == "trainer" and proc.pipeline is not None and proc.first_rank == 0:
             trainer_node[proc.pipeline] = proc.node  # rank 0's: the driver and its cache
+            if isinstance(proc.config, PipelineConfig):
+                prefetch[proc.pipeline] = proc.config.weights.prefetch
         elif proc.role == "shard" and isinstance(proc.config, ShardConfig):
             # a base group's shard serves its members (each with its own trainer)
             served[proc.config.pipeline] = proc.config.members or [proc.config.pipeline]
@@ -489,6 +492,7 @@ def node_share(plan: list[PlacedProcess], node: int, address: str) -> list[Place
                     *(["--keys", keys] if keys else []),
                     "--address",  # it relays each version on to the nodes behind it
                     address,
+                    *([] if prefetch.get(pid, True) else ["--no-prefetch"]),
                 ),
                 node=node,
                 pipeline=pid,

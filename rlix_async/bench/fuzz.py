@@ -70,21 +70,21 @@ async def fuzz_stream(inputs: int, seed: int = 0, concurrency: int = 8) -> dict[
     import torch
 
     from rlix_async.weights.cache import WeightCache
-    from rlix_async.weights.stream import SealedStreamer, receive_sealed
+    from rlix_async.weights.stream import WeightStreamer, receive_stream
 
     rng = random.Random(seed)
     cache = WeightCache("fuzz", f"fz{uuid.uuid4().hex[:6]}", bucket_bytes=64 << 10)
     g = torch.Generator().manual_seed(seed)
     cache.build(1, {"w": torch.randn(256, 256, generator=g), "b": torch.randn(256, generator=g)})
     cache.promote(1)
-    streamer = await SealedStreamer(
+    streamer = await WeightStreamer(
         cache, "127.0.0.1", hello_timeout_s=0.2, max_connections=16
     ).start()
     layout = cache.layout
     assert layout is not None
     try:
         used = streamer.grant(1, "fuzz/first")  # opens its one stream, then is replayed
-        await receive_sealed(f"tcp://127.0.0.1:{used.port}", used, layout, 2, 10, lambda *a: None)
+        await receive_stream(f"tcp://127.0.0.1:{used.port}", used, layout, 2, 10, lambda *a: None)
         counts = dict.fromkeys(KINDS, 0)
         leaked = 0
         started = time.perf_counter()
@@ -95,13 +95,13 @@ async def fuzz_stream(inputs: int, seed: int = 0, concurrency: int = 8) -> dict[
             kind = rng.choice(KINDS)
             counts[kind] += 1
             async with sem:
-                leaked += await _hostile(kind, streamer.port, rng, used.ticket)
+                leaked += await _hostile(kind, streamer.port, rng, used.tickets[0])
 
         await asyncio.gather(*(one() for _ in range(inputs)))
         hostile_s = time.perf_counter() - started
         landed = bytearray()
         grant = streamer.grant(1, "fuzz/after")
-        await receive_sealed(
+        await receive_stream(
             f"tcp://127.0.0.1:{grant.port}",
             grant,
             layout,

@@ -26,6 +26,17 @@ during the version, over the model's bytes), ``link_utilization`` (the one-link
 transfer's rate over R) and ``cores_busy`` (this machine's busy fraction during the
 version: near 1.0 says the 2 cores, not the links, were the bound); ``sync_retries``
 counts workers' syncs that failed and were tried again (as the coordinator would).
+
+``--wake-after S``: the shards sleep while each version is published and wake S seconds
+later (a sleeping shard syncs at its wake); per version also ``seconds_wake_to_all``
+(from the wake to the last worker's load) and ``nodes_holding_at_wake`` (node caches
+that had received the version by then: with prefetch, every one; ``--no-prefetch``,
+none). ``--streams S`` is the owner's tcp streams per transfer (``weights.streams``).
+``--fault kill-relay|link-down`` strikes in each timed version (``bench/weights_faults.py``);
+every run reports ``torn_loads`` (workers that found part of another version in what
+they loaded: must be 0) and, with node caches, ``seconds_nodes_hold`` (from publishing
+to the last node's cache holding the version). A host's receiver is started again when
+it dies, as ``launch --node`` does.
 """
 
 from __future__ import annotations
@@ -39,6 +50,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +59,7 @@ import msgspec
 
 from rlix_async.bench.hosts import Hosts, make_hosts, shape_link, tx_bytes
 from rlix_async.bench.weights import _rss_anon
+from rlix_async.bench.weights_faults import NodeLogs, inject
 from rlix_async.protocols.cache_ref import CacheRef
 
 MIB = 1 << 20
@@ -70,7 +84,9 @@ def _write_json(path: Path, data: Any) -> None:
 # --- processes on the hosts ----------------------------------------------------------
 
 
-def owner(d: Path, keys: str, address: str, model_mb: int, bucket_mb: int, transport: str) -> None:
+def owner(
+    d: Path, keys: str, address: str, model_mb: int, bucket_mb: int, transport: str, streams: int
+) -> None:
     """Host 0: build each version when asked (``go-V``), publish its ref (``ref-V``)."""
     import asyncio
 
@@ -84,7 +100,9 @@ def owner(d: Path, keys: str, address: str, model_mb: int, bucket_mb: int, trans
     async def serve() -> None:
         cache = WeightCache(PIPELINE, "rank0", bucket_bytes=bucket_mb * MIB)
         server_keys = ServerKeys.load(keys, f"driver-{PIPELINE}")
-        server = await WeightServer(cache, f"tcp://{address}:0", keys=server_keys).start()
+        server = await WeightServer(
+            cache, f"tcp://{address}:0", keys=server_keys, streams=streams
+        ).start()
         cache.serve(server.endpoint, server_keys.public.decode(), transport=transport)
         try:
             version = 1
@@ -105,8 +123,11 @@ def owner(d: Path, keys: str, address: str, model_mb: int, bucket_mb: int, trans
     asyncio.run(serve())
 
 
-def worker(d: Path, keys: str, name: str, rank: int, tp: int, first: int, last: int) -> None:
-    """One tensor-parallel rank of a shard: load versions ``first..last`` as published."""
+def worker(
+    d: Path, keys: str, name: str, rank: int, tp: int, first: int, last: int, asleep: bool
+) -> None:
+    """One tensor-parallel rank of a shard: load versions ``first..last`` as published
+    (``asleep``: each only once woken, ``wake-V``, as a sleeping shard syncs at its wake)."""
     import torch
 
     from rlix_async.protocols.sinks import SyncError
@@ -128,6 +149,8 @@ def worker(d: Path, keys: str, name: str, rank: int, tp: int, first: int, last: 
         _wait_for(d / f"ref-{version}.json")
         published = msgspec.json.decode((d / f"ref-{version}.json").read_bytes())
         ref = msgspec.convert(published["ref"], CacheRef)
+        if asleep:
+            _wait_for(d / f"wake-{version}")
         t0 = time.time()
         # (no sampler here: the driver samples each host's memory, and a sampling thread
         # in each of 20 workers would take the cores the transfer is measured on)
@@ -145,13 +168,17 @@ def worker(d: Path, keys: str, name: str, rank: int, tp: int, first: int, last: 
                     raise
         layout = fetched.layout
         del fetched  # the private copy, where there was one
+        finished = time.time()
+        # the owner fills version V with V: anything else is part of another version
+        whole = all(bool((t == float(version)).all()) for t in model.values())
         _write_json(
             d / f"done-{version}-{name}.json",
             {
-                "seconds": time.time() - t0,
-                "done": time.time(),
+                "seconds": finished - t0,
+                "done": finished,
                 "staged_bytes": staged_bytes,
                 "retries": retries,
+                "torn": not whole,
             },
         )
 
@@ -231,30 +258,43 @@ def run_cluster_bench(
     path: str = "node",
     versions: int = 3,
     relay: bool = True,
+    streams: int = 2,
+    wake_after_s: float = 0.0,
+    prefetch: bool = True,
+    fault: str = "",
     work: Path | None = None,
 ) -> dict[str, Any]:
     """The figures of one configuration (see the module docstring)."""
     tmp = Path(tempfile.mkdtemp(prefix="rlix-bench-", dir=work))
+    shape = Shape(hosts_n, shards_per_host, tp, link_mbit, model_mb, bucket_mb, transport,
+                  path, versions, relay, streams, wake_after_s, prefetch, fault)  # fmt: skip
     try:
-        return _run(tmp, hosts_n, shards_per_host, tp, link_mbit, model_mb, bucket_mb,
-                    transport, path, versions, relay)  # fmt: skip
+        return _run(tmp, shape)
     finally:
         _remove(tmp)
 
 
-def _run(
-    tmp: Path,
-    hosts_n: int,
-    shards_per_host: int,
-    tp: int,
-    link_mbit: int,
-    model_mb: int,
-    bucket_mb: int,
-    transport: str,
-    path: str,
-    versions: int,
-    relay: bool,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Shape:
+    """One configuration of the benchmark (the CLI's options)."""
+
+    hosts: int
+    shards_per_host: int
+    tp: int
+    link_mbit: int
+    model_mb: int
+    bucket_mb: int
+    transport: str
+    path: str
+    versions: int
+    relay: bool
+    streams: int
+    wake_after_s: float  # > 0: the shards sleep while a version is published, then wake
+    prefetch: bool  # the node caches take each version as published (weights.prefetch)
+    fault: str = ""  # one of bench/weights_faults.FAULTS, struck in each timed version
+
+
+def _run(tmp: Path, shape: Shape) -> dict[str, Any]:
     from rlix_async.security import keygen
 
     d = tmp / "exchange"
@@ -266,66 +306,75 @@ def _run(
     logs = tmp / "logs"
     logs.mkdir()
     first_timed = 3  # version 1: the one-link probe; 2: warm-up (allocations, connections)
-    last = first_timed + versions - 1
-    with make_hosts(hosts_n + 1, tmp / "hosts") as hosts:
+    last = first_timed + shape.versions - 1
+    with make_hosts(shape.hosts + 1, tmp / "hosts") as hosts:
         for h in hosts.hosts:
-            shape_link(h, link_mbit)
+            shape_link(h, shape.link_mbit)
         hosts.start(
             hosts[0],
-            [*py, "owner", str(d), str(keys), hosts[0].address, str(model_mb), str(bucket_mb),
-             transport],
+            [*py, "owner", str(d), str(keys), hosts[0].address, str(shape.model_mb),
+             str(shape.bucket_mb), shape.transport, str(shape.streams)],
             logs / "owner.log",
         )  # fmt: skip
-        model_bytes = _model_bytes(model_mb)
+        model_bytes = _model_bytes(shape.model_mb)
         # one whole transfer over one shaped link, one receiver alone (no node cache yet)
         probe = hosts.start(
-            hosts[1], [*py, "worker", str(d), str(keys), "probe", "0", "1", "1", "1"],
+            hosts[1], [*py, "worker", str(d), str(keys), "probe", "0", "1", "1", "1", "awake"],
             logs / "probe.log",
         )  # fmt: skip
         (d / "go-1").touch()
         _wait_for(d / "done-1-probe.json")
         probe.wait(60)
         one_link = msgspec.json.decode((d / "done-1-probe.json").read_bytes())["seconds"]
-        per_host, names = _start_hosts(hosts, d, keys, logs, shards_per_host, tp, path, relay, last)
-        if path == "node":
-            _wait_receivers(hosts, logs, hosts_n)
+        per_host, names = _start_hosts(hosts, d, keys, logs, shape, last)
+        if shape.path == "node":
+            _wait_receivers(hosts, logs, shape.hosts)
         rows = []
         for version in range(2, last + 1):
-            row = _one_version(hosts, d, per_host, names, version, model_bytes)
-            if version >= first_timed:
+            timed = version >= first_timed
+            row = _one_version(
+                hosts, d, logs, per_host, names, version, model_bytes, shape, strike=timed
+            )
+            if timed:
                 rows.append(row)
         (d / "stop").touch()
         hosts.stop()
+    # per host, how many times its receiver started (1: never restarted)
+    starts = {
+        i: (logs / f"node-cache-{i}.log").read_bytes().count(b"READY node-cache")
+        for i in range(1, shape.hosts + 1)
+        if (logs / f"node-cache-{i}.log").exists()
+    }
     result = {
-        "hosts": hosts_n,
-        "shards_per_host": shards_per_host,
-        "tp": tp,
-        "link_mbit": link_mbit,
-        "transport": transport,
-        "path": path,
-        "relay": relay and path == "node",
+        "hosts": shape.hosts,
+        "shards_per_host": shape.shards_per_host,
+        "tp": shape.tp,
+        "link_mbit": shape.link_mbit,
+        "transport": shape.transport,
+        "streams": shape.streams,
+        "path": shape.path,
+        "relay": shape.relay and shape.path == "node",
+        "wake_after_s": shape.wake_after_s,
+        "prefetch": shape.prefetch and shape.path == "node",
+        "fault": shape.fault,
+        "receiver_starts": starts,
         "model_mb": round(model_bytes / MIB, 1),
         "seconds_one_link": round(one_link, 3),
-        "link_utilization": round(model_bytes * 8 / one_link / (link_mbit * 1e6), 3),
+        "link_utilization": round(model_bytes * 8 / one_link / (shape.link_mbit * 1e6), 3),
         "versions": rows,
     }
-    for key in ("owner_egress_per_model", "seconds_to_all", "node_extra_mem_per_model",
-                "cores_busy"):  # fmt: skip
+    keys_ = ["owner_egress_per_model", "seconds_to_all", "node_extra_mem_per_model", "cores_busy"]
+    keys_ += ["seconds_nodes_hold"] if shape.path == "node" else []
+    if shape.wake_after_s:
+        keys_.append("seconds_wake_to_all")
+    for key in keys_:
         result[key] = round(statistics.median(r[key] for r in rows), 3)
     result["seconds_to_all_over_one_link"] = round(result["seconds_to_all"] / one_link, 3)
     return result
 
 
 def _start_hosts(
-    hosts: Hosts,
-    d: Path,
-    keys: Path,
-    logs: Path,
-    shards_per_host: int,
-    tp: int,
-    path: str,
-    relay: bool,
-    last: int,
+    hosts: Hosts, d: Path, keys: Path, logs: Path, shape: Shape, last: int
 ) -> tuple[dict[int, list[int]], list[str]]:
     """Each receiving host's receiver (node path) and workers; their pids per host, and
     the workers' names. A host's processes start from one shell on it: they share its
@@ -333,18 +382,25 @@ def _start_hosts(
     py = [sys.executable, "-m", "rlix_async.bench.weights_cluster"]
     per_host: dict[int, list[int]] = {}
     names = []
+    asleep = "asleep" if shape.wake_after_s else "awake"
     for i in range(1, len(hosts.hosts)):
         commands = []
-        if path == "node":
+        if shape.path == "node":
             receiver = [sys.executable, "-m", "rlix_async.cli", "node-cache"]
             receiver += ["--pipeline", PIPELINE, "--keys", str(keys)]
-            receiver += ["--address", hosts[i].address] if relay else []
-            commands.append((receiver, logs / f"node-cache-{i}.log"))
-        for s in range(shards_per_host):
-            for r in range(tp):
+            receiver += ["--address", hosts[i].address] if shape.relay else []
+            receiver += [] if shape.prefetch else ["--no-prefetch"]
+            # started again when it dies, as `launch --node` does (same host, same /dev/shm)
+            stop, log = shlex.quote(str(d / "stop")), shlex.quote(str(logs / f"node-cache-{i}.log"))
+            supervised = f"while [ ! -e {stop} ]; do {shlex.join(receiver)} >>{log} 2>&1; "
+            supervised += "sleep 0.2; done"
+            commands.append((["sh", "-c", supervised], logs / f"host-{i}-receiver.log"))
+        for s in range(shape.shards_per_host):
+            for r in range(shape.tp):
                 name = f"h{i}s{s}r{r}"
                 names.append(name)
-                argv = [*py, "worker", str(d), str(keys), name, str(r), str(tp), "2", str(last)]
+                argv = [*py, "worker", str(d), str(keys), name, str(r), str(shape.tp), "2",
+                        str(last), asleep]  # fmt: skip
                 commands.append((argv, logs / f"worker-{name}.log"))
         script = " ".join(
             f"{shlex.join(argv)} >{shlex.quote(str(log))} 2>&1 &" for argv, log in commands
@@ -357,28 +413,59 @@ def _start_hosts(
 def _one_version(
     hosts: Hosts,
     d: Path,
+    logs: Path,
     per_host: dict[int, list[int]],
     names: list[str],
     version: int,
     model_bytes: int,
+    shape: Shape,
+    strike: bool = False,
 ) -> dict[str, Any]:
-    """Publish ``version`` and measure it reaching every worker."""
+    """Publish ``version`` and measure it reaching every worker (asleep: woken
+    ``wake_after_s`` after it was published; ``strike``: with the shape's fault)."""
     sent0 = tx_bytes(hosts[0])
     busy0, total0 = _cpu_times()
     memories = [HostMemory(pids) for pids in per_host.values()]
     for m in memories:
         m.__enter__()
+    woken, ready_at_wake = 0.0, 0
+    watch = NodeLogs(logs, shape.hosts, PIPELINE).__enter__()
+    faulted: dict[str, object] = {}
+    striker, struck_out = None, []
+    if strike and shape.fault:
+
+        def strike_now() -> None:
+            try:
+                faulted.update(inject(shape.fault, hosts, watch, version, WAIT_S))
+            except BaseException as exc:  # raised in the driver below, not lost
+                struck_out.append(exc)
+
+        striker = threading.Thread(target=strike_now, daemon=True)
+        striker.start()
     try:
         (d / f"go-{version}").touch()
+        if shape.wake_after_s:
+            _wait_for(d / f"ref-{version}.json")
+            time.sleep(shape.wake_after_s)
+            woken = time.time()
+            ready_at_wake = _nodes_holding(logs, version, shape.hosts)
+            (d / f"wake-{version}").touch()
         for name in names:
             _wait_for(d / f"done-{version}-{name}.json")
+        if shape.path == "node":  # every node's cache holds it (a killed one's successor)
+            _wait_until(lambda: len(watch.received(version)) == shape.hosts)
+        if striker is not None:
+            striker.join(WAIT_S)
+            if struck_out:
+                raise RuntimeError(f"the fault {shape.fault} failed: {struck_out[0]}")
     finally:
+        watch.__exit__()
         for m in memories:
             m.__exit__()
     busy1, total1 = _cpu_times()
     published = msgspec.json.decode((d / f"ref-{version}.json").read_bytes())["published"]
     done = [msgspec.json.decode((d / f"done-{version}-{n}.json").read_bytes()) for n in names]
-    return {
+    row = {
         "version": version,
         "owner_egress_per_model": (tx_bytes(hosts[0]) - sent0) / model_bytes,
         "seconds_to_all": max(x["done"] for x in done) - published,
@@ -387,6 +474,32 @@ def _one_version(
         "sync_retries": sum(x["retries"] for x in done),
         "cores_busy": (busy1 - busy0) / max(1, total1 - total0),
     }
+    if shape.wake_after_s:
+        row["seconds_wake_to_all"] = max(x["done"] for x in done) - woken
+        row["nodes_holding_at_wake"] = ready_at_wake
+    row["torn_loads"] = sum(1 for x in done if x["torn"])
+    if shape.path == "node":
+        held = {i: round(at - published, 3) for i, at in sorted(watch.received(version).items())}
+        row["seconds_nodes_hold"] = max(held.values())
+        row["seconds_each_node_holds"] = held  # per host: a fault's victim and the others
+    if faulted:
+        row["fault"] = {**faulted, "at": round(float(faulted["at"]) - published, 3)}  # type: ignore[arg-type]
+    return row
+
+
+def _wait_until(done: Callable[[], bool], timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout:.0f} s")
+        time.sleep(0.02)
+
+
+def _nodes_holding(logs: Path, version: int, n: int) -> int:
+    """How many hosts' node caches had received ``version`` (their logs say so)."""
+    line = f"received version {version} of {PIPELINE}:".encode()
+    logs_ = [logs / f"node-cache-{i}.log" for i in range(1, n + 1)]
+    return sum(1 for log in logs_ if log.exists() and line in log.read_bytes())
 
 
 def _model_bytes(model_mb: int) -> int:
@@ -420,18 +533,24 @@ def main(argv: list[str]) -> None:
     o.add_argument("model_mb", type=int)
     o.add_argument("bucket_mb", type=int)
     o.add_argument("transport")
+    o.add_argument("streams", type=int)
     w = sub.add_parser("worker")
     for name in ("dir", "keys", "name"):
         w.add_argument(name)
     for name in ("rank", "tp", "first", "last"):
         w.add_argument(name, type=int)
+    w.add_argument("asleep", choices=["asleep", "awake"])
     args = p.parse_args(argv)
     if args.role == "owner":
         owner(
-            Path(args.dir), args.keys, args.address, args.model_mb, args.bucket_mb, args.transport
-        )
+            Path(args.dir), args.keys, args.address, args.model_mb, args.bucket_mb,
+            args.transport, args.streams,
+        )  # fmt: skip
     else:
-        worker(Path(args.dir), args.keys, args.name, args.rank, args.tp, args.first, args.last)
+        worker(
+            Path(args.dir), args.keys, args.name, args.rank, args.tp, args.first, args.last,
+            args.asleep == "asleep",
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -79,13 +79,17 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _weights(args: argparse.Namespace) -> int:
-    only = {"credits": "tensors", "rounds": "vllm"}  # options of one receiver
+    only = {"credits": "tensors", "rounds": "vllm", "streams": "tensors"}  # one receiver's
+    if args.streams is not None and not 1 <= args.streams <= 16:
+        raise UsageError(f"--streams: 1..16 (weights.streams' bounds), not {args.streams}")
     for option, receiver in only.items():
         if getattr(args, option) is not None and args.receiver != receiver:
             raise UsageError(f"--{option} applies to --receiver {receiver} only")
-    cluster = ("shards_per_host", "tp", "link_mbit", "path", "transport", "versions")
-    if args.no_relay and args.hosts is None:
-        raise UsageError("--no-relay: only with --hosts N")
+    cluster = ("shards_per_host", "tp", "link_mbit", "path", "transport", "versions", "wake_after",
+               "fault")  # fmt: skip
+    for flag in ("no_relay", "no_prefetch"):
+        if getattr(args, flag) and args.hosts is None:
+            raise UsageError(f"--{flag.replace('_', '-')}: only with --hosts N")
     if args.hosts is not None:
         return _weights_cluster(args)
     given = [f"--{o.replace('_', '-')}" for o in cluster if getattr(args, o) is not None]
@@ -95,25 +99,24 @@ def _weights(args: argparse.Namespace) -> int:
         return _weights_vllm(args)
     from rlix_async.bench.weights import run_weights_bench
 
-    r = run_weights_bench(args.size_mb or 1024, args.bucket_mb, args.credits or 2)
+    r = run_weights_bench(
+        args.size_mb or 1024, args.bucket_mb, args.credits or 2, args.streams or 2
+    )
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
     print(
         f"{r['size_mb']} MiB in {r['buckets']} buckets of {r['bucket_mb']} MiB "
-        f"({r['credits']} in flight)"
+        f"({r['credits']} in flight), {r['streams']} streams"
     )
-    for key in (
-        "memcpy_gibps",
-        "local_gibps",
-        "remote_gibps",
-        "curve_sync_gibps",
-        "curve_gibps",
-        "plain_tcp_gibps",
-    ):
+    for key in ("memcpy_gibps", "local_gibps", "curve_sync_gibps", "curve_gibps"):
         print(f"  {key:16s} {r[key]:6.2f} GiB/s")
+    for key in sorted(k for k in r if k.startswith(("sealed_x", "plain_x"))):
+        print(f"  {key:16s} {r[key]:6.2f} GiB/s")
+    print(f"  {'plain_tcp_gibps':16s} {r['plain_tcp_gibps']:6.2f} GiB/s")
     print(
-        f"  remote = {r['remote_vs_curve']:.2f} x curve, {r['remote_vs_plain_tcp']:.2f} x plain_tcp"
+        f"  remote (sealed x {r['streams']}) = {r['remote_vs_curve']:.2f} x curve, "
+        f"{r['remote_vs_plain_x1']:.2f} x plain x 1, {r['remote_vs_plain_tcp']:.2f} x plain_tcp"
     )
     print(
         f"  peak_extra_mb  {r['peak_extra_mb']:6.1f} MiB (local {r['local_extra_mb']:.1f}, "
@@ -127,6 +130,13 @@ def _weights_cluster(args: argparse.Namespace) -> int:
         raise UsageError("--hosts makes network namespaces and shapes links: run it as root")
     if args.receiver != "tensors":
         raise UsageError("--hosts: the workers load as the rlix_shm backend does; no --receiver")
+    if args.fault and args.path == "worker":
+        raise UsageError("--fault: node caches only (not --path worker)")
+    if args.fault == "kill-relay" and (args.hosts < 2 or args.no_relay or args.no_prefetch):
+        raise UsageError(
+            "--fault kill-relay: needs a relay (--hosts 2 or more, relayed) and prefetch "
+            "(the killed receiver's successor takes the version on its own)"
+        )
     import signal
 
     from rlix_async.bench.hosts import HostsError
@@ -148,6 +158,10 @@ def _weights_cluster(args: argparse.Namespace) -> int:
             path=args.path or "node",
             versions=args.versions or 3,
             relay=not args.no_relay,
+            streams=args.streams or 2,
+            wake_after_s=args.wake_after or 0.0,
+            prefetch=not args.no_prefetch,
+            fault=args.fault or "",
         )
     except HostsError as exc:
         raise UsageError(str(exc)) from None
@@ -156,19 +170,23 @@ def _weights_cluster(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{r['hosts']} hosts x {r['shards_per_host']} shards x tp {r['tp']}, links "
-        f"{r['link_mbit']} Mbit/s, {r['model_mb']} MiB, {r['transport']}, path {r['path']}"
-        + (", relayed" if r["relay"] else "")
-    )
+        f"{r['link_mbit']} Mbit/s, {r['model_mb']} MiB, {r['transport']} x {r['streams']}, "
+        f"path {r['path']}" + (", relayed" if r["relay"] else "")
+        + (f", asleep {r['wake_after_s']} s" if r["wake_after_s"] else "")
+        + (", prefetch" if r["prefetch"] else "")
+    )  # fmt: skip
     for key in (
         "owner_egress_per_model",
         "seconds_one_link",
         "seconds_to_all",
         "seconds_to_all_over_one_link",
+        "seconds_wake_to_all",
         "node_extra_mem_per_model",
         "link_utilization",
         "cores_busy",
     ):
-        print(f"  {key:30s} {r[key]}")
+        if key in r:
+            print(f"  {key:30s} {r[key]}")
     return 0
 
 
@@ -429,12 +447,27 @@ def _hosts_options(p: argparse.ArgumentParser) -> None:
         choices=["node", "worker"],
         help="--hosts: node caches (default), or every worker pulling its own copy",
     )
-    p.add_argument("--transport", choices=["sealed", "zmq"], help="--hosts: (sealed)")
+    p.add_argument("--transport", choices=["sealed", "plain", "zmq"], help="--hosts: (sealed)")
     p.add_argument("--versions", type=positive_int, help="--hosts: timed versions (3)")
     p.add_argument(
         "--no-relay",
         action="store_true",
         help="--hosts: each node cache pulls from the owner (no relay chain)",
+    )
+    p.add_argument(
+        "--wake-after",
+        type=_positive_float,
+        help="--hosts: shards sleep while each version is published, wake S seconds later",
+    )
+    p.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="--hosts: node caches pull only when a shard asks (weights.prefetch: false)",
+    )
+    p.add_argument(
+        "--fault",
+        choices=["kill-relay", "link-down"],
+        help="--hosts: kill a relaying node's receiver, or take a link down 10 s, mid-version",
     )
 
 
@@ -477,6 +510,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--bucket-mb", type=positive_int, default=64)
     p.add_argument("--credits", type=positive_int, help="tensors: buckets in flight (default 2)")
     p.add_argument("--rounds", type=positive_int, help="vllm: timed syncs (default 5)")
+    p.add_argument(
+        "--streams",
+        type=positive_int,
+        help="tensors, --hosts: tcp streams per transfer, as weights.streams (default 2)",
+    )
     _hosts_options(p)
     _json_flag(p)
     p.set_defaults(func=_weights)

@@ -63,7 +63,7 @@ def _node_cache(args: argparse.Namespace) -> int:
     from rlix_async.aio import run
     from rlix_async.weights.node_main import serve
 
-    run(serve(args.pipeline, args.keys, args.address or ""))
+    run(serve(args.pipeline, args.keys, args.address or "", prefetch=not args.no_prefetch))
     return 0
 
 
@@ -216,6 +216,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--keys", help="the node's key directory (its shard key pulls the weights)")
     p.add_argument(
         "--address", help="this node's address: relay each version to the nodes behind it"
+    )
+    p.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="receive a version only when a shard here asks (weights.prefetch: false)",
     )
     p.set_defaults(func=_node_cache)
 

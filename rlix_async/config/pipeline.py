@@ -32,15 +32,39 @@ class WeightsConfig(Config, frozen=True):
         ),
     ] = 64
     transport: Annotated[
-        Literal["sealed", "zmq"],
+        Literal["sealed", "plain", "zmq"],
         doc(
             "How shards on other nodes receive a version from the trainer's weight "
             "server (on the trainer's node they read shared memory). sealed: AES-256-GCM "
-            "chunks on a plain tcp listener, keyed and ticketed over the CURVE socket "
-            "(3.3-3.4x CURVE's speed, docs/PERF.md). zmq: every bucket as frames on the "
-            "CURVE socket itself (no second port to reach, 0.35 GiB/s here)."
+            "chunks on plain tcp streams, keyed and ticketed over the CURVE socket "
+            "(3.3-3.4x CURVE's speed, docs/PERF.md). plain: the same streams unsealed, "
+            "for a fabric the operator trusts: anyone on the path can read the weights "
+            "and alter what the shards load, undetected (the CURVE socket still decides "
+            "who may ask). zmq: every bucket as frames on the CURVE socket itself (no "
+            "second port to reach, 0.35 GiB/s here)."
         ),
     ] = "sealed"
+    streams: Annotated[
+        int,
+        doc(
+            "tcp streams per transfer for sealed and plain (stream j carries buckets j, "
+            "j+S, ...): one core seals about 2 GiB/s, so a link faster than that needs "
+            "several, each with its own thread on both sides. Each costs a socket and "
+            "a bucket buffer on the receiver.",
+            ge=1,
+            le=16,
+        ),
+    ] = 2
+    prefetch: Annotated[
+        bool,
+        doc(
+            "On a node whose shards load from an owner elsewhere: its node cache takes "
+            "each new version as it is published, even while the node's shards sleep "
+            "(host memory and idle link time only), so a wake loads at local speed. "
+            "false: only when a shard asks (a node short of host memory: the cache's "
+            "second slot is then filled only on demand)."
+        ),
+    ] = True
 
 
 class PipelineConfig(Config, frozen=True):

@@ -39,8 +39,8 @@ class CacheRef(msgspec.Struct, frozen=True):
     # Its CURVE public key (z85): a shard authenticates the server it pulls from with
     # this key, which reaches it through the coordinator from the pipeline's own driver.
     server_key: str = ""
-    # How the owner serves receivers on other nodes (weights/transports/): "sealed"
-    # streams or "zmq" frames, the pipeline's weights.transport. On the owner's node a
+    # How the owner serves receivers on other nodes (weights/transports/): "sealed" or
+    # "plain" streams or "zmq" frames, the pipeline's weights.transport. On the owner's node a
     # receiver reads shared memory whatever this says.
     transport: str = "sealed"
     # Which start of the owner's cache wrote it: a restarted owner numbers its versions

@@ -19,7 +19,8 @@ class SlotOverwritten(SyncError):
 
 
 class WeightSink(Protocol):
-    """A sync calls ``start``, ``load`` once per bucket, then ``finish``; on any
+    """A sync calls ``start``, ``load`` once per bucket (in any order: several
+    streams land buckets as they come), then ``finish``; on any
     failure ``abort``, after which the sink must still hold its old weights.
 
     The tensors ``load`` gets are views of the owner's memory, valid only during

@@ -65,6 +65,7 @@ from rlix_async.weights.transports.tcp import Remote
 log = logging.getLogger(__name__)
 PULL_ATTEMPTS = 7  # the owner moving on, or relays failing us: this many pulls at most
 MANIFEST_WAIT_S = 600.0
+PREFETCH_POLL_S = 1.0  # how often a prefetching node asks the owner for a newer version
 
 
 class RelayFailed(SyncError):
@@ -90,11 +91,15 @@ class NodeCache:
         report: Callable[[dict[str, object]], None] | None = None,
         relay_address: str = "",
         server_keys: ServerKeys | None = None,
+        remember: Path | None = None,
     ) -> None:
         """``report``: called with each transfer's record (version, bytes, seconds,
-        source). ``relay_address``: where this node relays what it receives to the
-        nodes behind it (its address as they reach it; "": it does not relay), with
-        ``server_keys`` (the node's own pair)."""
+        source) and as each pull begins (event "pulling", version, source).
+        ``relay_address``: where this node relays what it receives to the nodes
+        behind it (its address as they reach it; "": it does not relay), with
+        ``server_keys`` (the node's own pair). ``remember``: a file of ours where the
+        owner's newest ref is kept for a successor (a receiver that died and was
+        started again prefetches at once, before any worker asks)."""
         self.report = report
         self.relay_address = relay_address
         self.server_keys = server_keys
@@ -108,6 +113,10 @@ class NodeCache:
         self.incarnations: dict[str, str] = {}  # per owner: whose versions its cache holds
         self._lock = asyncio.Lock()
         self.pulls: list[dict[str, object]] = []  # each transfer: version, bytes, seconds
+        # the owner's newest ref this node has seen (from a worker, or a prefetch): what
+        # a prefetching node asks the owner about
+        self.remember = remember
+        self.latest: CacheRef | None = self._recalled()
 
     def _cache(self, ref: CacheRef) -> WeightCache:
         """The node's cache of ``ref``'s owner, emptied if that owner started again
@@ -149,6 +158,11 @@ class NodeCache:
         the owner publishes now, None if that is not newer than ``ref``'s."""
         self._check(ref)
         transport = remote_transport(ref, keys=self.keys)  # a SyncError if none
+        self._saw(ref)
+        if not newest and self._holds(ref):
+            # held already: answered without waiting for a pull under way (a prefetch)
+            cache = self.caches[ref.owner]
+            return cache.ref(max(cache.versions))
         async with self._lock:
             if newest:
                 now = await current_remote(ref, keys=transport.keys)
@@ -191,6 +205,68 @@ class NodeCache:
                 f"no consistent version of {self.pipeline} from {ref.server} "
                 f"after {PULL_ATTEMPTS} tries (the owner keeps moving on)"
             )
+
+    def _recalled(self) -> CacheRef | None:
+        """What a predecessor on this node remembered (None: nothing, or not ours)."""
+        if self.remember is None or not self.remember.exists():
+            return None
+        try:
+            ref = msgspec.json.decode(self.remember.read_bytes(), type=CacheRef)
+            ref.check_names()
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError, BadRef) as exc:
+            log.warning("ignoring %s: %s", self.remember, exc)
+            return None
+        return ref if ref.pipeline == self.pipeline and not is_node_ref(ref) else None
+
+    def _saw(self, ref: CacheRef) -> None:
+        last = self.latest
+        if last is None or ref.incarnation != last.incarnation or ref.version > last.version:
+            self.latest = ref
+            if self.remember is not None:
+                tmp = self.remember.with_suffix(".tmp")
+                try:
+                    tmp.write_bytes(msgspec.json.encode(ref))
+                    tmp.replace(self.remember)  # whole or not at all, for a successor
+                except OSError as exc:  # only a successor's head start is lost
+                    log.warning("could not remember the owner's ref in %s: %s", tmp, exc)
+
+    async def prefetch(self, poll_s: float = PREFETCH_POLL_S) -> None:
+        """Take each version the owner publishes as it appears, whether or not a worker
+        here asks (its shards may sleep: a later wake then loads at local speed instead
+        of waiting for the network). Runs until cancelled; asks the owner every
+        ``poll_s`` once a worker's first request (or a predecessor's memory) named it,
+        and pulls whenever the owner's current version is not the one this node holds
+        (a failed pull is tried again at the next poll; a worker asking meanwhile pulls
+        as always). Never ends on a failure: it is logged once per outage."""
+        failing = False
+        while True:
+            await asyncio.sleep(poll_s)
+            ref = self.latest
+            if ref is None:
+                continue
+            try:
+                transport = remote_transport(ref, keys=self.keys)
+                # the owner's current version, whatever its number (not under the lock)
+                now = await current_remote(
+                    msgspec.structs.replace(ref, version=-1), keys=transport.keys
+                )
+                if now is not None and not self._holds(now):
+                    await self.ensure(now)
+                if failing:
+                    log.info("prefetch of %s: the owner answers again", self.pipeline)
+                failing = False
+            except Exception as exc:  # a receiver outlives any one failed pull
+                if not failing:  # once per outage, not once per poll
+                    log.warning("prefetch of %s: %s (trying again)", self.pipeline, exc)
+                failing = True
+
+    def _holds(self, ref: CacheRef) -> bool:
+        """Whether this node holds ``ref``'s version, or a newer one, of the same start
+        of its owner."""
+        cache = self.caches.get(ref.owner)
+        if cache is None or self.incarnations.get(ref.owner) != ref.incarnation:
+            return False
+        return max(cache.versions, default=-1) >= ref.version
 
     async def _relay_for(self, owner: str, cache: WeightCache) -> RelayServer | None:
         """This node's relay of ``cache`` (None: no address to serve on)."""
@@ -235,6 +311,8 @@ class NodeCache:
             source, transport, pull_ref, manifest = await self._source(
                 ref, owner, relay, failed_relays
             )
+            if self.report is not None:
+                self.report({"event": "pulling", "version": ref.version, "source": source})
             if relay is not None and inflight is not None and manifest is not None:
                 relay.begin(inflight, manifest)
             writer = self._writer = cache.receive(
@@ -242,12 +320,21 @@ class NodeCache:
                 on_open=partial(relay.opened, inflight) if relay and inflight else None,
                 on_landed=partial(relay.landed, inflight) if relay and inflight else None,
             )
+            # On a thread with its own loop: receiving and copying into the slot take
+            # whole seconds, and this loop must keep answering its workers (their
+            # heartbeats) and the nodes behind it meanwhile. The lock keeps the cache
+            # to that thread until the pull ends.
+            pulling = asyncio.ensure_future(
+                asyncio.to_thread(transport.pull_blocking, pull_ref, writer, cache.layout)
+            )
             try:
-                # On a thread with its own loop: receiving and copying into the slot take
-                # whole seconds, and this loop must keep answering its workers (their
-                # heartbeats) and the nodes behind it meanwhile. The lock keeps the cache
-                # to that thread until the pull ends.
-                await asyncio.to_thread(transport.pull_blocking, pull_ref, writer, cache.layout)
+                await asyncio.shield(pulling)
+            except asyncio.CancelledError:
+                # stopping: end the pull at its next bucket and wait for the thread to
+                # let go of the slot before the lock (and the segments) can go
+                writer.stopping = True
+                await asyncio.wait([pulling], timeout=self.send_wait_s)
+                raise
             except SyncError as exc:
                 if source and not isinstance(exc, SlotOverwritten):
                     raise RelayFailed(source, str(exc)) from None
@@ -330,9 +417,11 @@ class NodeCache:
                 raise SlotOverwritten(f"version {ref.version} left the owner") from None
             raise SyncError(f"the manifest of version {ref.version}: {exc}") from None
 
-    async def aclose(self, wait_s: float = 30.0) -> None:
+    async def aclose(self, wait_s: float = 30.0, *, forget: bool = True) -> None:
         """Stop: end a pull under way at its next bucket, wait for its thread to let go of
-        the cache (at most ``wait_s``), then close the relays and remove the segments."""
+        the cache (at most ``wait_s``), then close the relays and remove the segments
+        (``forget``: and what a successor would resume from; not when this receiver
+        ends on a failure, to be started again)."""
         if self._writer is not None:
             self._writer.stopping = True
         try:
@@ -343,6 +432,8 @@ class NodeCache:
             await relay.close()
         self.relays.clear()
         self.close()
+        if forget and self.remember is not None:  # the pipeline ended: nothing to resume
+            self.remember.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Remove the node's segments (the pipeline ended, or the receiver stops)."""

@@ -1,4 +1,6 @@
-"""Bulk weight bytes between nodes: AES-256-GCM over plain tcp, keyed over CURVE.
+"""Bulk weight bytes between nodes: AES-256-GCM over plain tcp, keyed over CURVE
+(``sealed``), or the bare bytes (``plain``, for a fabric the operator trusts), on one
+or several tcp streams per transfer.
 
 Why not CURVE for the bytes: libsodium seals every ZMQ frame through a
 per-message box at about 0.3-0.4 GiB/s here (35 s per node to move a 14 GB
@@ -25,11 +27,21 @@ connection must show a ticket within ``hello_timeout_s``, and at most
 ``max_connections`` are open at once. The slot-generation check after the last
 bucket runs on the CURVE socket, as for every remote sync.
 
-The grant names its ``transport``; ``"sealed"`` (this module) is the only one
-served today. A GPU transport plugs in the same way: the grant carries a
-rendezvous (address, port, ranks) instead of a key, the owner broadcasts the
-buckets from its device copy in a temporary process group torn down after the
-sync, and the same generation check closes it.
+Several streams: one core seals (or opens) about 2 GiB/s, less than a fast link
+carries, so a grant may hold S tickets (the owner's ``weights.streams``); stream j
+carries buckets j, j+S, j+2S... under the one key, its nonces prefixed with j, so a
+chunk moved from one stream to another fails authentication like a reordered one.
+Each stream has its own thread on each side: sealing spreads over S cores.
+
+``plain``: the same tickets and headers, the bytes unsealed. Anyone on the path can
+read the weights and alter them undetected (tcp's checksum is no defence); an owner
+grants it only when its pipeline says ``weights.transport: plain``, and a receiver
+that asked for ``sealed`` refuses a plain grant (no downgrade by a confused owner).
+
+A GPU transport plugs in the same way: the grant carries a rendezvous (address, port,
+ranks) instead of a key, the owner broadcasts the buckets from its device copy in a
+temporary process group torn down after the sync, and the same generation check
+closes it.
 """
 
 from __future__ import annotations
@@ -42,7 +54,8 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -61,25 +74,27 @@ TICKET_BYTES = 32
 TAG = 16  # AES-GCM tag
 CHUNK = 1 << 20  # sealed chunk: small enough for short GIL holds, big enough for speed
 _HEADER = struct.Struct("<QQQQ")  # version, index, nbytes, generation
+STREAM_KINDS = ("sealed", "plain")  # what a grant may name
+MAX_STREAMS = 16  # per transfer: more is refused (a receiver opens this many sockets)
 
 
 class OpenStream(Message):
     """Ask the owner for a grant to stream ``version`` (on the CURVE socket)."""
 
     version: int
-    transport: str = "sealed"
+    transport: str = "sealed"  # or "plain" (only from an owner whose pipeline says so)
 
 
 class StreamGrant(Message):
     transport: str
     port: int  # the owner's stream listener, on the WeightServer's host
-    ticket: bytes
-    key: bytes
+    tickets: list[bytes]  # one per stream: stream j carries buckets j, j+S, j+2S...
+    key: bytes  # b"" for plain
     chunk_bytes: int
 
 
-def _nonce(counter: int) -> bytes:
-    return b"\x00\x00\x00\x00" + counter.to_bytes(8, "little")
+def _nonce(counter: int, stream: int = 0) -> bytes:
+    return stream.to_bytes(4, "little") + counter.to_bytes(8, "little")
 
 
 @dataclass
@@ -88,6 +103,10 @@ class _Pending:
     key: bytes
     expires: float
     receiver: str
+    transport: str
+    stream: int  # this ticket's stream, of
+    streams: int
+    grant: str  # which grant it belongs to (a receiver's unused grants are counted)
 
 
 class StreamDone:
@@ -108,8 +127,9 @@ class StreamDone:
         self._event.wait(timeout)
 
 
-class SealedStreamer:
-    """The owner's side: grants tickets and streams sealed buckets to whoever holds one."""
+class WeightStreamer:
+    """The owner's side: grants tickets and streams buckets (sealed or plain) to
+    whoever holds one, ``streams`` connections per transfer."""
 
     def __init__(
         self,
@@ -122,7 +142,13 @@ class SealedStreamer:
         max_connections: int = 64,
         grants_per_receiver: int = 4,
         chunk_bytes: int = CHUNK,
+        streams: int = 1,
     ) -> None:
+        if not 1 <= streams <= MAX_STREAMS:
+            raise ValueError(f"streams must be in 1..{MAX_STREAMS}, not {streams}")
+        self.streams = streams
+        # a transfer takes ``streams`` connections: the cap counts receivers' worth
+        max_connections *= streams
         self.cache = cache
         self.host = host
         self.grant_ttl_s = grant_ttl_s
@@ -134,6 +160,9 @@ class SealedStreamer:
         self.grants_per_receiver = grants_per_receiver
         self.chunk_bytes = chunk_bytes
         self._connections = asyncio.Semaphore(max_connections)
+        # the sending threads, one per admitted connection: never queued behind other
+        # work (a stream waiting for a thread would hold its slot uncounted)
+        self._threads = ThreadPoolExecutor(max_connections, thread_name_prefix="weight-stream")
         self._pending: dict[bytes, _Pending] = {}
         self.refused = 0
         self._listener: socket.socket | None = None
@@ -158,7 +187,7 @@ class SealedStreamer:
         assert self._listener is not None, "start() first"
         return int(self._listener.getsockname()[1])
 
-    async def start(self) -> SealedStreamer:
+    async def start(self) -> WeightStreamer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -174,19 +203,36 @@ class SealedStreamer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        self._threads.shutdown(wait=False)
 
-    def grant(self, version: int, receiver: str) -> StreamGrant:
-        """A fresh key and single-use ticket for ``version`` (the caller checked who asks)."""
+    def grant(self, version: int, receiver: str, transport: str = "sealed") -> StreamGrant:
+        """A fresh key (sealed) and a single-use ticket per stream for ``version`` (the
+        caller checked who asks, and that ``transport`` may be sent)."""
+        if transport not in STREAM_KINDS:
+            raise ValueError(f"transport must be one of {STREAM_KINDS}, not {transport!r}")
         now = time.monotonic()
         self._pending = {t: p for t, p in self._pending.items() if p.expires > now}
-        if sum(p.receiver == receiver for p in self._pending.values()) >= self.grants_per_receiver:
+        unused = {p.grant for p in self._pending.values() if p.receiver == receiver}
+        if len(unused) >= self.grants_per_receiver:
             raise RpcError(
                 "too_many_streams", f"{receiver} holds {self.grants_per_receiver} unused grants"
             )
-        ticket, key = secrets.token_bytes(TICKET_BYTES), AESGCM.generate_key(256)
-        self._pending[ticket] = _Pending(version, key, now + self.grant_ttl_s, receiver)
+        layout = self.cache.layout
+        # never more streams than buckets: each stream carries at least one
+        streams = max(1, min(self.streams, len(layout.bucket_sizes) if layout else 1))
+        key = AESGCM.generate_key(256) if transport == "sealed" else b""
+        tickets = [secrets.token_bytes(TICKET_BYTES) for _ in range(streams)]
+        grant_id = secrets.token_hex(8)
+        for stream, ticket in enumerate(tickets):
+            self._pending[ticket] = _Pending(
+                version, key, now + self.grant_ttl_s, receiver, transport, stream, streams, grant_id
+            )
         return StreamGrant(
-            transport="sealed", port=self.port, ticket=ticket, key=key, chunk_bytes=self.chunk_bytes
+            transport=transport,
+            port=self.port,
+            tickets=tickets,
+            key=key,
+            chunk_bytes=self.chunk_bytes,
         )
 
     async def _accept_loop(self) -> None:
@@ -245,15 +291,17 @@ class SealedStreamer:
         tracker = StreamDone()  # set by the sending thread, whatever happens
         self.cache.track(pending.version, tracker)
         started = time.perf_counter()
-        await asyncio.to_thread(self._send_all, conn, pending, data, generation, tracker)
+        await loop.run_in_executor(
+            self._threads, self._send_all, conn, pending, data, generation, tracker
+        )
         self.streams_sent += 1
         async with self._sent:
             self._sent.notify_all()
         seconds = time.perf_counter() - started
         log.info(
-            "weights: sealed stream of version %d to %s, %.1f MiB in %.2f s (%.2f GiB/s)",
-            pending.version, pending.receiver, len(data) / (1 << 20), seconds,
-            len(data) / max(seconds, 1e-9) / (1 << 30),
+            "weights: %s stream %d/%d of version %d to %s in %.2f s (the version: %.1f MiB)",
+            pending.transport, pending.stream + 1, pending.streams, pending.version,
+            pending.receiver, seconds, len(data) / (1 << 20),
         )  # fmt: skip
 
     def bucket_header(
@@ -270,43 +318,48 @@ class SealedStreamer:
         generation: int,
         tracker: StreamDone,
     ) -> None:
-        """Runs in a worker thread: seal and send every bucket of the version, then
+        """Runs in a worker thread: send this stream's buckets of the version, then
         release the slot (here, not on the event loop, which may be busy)."""
         try:
-            self._seal_all(conn, pending, data, generation)
+            self._send_buckets(conn, pending, data, generation)
         finally:
             tracker.set()
 
-    def _seal_all(
+    def _send_buckets(
         self, conn: socket.socket, pending: _Pending, data: memoryview, generation: int
     ) -> None:
+        """Per bucket of this stream (j, j+S, ...): its header, then its bytes, in
+        ``chunk_bytes`` pieces each sealed under the stream's next nonce (sealed), or
+        straight from the slot in one send (plain)."""
         layout, chunk = self.cache.layout, self.chunk_bytes
         assert layout is not None
-        aead = AESGCM(pending.key)
+        aead = AESGCM(pending.key) if pending.transport == "sealed" else None
         out = bytearray(chunk + TAG)
         counter = 0
         deadline = time.monotonic() + self.stream_timeout_s
 
-        def seal(plain: memoryview | bytes) -> None:
+        def send(plain: memoryview | bytes) -> None:
             nonlocal counter
-            sealed = memoryview(out)[: len(plain) + TAG]
-            aead.encrypt_into(_nonce(counter), plain, None, sealed)
-            counter += 1
+            wire = plain
+            if aead is not None:
+                wire = memoryview(out)[: len(plain) + TAG]
+                aead.encrypt_into(_nonce(counter, pending.stream), plain, None, wire)
+                counter += 1
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
                     f"stream to {pending.receiver} ran past {self.stream_timeout_s}s"
                 )
             conn.settimeout(left)  # sendall's timeout bounds the whole call
-            conn.sendall(sealed)
+            conn.sendall(wire)
 
-        for index, (start, size) in enumerate(
-            zip(layout.bucket_offsets, layout.bucket_sizes, strict=True)
-        ):
-            seal(_HEADER.pack(*self.bucket_header(pending.version, index, size, generation)))
+        for index in range(pending.stream, len(layout.bucket_sizes), pending.streams):
+            start, size = layout.bucket_offsets[index], layout.bucket_sizes[index]
+            send(_HEADER.pack(*self.bucket_header(pending.version, index, size, generation)))
             bucket = data[start : start + size]
-            for off in range(0, max(size, 1), chunk):
-                seal(bucket[off : off + chunk])
+            piece = chunk if aead is not None else max(size, 1)
+            for off in range(0, max(size, 1), piece):
+                send(bucket[off : off + piece])
 
 
 async def _sock_read(loop: asyncio.AbstractEventLoop, conn: socket.socket, n: int) -> bytes:
@@ -328,40 +381,63 @@ def _recv_exact(conn: socket.socket, view: memoryview) -> None:
         got += n
 
 
-class SealedReceiver:
-    """The shard's side of one stream: buckets arrive in order, each opened and checked.
+class StreamReceiver:
+    """The shard's side of one stream: its buckets arrive in order, each opened and
+    checked.
 
     A chunk is received straight into its place in the bucket buffer and decrypted
     there (AES-GCM in place), so the receiver holds nothing but its bucket buffers.
     """
 
-    def __init__(self, host: str, grant: StreamGrant, timeout: float) -> None:
+    def __init__(self, host: str, grant: StreamGrant, stream: int, timeout: float) -> None:
         self.host, self.grant, self.timeout = host, grant, timeout
-        self.aead = AESGCM(grant.key)
+        self.stream = stream
+        self.aead = AESGCM(grant.key) if grant.transport == "sealed" else None
         self.counter = 0
         self._conn: socket.socket | None = None
+        self._lock = threading.Lock()  # connect (a thread) against close (the loop)
+        self._closed = False
 
     def connect(self) -> None:
         conn = socket.create_connection((self.host, self.grant.port), timeout=self.timeout)
+        with self._lock:
+            if self._closed:  # closed while connecting: this socket is nobody's
+                conn.close()
+                raise SyncError("the weight stream was closed")
+            self._conn = conn
         conn.settimeout(self.timeout)
-        conn.sendall(MAGIC + self.grant.ticket)
-        self._conn = conn
+        conn.sendall(MAGIC + self.grant.tickets[self.stream])
 
     def close(self) -> None:
-        if self._conn is not None:
+        """Wake any read blocked on the socket (another thread's); from any thread.
+        The descriptor itself goes at :meth:`release`, once no thread uses it."""
+        with self._lock:
+            self._closed = True
+            conn = self._conn
+        if conn is not None:
             with contextlib.suppress(OSError):
-                self._conn.shutdown(socket.SHUT_RDWR)  # wakes a read blocked in another thread
-            self._conn.close()
-            self._conn = None
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def release(self) -> None:
+        self.close()
+        with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
     def _open(self, buf: memoryview, nbytes: int) -> None:
-        """Read one sealed chunk of ``nbytes`` into ``buf`` (which has room for its tag)
-        and decrypt it in place into ``buf[:nbytes]``."""
-        assert self._conn is not None
+        """Read one chunk of ``nbytes`` into ``buf`` (which has room for its tag) and,
+        sealed, decrypt it in place into ``buf[:nbytes]``."""
+        conn = self._conn
+        if conn is None or self._closed:
+            raise SyncError("the weight stream was closed")
+        if self.aead is None:
+            _recv_exact(conn, buf[:nbytes])
+            return
         sealed = buf[: nbytes + TAG]
-        _recv_exact(self._conn, sealed)
+        _recv_exact(conn, sealed)
         try:
-            self.aead.decrypt_into(_nonce(self.counter), sealed, None, buf[:nbytes])
+            self.aead.decrypt_into(_nonce(self.counter, self.stream), sealed, None, buf[:nbytes])
         except InvalidTag:
             raise SyncError(
                 "a weight stream chunk failed authentication (altered, reordered or not "
@@ -378,7 +454,7 @@ class SealedReceiver:
         if nbytes != expected:
             # never read a size we did not ask for into our buffer
             return version, index, nbytes, generation
-        chunk = self.grant.chunk_bytes
+        chunk = self.grant.chunk_bytes if self.aead is not None else max(expected, 1)
         for off in range(0, max(expected, 1), chunk):
             self._open(into[off:], min(chunk, expected - off))
         return version, index, nbytes, generation
@@ -391,49 +467,108 @@ def host_of(endpoint: str) -> str:
     return host[1:-1] if host.startswith("[") else host
 
 
-async def receive_sealed(
+OnBucket = Callable[[int, tuple[int, int, int, int], memoryview], None]
+
+
+def check_grant(grant: StreamGrant, asked: str) -> None:
+    """Refuse a grant other than the one asked for: another transport (a plain grant
+    to a receiver that asked for sealed is a downgrade), no ticket, too many streams
+    (each is a socket and a thread here), or chunks of no size."""
+    if grant.transport != asked or asked not in STREAM_KINDS:
+        raise SyncError(f"asked for a {asked} stream, the owner granted {grant.transport!r}")
+    if not 1 <= len(grant.tickets) <= MAX_STREAMS:
+        raise SyncError(f"the owner granted {len(grant.tickets)} streams (1..{MAX_STREAMS})")
+    if grant.chunk_bytes < 1 or (asked == "sealed" and len(grant.key) != 32):
+        raise SyncError("the owner granted a stream with no chunk size or a bad key")
+
+
+async def receive_stream(
     endpoint: str,
     grant: StreamGrant,
     layout: Layout,
     buffers: int,
     timeout: float,
-    on_bucket: Callable[[int, tuple[int, int, int, int], memoryview], None],
+    on_bucket: OnBucket,
+    *,
+    transport: str = "sealed",
 ) -> None:
-    """Read every bucket of a granted stream; ``on_bucket(index, header, data)`` runs on
-    the event loop's thread (where the sink lives) while the next bucket is read.
+    """Read every bucket of a granted transfer (of the ``transport`` asked for), on as
+    many streams as the grant has tickets; ``on_bucket(index, header, data)`` runs on
+    the event loop's thread (where the sink lives) while the streams read on, in the
+    order buckets land (stream by stream in order; across streams as they come).
 
-    ``buffers`` bucket-sized buffers are reused round-robin: with two or more, reading
-    bucket i+1 overlaps loading bucket i; the receiver's extra memory stays within
-    ``buffers x bucket``.
+    ``buffers`` bucket-sized buffers (at least one per stream) are reused round-robin
+    within each stream: with two or more per stream, reading a stream's next bucket
+    overlaps loading its last; the receiver's extra memory stays within
+    ``max(buffers, streams) x bucket``. One stream failing ends them all, and no
+    thread reads into a buffer or a socket after this returns.
     """
-    if grant.transport != "sealed":
-        raise SyncError(f"the owner granted transport {grant.transport!r}; this shard has none")
-    receiver = SealedReceiver(host_of(endpoint), grant, timeout)
-    sizes = layout.bucket_sizes
-    biggest = max(sizes, default=0)
-    pool = [bytearray(biggest + TAG) for _ in range(max(1, min(buffers, len(sizes))))]
+    check_grant(grant, transport)
+    streams = len(grant.tickets)
+    host = host_of(endpoint)
+    receivers = [StreamReceiver(host, grant, j, timeout) for j in range(streams)]
+    per_stream = max(1, buffers // streams)
+    n = len(layout.bucket_sizes)
+    tasks = [
+        asyncio.ensure_future(
+            _receive_one(r, layout.bucket_sizes, list(range(j, n, streams)), per_stream, on_bucket)
+        )
+        for j, r in enumerate(receivers)
+    ]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
+        if failed is not None:
+            raise failed.exception()  # type: ignore[misc]
+    finally:
+        for r in receivers:
+            r.close()  # wakes the reads of the streams still running: they end at once
+        # wait for them rather than cancel them: a cancelled task leaves its thread
+        # reading into our buffers (a connect ends within its own timeout)
+        _, stuck = await asyncio.wait(tasks, timeout=timeout + 5.0)
+        for t in stuck:
+            t.cancel()
+        for t in tasks:
+            if t.done() and not t.cancelled():
+                t.exception()  # retrieved: the first failure was raised above
+        for r in receivers:
+            r.release()
+
+
+async def _receive_one(
+    receiver: StreamReceiver,
+    sizes: Sequence[int],
+    indices: list[int],
+    buffers: int,
+    on_bucket: OnBucket,
+) -> None:
+    """One stream's buckets (``indices``, in the order it sends them)."""
+    if not indices:
+        return
+    biggest = max(sizes[i] for i in indices)
+    pool = [bytearray(biggest + TAG) for _ in range(max(1, min(buffers, len(indices))))]
+
+    def read(k: int) -> asyncio.Future[tuple[int, int, int, int]]:
+        view = memoryview(pool[k % len(pool)])
+        return asyncio.ensure_future(
+            asyncio.to_thread(receiver.read_bucket, sizes[indices[k]], view)
+        )
+
+    pending: asyncio.Future[tuple[int, int, int, int]] | None = None
     try:
         await asyncio.to_thread(receiver.connect)
-
-        def read(i: int) -> asyncio.Future[tuple[int, int, int, int]]:
-            view = memoryview(pool[i % len(pool)])
-            return asyncio.ensure_future(asyncio.to_thread(receiver.read_bucket, sizes[i], view))
-
-        pending = read(0) if sizes else None
-        for i in range(len(sizes)):
-            assert pending is not None
+        pending = read(0)
+        for k, index in enumerate(indices):
+            assert pending is not None  # one read is always in flight here
             header = await pending
             pending = None
-            if i + 1 < len(sizes) and len(pool) > 1 and header[2] == sizes[i]:
-                pending = read(i + 1)  # overlaps the load below: another buffer
-            try:
-                on_bucket(i, header, memoryview(pool[i % len(pool)])[: sizes[i]])
-            except BaseException:
-                if pending is not None:
-                    receiver.close()  # ends the read in flight
-                    await asyncio.gather(pending, return_exceptions=True)
-                raise
-            if pending is None and i + 1 < len(sizes):
-                pending = read(i + 1)
+            more = k + 1 < len(indices)
+            if more and len(pool) > 1 and header[2] == sizes[index]:
+                pending = read(k + 1)  # overlaps the load below: another buffer
+            on_bucket(index, header, memoryview(pool[k % len(pool)])[: sizes[index]])
+            if pending is None and more:
+                pending = read(k + 1)
     finally:
-        receiver.close()
+        if pending is not None and not pending.done():
+            receiver.close()  # ends the read in flight
+            await asyncio.wait([pending])  # its thread has let go of the buffer

@@ -4,9 +4,11 @@ The server is the only door: on tcp it is CURVE, and it admits only receivers
 of its own pipeline. The bytes then move one of two ways (``transport``, which the
 caller names: the ref's tag, chosen in ``weights/transports/``):
 
-- ``sealed``: the server grants a key and a ticket, and the buckets stream as
-  AES-256-GCM chunks over a plain tcp socket next to it, about 3.3x faster than
-  through CURVE here (see :mod:`rlix_async.weights.stream`); a server on tcp only;
+- ``sealed``: the server grants a key and a ticket per stream, and the buckets
+  stream as AES-256-GCM chunks over plain tcp sockets next to it, about 3.3x faster
+  than through CURVE here (see :mod:`rlix_async.weights.stream`); a server on tcp only;
+- ``plain``: the same streams, unsealed (a fabric the operator trusts; only from an
+  owner whose pipeline says ``weights.transport: plain``);
 - ``zmq``: the buckets come as zero-copy ZMQ frames on the server's own socket
   (CURVE on tcp), with optional CRC32 checks; any server.
 
@@ -38,16 +40,17 @@ from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.manifest import Manifest
 from rlix_async.weights.packing import BucketView
 from rlix_async.weights.stream import (
+    STREAM_KINDS,
     OpenStream,
-    SealedStreamer,
     StreamGrant,
+    WeightStreamer,
     host_of,
-    receive_sealed,
+    receive_stream,
 )
 
 # What a WeightServer speaks to a receiver on another node (CacheRef.transport's tags).
-Transport = Literal["sealed", "zmq"]
-TRANSPORTS: tuple[Transport, ...] = ("sealed", "zmq")
+Transport = Literal["sealed", "plain", "zmq"]
+TRANSPORTS: tuple[Transport, ...] = ("sealed", "plain", "zmq")
 
 _MALLOC_TUNED = False
 
@@ -147,9 +150,12 @@ class WeightServer:
         keys: ServerKeys | None = None,
         config: TransportConfig | None = None,
         checksums: bool = False,
+        streams: int = 1,
     ) -> None:
+        """``streams``: tcp streams per transfer (sealed, plain)."""
         self.cache = cache
         self.checksums = checksums
+        self.streams = streams
         self.server = RpcServer(endpoint, keys=keys, config=config, name="weight-server")
         self.server.on(GetLayout, self._layout)
         self.server.on(FetchBucket, self._fetch)
@@ -163,12 +169,14 @@ class WeightServer:
         # node takes the version from the one that asked before it, the first from us)
         self._chains: dict[int, list[tuple[str, str]]] = {}
         self._signing: dict[int, asyncio.Future[Manifest]] = {}  # manifests being made
-        self.streamer: SealedStreamer | None = None
+        self.streamer: WeightStreamer | None = None
 
     async def start(self) -> WeightServer:
         await self.server.start()
         if self.server.endpoint.startswith("tcp://"):
-            self.streamer = await SealedStreamer(self.cache, host_of(self.endpoint)).start()
+            self.streamer = await WeightStreamer(
+                self.cache, host_of(self.endpoint), streams=self.streams
+            ).start()
         return self
 
     async def close(self) -> None:
@@ -215,15 +223,22 @@ class WeightServer:
         return Reply(meta, [data], on_sent=lambda tracker: cache.track(msg.version, tracker))
 
     def _open_stream(self, msg: OpenStream, ctx: CallContext) -> StreamGrant:
-        if msg.transport != "sealed" or self.streamer is None:
+        if msg.transport not in STREAM_KINDS or self.streamer is None:
             raise RpcError(
                 "unknown_transport",
-                f"transport {msg.transport!r} is not served at {self.endpoint} "
-                + ("(sealed streams are for tcp endpoints)" if self.streamer is None else ""),
+                f"transport {msg.transport[:40]!r} is not served at {self.endpoint} "
+                + ("(streams are for tcp endpoints)" if self.streamer is None else ""),
+            )
+        if msg.transport == "plain" and self.cache.transport != "plain":
+            # the owner's pipeline did not say its fabric is trusted: never unsealed
+            raise RpcError(
+                ErrorCode.FORBIDDEN,
+                f"{self.cache.pipeline} sends sealed streams only (weights.transport: "
+                f"{self.cache.transport})",
             )
         if msg.version not in self.cache.versions:
             raise RpcError("unknown_version", f"version {msg.version} is not cached")
-        return self.streamer.grant(msg.version, ctx.peer)
+        return self.streamer.grant(msg.version, ctx.peer, msg.transport)
 
     def _current(self, msg: GetCurrent, ctx: CallContext) -> CurrentVersion:
         cache = self.cache
@@ -351,8 +366,8 @@ async def sync_remote(
                 raise SyncError(f"{endpoint} sent a layout other than {ref.fingerprint}")
             layout = reply.layout
         sink.start(ref.version, layout)
-        if transport == "sealed":
-            await _receive_sealed(client, ref, endpoint, sink, layout, credits, timeout)
+        if transport in STREAM_KINDS:
+            await _receive_stream(client, ref, endpoint, sink, layout, credits, timeout, transport)
         else:
             await _receive_frames(client, ref, sink, layout, credits, timeout)
         # Seqlock over the wire: the bytes leave the owner's memory without a copy,
@@ -381,7 +396,7 @@ async def sync_remote(
         await client.close()
 
 
-async def _receive_sealed(
+async def _receive_stream(
     client: RpcClient,
     ref: CacheRef,
     endpoint: str,
@@ -389,8 +404,9 @@ async def _receive_sealed(
     layout: Layout,
     credits: int,
     timeout: float,
+    transport: str,
 ) -> None:
-    grant = await client.call(OpenStream(version=ref.version), timeout=timeout)
+    grant = await client.call(OpenStream(version=ref.version, transport=transport), timeout=timeout)
     if not isinstance(grant, StreamGrant):
         raise SyncError(f"{endpoint} answered a stream request with {type(grant).__name__}")
 
@@ -400,7 +416,8 @@ async def _receive_sealed(
         check_bucket(meta, nbytes, ref, layout, index)
         sink.load(BucketView(index, data).tensors(layout))
 
-    await receive_sealed(endpoint, grant, layout, credits, timeout, land)
+    # exactly the transport asked for (the ref's tag): a plain grant is never taken for sealed
+    await receive_stream(endpoint, grant, layout, credits, timeout, land, transport=transport)
 
 
 async def _receive_frames(

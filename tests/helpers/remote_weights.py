@@ -40,13 +40,19 @@ def make_cache(send_wait_s: float = 5.0) -> WeightCache:
 
 @contextlib.asynccontextmanager
 async def serving(
-    cache: WeightCache, keys: Path, cls: type[WeightServer] = WeightServer
+    cache: WeightCache,
+    keys: Path,
+    cls: type[WeightServer] = WeightServer,
+    *,
+    streams: int = 1,
+    transport: str = "sealed",
 ) -> AsyncIterator[WeightServer]:
     """Serve ``cache`` as a trainer does (pipeline.Driver._serve_weights): tcp, with its
-    driver's key pair, whose public key every ref then carries."""
+    driver's key pair, whose public key every ref then carries (and ``transport``, the
+    pipeline's weights.transport)."""
     server_keys = ServerKeys.load(keys, "driver-p")
-    server = await cls(cache, "tcp://127.0.0.1:0", keys=server_keys).start()
-    cache.serve(server.endpoint, server_keys.public.decode())
+    server = await cls(cache, "tcp://127.0.0.1:0", keys=server_keys, streams=streams).start()
+    cache.serve(server.endpoint, server_keys.public.decode(), transport)
     try:
         yield server
     finally:

@@ -39,16 +39,16 @@ from rlix_async.weights.transports.node import NodeCached
 
 
 class CountingServer(WeightServer):
-    """Counts what leaves the owner: sealed streams granted, buckets sent as frames;
+    """Counts what leaves the owner: stream grants, buckets sent as frames;
     ``lose_bucket``: the next frame reply of that bucket is an error instead (a
     stream that breaks halfway)."""
 
-    streams = 0
+    grants = 0
     frames = 0
     lose_bucket: int | None = None
 
     def _open_stream(self, msg: OpenStream, ctx: CallContext) -> StreamGrant:
-        self.streams += 1
+        self.grants += 1
         return super()._open_stream(msg, ctx)
 
     def _fetch(self, msg: FetchBucket, ctx: CallContext) -> Reply:
@@ -75,9 +75,9 @@ def keys(tmp_path: Path) -> Path:
 
 
 class Receiver:
-    def __init__(self, keys: Path, shm_dir: Path, log: Path) -> None:
+    def __init__(self, keys: Path, shm_dir: Path, log: Path, prefetch: bool = True) -> None:
         self.args = [sys.executable, "-m", "rlix_async.cli", "node-cache", "--pipeline", "p"]
-        self.args += ["--keys", str(keys)]
+        self.args += ["--keys", str(keys), *([] if prefetch else ["--no-prefetch"])]
         self.env = {**os.environ, "RLIX_SHM_DIR": str(shm_dir)}
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
@@ -116,6 +116,17 @@ def receiver(keys: Path, node: Path, tmp_path: Path) -> Iterator[Receiver]:
         r.stop()
 
 
+@pytest.fixture
+def lazy_receiver(keys: Path, node: Path, tmp_path: Path) -> Iterator[Receiver]:
+    """A receiver that pulls only what a worker asks for (weights.prefetch: false)."""
+    r = Receiver(keys, node, tmp_path / "receiver.log", prefetch=False)
+    r.start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
 def _worker_load(ref: CacheRef, keys: Path, node: Path) -> tuple[Fetched, dict[str, torch.Tensor]]:
     """One worker's sync on this node, by the transport chosen for it."""
     got: dict[str, torch.Tensor] = {}
@@ -145,7 +156,7 @@ async def test_a_version_crosses_once_per_node_and_every_worker_reads_the_node_s
                 assert fetched.ref.version == 1 and fetched.staged_bytes == 0  # no private copy
                 for name, t in state(1).items():
                     assert torch.equal(got[name], t), name
-            assert server.streams == 1  # one transfer for four workers
+            assert server.grants == 1  # one transfer for four workers
 
             cache.build(2, state(2))
             cache.promote(2)
@@ -154,7 +165,7 @@ async def test_a_version_crosses_once_per_node_and_every_worker_reads_the_node_s
                 got["embed.weight"], state(2)["embed.weight"]
             )
             fetched, _ = await asyncio.to_thread(_worker_load, cache.ref(2), keys, node)
-            assert server.streams == 2
+            assert server.grants == 2
             # the node's two slots, in the node's directory, named for the node's cache
             slots = sorted(n for n in os.listdir(node) if "slot" in n)
             assert len(slots) == 2 and all(node_owner(cache.owner) in s for s in slots)
@@ -165,9 +176,9 @@ async def test_a_version_crosses_once_per_node_and_every_worker_reads_the_node_s
 
 
 async def test_a_stream_broken_halfway_leaves_the_node_on_the_previous_version(
-    keys: Path, node: Path, receiver: Receiver
+    keys: Path, node: Path, lazy_receiver: Receiver
 ) -> None:
-    await receiver.ready()
+    await lazy_receiver.ready()
     cache = make_cache()
     try:
         async with serving(cache, keys, CountingServer) as server:
@@ -254,7 +265,67 @@ async def test_an_owner_started_again_is_not_served_its_predecessors_version(
         async with serving(again, keys, CountingServer) as server:
             assert isinstance(server, CountingServer)
             fetched, got = await asyncio.to_thread(_worker_load, again.ref(1), keys, node)
-            assert fetched.ref.version == 1 and server.streams == 1
+            assert fetched.ref.version == 1 and server.grants == 1
             assert torch.equal(got["embed.weight"], state(3)["embed.weight"])
     finally:
         again.close()
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+async def test_a_prefetching_node_takes_each_new_version_before_any_worker_asks(
+    keys: Path, node: Path, tmp_path: Path, prefetch: bool
+) -> None:
+    """Its shards asleep, the node still receives version 2 as the owner publishes it,
+    and a worker waking later reads it from the node's slot with no transfer; with
+    prefetch off, nothing moves until a worker asks."""
+    receiver = Receiver(keys, node, tmp_path / "receiver.log", prefetch=prefetch)
+    receiver.start()
+    cache = make_cache()
+    try:
+        await receiver.ready()
+        async with serving(cache, keys, CountingServer) as server:
+            assert isinstance(server, CountingServer)
+            await asyncio.to_thread(_worker_load, cache.ref(1), keys, node)  # names the owner
+            cache.build(2, state(2))
+            cache.promote(2)
+            received = b"received version 2 of p"
+            if prefetch:
+                await until(lambda: received in receiver.log.read_bytes(), timeout=20)
+            else:
+                await asyncio.sleep(3.0)  # three of a prefetcher's polls
+                assert received not in receiver.log.read_bytes()
+            assert server.grants == (2 if prefetch else 1)
+            fetched, got = await asyncio.to_thread(_worker_load, cache.ref(2), keys, node)
+            assert fetched.ref.version == 2 and fetched.staged_bytes == 0
+            assert torch.equal(got["embed.weight"], state(2)["embed.weight"])
+            assert server.grants == 2  # the wake's load moved nothing when prefetched
+    finally:
+        cache.close()
+        assert receiver.stop() == 0
+
+
+async def test_a_receiver_started_again_after_a_kill_prefetches_at_once(
+    keys: Path, node: Path, receiver: Receiver
+) -> None:
+    """A receiver killed mid-run (the launcher starts another): its successor knows the
+    owner from what the first remembered, and takes the next version before any worker
+    on the node asks (their shards may all sleep)."""
+    cache = make_cache()
+    try:
+        await receiver.ready()
+        async with serving(cache, keys):
+            await asyncio.to_thread(_worker_load, cache.ref(1), keys, node)  # names the owner
+            assert receiver.proc is not None
+            receiver.proc.kill()
+            receiver.proc.wait(10)
+            receiver.proc = None
+            receiver.start()  # as the launcher does
+            await until(lambda: receiver.log.read_bytes().count(b"READY node-cache") == 2, 30)
+            cache.build(2, state(2))
+            cache.promote(2)
+            await until(lambda: b"received version 2 of p" in receiver.log.read_bytes(), 20)
+    finally:
+        cache.close()
+    assert receiver.stop() == 0
+    remembered = Path(node_cache_endpoint("p").removeprefix("ipc://")).with_suffix(".ref")
+    assert not remembered.exists(), "a clean stop leaves nothing to resume"

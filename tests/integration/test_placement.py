@@ -478,6 +478,16 @@ def test_each_node_runs_its_share_wired_across_nodes(tmp_path: Path) -> None:
     plan = place_processes(cfg, tmp_path / "out", "tcp://10.0.0.1:7600", keys="/k")
     receiver = next(p for p in node_share(plan, 1, "10.0.0.2") if p.role == "node_cache")
     assert receiver.argv[-6:] == ["--pipeline", "far", "--keys", "/k", "--address", "10.0.0.2"]
+    # far's weights.prefetch: false reaches its receiver (a node short of host memory)
+    path.write_text(
+        CROSSING.format(out=tmp_path / "out").replace(
+            "actor_infer: {tp: 1, devices: [3]}",
+            "actor_infer: {tp: 1, devices: [3]}\n    weights: {prefetch: false}",
+        )
+    )
+    plan = place_processes(load_config(path, LaunchConfig), tmp_path / "out", "tcp://x:1")
+    receiver = next(p for p in node_share(plan, 1, "10.0.0.2") if p.role == "node_cache")
+    assert receiver.argv[-1] == "--no-prefetch"
 
 
 def test_the_launchs_heartbeat_period_reaches_the_coordinator(tmp_path: Path) -> None:

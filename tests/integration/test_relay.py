@@ -25,11 +25,11 @@ from rlix_async.weights.tcp import FetchBucket, WeightServer
 class CountingServer(WeightServer):
     """Counts the owner's sends: sealed streams granted, bucket frames."""
 
-    streams = 0
+    grants = 0
     frames = 0
 
     def _open_stream(self, msg: OpenStream, ctx: CallContext) -> StreamGrant:
-        self.streams += 1
+        self.grants += 1
         return super()._open_stream(msg, ctx)
 
     def _fetch(self, msg: FetchBucket, ctx: CallContext) -> Reply:
@@ -98,7 +98,7 @@ async def test_three_nodes_take_a_version_the_owner_sent_once(keys: Path, dirs: 
                 assert sorted(sources).count("owner") == 1, sources  # the others: relays
                 relays = {n.relays[owner.owner].endpoint for n in nodes}
                 assert all(s in relays for s in sources if s != "owner"), sources
-            assert server.streams == 2 and server.frames == 0  # once per version
+            assert server.grants == 2 and server.frames == 0  # once per version
     finally:
         await _close(nodes)
         owner.close()
@@ -121,7 +121,7 @@ async def test_a_relay_that_alters_a_bucket_is_caught_and_the_owner_sends_instea
             held = good.caches[owner.owner]
             assert held.versions == [1]
             assert bytes(held.buffer(1)) == bytes(owner.buffer(1))
-            assert server.streams == 2
+            assert server.grants == 2
     finally:
         await _close([bad, good])
         owner.close()

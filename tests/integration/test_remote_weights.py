@@ -23,7 +23,7 @@ from rlix_async.protocols.sinks import SyncError
 from rlix_async.security import ClientKeys, ServerKeys
 from rlix_async.transport import CallContext, Reply
 from rlix_async.weights.cache import WeightCache
-from rlix_async.weights.stream import SealedStreamer
+from rlix_async.weights.stream import WeightStreamer
 from rlix_async.weights.tcp import BucketMeta, FetchBucket, WeightServer, sync_remote
 from rlix_async.weights.transports import pull
 
@@ -122,7 +122,7 @@ async def test_a_server_with_another_key_than_the_published_one_is_never_trusted
     assert sink.version is None
 
 
-class LyingStreamer(SealedStreamer):
+class LyingStreamer(WeightStreamer):
     """The sealed stream's half of :class:`LyingServer`: real sealing, altered headers."""
 
     lie = "index"

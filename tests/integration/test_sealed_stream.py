@@ -33,9 +33,9 @@ from rlix_async.weights.stream import (
     TAG,
     TICKET_BYTES,
     OpenStream,
-    SealedStreamer,
     StreamGrant,
-    receive_sealed,
+    WeightStreamer,
+    receive_stream,
 )
 from rlix_async.weights.tcp import GetLayout, LayoutReply, WeightServer, sync_remote
 from rlix_async.weights.transports import pull
@@ -137,7 +137,7 @@ async def test_the_wire_carries_no_plaintext_and_every_bucket_arrives(
         granted(cache, keys) as (grant, layout),
         proxy(grant.port, lambda off, data: data) as (port, seen),
     ):
-        await receive_sealed(
+        await receive_stream(
                 "tcp://127.0.0.1:1", replace(grant, port=port), layout, buffers, 10,
                 lambda i, header, data: got.append(bytes(data)),
             )  # fmt: skip
@@ -173,7 +173,7 @@ async def test_one_altered_byte_fails_authentication_and_lands_nothing_from_ther
 
         async with proxy(grant.port, flip) as (port, seen):
             with pytest.raises(SyncError, match="failed authentication"):
-                await receive_sealed(
+                await receive_stream(
                     "tcp://127.0.0.1:1", replace(grant, port=port), layout, 2, 10,
                     lambda i, header, data: loads.append(i),
                 )  # fmt: skip
@@ -191,7 +191,7 @@ async def test_a_stream_cut_short_is_refused(cache: WeightCache, keys: Path) -> 
         proxy(grant.port, cut) as (port, _),
     ):
         with pytest.raises(SyncError, match="closed the weight stream early"):
-            await receive_sealed(
+            await receive_stream(
                 "tcp://127.0.0.1:1", replace(grant, port=port), layout, 2, 10, lambda *a: None
             )
 
@@ -201,11 +201,11 @@ async def test_a_ticket_opens_one_stream_once_and_a_guessed_one_none(
 ) -> None:
     async with serving(cache, keys) as server, granted(cache, keys) as (grant, layout):
         assert server.streamer is not None
-        await receive_sealed(f"tcp://127.0.0.1:{grant.port}", grant, layout, 2, 10, lambda *a: None)
-        for ticket in (grant.ticket, secrets.token_bytes(TICKET_BYTES)):
+        await receive_stream(f"tcp://127.0.0.1:{grant.port}", grant, layout, 2, 10, lambda *a: None)
+        for ticket in (grant.tickets[0], secrets.token_bytes(TICKET_BYTES)):
             with pytest.raises(SyncError, match="closed the weight stream early"):
-                await receive_sealed(
-                    "tcp://127.0.0.1:1", replace(grant, ticket=ticket), layout,
+                await receive_stream(
+                    "tcp://127.0.0.1:1", replace(grant, tickets=[ticket]), layout,
                     2, 10, lambda *a: None,
                 )  # fmt: skip
 
@@ -228,7 +228,7 @@ async def test_an_expired_ticket_opens_nothing(cache: WeightCache, keys: Path) -
         async with granted(cache, keys) as (grant, layout):
             await asyncio.sleep(0.4)
             with pytest.raises(SyncError, match="closed the weight stream early"):
-                await receive_sealed(
+                await receive_stream(
                     f"tcp://127.0.0.1:{grant.port}", grant, layout, 2, 10, lambda *a: None
                 )
 
@@ -277,7 +277,7 @@ async def small_chunks(server: WeightServer, chunk: int = 1000) -> AsyncIterator
     """The server's streamer with chunks smaller than a bucket (a bucket in several)."""
     assert server.streamer is not None
     await server.streamer.close()
-    server.streamer = await SealedStreamer(server.cache, "127.0.0.1", chunk_bytes=chunk).start()
+    server.streamer = await WeightStreamer(server.cache, "127.0.0.1", chunk_bytes=chunk).start()
     yield
 
 
@@ -316,7 +316,7 @@ async def test_buckets_in_several_chunks_land_whole_and_reordered_chunks_never(
             proxy(grant.port, swap) as (port, _),
         ):
             with pytest.raises(SyncError, match="failed authentication"):
-                await receive_sealed(
+                await receive_stream(
                     "tcp://127.0.0.1:1", replace(grant, port=port), layout, 2, 10,
                     lambda i, header, data: loads.append(i),
                 )  # fmt: skip
@@ -341,7 +341,7 @@ async def test_a_stream_in_flight_holds_its_slot_until_it_is_cut(
             def stalled_receiver() -> socket.socket:
                 raw = socket.create_connection(("127.0.0.1", grant.port), timeout=5)
                 raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-                raw.sendall(MAGIC + grant.ticket)
+                raw.sendall(MAGIC + grant.tickets[0])
                 raw.recv(1000)  # the stream has begun
                 return raw
 

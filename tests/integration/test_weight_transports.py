@@ -60,14 +60,14 @@ def test_the_transport_is_chosen_from_the_ref(
     keys = ClientKeys.load(make_keys(tmp_path), "shard")
     ref = cache.ref(1)
     # The owner's node: shared memory, whatever the tag says of other nodes.
-    for tag in ("sealed", "zmq", "nccl"):
+    for tag in ("sealed", "plain", "zmq", "nccl"):
         assert isinstance(transport_for(replace(ref, transport=tag)), SharedMemory)
     assert "the owner's cache is gone" in refused(ref, elsewhere)  # this host, no slot
     assert "lives on other-host and its owner serves no endpoint" in refused(
         replace(ref, host="other-host"), elsewhere
     )
     served = replace(ref, server="tcp://10.0.0.1:5000", server_key="k" * 40)
-    for tag in ("sealed", "zmq"):  # elsewhere: the ref's tag, with the owner's key
+    for tag in ("sealed", "plain", "zmq"):  # elsewhere: the ref's tag, with the owner's key
         chosen = transport_for(replace(served, transport=tag), keys=keys, shm_dir=elsewhere)
         assert isinstance(chosen, Remote) and chosen.name == tag
         assert chosen.keys is not None and chosen.keys.server_public == b"k" * 40
@@ -76,7 +76,7 @@ def test_the_transport_is_chosen_from_the_ref(
         replace(served, server_key=""), elsewhere, keys
     )
     nccl = replace(served, transport="nccl")
-    why = "version 1: transport 'nccl' is not one this receiver has (sealed, zmq)"
+    why = "version 1: transport 'nccl' is not one this receiver has (sealed, plain, zmq)"
     assert refused(nccl, elsewhere, keys) == why
     assert unreachable(nccl, elsewhere) == why  # what an engine asks before an update
     assert unreachable(served, elsewhere) is None
