@@ -56,6 +56,7 @@ from rlix_async.weights.tcp import (
     ManifestReply,
     PlanSource,
     Source,
+    Transport,
     current_remote,
     receiver_identity,
 )
@@ -278,6 +279,8 @@ class NodeCache:
         if relay is not None:  # the owner started again: a new cache, a new relay
             await relay.close()
         relay = await RelayServer(cache, f"tcp://{self.relay_address}:0", self.server_keys).start()
+        # what it may send: what the owner's pipeline sends (plain only where it says so)
+        cache.transport = self.latest.transport if self.latest is not None else "sealed"
         self.relays[owner] = relay
         return relay
 
@@ -388,14 +391,21 @@ class NodeCache:
                     ref.total_bytes,
                 ) or theirs.pipeline != ref.pipeline:
                     raise SyncError(f"{source.endpoint} offered another version or layout")
-                transport = Remote("zmq", keys)
+                # the relay serves as the owner does: its streams where the owner's
+                # pipeline streams (sealed or plain), else frames
+                kind: Transport = "zmq"
+                if ref.transport == "sealed":
+                    kind = "sealed"
+                elif ref.transport == "plain":
+                    kind = "plain"
+                transport = Remote(kind, keys)
                 pull_ref = msgspec.structs.replace(
                     ref,
                     segment=theirs.segment,
                     generation=theirs.generation,
                     server=source.endpoint,
                     server_key=source.key,
-                    transport="zmq",
+                    transport=kind,
                 )
                 reply = await self._ask(
                     ref, source.endpoint, keys, GetManifest(version=ref.version)

@@ -3,8 +3,10 @@ chain (``WeightServer._plan_source``, the owner's rule) bucket by bucket, each a
 as it landed and matched the owner's manifest, so a version reaches N nodes in about
 one transfer plus a bucket per hop while the owner sends it about once.
 
-It serves bucket frames on its CURVE socket (``zmq``: no sealed stream port), with the
-node's own key pair, and the owner's signed manifest as it received it: the nodes
+It serves the version as the owner does: streams (sealed or plain, as the owner's
+pipeline says; ``weights/stream.py``, each stream's sending thread waiting for its next
+bucket to land) or bucket frames on its CURVE socket, with the node's own key pair,
+and the owner's signed manifest as it received it: the nodes
 behind it check every bucket against that manifest (``weights/manifest.py``), so a relay
 cannot alter what it forwards. A relay that fails a node (its pull broke, it died) makes
 that node ask the owner again, which then sends it the version itself.
@@ -13,6 +15,7 @@ that node ask the owner again, which then sends it the version itself.
 from __future__ import annotations
 
 import asyncio
+import threading
 import zlib
 from dataclasses import dataclass, field
 
@@ -23,7 +26,7 @@ from rlix_async.transport import CallContext, Reply
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.manifest import Manifest
 from rlix_async.weights.seqlock import HEADER
-from rlix_async.weights.stream import OpenStream, StreamGrant
+from rlix_async.weights.stream import StreamSource, WeightStreamer, host_of
 from rlix_async.weights.tcp import (
     BucketMeta,
     FetchBucket,
@@ -60,13 +63,17 @@ class InFlight:
     generation: int = -1  # the slot's once the version is whole
     failed: bool = False
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    # the same landings for the streams' sending threads
+    arrived: list[threading.Event] = field(default_factory=list)
 
 
 class RelayServer(WeightServer):
     """Serves one node cache (``cache``) to the nodes behind it."""
 
-    def __init__(self, cache: WeightCache, endpoint: str, keys: ServerKeys | None) -> None:
-        super().__init__(cache, endpoint, keys=keys)
+    def __init__(
+        self, cache: WeightCache, endpoint: str, keys: ServerKeys | None, streams: int = 2
+    ) -> None:
+        super().__init__(cache, endpoint, keys=keys, streams=streams)
         self.server.on(GetRelayed, self._relayed)
         self.inflight: dict[int, InFlight] = {}
         self.manifests: dict[int, Manifest] = {}  # the owner's, per version held whole
@@ -75,7 +82,11 @@ class RelayServer(WeightServer):
 
     async def start(self) -> RelayServer:
         self._loop = asyncio.get_running_loop()
-        await self.server.start()  # frames only: no sealed stream port
+        await self.server.start()
+        if self.server.endpoint.startswith("tcp://"):
+            self.streamer = await WeightStreamer(
+                self.cache, host_of(self.endpoint), streams=self.streams, source=self._source_of
+            ).start()
         return self
 
     # --- the receiving side (NodeCache) --------------------------------------------
@@ -89,6 +100,7 @@ class RelayServer(WeightServer):
         """The owner's manifest is here: the version's buckets can be waited for."""
         fl.manifest = manifest
         fl.landed = [asyncio.Event() for _ in manifest.digests]
+        fl.arrived = [threading.Event() for _ in manifest.digests]
 
     def opened(self, fl: InFlight, slot: int, generation: int) -> None:
         """(The writer's thread.) The slot the version is written into."""
@@ -99,6 +111,7 @@ class RelayServer(WeightServer):
     def landed(self, fl: InFlight, bucket: int) -> None:
         """(The writer's thread.) A bucket is here and matched the manifest."""
         assert self._loop is not None
+        fl.arrived[bucket].set()
         self._loop.call_soon_threadsafe(fl.landed[bucket].set)
 
     def end(self, fl: InFlight, whole: bool) -> None:
@@ -111,6 +124,8 @@ class RelayServer(WeightServer):
         fl.failed = not whole
         for event in (fl.ready, *fl.landed):
             event.set()
+        for arrived in fl.arrived:  # (failed: the sending threads see it and end)
+            arrived.set()
         if self.inflight.get(fl.version) is fl:
             del self.inflight[fl.version]
 
@@ -154,7 +169,7 @@ class RelayServer(WeightServer):
             "",
             self.endpoint,
             self.public_key,
-            "zmq",
+            c.transport,
             c.incarnation,
         )
 
@@ -200,8 +215,31 @@ class RelayServer(WeightServer):
             return Generation(generation=-1 if fl.failed else fl.generation)
         return super()._generation(msg, ctx)
 
-    def _open_stream(self, msg: OpenStream, ctx: CallContext) -> StreamGrant:
-        raise RpcError("unknown_transport", "a relay serves bucket frames only")
+    def _streamable(self, version: int) -> bool:
+        return version in self.inflight or super()._streamable(version)
+
+    async def _source_of(self, version: int) -> StreamSource | None:
+        """What a stream of ``version`` reads here: the slot it is arriving in, each
+        bucket once it landed and matched the manifest; or the version whole."""
+        try:
+            fl = await self._ready(version)
+        except RpcError:
+            return None  # its pull failed here: the stream ends, the node asks the owner
+        if fl is None:
+            assert self.streamer is not None
+            return await self.streamer.cached(version)
+        layout = self.cache.layout
+        assert layout is not None
+        slot = fl.slot
+        data = self.cache.slots[slot].buf[HEADER : HEADER + layout.total_bytes]
+
+        def wait_bucket(index: int, left: float) -> None:
+            if not fl.arrived[index].wait(min(left, BUCKET_WAIT_S)) or fl.failed:
+                raise OSError(f"bucket {index} of version {version} never arrived here")
+
+        return StreamSource(
+            data, fl.generation, lambda tracker: self.cache.track_slot(slot, tracker), wait_bucket
+        )
 
     def _plan_source(self, msg: PlanSource, ctx: CallContext) -> Source:
         raise RpcError("not_owner", "a relay does not plan: ask the owner")

@@ -54,7 +54,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -127,9 +127,24 @@ class StreamDone:
         self._event.wait(timeout)
 
 
+@dataclass
+class StreamSource:
+    """What a stream of one version reads: the version's bytes (its slot's data area),
+    the slot's generation, how a send is tracked against the slot's rewrite, and (a
+    relay's version still arriving) a wait for bucket ``i`` to land, called from the
+    sending thread with the time left (raises if it never lands whole)."""
+
+    data: memoryview
+    generation: int
+    track: Callable[[StreamDone], None]
+    wait_bucket: Callable[[int, float], None] | None = None
+
+
 class WeightStreamer:
     """The owner's side: grants tickets and streams buckets (sealed or plain) to
-    whoever holds one, ``streams`` connections per transfer."""
+    whoever holds one, ``streams`` connections per transfer. ``source``: where a
+    version's bytes are read (default: the cache's offered slots; a relay's version
+    still arriving: ``weights/relay.py``); None: the version is not here."""
 
     def __init__(
         self,
@@ -143,10 +158,12 @@ class WeightStreamer:
         grants_per_receiver: int = 4,
         chunk_bytes: int = CHUNK,
         streams: int = 1,
+        source: Callable[[int], Awaitable[StreamSource | None]] | None = None,
     ) -> None:
         if not 1 <= streams <= MAX_STREAMS:
             raise ValueError(f"streams must be in 1..{MAX_STREAMS}, not {streams}")
         self.streams = streams
+        self.source = source or self.cached
         # a transfer takes ``streams`` connections: the cap counts receivers' worth
         max_connections *= streams
         self.cache = cache
@@ -280,20 +297,14 @@ class WeightStreamer:
         if hello[: len(MAGIC)] != MAGIC or pending is None or pending.expires < time.monotonic():
             self._refuse("no valid ticket")
             return
-        if pending.version not in self.cache.versions:
+        source = await self.source(pending.version)
+        if source is None:
             return  # rebuilt since the grant: the receiver sees the stream end early
-        # What the thread reads, taken here on the loop with the slot still offered.
-        data, generation = (
-            self.cache.buffer(pending.version),
-            self.cache.ref(pending.version).generation,
-        )
         conn.setblocking(True)
         tracker = StreamDone()  # set by the sending thread, whatever happens
-        self.cache.track(pending.version, tracker)
+        source.track(tracker)
         started = time.perf_counter()
-        await loop.run_in_executor(
-            self._threads, self._send_all, conn, pending, data, generation, tracker
-        )
+        await loop.run_in_executor(self._threads, self._send_all, conn, pending, source, tracker)
         self.streams_sent += 1
         async with self._sent:
             self._sent.notify_all()
@@ -301,8 +312,18 @@ class WeightStreamer:
         log.info(
             "weights: %s stream %d/%d of version %d to %s in %.2f s (the version: %.1f MiB)",
             pending.transport, pending.stream + 1, pending.streams, pending.version,
-            pending.receiver, seconds, len(data) / (1 << 20),
+            pending.receiver, seconds, len(source.data) / (1 << 20),
         )  # fmt: skip
+
+    async def cached(self, version: int) -> StreamSource | None:
+        """A version offered in the cache, taken here on the loop with its slot offered."""
+        if version not in self.cache.versions:
+            return None
+        return StreamSource(
+            self.cache.buffer(version),
+            self.cache.ref(version).generation,
+            lambda tracker: self.cache.track(version, tracker),
+        )
 
     def bucket_header(
         self, version: int, index: int, nbytes: int, generation: int
@@ -314,20 +335,17 @@ class WeightStreamer:
         self,
         conn: socket.socket,
         pending: _Pending,
-        data: memoryview,
-        generation: int,
+        source: StreamSource,
         tracker: StreamDone,
     ) -> None:
         """Runs in a worker thread: send this stream's buckets of the version, then
         release the slot (here, not on the event loop, which may be busy)."""
         try:
-            self._send_buckets(conn, pending, data, generation)
+            self._send_buckets(conn, pending, source)
         finally:
             tracker.set()
 
-    def _send_buckets(
-        self, conn: socket.socket, pending: _Pending, data: memoryview, generation: int
-    ) -> None:
+    def _send_buckets(self, conn: socket.socket, pending: _Pending, source: StreamSource) -> None:
         """Per bucket of this stream (j, j+S, ...): its header, then its bytes, in
         ``chunk_bytes`` pieces each sealed under the stream's next nonce (sealed), or
         straight from the slot in one send (plain)."""
@@ -353,7 +371,10 @@ class WeightStreamer:
             conn.settimeout(left)  # sendall's timeout bounds the whole call
             conn.sendall(wire)
 
+        data, generation = source.data, source.generation
         for index in range(pending.stream, len(layout.bucket_sizes), pending.streams):
+            if source.wait_bucket is not None:  # a relay's: it may still be arriving
+                source.wait_bucket(index, max(0.0, deadline - time.monotonic()))
             start, size = layout.bucket_offsets[index], layout.bucket_sizes[index]
             send(_HEADER.pack(*self.bucket_header(pending.version, index, size, generation)))
             bucket = data[start : start + size]

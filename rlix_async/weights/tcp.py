@@ -236,9 +236,13 @@ class WeightServer:
                 f"{self.cache.pipeline} sends sealed streams only (weights.transport: "
                 f"{self.cache.transport})",
             )
-        if msg.version not in self.cache.versions:
+        if not self._streamable(msg.version):
             raise RpcError("unknown_version", f"version {msg.version} is not cached")
         return self.streamer.grant(msg.version, ctx.peer, msg.transport)
+
+    def _streamable(self, version: int) -> bool:
+        """Whether a stream of ``version`` may be granted (a relay: arriving, too)."""
+        return version in self.cache.versions
 
     def _current(self, msg: GetCurrent, ctx: CallContext) -> CurrentVersion:
         cache = self.cache

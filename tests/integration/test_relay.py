@@ -18,7 +18,7 @@ from rlix_async.transport import CallContext, Reply
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.node_cache import NodeCache
 from rlix_async.weights.relay import RelayServer
-from rlix_async.weights.stream import OpenStream, StreamGrant
+from rlix_async.weights.stream import OpenStream, StreamGrant, StreamSource
 from rlix_async.weights.tcp import FetchBucket, WeightServer
 
 
@@ -38,7 +38,9 @@ class CountingServer(WeightServer):
 
 
 class FlippingRelay(RelayServer):
-    """A relay that alters what it forwards: one byte of bucket 1, every time."""
+    """A relay that alters what it forwards: one byte of bucket 1, every time, in the
+    frames it serves and in the streams (from a private copy it fills as the buckets
+    land, bucket 1 altered)."""
 
     async def _fetch(self, msg: FetchBucket, ctx: CallContext) -> Reply:  # type: ignore[override]
         reply = await super()._fetch(msg, ctx)
@@ -47,6 +49,26 @@ class FlippingRelay(RelayServer):
         bad = bytearray(reply.frames[0])
         bad[len(bad) // 2] ^= 0x01
         return Reply(reply.msg, [bytes(bad)])
+
+    async def _source_of(self, version: int) -> StreamSource | None:
+        real = await super()._source_of(version)
+        layout = self.cache.layout
+        if real is None or layout is None:
+            return real
+        copy = bytearray(real.data)
+
+        def wait_bucket(index: int, left: float) -> None:
+            if real.wait_bucket is not None:
+                real.wait_bucket(index, left)
+            start, size = layout.bucket_offsets[index], layout.bucket_sizes[index]
+            copy[start : start + size] = real.data[start : start + size]
+            if index == 1:
+                copy[start + size // 2] ^= 0x01
+
+        if real.wait_bucket is None:  # whole here already: alter it now
+            for index in range(len(layout.bucket_sizes)):
+                wait_bucket(index, 0.0)
+        return StreamSource(memoryview(copy), real.generation, real.track, wait_bucket)
 
 
 @pytest.fixture
@@ -99,19 +121,24 @@ async def test_three_nodes_take_a_version_the_owner_sent_once(keys: Path, dirs: 
                 relays = {n.relays[owner.owner].endpoint for n in nodes}
                 assert all(s in relays for s in sources if s != "owner"), sources
             assert server.grants == 2 and server.frames == 0  # once per version
+            # and each hop streamed (sealed, as the owner's pipeline sends), no frames
+            relayed = [n.relays[owner.owner].streamer for n in nodes]
+            assert sum(r.streams_sent for r in relayed if r is not None) >= 4
     finally:
         await _close(nodes)
         owner.close()
 
 
+@pytest.mark.parametrize("transport", ["sealed", "zmq"])
 async def test_a_relay_that_alters_a_bucket_is_caught_and_the_owner_sends_instead(
-    keys: Path, dirs: list[Path]
+    keys: Path, dirs: list[Path], transport: str
 ) -> None:
+    """Through the relay's streams (the owner's pipeline streams) or its frames."""
     owner = make_cache()
     bad = _node_with(FlippingRelay, keys, dirs[0])
     good = _node(keys, dirs[1])
     try:
-        async with serving(owner, keys, CountingServer) as server:
+        async with serving(owner, keys, CountingServer, transport=transport) as server:
             assert isinstance(server, CountingServer)
             ref = owner.ref(1)
             await bad.ensure(ref)  # first to ask: from the owner; then it relays, badly
@@ -121,7 +148,9 @@ async def test_a_relay_that_alters_a_bucket_is_caught_and_the_owner_sends_instea
             held = good.caches[owner.owner]
             assert held.versions == [1]
             assert bytes(held.buffer(1)) == bytes(owner.buffer(1))
-            assert server.grants == 2
+            assert (server.grants, server.frames > 0) == (
+                (2, False) if transport == "sealed" else (0, True)
+            )
     finally:
         await _close([bad, good])
         owner.close()
