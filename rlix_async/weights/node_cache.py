@@ -67,6 +67,11 @@ log = logging.getLogger(__name__)
 PULL_ATTEMPTS = 7  # the owner moving on, or relays failing us: this many pulls at most
 MANIFEST_WAIT_S = 600.0
 PREFETCH_POLL_S = 1.0  # how often a prefetching node asks the owner for a newer version
+# A relay silent this long fails the node (which then asks the owner): a hung relay, or
+# one whose own upstream stalled, costs the nodes behind it this much and no more. A
+# stream is silent only when stalled, whatever the link's speed; a frame is one bucket
+# (64 MiB at 50 Mbit/s takes 11 s).
+RELAY_STALL_S = 15.0
 
 
 class RelayFailed(SyncError):
@@ -398,7 +403,7 @@ class NodeCache:
                     kind = "sealed"
                 elif ref.transport == "plain":
                     kind = "plain"
-                transport = Remote(kind, keys)
+                transport = Remote(kind, keys, timeout=RELAY_STALL_S)
                 pull_ref = msgspec.structs.replace(
                     ref,
                     segment=theirs.segment,

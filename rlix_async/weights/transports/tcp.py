@@ -21,14 +21,19 @@ class Remote:
     (the ref's tag, as ``transport_for`` read it): an owner that does not serve that
     kind fails the sync in one line rather than being reached some other way."""
 
-    def __init__(self, kind: Transport, keys: ClientKeys | None) -> None:
+    def __init__(self, kind: Transport, keys: ClientKeys | None, timeout: float = 60.0) -> None:
+        """``timeout``: the longest the server may stay silent (a call unanswered, a
+        stream with nothing to read) before the pull fails."""
         self.kind = kind
         self.name: str = kind
         # this receiver's pair, set for the owner's public key (None: an ipc server)
         self.keys = keys
+        self.timeout = timeout
 
     async def pull(self, ref: CacheRef, sink: WeightSink, layout: Layout | None) -> Layout:
-        return await sync_remote(ref, ref.server, sink, layout, keys=self.keys, transport=self.kind)
+        return await sync_remote(
+            ref, ref.server, sink, layout, keys=self.keys, transport=self.kind, timeout=self.timeout
+        )
 
     def pull_blocking(self, ref: CacheRef, sink: WeightSink, layout: Layout | None) -> Layout:
         """On an event loop of its own (the caller's thread must have none running)."""
