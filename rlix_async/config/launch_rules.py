@@ -51,6 +51,7 @@ def check_launch(
                 f"{infer_tp} > gpus_per_node={cluster.gpus_per_node}: a shard "
                 "(one vLLM engine) runs on one node",
             )
+        check_infer_heads(at, p, infer_tp)
         if p.data is not None and p.data.max_prompt_tokens is not None:
             longest = p.data.max_prompt_tokens + p.rollout.max_tokens
             if longest > engine.max_model_len:
@@ -68,6 +69,33 @@ def check_launch(
             )
         check_trainer_nodes(at, p, cluster, node_addresses)
     check_base_groups(pipelines, engine)
+
+
+def check_infer_heads(at: str, p: PipelineConfig, tp: int) -> None:
+    """A shard of tensor-parallel size ``tp`` splits the model's attention heads over
+    its ranks (vLLM refuses a split that is not whole, after its engine started):
+    heads divisible by tp, and key-value heads divisible by it or dividing it (vLLM
+    replicates them). Read from model.path's config.json, or the tiny model's shape
+    (heads of 64); a directory unreadable here is left to the engine."""
+    if tp == 1:
+        return
+    if p.model.path is None:
+        heads = kv = p.model.hidden // 64
+    else:
+        try:
+            c = json.loads(Path(p.model.path, "config.json").read_text())
+            c = c.get("text_config", c)
+            heads = int(c["num_attention_heads"])
+            kv = int(c.get("num_key_value_heads") or heads)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return
+    if heads % tp or (kv % tp and tp % kv):
+        raise invalid(
+            f"{at}.clusters.actor_infer.tp",
+            f"{tp}: the model has {heads} attention heads and {kv} key-value heads; "
+            "a shard's tensor parallel must divide the heads and divide or be divided "
+            "by the key-value heads",
+        )
 
 
 def check_trainer_nodes(

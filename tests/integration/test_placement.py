@@ -302,6 +302,15 @@ def test_dry_run_says_when_the_users_own_binding_goes_to_every_process(tmp_path:
             ],
             "pipelines[0].clusters.actor_infer.tp: 8 > gpus_per_node=4: a shard",
         ),
+        (
+            [  # vLLM refuses it only after its engine started: the launch refuses first
+                "pipelines[0].model.path=null",
+                "pipelines[0].model.hidden=64",  # one head
+                "pipelines[0].clusters.actor_infer.tp=2",
+                "pipelines[0].clusters.actor_infer.devices=[0,1]",
+            ],
+            "pipelines[0].clusters.actor_infer.tp: 2: the model has 1 attention heads",
+        ),
     ],
 )
 def test_a_bad_topology_fails_before_any_process_starts(
