@@ -55,6 +55,7 @@ from rlix_async.placement import (
     shard_cores,
 )
 from rlix_async.protocols.topology import SPAN_WORLD
+from rlix_async.remote_shards import remote_shards, wait_remote_shards
 from rlix_async.security import ipc_endpoint
 from rlix_async.shards.engines import engine_backend
 from rlix_async.weights.shm import remove_pipeline_segments
@@ -62,6 +63,7 @@ from rlix_async.weights.shm import remove_pipeline_segments
 log = logging.getLogger(__name__)
 
 CRASH_WINDOW_S = 600.0  # coordinator crashes older than this are forgiven
+SHARDS_READY_TIMEOUT_S = 900.0  # engines load first: the trainers start after them
 
 
 class LaunchError(ValueError):
@@ -259,6 +261,8 @@ class Launcher:
             os.environ["RLIX_JOB"] = node.job
         try:
             self.plan = place_processes(cfg, self.out, self.endpoint, keys=keys, resume=resume)
+            # shards elsewhere that this node's trainers wait for (remote_shards.py)
+            self.remote_shards = remote_shards(self.plan, node.node) if node is not None else {}
             if node is not None:
                 self.plan = node_share(self.plan, node.node, node.address)
             bind_visible_devices(self.plan, os.environ)
@@ -355,6 +359,10 @@ class Launcher:
                 proc.start(self.env)
                 self.node_caches.append(proc)
         self._wait_shards_ready()
+        if self.node is not None:
+            wait_remote_shards(
+                self.remote_shards, self.endpoint, self.node.keys, SHARDS_READY_TIMEOUT_S
+            )
         for planned in self.plan:
             if planned.role == "trainer":
                 assert planned.pipeline is not None
@@ -369,7 +377,7 @@ class Launcher:
 
             save_tiny_llama(path, seed=p.seed, **p.model.tiny)
 
-    def _wait_shards_ready(self, timeout_s: float = 900.0) -> None:
+    def _wait_shards_ready(self, timeout_s: float = SHARDS_READY_TIMEOUT_S) -> None:
         """Pipelines start once every shard worker is connected (engines load first)."""
         deadline = time.monotonic() + timeout_s
         pending = list(self.shards)

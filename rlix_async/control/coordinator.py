@@ -464,11 +464,17 @@ class Coordinator:
         return self.status()
 
     def status(self) -> m.StatusReply:
-        return cluster_status(
+        reply = cluster_status(
             self.registry,
             self.executor.shards.memory,
             (self.plans, self.rejected_plans, self.stale_plans),
         )
+        workers: dict[str, list[int]] = {}
+        for identity in self.server.peers:
+            if (shard := m.shard_rank(identity)) is not None:
+                workers.setdefault(shard[0], []).append(shard[1])
+        reply.workers = {pid: sorted(ranks) for pid, ranks in workers.items()}
+        return reply
 
     # --- scheduling -------------------------------------------------------------------------------
 

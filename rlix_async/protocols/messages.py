@@ -199,6 +199,9 @@ class StatusReply(Message):
     rejected_plans: int
     fenced: list[FenceStatus] = []
     stale_plans: int = 0  # out of date when the planner thread was done: planned again
+    # per pipeline (or base group), the ranks of its shard workers connected now, its
+    # registration or not: what a node's launcher waits for before a trainer starts
+    workers: dict[str, list[int]] = {}
 
 
 ShardAction = Literal["sleep", "wake", "sync"]

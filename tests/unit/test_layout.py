@@ -42,6 +42,7 @@ ROOMS = [
     # the processes and the tools
     "coordinator_main",
     "pipeline",
+    "remote_shards",
     "launch",
     "demo",
     "",
