@@ -70,7 +70,8 @@ async def fuzz_stream(inputs: int, seed: int = 0, concurrency: int = 8) -> dict[
     import torch
 
     from rlix_async.weights.cache import WeightCache
-    from rlix_async.weights.stream import WeightStreamer, receive_stream
+    from rlix_async.weights.stream import WeightStreamer
+    from rlix_async.weights.stream_receiver import receive_stream
 
     rng = random.Random(seed)
     cache = WeightCache("fuzz", f"fz{uuid.uuid4().hex[:6]}", bucket_bytes=64 << 10)

@@ -16,8 +16,8 @@ only door: a receiver that it authenticated and admitted asks it for a *grant*
 and a single-use ticket for a plain tcp listener next to the server. The
 receiver connects, presents the ticket, and reads the version's buckets: per
 bucket a sealed header (version, index, size, slot generation), then its bytes
-in sealed chunks. Nonces count up from zero under a key used for one stream
-only, so a chunk dropped, reordered, replayed or altered fails authentication;
+in sealed chunks (the receiver's side: ``weights/stream_receiver.py``). Nonces count
+up from zero under a key used for one transfer only, so a chunk dropped, reordered, replayed or altered fails authentication;
 the receiver knows from the layout how many bytes must arrive, so a truncated
 stream fails too. A ticket seen on the wire opens one stream whose bytes only
 the key's holder can read; whoever uses it first can at most hold that stream
@@ -54,17 +54,14 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from rlix_async.aio import Supervisor
 from rlix_async.protocol import Message, RpcError
-from rlix_async.protocols.cache_ref import Layout
-from rlix_async.protocols.sinks import SyncError
 from rlix_async.weights.cache import WeightCache
 
 log = logging.getLogger(__name__)
@@ -73,7 +70,7 @@ MAGIC = b"RLIXWS1\x00"  # what a receiver sends first, then its ticket
 TICKET_BYTES = 32
 TAG = 16  # AES-GCM tag
 CHUNK = 1 << 20  # sealed chunk: small enough for short GIL holds, big enough for speed
-_HEADER = struct.Struct("<QQQQ")  # version, index, nbytes, generation
+BUCKET_HEADER = struct.Struct("<QQQQ")  # version, index, nbytes, generation
 STREAM_KINDS = ("sealed", "plain")  # what a grant may name
 MAX_STREAMS = 16  # per transfer: more is refused (a receiver opens this many sockets)
 
@@ -93,7 +90,7 @@ class StreamGrant(Message):
     chunk_bytes: int
 
 
-def _nonce(counter: int, stream: int = 0) -> bytes:
+def chunk_nonce(counter: int, stream: int = 0) -> bytes:
     return stream.to_bytes(4, "little") + counter.to_bytes(8, "little")
 
 
@@ -361,7 +358,7 @@ class WeightStreamer:
             wire = plain
             if aead is not None:
                 wire = memoryview(out)[: len(plain) + TAG]
-                aead.encrypt_into(_nonce(counter, pending.stream), plain, None, wire)
+                aead.encrypt_into(chunk_nonce(counter, pending.stream), plain, None, wire)
                 counter += 1
             left = deadline - time.monotonic()
             if left <= 0:
@@ -376,7 +373,7 @@ class WeightStreamer:
             if source.wait_bucket is not None:  # a relay's: it may still be arriving
                 source.wait_bucket(index, max(0.0, deadline - time.monotonic()))
             start, size = layout.bucket_offsets[index], layout.bucket_sizes[index]
-            send(_HEADER.pack(*self.bucket_header(pending.version, index, size, generation)))
+            send(BUCKET_HEADER.pack(*self.bucket_header(pending.version, index, size, generation)))
             bucket = data[start : start + size]
             piece = chunk if aead is not None else max(size, 1)
             for off in range(0, max(size, 1), piece):
@@ -393,203 +390,8 @@ async def _sock_read(loop: asyncio.AbstractEventLoop, conn: socket.socket, n: in
     return bytes(got)
 
 
-def _recv_exact(conn: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            raise SyncError("the owner closed the weight stream early")
-        got += n
-
-
-class StreamReceiver:
-    """The shard's side of one stream: its buckets arrive in order, each opened and
-    checked.
-
-    A chunk is received straight into its place in the bucket buffer and decrypted
-    there (AES-GCM in place), so the receiver holds nothing but its bucket buffers.
-    """
-
-    def __init__(self, host: str, grant: StreamGrant, stream: int, timeout: float) -> None:
-        self.host, self.grant, self.timeout = host, grant, timeout
-        self.stream = stream
-        self.aead = AESGCM(grant.key) if grant.transport == "sealed" else None
-        self.counter = 0
-        self._conn: socket.socket | None = None
-        self._lock = threading.Lock()  # connect (a thread) against close (the loop)
-        self._closed = False
-
-    def connect(self) -> None:
-        conn = socket.create_connection((self.host, self.grant.port), timeout=self.timeout)
-        with self._lock:
-            if self._closed:  # closed while connecting: this socket is nobody's
-                conn.close()
-                raise SyncError("the weight stream was closed")
-            self._conn = conn
-        conn.settimeout(self.timeout)
-        conn.sendall(MAGIC + self.grant.tickets[self.stream])
-
-    def close(self) -> None:
-        """Wake any read blocked on the socket (another thread's); from any thread.
-        The descriptor itself goes at :meth:`release`, once no thread uses it."""
-        with self._lock:
-            self._closed = True
-            conn = self._conn
-        if conn is not None:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-
-    def release(self) -> None:
-        self.close()
-        with self._lock:
-            conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
-
-    def _open(self, buf: memoryview, nbytes: int) -> None:
-        """Read one chunk of ``nbytes`` into ``buf`` (which has room for its tag) and,
-        sealed, decrypt it in place into ``buf[:nbytes]``."""
-        conn = self._conn
-        if conn is None or self._closed:
-            raise SyncError("the weight stream was closed")
-        if self.aead is None:
-            _recv_exact(conn, buf[:nbytes])
-            return
-        sealed = buf[: nbytes + TAG]
-        _recv_exact(conn, sealed)
-        try:
-            self.aead.decrypt_into(_nonce(self.counter, self.stream), sealed, None, buf[:nbytes])
-        except InvalidTag:
-            raise SyncError(
-                "a weight stream chunk failed authentication (altered, reordered or not "
-                "from the owner)"
-            ) from None
-        self.counter += 1
-
-    def read_bucket(self, expected: int, into: memoryview) -> tuple[int, int, int, int]:
-        """One bucket into ``into[:expected]`` (``into`` has ``TAG`` bytes more); returns
-        its header (version, index, nbytes, generation) for the caller to check."""
-        header = bytearray(_HEADER.size + TAG)
-        self._open(memoryview(header), _HEADER.size)
-        version, index, nbytes, generation = _HEADER.unpack_from(header)
-        if nbytes != expected:
-            # never read a size we did not ask for into our buffer
-            return version, index, nbytes, generation
-        chunk = self.grant.chunk_bytes if self.aead is not None else max(expected, 1)
-        for off in range(0, max(expected, 1), chunk):
-            self._open(into[off:], min(chunk, expected - off))
-        return version, index, nbytes, generation
-
-
 def host_of(endpoint: str) -> str:
     """``tcp://HOST:PORT`` -> ``HOST`` (brackets of an IPv6 address removed)."""
     hostport = endpoint.removeprefix("tcp://")
     host = hostport.rsplit(":", 1)[0]
     return host[1:-1] if host.startswith("[") else host
-
-
-OnBucket = Callable[[int, tuple[int, int, int, int], memoryview], None]
-
-
-def check_grant(grant: StreamGrant, asked: str) -> None:
-    """Refuse a grant other than the one asked for: another transport (a plain grant
-    to a receiver that asked for sealed is a downgrade), no ticket, too many streams
-    (each is a socket and a thread here), or chunks of no size."""
-    if grant.transport != asked or asked not in STREAM_KINDS:
-        raise SyncError(f"asked for a {asked} stream, the owner granted {grant.transport!r}")
-    if not 1 <= len(grant.tickets) <= MAX_STREAMS:
-        raise SyncError(f"the owner granted {len(grant.tickets)} streams (1..{MAX_STREAMS})")
-    if grant.chunk_bytes < 1 or (asked == "sealed" and len(grant.key) != 32):
-        raise SyncError("the owner granted a stream with no chunk size or a bad key")
-
-
-async def receive_stream(
-    endpoint: str,
-    grant: StreamGrant,
-    layout: Layout,
-    buffers: int,
-    timeout: float,
-    on_bucket: OnBucket,
-    *,
-    transport: str = "sealed",
-) -> None:
-    """Read every bucket of a granted transfer (of the ``transport`` asked for), on as
-    many streams as the grant has tickets; ``on_bucket(index, header, data)`` runs on
-    the event loop's thread (where the sink lives) while the streams read on, in the
-    order buckets land (stream by stream in order; across streams as they come).
-
-    ``buffers`` bucket-sized buffers (at least one per stream) are reused round-robin
-    within each stream: with two or more per stream, reading a stream's next bucket
-    overlaps loading its last; the receiver's extra memory stays within
-    ``max(buffers, streams) x bucket``. One stream failing ends them all, and no
-    thread reads into a buffer or a socket after this returns.
-    """
-    check_grant(grant, transport)
-    streams = len(grant.tickets)
-    host = host_of(endpoint)
-    receivers = [StreamReceiver(host, grant, j, timeout) for j in range(streams)]
-    per_stream = max(1, buffers // streams)
-    n = len(layout.bucket_sizes)
-    tasks = [
-        asyncio.ensure_future(
-            _receive_one(r, layout.bucket_sizes, list(range(j, n, streams)), per_stream, on_bucket)
-        )
-        for j, r in enumerate(receivers)
-    ]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
-        if failed is not None:
-            raise failed.exception()  # type: ignore[misc]
-    finally:
-        for r in receivers:
-            r.close()  # wakes the reads of the streams still running: they end at once
-        # wait for them rather than cancel them: a cancelled task leaves its thread
-        # reading into our buffers (a connect ends within its own timeout)
-        _, stuck = await asyncio.wait(tasks, timeout=timeout + 5.0)
-        for t in stuck:
-            t.cancel()
-        for t in tasks:
-            if t.done() and not t.cancelled():
-                t.exception()  # retrieved: the first failure was raised above
-        for r in receivers:
-            r.release()
-
-
-async def _receive_one(
-    receiver: StreamReceiver,
-    sizes: Sequence[int],
-    indices: list[int],
-    buffers: int,
-    on_bucket: OnBucket,
-) -> None:
-    """One stream's buckets (``indices``, in the order it sends them)."""
-    if not indices:
-        return
-    biggest = max(sizes[i] for i in indices)
-    pool = [bytearray(biggest + TAG) for _ in range(max(1, min(buffers, len(indices))))]
-
-    def read(k: int) -> asyncio.Future[tuple[int, int, int, int]]:
-        view = memoryview(pool[k % len(pool)])
-        return asyncio.ensure_future(
-            asyncio.to_thread(receiver.read_bucket, sizes[indices[k]], view)
-        )
-
-    pending: asyncio.Future[tuple[int, int, int, int]] | None = None
-    try:
-        await asyncio.to_thread(receiver.connect)
-        pending = read(0)
-        for k, index in enumerate(indices):
-            assert pending is not None  # one read is always in flight here
-            header = await pending
-            pending = None
-            more = k + 1 < len(indices)
-            if more and len(pool) > 1 and header[2] == sizes[index]:
-                pending = read(k + 1)  # overlaps the load below: another buffer
-            on_bucket(index, header, memoryview(pool[k % len(pool)])[: sizes[index]])
-            if pending is None and more:
-                pending = read(k + 1)
-    finally:
-        if pending is not None and not pending.done():
-            receiver.close()  # ends the read in flight
-            await asyncio.wait([pending])  # its thread has let go of the buffer

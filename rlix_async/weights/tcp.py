@@ -45,8 +45,8 @@ from rlix_async.weights.stream import (
     StreamGrant,
     WeightStreamer,
     host_of,
-    receive_stream,
 )
+from rlix_async.weights.stream_receiver import receive_stream
 
 # What a WeightServer speaks to a receiver on another node (CacheRef.transport's tags).
 Transport = Literal["sealed", "plain", "zmq"]

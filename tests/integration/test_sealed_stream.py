@@ -35,8 +35,8 @@ from rlix_async.weights.stream import (
     OpenStream,
     StreamGrant,
     WeightStreamer,
-    receive_stream,
 )
+from rlix_async.weights.stream_receiver import receive_stream
 from rlix_async.weights.tcp import GetLayout, LayoutReply, WeightServer, sync_remote
 from rlix_async.weights.transports import pull
 

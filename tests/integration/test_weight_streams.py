@@ -25,7 +25,8 @@ from rlix_async.protocols.sinks import SyncError
 from rlix_async.security import ClientKeys
 from rlix_async.transport import CallContext, RpcClient
 from rlix_async.weights.cache import WeightCache
-from rlix_async.weights.stream import OpenStream, StreamGrant, receive_stream
+from rlix_async.weights.stream import OpenStream, StreamGrant
+from rlix_async.weights.stream_receiver import receive_stream
 from rlix_async.weights.tcp import GetLayout, LayoutReply, WeightServer, sync_remote
 from rlix_async.weights.transports import pull
 
