@@ -43,6 +43,18 @@ class SchedulerConfig(Config, frozen=True):
             gt=0,
         ),
     ] = 60.0
+    shard_failures_before_restart: Annotated[
+        int,
+        doc(
+            "A shard whose syncs or wakes failed this many times in a row is declared "
+            "broken: the fence, the journal and `status` say why, its rank stays out of "
+            "plans, and its worker is told to exit so its node's launcher starts a new "
+            "one (as for a dead engine). Fewer: each failure only takes the rank out of "
+            "the plan until the next.",
+            ge=1,
+            le=100,
+        ),
+    ] = 3
     sync_timeout_s: Annotated[
         float,
         doc(

@@ -110,6 +110,7 @@ class PlanExecutor:
         self._fence_lifted: dict[Rank, asyncio.Event] = {}  # set when that fence is lifted
         self._journal_sync_due = False  # an fsync of lifted fences is scheduled
         self._sleeping: set[Rank] = set()  # ranks with a sleep (or its retries) under way
+        self.failures: dict[Rank, int] = {}  # syncs and wakes failed in a row, per rank
 
     @property
     def journal(self) -> Journal:
@@ -372,19 +373,46 @@ class PlanExecutor:
 
     def give_up_rank(self, pid: str, rank: int, why: str) -> None:
         """A shard that could not wake or sync (or was lost) is not serving: take it
-        out of the plan; its devices stay fenced until it is confirmed asleep or dead."""
+        out of the plan; its devices stay fenced until it is confirmed asleep or dead.
+        One that failed ``shard_failures_before_restart`` times in a row is broken: it
+        stays out of plans and its worker is told to exit (its launcher starts a new
+        one, whose hello lifts the fence), rather than be slept, woken and failed
+        again for the rest of the run."""
         p = self.registry.pipelines.get(pid)
         if p is None or rank not in p.active:
             return
+        broken = False
+        if why != "worker lost":
+            n = self.failures[(pid, rank)] = self.failures.get((pid, rank), 0) + 1
+            if n >= self.cfg.shard_failures_before_restart:
+                broken = True
+                why = f"broken: {n} failed syncs or wakes in a row (the last: {why}); restarted"
         lost = Plan(shrink=[RankChange(pid, INFER, [rank])])
         self.registry.apply(lost)
         self.registry.fence(pid, rank, p.clusters[INFER].bundle(rank), why)
         self._journal_plan(lost)
         self.shards.versions.pop((pid, rank), None)
         self.shards.adapters.pop((pid, rank), None)
-        self.tasks.spawn(self.sleep_rank(pid, rank), "sleep-failed")
+        if broken:
+            log.error("%s/%s/%s: %s", pid, INFER, rank, why)
+            self.failures.pop((pid, rank), None)
+            p.offline.add(rank)  # not planned again until a new worker says hello
+            self.tasks.spawn(self._restart_worker(pid, rank, why), "restart")
+        else:
+            self.tasks.spawn(self.sleep_rank(pid, rank), "sleep-failed")
         self.tasks.spawn(self.notify_ranks(pid), "ranks")
         self.kick()
+
+    async def _restart_worker(self, pid: str, rank: int, why: str) -> None:
+        """Tell a broken shard's worker to exit (a worker wedged in a sync still
+        answers: the command is served outside its lock)."""
+        ident = m.worker_identity(pid, rank)
+        try:
+            await self.server.call(
+                ident, m.ShardCommand(action="restart", reason=why), timeout=10.0
+            )
+        except Exception as exc:  # gone already, or wedged beyond answering
+            log.error("restart of %s: %s (its fence stays until a new worker joins)", ident, exc)
 
     async def _command(self, pid: str, rank: int, action: m.ShardAction) -> m.ShardAck | None:
         """Tell shard worker ``pid/infer/rank`` to sleep, wake or sync; its
@@ -423,6 +451,8 @@ class PlanExecutor:
                 self.shards.adapters[(pid, rank)] = dict(ack.adapter_versions)
         if ack.memory_bytes is not None:
             self.shards.memory[(pid, rank)] = ack.memory_bytes
+        if action != "sleep" and ack.state == m.ShardState.ACTIVE:
+            self.failures.pop((pid, rank), None)  # it serves: the count starts again
         log.info(
             "%s of %s: %s, version %s, %s MiB in use",
             action,

@@ -204,7 +204,7 @@ class StatusReply(Message):
     workers: dict[str, list[int]] = {}
 
 
-ShardAction = Literal["sleep", "wake", "sync"]
+ShardAction = Literal["sleep", "wake", "sync", "restart"]
 
 
 class ShardState(enum.StrEnum):
@@ -227,12 +227,14 @@ class ShardCommand(Message):
     serve. ``sync``: reach ``weights`` if awake (a sleeping shard syncs when it
     wakes, never before). A base group's shard (``<group>/infer/<rank>``) gets
     ``adapters`` instead: each member's newest adapter version, loaded beside the
-    others without pausing them.
+    others without pausing them. ``restart``: the coordinator declared it broken
+    (``reason``): the worker exits for its launcher to start a new one.
     """
 
     action: ShardAction
     weights: CacheRef | None = None
     adapters: dict[str, CacheRef] = {}  # member pipeline -> its newest adapter
+    reason: str = ""  # restart: why
 
 
 class ShardAck(Message):

@@ -30,7 +30,8 @@ def engine_seed(pipeline: str, rank: int) -> int:
 
 async def serve(cfg: ShardConfig) -> int:
     """The shard worker process (``rlix-async shard``): serve until signalled. Returns 3
-    when the engine died, so a launcher replaces this worker; 2 when it does not see
+    when the engine died or the coordinator declared the shard broken, so a launcher
+    replaces this worker; 2 when it does not see
     the devices it is bound to, the coordinator refuses them, or the installed vLLM
     is not one this package supports."""
     me = f"shard {cfg.pipeline}/{cfg.rank}"
@@ -50,13 +51,22 @@ async def serve(cfg: ShardConfig) -> int:
     signalled = asyncio.ensure_future(stop_signals().wait())
     print(f"READY {worker.data.endpoint}", flush=True)  # handlers first: SIGTERM is clean
     dead = asyncio.ensure_future(worker.engine_dead.wait())
-    await asyncio.wait([dead, signalled], return_when=asyncio.FIRST_COMPLETED)
+    retired = asyncio.ensure_future(worker.retired.wait())
+    await asyncio.wait([dead, retired, signalled], return_when=asyncio.FIRST_COMPLETED)
     signalled.cancel()
     t0 = time.monotonic()
+    if retired.done():
+        print(f"error: {me}: the coordinator declared it {worker.retire_reason}: exiting for "
+              "a new worker", file=sys.stderr, flush=True)  # fmt: skip
+        await asyncio.sleep(0.2)  # the acknowledgement leaves before the socket closes
     await worker.close()
+    if retired.done():
+        shutdown_engine(engine)  # still alive: its processes go with this worker
+        return 3
     if dead.done():
         return 3
     dead.cancel()
+    retired.cancel()
     t1 = time.monotonic()
     shutdown_engine(engine)
     print(

@@ -132,6 +132,10 @@ class ShardWorker:
         self._lock = asyncio.Lock()
         self.decoded_tokens = 0  # every token the engine produced here
         self.engine_dead = asyncio.Event()  # set when the engine can no longer serve
+        # set when the coordinator declared this shard broken (``retire_reason``): the
+        # process exits for its launcher to start a new worker
+        self.retired = asyncio.Event()
+        self.retire_reason = ""
         self.cancelled = 0  # requests stopped because their caller gave up
         self.served: Counter[str] = Counter()  # requests answered, by caller's pipeline
         # a base group's shard: the version of each member's adapter it loaded (the
@@ -352,6 +356,12 @@ class ShardWorker:
                         ErrorCode.FORBIDDEN,
                         f"{self.pipeline}/infer/{self.rank} serves no weights of {ref.pipeline!r}",
                     )
+        if msg.action == "restart":
+            # declared broken (its syncs or wakes kept failing): exit for a new worker.
+            # Served outside the lock, which a wedged sync may hold.
+            self.retire_reason = msg.reason or "restart asked"
+            self.retired.set()
+            return self.ack()
         async with self._lock:
             if msg.action == "sleep":
                 await self.shrink()

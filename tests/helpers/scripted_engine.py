@@ -53,7 +53,9 @@ never be stopped. ``running_at_sleep`` records how many ran at each sleep.
 ``built_marker``: a file created when the engine is built (to see when it is).
 ``load_error``: ``"refused"`` makes the next weight update fail before any
 weight changes (a SyncError), ``"midway"`` after it began (any other error).
-``load_delay_s``: each weight update takes at least that long.
+``load_delay_s``: each weight update takes at least that long. ``wake_failures``:
+the first N wakes raise (as vLLM's ``wake_up`` does when its executor fails), leaving
+the engine asleep.
 
 Adapters (a base group's shard, AdapterEngine): ``load_adapter`` pulls the
 member's version through the same real path into a counting sink, after
@@ -121,6 +123,7 @@ class ScriptedEngine:
     weight_version: int | None = None
     sleep_delay_s: float = 0.0
     sleep_failures: int = 0
+    wake_failures: int = 0
     ignore_abort: bool = False
     ignore_pause: bool = False
     stuck: int = 0
@@ -264,6 +267,10 @@ class ScriptedEngine:
         self._record(f"sleep({level})")
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
+        if self.wake_failures:
+            self.wake_failures -= 1
+            self._record(f"wake_up({tags})", "scripted failure")
+            raise RuntimeError("Call to wake_up method failed: scripted failure")
         note = ""
         if not self.sleeping:
             note = "Executor is not sleeping."

@@ -290,3 +290,46 @@ async def test_a_wake_that_waited_its_turn_is_not_sent_once_its_rank_was_shrunk(
         gated.gate.set()
         await asyncio.wait_for(wake, 10)
         assert ("P/infer/1", "wake") not in sent
+
+
+@pytest.mark.timeout(90)
+async def test_a_shard_whose_wakes_keep_failing_is_declared_broken_and_its_worker_restarted(
+    ipc_ep: str, tmp_path: Path
+) -> None:
+    """Each failed wake takes the rank out of the plan and the next plan wakes it again:
+    without a bound that is a sleep/wake/fail loop for the rest of the run. After
+    shard_failures_before_restart (3) in a row the rank stays out, the fence, status and
+    journal say why, and the worker exits (3) for its launcher to start a new one, whose
+    hello lifts the fence and lets the rank serve again."""
+    journal = tmp_path / "journal.jsonl"
+    cfg = SchedulerConfig(command_timeout_s=COMMAND_TIMEOUT_S, lease_timeout_s=60)
+    async with Coordinator(
+        ipc_ep, ClusterShape(1, 2), config=cfg, transport=FAST, journal=journal
+    ) as co:
+        driver = await joined_pipeline(co.endpoint, "P", TOPO, transport=FAST)
+        procs = [await asyncio.to_thread(spawn_shard, co.endpoint, 0, wake_failures=100)]
+        try:
+            procs.append(await asyncio.to_thread(spawn_shard, co.endpoint, 1))
+            await driver.report_progress(64, 0, force=True)
+            await driver.request("actor_infer", "GENERATION", timeout=20)
+            assert await asyncio.to_thread(procs[0].wait, 45) == 3  # told to go
+            err = procs[0].stderr.read() if procs[0].stderr else ""
+            assert "declared it broken: 3 failed syncs or wakes in a row" in err, err
+            [fence] = co.status().fenced
+            assert fence.rank == 0 and "broken: 3 failed syncs or wakes" in fence.reason, fence
+            assert 0 in co.registry.pipelines["P"].offline  # never woken meanwhile
+            events = [json.loads(x) for x in journal.read_text().splitlines() if x.strip()]
+            reasons = [e.get("reason", "") for e in events if e["ev"] == "fence" and e["rank"] == 0]
+            assert any(r.startswith("broken: 3 failed") for r in reasons), reasons
+            wakes = sum(1 for e in events if e["ev"] == "expand" and 0 in e.get("ranks", []))
+            assert wakes == 3, wakes  # not one more after the third failure
+            # the launcher's new worker: its hello lifts the fence, and it serves
+            procs.append(await asyncio.to_thread(spawn_shard, co.endpoint, 0))
+            await until(lambda: 0 in co.registry.pipelines["P"].active, timeout=30)
+            assert fenced(co) == set()
+        finally:
+            await driver.close()
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait(timeout=10)
