@@ -55,7 +55,7 @@ from rlix_async.placement import (
     shard_cores,
 )
 from rlix_async.protocols.topology import SPAN_WORLD
-from rlix_async.remote_shards import remote_shards, wait_remote_shards
+from rlix_async.remote_shards import RemoteShardsWait, remote_shards
 from rlix_async.security import ipc_endpoint
 from rlix_async.shards.engines import engine_backend
 from rlix_async.weights.shm import remove_pipeline_segments
@@ -78,6 +78,7 @@ class Proc:
     env: dict[str, str] = field(default_factory=dict)  # the plan's, over the launcher's
     popen: subprocess.Popen[bytes] | None = None
     restarts: int = 0
+    restarted_at: list[float] = field(default_factory=list)  # monotonic, recent ones
     append: bool = False  # a resumed run keeps what the earlier one logged
     _log: IO[bytes] | None = field(default=None, repr=False)
 
@@ -294,6 +295,8 @@ class Launcher:
         self.max_coordinator_restarts = 8  # within CRASH_WINDOW_S
         self._coordinator_crashes: list[float] = []  # monotonic times, recent ones
         self._coordinator_restart_at: float | None = None
+        self._remote_wait: RemoteShardsWait | None = None  # shards elsewhere, not joined yet
+        self._trainers_started = False
 
     def _finished(self) -> bool:
         """Whether the run is over: every pipeline here exited (one node), or every
@@ -359,10 +362,21 @@ class Launcher:
                 proc.start(self.env)
                 self.node_caches.append(proc)
         self._wait_shards_ready()
-        if self.node is not None:
-            wait_remote_shards(
-                self.remote_shards, self.endpoint, self.node.keys, SHARDS_READY_TIMEOUT_S
-            )
+        drivers = [p.pipeline for p in self.plan if p.role == "trainer" and p.pipeline]
+        if self.node is not None and self.remote_shards and drivers:
+            # the trainers start from step() once these joined, supervision going on
+            self._remote_wait = RemoteShardsWait(
+                self.remote_shards, self.endpoint, self.node.keys, drivers[0],
+                SHARDS_READY_TIMEOUT_S,
+            )  # fmt: skip
+        self._start_trainers_when_ready()
+
+    def _start_trainers_when_ready(self) -> None:
+        if self._trainers_started:
+            return
+        if self._remote_wait is not None and not self._remote_wait.ready():
+            return
+        self._trainers_started = True
         for planned in self.plan:
             if planned.role == "trainer":
                 assert planned.pipeline is not None
@@ -423,6 +437,7 @@ class Launcher:
 
     def step(self) -> bool:
         """One supervision pass; False once every pipeline has finished."""
+        self._start_trainers_when_ready()
         code = self.coordinator.poll() if self.coordinator is not None else None
         if code is not None:
             assert self.coordinator is not None
@@ -449,8 +464,13 @@ class Launcher:
         for shard in [*self.node_caches, *self.shards]:
             code = shard.poll()
             if code is not None and not self._finished():
-                if shard.restarts >= self.max_shard_restarts:
+                # within CRASH_WINDOW_S: a long run may replace a worker now and then
+                # (a broken shard is told to exit for this), but not keep doing so
+                now = time.monotonic()
+                shard.restarted_at = [t for t in shard.restarted_at if now - t < CRASH_WINDOW_S]
+                if len(shard.restarted_at) >= self.max_shard_restarts:
                     raise RuntimeError(f"{shard.name} keeps failing; see {shard.log_path}")
+                shard.restarted_at.append(now)
                 log.warning("%s exited (%s); starting a new one", shard.name, code)
                 shard.stop()
                 shard.restarts += 1

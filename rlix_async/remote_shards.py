@@ -6,7 +6,7 @@ begins on part of its rollout capacity.
 
 Which shards: :func:`remote_shards` reads the whole plan (every node's processes);
 whether they joined: the coordinator's status (``StatusReply.workers``, the shard
-workers connected now), asked with this node's keys.
+workers connected now), asked with this node's driver key (:class:`RemoteShardsWait`).
 """
 
 from __future__ import annotations
@@ -46,47 +46,75 @@ def remote_shards(plan: list[PlacedProcess], node: int) -> dict[str, set[int]]:
     return wanted
 
 
-def wait_remote_shards(
-    wanted: dict[str, set[int]], endpoint: str, keys_dir: str | None, timeout_s: float
-) -> None:
-    """Until every shard in ``wanted`` is connected to the coordinator at ``endpoint``.
-    RuntimeError (one line naming the missing ones) after ``timeout_s``."""
-    if not wanted:
-        return
-    keys = ClientKeys.load(Path(keys_dir)) if keys_dir else None
-    missing = asyncio.run(_wait(wanted, endpoint, keys, timeout_s))
-    if missing:
-        names = ", ".join(f"{pid}/{rank}" for pid, rank in missing)
-        raise RuntimeError(
-            f"shards on other nodes not joined after {timeout_s:.0f}s: {names} (is their "
-            "node's `launch --node` running?)"
+class RemoteShardsWait:
+    """Whether the shards in ``wanted`` have joined the coordinator at ``endpoint``,
+    asked at most every ``POLL_S`` from the launcher's supervision pass (which goes on
+    meanwhile: a local process that dies, or a coordinator to restart, is handled).
+    Asked under ``driver``'s identity and key (``driver-ID``, else the shared
+    ``client``): a node holds its own trainers' driver keys, which may read the status
+    as a router of their pipeline, and nothing more is needed."""
+
+    def __init__(
+        self,
+        wanted: dict[str, set[int]],
+        endpoint: str,
+        keys_dir: str | None,
+        driver: str,
+        timeout_s: float,
+    ) -> None:
+        self.missing = sorted((pid, rank) for pid, ranks in wanted.items() for rank in ranks)
+        self.endpoint = endpoint
+        self.keys = (
+            ClientKeys.load_first(Path(keys_dir), f"driver-{driver}", "client")[1]
+            if keys_dir
+            else None
         )
+        self.identity = f"{driver}/router/launch-{uuid.uuid4().hex[:8]}"
+        self.deadline = time.monotonic() + timeout_s
+        self.timeout_s = timeout_s
+        self._next = 0.0
+        self._said = False
 
+    def ready(self) -> bool:
+        """True once every wanted shard joined; RuntimeError (one line naming the
+        missing ones) past the deadline."""
+        if not self.missing:
+            return True
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + POLL_S
+        try:
+            workers = asyncio.run(self._workers())
+        except Exception as exc:  # the coordinator starting or restarting: asked again
+            log.debug("status: %s", exc)
+            workers = None
+        if workers is not None:
+            self.missing = [(p, r) for p, r in self.missing if r not in workers.get(p, [])]
+        if not self.missing:
+            return True
+        if now > self.deadline:
+            names = ", ".join(f"{pid}/{rank}" for pid, rank in self.missing)
+            raise RuntimeError(
+                f"shards on other nodes not joined after {self.timeout_s:.0f}s: {names} "
+                "(is their node's `launch --node` running?)"
+            )
+        if not self._said:
+            self._said = True
+            log.info(
+                "trainers start once the shards on other nodes joined: waiting for %s",
+                ", ".join(f"{pid}/{rank}" for pid, rank in self.missing),
+            )
+        return False
 
-async def _wait(
-    wanted: dict[str, set[int]], endpoint: str, keys: ClientKeys | None, timeout_s: float
-) -> list[tuple[str, int]]:
-    deadline = time.monotonic() + timeout_s
-    missing = sorted((pid, rank) for pid, ranks in wanted.items() for rank in ranks)
-    said = False
-    async with RpcClient(endpoint, f"launch-{uuid.uuid4().hex[:6]}/cli/0", keys=keys) as client:
-        while time.monotonic() < deadline:
-            try:
-                reply = await client.call(m.StatusRequest(), timeout=10)
-            except Exception as exc:  # the coordinator (re)starting: asked again
-                log.debug("status: %s", exc)
-                reply = None
-            if isinstance(reply, m.StatusReply):
-                missing = [
-                    (pid, rank) for pid, rank in missing if rank not in reply.workers.get(pid, [])
-                ]
-                if not missing:
-                    return []
-            if not said:
-                log.info(
-                    "waiting for the shards on other nodes before the trainers start: %s",
-                    ", ".join(f"{pid}/{rank}" for pid, rank in missing),
-                )
-                said = True
-            await asyncio.sleep(POLL_S)
-    return missing
+    async def _workers(self) -> dict[str, list[int]]:
+        # short waits: this runs inside the launcher's supervision pass
+        client = RpcClient(self.endpoint, self.identity, keys=self.keys)
+        try:
+            await client.connect(timeout=2.0)
+            reply = await client.call(m.StatusRequest(), timeout=5.0)
+        finally:
+            await client.close()
+        if not isinstance(reply, m.StatusReply):
+            raise RuntimeError(f"status answered {type(reply).__name__}")
+        return reply.workers

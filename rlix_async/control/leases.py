@@ -102,6 +102,7 @@ class LeaseKeeper:
                 self.journal.record(
                     ev.ShardJoined(pipeline=pid, rank=rank, incarnation=incarnation)
                 )
+                self.executor.failures.pop((pid, rank), None)  # a new worker starts afresh
             lifted = self.registry.worker_joined(pid, rank, incarnation)
             if lifted is not None:
                 log.warning(

@@ -41,6 +41,7 @@ from rlix_async.protocols.topology import (
 from rlix_async.transport import RpcServer
 
 log = logging.getLogger("rlix_async.control.coordinator")
+RESTART_ASKS = 5  # restart requests to a broken shard's worker before it is put back
 
 UNFENCE_SYNC_S = 0.05  # lifted fences are fsynced together, this long after the first
 # Execution steps (a command sent, an acknowledgement acted on, a driver notified) pass
@@ -382,7 +383,8 @@ class PlanExecutor:
         if p is None or rank not in p.active:
             return
         broken = False
-        if why != "worker lost":
+        # counted: failures of a connected worker (one that is gone is replaced anyway)
+        if why != "worker lost" and m.worker_identity(pid, rank) in self.server.peers:
             n = self.failures[(pid, rank)] = self.failures.get((pid, rank), 0) + 1
             if n >= self.cfg.shard_failures_before_restart:
                 broken = True
@@ -405,14 +407,28 @@ class PlanExecutor:
 
     async def _restart_worker(self, pid: str, rank: int, why: str) -> None:
         """Tell a broken shard's worker to exit (a worker wedged in a sync still
-        answers: the command is served outside its lock)."""
+        answers: the command is served outside its lock), again every
+        ``command_timeout_s`` while it stays connected. One that never goes is put
+        back as any failed shard is (slept, then plannable): the rank is not lost for
+        the rest of the run to a restart nobody carried out."""
         ident = m.worker_identity(pid, rank)
-        try:
-            await self.server.call(
-                ident, m.ShardCommand(action="restart", reason=why), timeout=10.0
-            )
-        except Exception as exc:  # gone already, or wedged beyond answering
-            log.error("restart of %s: %s (its fence stays until a new worker joins)", ident, exc)
+        for _ in range(RESTART_ASKS):
+            if ident not in self.server.peers:
+                return  # gone: its launcher starts a new one, whose hello lifts the fence
+            try:
+                await self.server.call(
+                    ident, m.ShardCommand(action="restart", reason=why), timeout=10.0
+                )
+            except Exception as exc:  # wedged beyond answering, or a blip: asked again
+                log.error("restart of %s: %s", ident, exc)
+            await asyncio.sleep(self.cfg.command_timeout_s)
+        if ident in self.server.peers:
+            log.error("%s never went after %d restart requests: put back", ident, RESTART_ASKS)
+            p = self.registry.pipelines.get(pid)
+            if p is not None:
+                p.offline.discard(rank)
+            await self.sleep_rank(pid, rank)
+            self.kick()
 
     async def _command(self, pid: str, rank: int, action: m.ShardAction) -> m.ShardAck | None:
         """Tell shard worker ``pid/infer/rank`` to sleep, wake or sync; its

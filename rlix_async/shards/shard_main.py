@@ -5,8 +5,10 @@ The worker itself is :class:`~rlix_async.shards.worker.ShardWorker`."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import sys
+import threading
 import time
 import zlib
 
@@ -58,6 +60,8 @@ async def serve(cfg: ShardConfig) -> int:
     if retired.done():
         print(f"error: {me}: the coordinator declared it {worker.retire_reason}: exiting for "
               "a new worker", file=sys.stderr, flush=True)  # fmt: skip
+        # the engine may be the wedged part: whatever hangs below, the process goes
+        threading.Thread(target=_exit_after, args=(RETIRE_GRACE_S,), daemon=True).start()
         await asyncio.sleep(0.2)  # the acknowledgement leaves before the socket closes
     await worker.close()
     if retired.done():
@@ -76,6 +80,15 @@ async def serve(cfg: ShardConfig) -> int:
         flush=True,
     )
     return 0
+
+
+RETIRE_GRACE_S = 60.0  # a broken shard's worker exits within this, closed or not
+
+
+def _exit_after(seconds: float) -> None:
+    time.sleep(seconds)
+    print("error: the worker did not close in time: exiting anyway", file=sys.stderr, flush=True)
+    os._exit(3)
 
 
 def check_start(cfg: ShardConfig) -> tuple[EngineBackend, bool]:

@@ -69,9 +69,11 @@ MANIFEST_WAIT_S = 600.0
 PREFETCH_POLL_S = 1.0  # how often a prefetching node asks the owner for a newer version
 # A relay silent this long fails the node (which then asks the owner): a hung relay, or
 # one whose own upstream stalled, costs the nodes behind it this much and no more. A
-# stream is silent only when stalled, whatever the link's speed; a frame is one bucket
-# (64 MiB at 50 Mbit/s takes 11 s).
+# healthy relay is silent while its next bucket for a stream arrives from upstream (two
+# buckets' time with two streams) or a frame is sent whole: so the bound grows with the
+# largest bucket, at a floor rate (a 64 MiB bucket: 15 + 7 s; a 2 GiB tensor: 230 s).
 RELAY_STALL_S = 15.0
+RELAY_FLOOR_BYTES_S = 10e6  # 80 Mbit/s: a relay chain slower than this per bucket fails over
 
 
 class RelayFailed(SyncError):
@@ -316,8 +318,10 @@ class NodeCache:
         inflight = relay.expect(ref.version) if relay is not None and ref.manifest_key else None
         whole = False
         try:
+            biggest = max(cache.layout.bucket_sizes) if cache.layout else ref.total_bytes
+            stall_s = RELAY_STALL_S + biggest / RELAY_FLOOR_BYTES_S
             source, transport, pull_ref, manifest = await self._source(
-                ref, owner, relay, failed_relays
+                ref, owner, relay, failed_relays, stall_s
             )
             if self.report is not None:
                 self.report({"event": "pulling", "version": ref.version, "source": source})
@@ -354,7 +358,12 @@ class NodeCache:
                 relay.end(inflight, whole)
 
     async def _source(
-        self, ref: CacheRef, owner: Remote, relay: RelayServer | None, failed_relays: list[str]
+        self,
+        ref: CacheRef,
+        owner: Remote,
+        relay: RelayServer | None,
+        failed_relays: list[str],
+        stall_s: float,
     ) -> tuple[str, Remote, CacheRef, Manifest | None]:
         """Where to pull ``ref``'s version from (the relay the owner names, "" for the
         owner), the transport and ref to pull with, and the owner's checked manifest
@@ -403,7 +412,7 @@ class NodeCache:
                     kind = "sealed"
                 elif ref.transport == "plain":
                     kind = "plain"
-                transport = Remote(kind, keys, timeout=RELAY_STALL_S)
+                transport = Remote(kind, keys, timeout=stall_s)
                 pull_ref = msgspec.structs.replace(
                     ref,
                     segment=theirs.segment,
