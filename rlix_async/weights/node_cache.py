@@ -390,39 +390,9 @@ class NodeCache:
         transport, pull_ref = owner, ref
         try:
             if source.endpoint:
-                keys = self.keys.for_server(source.key.encode()) if self.keys else None
-                relayed = await self._ask(
-                    ref, source.endpoint, keys, GetRelayed(version=ref.version)
-                )
-                if not isinstance(relayed, Relayed):
-                    raise SyncError(f"{source.endpoint} answered {type(relayed).__name__}")
-                theirs = relayed.ref
-                # What names the weights is the owner's (the coordinator's ref), never the
-                # relay's: its layout (the fingerprint hashes it whole) and version.
-                if (theirs.version, theirs.fingerprint, theirs.total_bytes) != (
-                    ref.version,
-                    ref.fingerprint,
-                    ref.total_bytes,
-                ) or theirs.pipeline != ref.pipeline:
-                    raise SyncError(f"{source.endpoint} offered another version or layout")
-                # the relay serves as the owner does: its streams where the owner's
-                # pipeline streams (sealed or plain), else frames
-                kind: Transport = "zmq"
-                if ref.transport == "sealed":
-                    kind = "sealed"
-                elif ref.transport == "plain":
-                    kind = "plain"
-                transport = Remote(kind, keys, timeout=stall_s)
-                pull_ref = msgspec.structs.replace(
-                    ref,
-                    segment=theirs.segment,
-                    generation=theirs.generation,
-                    server=source.endpoint,
-                    server_key=source.key,
-                    transport=kind,
-                )
+                transport, pull_ref = await self._relayed(ref, source, stall_s)
                 reply = await self._ask(
-                    ref, source.endpoint, keys, GetManifest(version=ref.version)
+                    ref, source.endpoint, transport.keys, GetManifest(version=ref.version)
                 )
             elif ref.manifest_key:
                 reply = await self._ask(
@@ -440,6 +410,41 @@ class NodeCache:
             if isinstance(exc, RpcError) and exc.code == "unknown_version":
                 raise SlotOverwritten(f"version {ref.version} left the owner") from None
             raise SyncError(f"the manifest of version {ref.version}: {exc}") from None
+
+    async def _relayed(
+        self, ref: CacheRef, source: Source, stall_s: float
+    ) -> tuple[Remote, CacheRef]:
+        """The transport and ref to pull ``ref``'s version from the relay ``source``
+        with: the relay's slot, named by the owner's version and layout only."""
+        keys = self.keys.for_server(source.key.encode()) if self.keys else None
+        relayed = await self._ask(ref, source.endpoint, keys, GetRelayed(version=ref.version))
+        if not isinstance(relayed, Relayed):
+            raise SyncError(f"{source.endpoint} answered {type(relayed).__name__}")
+        theirs = relayed.ref
+        # What names the weights is the owner's (the coordinator's ref), never the
+        # relay's: its layout (the fingerprint hashes it whole) and version.
+        if (theirs.version, theirs.fingerprint, theirs.total_bytes) != (
+            ref.version,
+            ref.fingerprint,
+            ref.total_bytes,
+        ) or theirs.pipeline != ref.pipeline:
+            raise SyncError(f"{source.endpoint} offered another version or layout")
+        # the relay serves as the owner does: its streams where the owner's pipeline
+        # streams (sealed or plain), else frames
+        kind: Transport = "zmq"
+        if ref.transport == "sealed":
+            kind = "sealed"
+        elif ref.transport == "plain":
+            kind = "plain"
+        pull_ref = msgspec.structs.replace(
+            ref,
+            segment=theirs.segment,
+            generation=theirs.generation,
+            server=source.endpoint,
+            server_key=source.key,
+            transport=kind,
+        )
+        return Remote(kind, keys, timeout=stall_s), pull_ref
 
     async def aclose(self, wait_s: float = 30.0, *, forget: bool = True) -> None:
         """Stop: end a pull under way at its next bucket, wait for its thread to let go of
