@@ -448,7 +448,7 @@ def _one_version(
             _wait_for(d / f"ref-{version}.json")
             time.sleep(shape.wake_after_s)
             woken = time.time()
-            ready_at_wake = _nodes_holding(logs, version, shape.hosts)
+            ready_at_wake = len(watch.received(version))
             (d / f"wake-{version}").touch()
         for name in names:
             _wait_for(d / f"done-{version}-{name}.json")
@@ -493,13 +493,6 @@ def _wait_until(done: Callable[[], bool], timeout: float = WAIT_S) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"not within {timeout:.0f} s")
         time.sleep(0.02)
-
-
-def _nodes_holding(logs: Path, version: int, n: int) -> int:
-    """How many hosts' node caches had received ``version`` (their logs say so)."""
-    line = f"received version {version} of {PIPELINE}:".encode()
-    logs_ = [logs / f"node-cache-{i}.log" for i in range(1, n + 1)]
-    return sum(1 for log in logs_ if log.exists() and line in log.read_bytes())
 
 
 def _model_bytes(model_mb: int) -> int:

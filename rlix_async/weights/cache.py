@@ -222,8 +222,13 @@ class WeightCache:
 
     def buffer(self, version: int) -> memoryview:
         """The packed bytes of ``version`` (all buckets back to back)."""
+        return self.slot_data(self._slot_of(version))
+
+    def slot_data(self, slot: int) -> memoryview:
+        """The packed bytes ``slot`` holds or is being written with (a relay serves a
+        version from there as it arrives)."""
         assert self.layout is not None
-        return self.slots[self._slot_of(version)].buf[HEADER : HEADER + self.layout.total_bytes]
+        return self.slots[slot].buf[HEADER : HEADER + self.layout.total_bytes]
 
     def track(self, version: int, tracker: SendTracker) -> None:
         """Remember a zero-copy send of this version's memory (see build)."""

@@ -25,7 +25,6 @@ from rlix_async.security import ServerKeys
 from rlix_async.transport import CallContext, Reply
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.manifest import Manifest
-from rlix_async.weights.seqlock import HEADER
 from rlix_async.weights.stream import StreamSource, WeightStreamer, host_of
 from rlix_async.weights.tcp import (
     BucketMeta,
@@ -197,8 +196,8 @@ class RelayServer(WeightServer):
             raise RpcError("unknown_version", f"version {msg.version}: its pull failed")
         layout = self.cache.layout
         assert layout is not None
-        start = HEADER + layout.bucket_offsets[msg.index]
-        data = self.cache.slots[fl.slot].buf[start : start + layout.bucket_sizes[msg.index]]
+        start = layout.bucket_offsets[msg.index]
+        data = self.cache.slot_data(fl.slot)[start : start + layout.bucket_sizes[msg.index]]
         meta = BucketMeta(
             version=msg.version,
             index=msg.index,
@@ -228,10 +227,8 @@ class RelayServer(WeightServer):
         if fl is None:
             assert self.streamer is not None
             return await self.streamer.cached(version)
-        layout = self.cache.layout
-        assert layout is not None
         slot = fl.slot
-        data = self.cache.slots[slot].buf[HEADER : HEADER + layout.total_bytes]
+        data = self.cache.slot_data(slot)
 
         def wait_bucket(index: int, left: float) -> None:
             if not fl.arrived[index].wait(min(left, BUCKET_WAIT_S)) or fl.failed:

@@ -1,11 +1,12 @@
 """What the remote-weights tests share: a fresh sink, pipeline ``p``'s keys and cache,
-and a WeightServer serving it the way a trainer does."""
+a WeightServer serving it the way a trainer does, and a tcp proxy on a stream's path."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import torch
@@ -57,3 +58,44 @@ async def serving(
         yield server
     finally:
         await server.close()
+
+
+@contextlib.asynccontextmanager
+async def proxy(
+    port: int, alter: Callable[[int, bytes], bytes | None]
+) -> AsyncIterator[tuple[int, bytearray]]:
+    """A tcp proxy to 127.0.0.1:port. ``alter(offset, chunk)`` sees every chunk the
+    owner sends (its offset in the stream) and returns what to forward, or None to cut
+    the connection. Yields the proxy's port and everything the owner sent."""
+    seen = bytearray()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", port)
+
+        async def upstream() -> None:
+            while data := await reader.read(1 << 16):
+                up_w.write(data)
+                await up_w.drain()
+
+        async def downstream() -> None:
+            while data := await up_r.read(1 << 16):
+                out = alter(len(seen), data)
+                seen.extend(data)
+                if out is None:
+                    return
+                writer.write(out)
+                await writer.drain()
+
+        up = asyncio.ensure_future(upstream())
+        try:
+            await downstream()
+        finally:
+            up.cancel()
+            writer.close()
+            up_w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], seen
+    finally:
+        server.close()

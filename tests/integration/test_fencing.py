@@ -91,11 +91,15 @@ async def cluster(
                 await asyncio.sleep(0.05)
             yield co, driver, procs
         finally:
-            await driver.close()
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait(timeout=10)
+            await _stop(driver, procs)
+
+
+async def _stop(driver: PipelineClient, procs: list[subprocess.Popen[str]]) -> None:
+    await driver.close()
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=10)
 
 
 def fenced(co: Coordinator) -> set[int]:
@@ -328,8 +332,4 @@ async def test_a_shard_whose_wakes_keep_failing_is_declared_broken_and_its_worke
             await until(lambda: 0 in co.registry.pipelines["P"].active, timeout=30)
             assert fenced(co) == set()
         finally:
-            await driver.close()
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait(timeout=10)
+            await _stop(driver, procs)

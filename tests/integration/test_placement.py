@@ -499,6 +499,23 @@ def test_each_node_runs_its_share_wired_across_nodes(tmp_path: Path) -> None:
     assert receiver.argv[-1] == "--no-prefetch"
 
 
+def test_a_node_waits_for_the_shards_elsewhere_of_the_pipelines_it_drives(
+    tmp_path: Path,
+) -> None:
+    from rlix_async.config import LaunchConfig, load_config
+    from rlix_async.placement import place_processes
+    from rlix_async.remote_shards import remote_shards
+
+    path = tmp_path / "c.yaml"
+    path.write_text(CROSSING.format(out=tmp_path / "out"))
+    plan = place_processes(load_config(path, LaunchConfig), tmp_path / "out", "tcp://h:1")
+    # near's driver on node 1, its second shard (device 4) on node 2; far's driver on
+    # node 2, its shard on node 1; node 0 drives nothing
+    assert remote_shards(plan, 0) == {}
+    assert remote_shards(plan, 1) == {"near": {1}}
+    assert remote_shards(plan, 2) == {"far": {0}}
+
+
 def test_the_launchs_heartbeat_period_reaches_the_coordinator(tmp_path: Path) -> None:
     """A loaded host needs a longer wait before its processes are declared dead: the
     launch's ``heartbeat_interval_s`` is the coordinator's (its welcome hands the

@@ -13,12 +13,12 @@ import secrets
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.remote_weights import fresh, make_cache, make_keys, serving
+from helpers.remote_weights import fresh, make_cache, make_keys, proxy, serving
 from helpers.weights_owner import state
 from msgspec.structs import replace
 
@@ -69,47 +69,6 @@ async def granted(cache: WeightCache, keys: Path) -> AsyncIterator[tuple[StreamG
         yield grant, layout.layout
     finally:
         await client.close()
-
-
-@contextlib.asynccontextmanager
-async def proxy(
-    port: int, alter: Callable[[int, bytes], bytes | None]
-) -> AsyncIterator[tuple[int, bytearray]]:
-    """A tcp proxy to 127.0.0.1:port. ``alter(offset, chunk)`` sees every chunk the
-    owner sends (its offset in the stream) and returns what to forward, or None to cut
-    the connection. Yields the proxy's port and everything the owner sent."""
-    seen = bytearray()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_r, up_w = await asyncio.open_connection("127.0.0.1", port)
-
-        async def upstream() -> None:
-            while data := await reader.read(1 << 16):
-                up_w.write(data)
-                await up_w.drain()
-
-        async def downstream() -> None:
-            while data := await up_r.read(1 << 16):
-                out = alter(len(seen), data)
-                seen.extend(data)
-                if out is None:
-                    return
-                writer.write(out)
-                await writer.drain()
-
-        up = asyncio.ensure_future(upstream())
-        try:
-            await downstream()
-        finally:
-            up.cancel()
-            writer.close()
-            up_w.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1], seen
-    finally:
-        server.close()
 
 
 async def test_sealed_is_the_default_on_tcp_and_lands_every_byte(

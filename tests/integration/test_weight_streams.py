@@ -6,18 +6,16 @@ memory; the eavesdropper is a real tcp proxy on the stream's path.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
 import pytest
 import torch
-from helpers.remote_weights import fresh, make_cache, make_keys, serving
+from helpers.remote_weights import fresh, make_cache, make_keys, proxy, serving
 from helpers.weights_owner import state
 from msgspec.structs import replace
 
@@ -57,39 +55,6 @@ async def ask_grant(cache: WeightCache, keys: Path, transport: str) -> tuple[Str
         return grant, layout.layout
     finally:
         await client.close()
-
-
-@contextlib.asynccontextmanager
-async def tap(port: int, hold: bool = False) -> AsyncIterator[tuple[int, bytearray]]:
-    """A tcp proxy to 127.0.0.1:port recording what the owner sends on every connection
-    (``hold``: and forwarding none of it: a stalled network)."""
-    seen = bytearray()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_r, up_w = await asyncio.open_connection("127.0.0.1", port)
-
-        async def upstream() -> None:
-            while data := await reader.read(1 << 16):
-                up_w.write(data)
-                await up_w.drain()
-
-        up = asyncio.ensure_future(upstream())
-        try:
-            while data := await up_r.read(1 << 16):
-                seen.extend(data)
-                if not hold:
-                    writer.write(data)
-                    await writer.drain()
-        finally:
-            up.cancel()
-            writer.close()
-            up_w.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1], seen
-    finally:
-        server.close()
 
 
 def recorder(got: dict[int, bytes]) -> Callable[[int, tuple[int, int, int, int], memoryview], None]:
@@ -164,7 +129,7 @@ async def test_sealed_streams_carry_no_plaintext_and_plain_ones_do(
             grant, layout = await ask_grant(cache, keys, transport)
             assert len(grant.tickets) == 2 and (transport == "sealed") == bool(grant.key)
             got: dict[int, bytes] = {}
-            async with tap(grant.port) as (port, seen):
+            async with proxy(grant.port, lambda off, data: data) as (port, seen):
                 await receive_stream(
                     "tcp://127.0.0.1:1", replace(grant, port=port), layout, 2, 10,
                     recorder(got), transport=transport,
@@ -231,7 +196,7 @@ async def test_one_stream_failing_ends_the_others_at_once_and_leaves_no_thread(
     async with serving(even, keys, streams=2):
         grant, layout = await ask_grant(even, keys, "sealed")
         dead = replace(grant, tickets=[grant.tickets[0], b"x" * len(grant.tickets[1])])
-        async with tap(grant.port, hold=True) as (port, _):
+        async with proxy(grant.port, lambda off, data: b"") as (port, _):  # holds all
             t0 = time.monotonic()
             with pytest.raises(SyncError, match="closed the weight stream early"):
                 await receive_stream(
