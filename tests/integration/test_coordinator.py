@@ -305,7 +305,9 @@ async def test_dead_shard_worker_frees_its_rank(ipc_ep: str) -> None:
     from rlix_async.protocols import messages as m
     from rlix_async.transport import RpcClient, TransportConfig
 
-    fast = TransportConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.25)
+    # silent for 1.5 s is dead: short enough for the test, long enough that a loaded
+    # CI machine's scheduling stalls (0.26 s seen at a 0.25 s bound) never kill a live one
+    fast = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)
     async with Coordinator(ipc_ep, SHAPE, transport=fast) as co:
         a = await joined(co.endpoint, "A")
         await a.report_progress(100, 0, force=True)
