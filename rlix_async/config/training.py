@@ -23,6 +23,15 @@ class LossConfig(Config, frozen=True):
     is_cap: Annotated[
         float, doc("Truncation of the importance weight pi_old / pi_behaviour.", gt=0)
     ] = 2.0
+    mask_ratio: Annotated[
+        Annotated[float, msgspec.Meta(gt=1)] | None,
+        doc(
+            "Token masking of training-inference mismatch (IcePop): a response token "
+            "whose pi_old / pi_behaviour leaves [1/mask_ratio, mask_ratio] is left out "
+            "of the loss (weight 0; counted in the step row's ratio_masked_frac), where "
+            "truncation alone (is_cap) would still train on it. Unset: off."
+        ),
+    ] = None
     kl_coef: Annotated[
         float,
         doc(

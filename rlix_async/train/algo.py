@@ -7,6 +7,8 @@ Pure functions on tensors, tested without processes. Shapes: ``B`` sequences,
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlix_async.config import LossConfig
@@ -140,7 +142,9 @@ def policy_loss(
     n = own if tokens is None else torch.as_tensor(tokens, dtype=torch.float32).clamp(min=1.0)
     adv = advantages.unsqueeze(-1)
     ratio = torch.exp(logp - old_logp)
-    w = is_weights(old_logp, behavior_logp, mask, cfg.is_cap) if behavior_logp is not None else mask
+    w, mismatch = mask, {}
+    if behavior_logp is not None:
+        w, mismatch = _behaviour_weights(old_logp, behavior_logp, mask, own, cfg)
     if cfg.kind == "dapo":
         clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
         per_token = -torch.minimum(ratio * adv, clipped * adv)
@@ -160,8 +164,38 @@ def policy_loss(
         "clip_frac": float((clip_frac * mask).sum() / own),
         "is_weight_mean": float(w.sum() / own),
         "kl": float(kl.detach() * n / own),
+        **mismatch,
     }
     return loss, stats
+
+
+def _behaviour_weights(
+    old_logp: torch.Tensor,
+    behavior_logp: torch.Tensor,
+    mask: torch.Tensor,
+    own: torch.Tensor,
+    cfg: LossConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The tokens' weights against the sampler (truncated IS, and the IcePop mask when
+    ``cfg.mask_ratio`` is set), and how far the trainer's pi_old is from the sampler's
+    log-probs on the sampled tokens: mean and max |log pi_old - log pi_behaviour|, the
+    fraction of tokens whose weight the cap truncated, and the fraction masked."""
+    live = mask > 0
+    diff = (old_logp - behavior_logp).detach()
+    w = is_weights(old_logp, behavior_logp, mask, cfg.is_cap)
+    gap = diff.abs().where(live, 0.0)
+    stats = {
+        "mismatch_mean": float(gap.sum() / own),
+        "mismatch_max": float(gap.max()) if gap.numel() else 0.0,
+        "is_truncated_frac": float(((diff > math.log(cfg.is_cap)) & live).sum() / own),
+        "ratio_masked_frac": 0.0,
+    }
+    if cfg.mask_ratio is not None:
+        bound = math.log(cfg.mask_ratio)
+        outside = (diff.abs() > bound) & live
+        w = w.where(~outside, 0.0)
+        stats["ratio_masked_frac"] = float(outside.sum() / own)
+    return w, stats
 
 
 def lr_factor(update: int, total: int, schedule: str, warmup: float = 0) -> float:

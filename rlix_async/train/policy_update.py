@@ -183,6 +183,11 @@ class PolicyUpdate:
             "grad_norm": 0.0,  # before clipping, mean over the updates made
             "skipped_updates": 0.0,
             "kl": 0.0,
+            # the trainer's pi_old against the sampler's log-probs, on the sampled tokens
+            "mismatch_mean": 0.0,
+            "mismatch_max": 0.0,
+            "is_truncated_frac": 0.0,  # tokens whose weight is_cap truncated
+            "ratio_masked_frac": 0.0,  # tokens loss.mask_ratio left out
             "lr": self.lr(step, 0),  # the step's first update's
         }
         self.step_times = {"time_pack_s": time_pack, "time_old_logp_s": lap()}
@@ -326,6 +331,9 @@ class _Update:
             stats["clip_frac"] += s["clip_frac"] * share
             stats["is_weight_mean"] += s["is_weight_mean"] * share
             stats["kl"] += s["kl"] * share
+            for key in ("mismatch_mean", "is_truncated_frac", "ratio_masked_frac"):
+                stats[key] += s[key] * share
+            stats["mismatch_max"] = max(stats["mismatch_max"], s["mismatch_max"])
             return loss
 
         return take

@@ -457,7 +457,7 @@ def test_the_first_minibatch_takes_pi_old_from_its_own_update_pass() -> None:
     assert a.update.passes_agree(a.model)
     ga, gb = _gradients_at_the_update(a), _gradients_at_the_update(b)
     sa, sb = a.train_step(_uneven_batch()), b.train_step(_uneven_batch())
-    for key in ("loss", "entropy", "clip_frac", "is_weight_mean", "grad_norm"):
+    for key in ("loss", "entropy", "clip_frac", "is_weight_mean", "grad_norm", "mismatch_mean"):
         assert sa[key] == pytest.approx(sb[key], rel=1e-5, abs=1e-7), key
     assert len(ga) == len(gb) == 2
     for update in range(2):

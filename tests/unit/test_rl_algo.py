@@ -84,6 +84,36 @@ def test_is_weights_truncate_and_correct_stale_tokens() -> None:
     assert torch.allclose(w, torch.tensor([[1.0, 2.0, 0.25]]))  # 3.0 capped at 2
 
 
+def test_the_mismatch_with_the_sampler_is_measured_and_masked_outside_the_ratio_band() -> None:
+    """Rows carry |log pi_old - log pi_behaviour| (mean, max) and the truncated fraction;
+    with mask_ratio c a token whose pi_old / pi_behaviour leaves [1/c, c] has weight 0:
+    no gradient, while the same token under truncation alone still has one."""
+    old = torch.log(torch.tensor([[0.5, 0.9, 0.1, 0.6, 0.3]]))
+    behavior = torch.log(torch.tensor([[0.5, 0.3, 0.4, 0.5, 0.3]]))  # ratios 1, 3, 1/4, 1.2
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])  # the last is padding
+    gaps = [0.0, math.log(3), math.log(4), math.log(1.2)]
+
+    def run(cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+        logp = old.clone().requires_grad_(True)
+        loss, stats = policy_loss(logp, old, torch.tensor([1.0]), mask, cfg, behavior_logp=behavior)
+        loss.backward()
+        assert logp.grad is not None
+        return logp.grad, stats
+
+    grad, stats = run(LossConfig(is_cap=2.0))
+    assert stats["mismatch_mean"] == pytest.approx(sum(gaps) / 4, rel=1e-5)
+    assert stats["mismatch_max"] == pytest.approx(math.log(4), rel=1e-5)
+    assert stats["is_truncated_frac"] == pytest.approx(0.25)  # ratio 3 only (cap 2)
+    assert stats["ratio_masked_frac"] == 0.0
+    assert bool((grad[0, :4] != 0).all())  # truncation keeps every token's gradient
+    masked_grad, masked = run(LossConfig(is_cap=2.0, mask_ratio=2.0))
+    assert masked["ratio_masked_frac"] == pytest.approx(0.5)  # ratios 3 and 1/4
+    assert masked_grad[0, 1] == 0 and masked_grad[0, 2] == 0
+    assert torch.equal(masked_grad[0, [0, 3]], grad[0, [0, 3]])  # the band's tokens as before
+    with pytest.raises(ConfigError, match=r"mask_ratio: expected float > 1"):
+        convert({"mask_ratio": 1.0}, LossConfig, "loss")
+
+
 def test_kl_penalty_is_zero_at_the_reference_and_positive_away() -> None:
     cfg = LossConfig(kl_coef=1.0)
     lp = torch.log(torch.tensor([[0.5]]))
