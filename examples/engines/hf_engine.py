@@ -37,8 +37,7 @@ from rlix_async.protocols.cache_ref import CacheRef, Layout
 from rlix_async.protocols.engine import GenerationChunk, PauseMode, ShardEngine, ToolCallFormat
 from rlix_async.protocols.generation import Sampling
 from rlix_async.security import ClientKeys
-from rlix_async.shards.engines import EngineStart, EngineUnavailable
-from rlix_async.shards.tool_calls import HermesToolCalls
+from rlix_async.shards.engines import HERMES_ONLY, EngineStart, EngineUnavailable, hermes_format
 from rlix_async.train.algo import sampling_log_softmax
 from rlix_async.weights.staging import stage_version
 
@@ -254,8 +253,11 @@ class HfEngineBackend:
             keys=keys,
         )
 
-    def tool_calls(self, model: str | None) -> ToolCallFormat:
-        return HermesToolCalls()
+    def tool_parsers(self) -> frozenset[str] | None:
+        return HERMES_ONLY
+
+    def tool_calls(self, parser: str | None, tokenizer: Any) -> ToolCallFormat:
+        return hermes_format(parser, tokenizer)  # the package's Hermes parser
 
 
 BACKEND = HfEngineBackend()

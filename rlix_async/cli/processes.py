@@ -128,9 +128,18 @@ def check_engine(cfg: LaunchConfig) -> None:
 
     try:
         adapters = any(p.lora is not None for p in cfg.pipelines)
-        warning = engine_backend(cfg.engine).check_installed(adapters)
+        backend = engine_backend(cfg.engine)
+        warning = backend.check_installed(adapters)
+        parsers = backend.tool_parsers()
     except EngineUnavailable as exc:
         raise UsageError(str(exc)) from None
+    for p in cfg.pipelines:  # the agent endpoint's parser: the engine must have it
+        parser = p.env.tool_call_parser
+        if parser is not None and parsers is not None and parser not in parsers:
+            raise UsageError(
+                f"pipeline {p.id}: env.tool_call_parser {parser!r} is not one of this "
+                f"engine's ({', '.join(sorted(parsers))})"
+            )
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
 

@@ -75,6 +75,16 @@ class EnvConfig(Config, frozen=True):
             "unless an agent in another container or host must reach it by URL and key."
         ),
     ] = "127.0.0.1"
+    tool_call_parser: Annotated[
+        str | None,
+        doc(
+            "agent_api: how the model's tool calls are read back, by the name `vllm serve "
+            "--tool-call-parser` takes (hermes, llama3_json, qwen3_xml, pythonic, ...): "
+            "the serving engine's own parser (vLLM's, for engine kind vllm; an engine "
+            "of your own reads hermes only). Checked before any process starts; a model "
+            "whose chat template renders no tools takes hermes. Unset: hermes."
+        ),
+    ] = None
     agent_args: Annotated[
         dict[str, Any], doc("Keyword arguments for the agent (or agent_api) function.")
     ] = {}
@@ -129,7 +139,11 @@ class EnvConfig(Config, frozen=True):
             ("env_args", self.env_class),
             ("workers", self.env_class),
             ("agent_args", self.agent or self.agent_api),
+            ("tool_call_parser", self.agent_api),
         ):
             if getattr(self, key) and owner is None:
-                needs = "env_class" if key in ("env_args", "workers") else "agent or agent_api"
+                needs = {"env_args": "env_class", "workers": "env_class"}.get(key)
+                needs = needs or (
+                    "agent_api" if key == "tool_call_parser" else "agent or agent_api"
+                )
                 raise invalid(key, f"needs {needs} (what they are for)")

@@ -94,18 +94,27 @@ Messages = list[dict[str, Any]]
 class ToolCallFormat(Protocol):
     """How the served model reads tool schemas and writes tool calls: what the
     pipeline's OpenAI-compatible endpoint (rollout/api_episode.py) needs from the
-    engine behind it, as ``vllm serve``'s chat template and ``--tool-call-parser`` are."""
+    engine behind it, as ``vllm serve``'s chat template and ``--tool-call-parser`` are.
+    Built for one model's tokenizer (its backend's ``tool_calls``)."""
+
+    def prepare(self) -> None:
+        """Load what parsing needs (it may import the engine's parsers: seconds); the
+        endpoint calls it once, off its event loop, before it serves a request."""
+        ...
 
     def render(
-        self, messages: Messages, tools: list[dict[str, Any]] | None, tokenizer: Any
+        self, messages: Messages, tools: list[dict[str, Any]] | None
     ) -> tuple[Messages, list[dict[str, Any]] | None]:
-        """OpenAI ``messages`` (and ``tools``, None for messages after the first) as
-        ``tokenizer``'s chat template takes them, with the tools it takes (None: the
+        """OpenAI ``messages`` (and ``tools``, None for messages after the first) as the
+        tokenizer's chat template takes them, with the tools it takes (None: the
         schemas, if any, are in the messages)."""
         ...
 
-    def parse(self, text: str, call_id: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """The model's text as (content, OpenAI ``tool_calls``); text that is not a
-        well-formed call stays content (a malformed call is the model's answer, never a
-        server error). Call ids start with ``call_id``."""
+    def parse(
+        self, token_ids: list[int], call_id: str, tools: list[dict[str, Any]]
+    ) -> tuple[str | None, list[dict[str, Any]]]:
+        """The model's turn (its token ids) for a request that offered ``tools``, as
+        (content, OpenAI ``tool_calls``); text that is not a well-formed call stays
+        content (a malformed call is the model's answer, never a server error). Call
+        ids are ``call_id`` and the call's number."""
         ...

@@ -40,6 +40,7 @@ from rlix_async.rollout.api_episode import ApiEpisode
 from rlix_async.rollout.chat import ChatTurns
 from rlix_async.rollout.episodes import EnvFailure, Episode, Generate, finite_numbers
 from rlix_async.rollout.openai_server import ApiServer
+from rlix_async.shards.engines import EngineUnavailable
 from rlix_async.shards.tool_calls import HermesToolCalls
 from rlix_async.user_code import await_guarded
 
@@ -90,7 +91,7 @@ class ApiAgentRunner(AgentRunner):
         super().__init__(agent, chat, tokenizer, **limits)
         self.name = f"agent_api {agent.name}"
         self.host = host
-        self.tool_calls = tool_calls or HermesToolCalls()
+        self.tool_calls = tool_calls or HermesToolCalls(tokenizer)
         self.model_name = model_name
         self.server: ApiServer | None = None  # once started
         self._starting: asyncio.Future[None] | None = None
@@ -101,11 +102,16 @@ class ApiAgentRunner(AgentRunner):
         """The server, started by the first episode (the ones starting beside it wait)."""
         if self._starting is None:
             server = ApiServer(self.host, self.model_name)
-            self._starting = asyncio.ensure_future(server.start())
+            self._starting = asyncio.ensure_future(self._start(server))
             self.server = server
         await asyncio.shield(self._starting)
         assert self.server is not None
         return self.server
+
+    async def _start(self, server: ApiServer) -> None:
+        # the engine's parser may import its library (vLLM's: seconds): off the loop
+        await asyncio.to_thread(self.tool_calls.prepare)
+        await server.start()
 
     def close(self) -> None:
         if self.server is not None:
@@ -123,6 +129,10 @@ class ApiAgentRunner(AgentRunner):
             server = await self.start()
         except OSError as exc:  # env.api_host is no address of this machine's, ...
             failure = EnvFailure(f"{self.name}: its server cannot listen on {self.host}: {exc}")
+            self._failed(failure, row)
+            raise failure from None
+        except EngineUnavailable as exc:  # the parser cannot read this model's calls
+            failure = EnvFailure(f"{self.name}: {exc}")
             self._failed(failure, row)
             raise failure from None
         key, name = server.new_key()

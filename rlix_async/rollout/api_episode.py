@@ -9,8 +9,9 @@ edited, reordered or dropped history) starts a new trajectory from its messages 
 rendered; the earlier one is trained as it stands with the episode's reward, its
 advantage the episode's (``Group.members``), and the split is counted
 (``api_splits``). Log-probs are the sampler's. A request's ``temperature`` or
-``top_p`` other than the pipeline's, or ``n`` > 1, is refused (400 naming the
-pipeline's): the trainer's log-probs assume the pipeline's sampling.
+``top_p`` other than the pipeline's is refused (400 naming the pipeline's): the
+trainer's log-probs assume the pipeline's sampling. Every other field is honoured or
+refused by name (rollout/api_fields.py).
 
 Limits are the pipeline's: ``max_turns`` over the episode, ``max_episode_tokens`` and
 the engine's context per trajectory, a request's ``max_tokens`` within them; past one
@@ -34,6 +35,7 @@ import msgspec
 from rlix_async.protocols.engine import ToolCallFormat
 from rlix_async.protocols.generation import Sampling
 from rlix_async.rollout.agents import AgentRunner
+from rlix_async.rollout.api_fields import check_fields
 from rlix_async.rollout.chat import ChatError, ChatTurns
 from rlix_async.rollout.episodes import Episode, Generate, with_budget
 from rlix_async.rollout.openai_server import ApiError
@@ -69,6 +71,19 @@ def _key(m: Any) -> tuple[Any, ...]:
     return (m.get("role"), content, tuple(calls))
 
 
+def _is_tool(tool: Any) -> bool:
+    """A Chat Completions function tool: ``{type: function, function: {name: str,
+    description?: str, parameters?: object}}``."""
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    return (
+        isinstance(fn, dict)
+        and tool.get("type", "function") == "function"
+        and isinstance(fn.get("name"), str)
+        and isinstance(fn.get("description", ""), str)
+        and isinstance(fn.get("parameters", {}), dict)
+    )
+
+
 class ApiEpisode:
     """One episode's trajectories, served a request at a time."""
 
@@ -85,7 +100,7 @@ class ApiEpisode:
         self.runner = runner
         self.model_name = model_name
         # the serving engine's (its backend's, shards/engines.py); unset: Hermes
-        self.tool_calls = tool_calls or HermesToolCalls()
+        self.tool_calls = tool_calls or HermesToolCalls(runner.tokenizer)
         self.generate, self.sampling, self.min_version = generate, sampling, min_version
         self.name = name  # tool call ids start with it
         self.done: list[Episode] = []  # trajectories split off, trained as they stand
@@ -118,15 +133,14 @@ class ApiEpisode:
                     f"{name} {value!r}: this pipeline samples at temperature "
                     f"{base.temperature:g}, top_p {base.top_p:g} (rollout.temperature, "
                     "rollout.top_p); its trainer's log-probs assume them, so leave them out",
+                    param=name,
                 )
-        if body.get("n", 1) != 1:
-            raise ApiError(400, "n must be 1: each sample is its own episode's turn")
         stop = body.get("stop")
         stops = [stop] if isinstance(stop, str) else stop or []
         if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
-            raise ApiError(400, "stop must be a string or a list of strings")
+            raise ApiError(400, "stop must be a string or a list of strings", param="stop")
         if len(stops) > MAX_STOPS:
-            raise ApiError(400, f"stop: at most {MAX_STOPS} sequences")
+            raise ApiError(400, f"stop: at most {MAX_STOPS} sequences", param="stop")
         if stops:
             base = msgspec.structs.replace(base, stop=(*base.stop, *stops))
         return base
@@ -146,11 +160,14 @@ class ApiEpisode:
                 f"{runner.context_tokens})",
                 "context_length_exceeded",
             )
-        asked = body.get("max_completion_tokens", body.get("max_tokens"))
+        given = {k: body[k] for k in ("max_completion_tokens", "max_tokens") if k in body}
+        if len(set(map(repr, given.values()))) > 1:
+            raise ApiError(400, f"max_tokens and max_completion_tokens differ: {given}")
+        name, asked = next(iter(given.items()), ("max_tokens", None))
         if asked is not None and (
             not isinstance(asked, int) or isinstance(asked, bool) or asked < 1
         ):
-            raise ApiError(400, f"max_tokens {asked!r}: a positive integer")
+            raise ApiError(400, f"{name} {asked!r}: a positive integer", param=name)
         if asked is not None:
             budget = min(budget, asked)
         return budget
@@ -158,7 +175,9 @@ class ApiEpisode:
     def _messages(self, body: dict[str, Any]) -> tuple[Messages, Any]:
         messages, tools = body.get("messages"), body.get("tools")
         if not (isinstance(messages, list) and messages):
-            raise ApiError(400, "messages: a non-empty list of {role, content} objects")
+            raise ApiError(
+                400, "messages: a non-empty list of {role, content} objects", param="messages"
+            )
         for m in messages:
             if not (
                 isinstance(m, dict)
@@ -167,16 +186,18 @@ class ApiEpisode:
                 raise ApiError(
                     400,
                     "messages: each a {role, content} object (role system, user, assistant or tool)",
+                    param="messages",
                 )
             try:
                 text_of(m.get("content"))
             except ValueError as exc:
-                raise ApiError(400, f"messages: {exc}") from None
-        if tools is not None and not (
-            isinstance(tools, list)
-            and all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)
-        ):
-            raise ApiError(400, "tools: a list of {type: function, function: {...}} objects")
+                raise ApiError(400, f"messages: {exc}", param="messages") from None
+        if tools is not None and not (isinstance(tools, list) and all(_is_tool(t) for t in tools)):
+            raise ApiError(
+                400,
+                "tools: a list of {type: function, function: {name, parameters}} objects",
+                param="tools",
+            )
         return messages, tools
 
     def _render(self, messages: Messages, tools: Any, *, first: bool) -> list[int]:
@@ -185,9 +206,7 @@ class ApiEpisode:
         chat: ChatTurns = self.runner.chat
         # the serving engine's tool-call format (shards/engines.py): the schemas only
         # with the first messages, where the conversation's system prompt is
-        rendered, template_tools = self.tool_calls.render(
-            messages, tools if first else None, chat.tokenizer
-        )
+        rendered, template_tools = self.tool_calls.render(messages, tools if first else None)
         if first:
             return chat.first(rendered, template_tools)
         return chat.reply(rendered, self.last_ids)
@@ -227,12 +246,15 @@ class ApiEpisode:
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """``/v1/chat/completions``: the response body (ApiError for a refusal)."""
+        check_fields(body, chat=True)
         messages, tools = self._messages(body)
         turn, budget, prompt = await self._turn(body, lambda: self._prompt(messages, tools))
-        text = self.runner.decode(turn.token_ids)
-        content, calls = (
-            self.tool_calls.parse(text, f"call_{self.name}_{self.turns}") if tools else (text, [])
-        )
+        # tool_choice "none": calls not read, as vLLM serves it (the tools stay rendered)
+        if tools and body.get("tool_choice") != "none":
+            call_id = f"call_{self.name}_{self.turns}"
+            content, calls = self.tool_calls.parse(list(turn.token_ids), call_id, tools)
+        else:
+            content, calls = self.runner.decode(turn.token_ids), []
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
@@ -248,6 +270,7 @@ class ApiEpisode:
         """``/v1/completions``: a text (or token-id) prompt, continued. Token-exact as
         chat is: a prompt that starts with what was served (the last prompt and its
         completion) reuses those tokens and adds only the rest."""
+        check_fields(body, chat=False)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -255,7 +278,9 @@ class ApiEpisode:
         if not (isinstance(prompt, str) and prompt) and not (
             ids is not None and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
         ):
-            raise ApiError(400, "prompt: text, or a list of token ids (one prompt: n is 1)")
+            raise ApiError(
+                400, "prompt: text, or a list of token ids (one prompt: n is 1)", param="prompt"
+            )
         given: str | list[int] = prompt if isinstance(prompt, str) else list(ids or [])
         turn, budget, used = await self._turn(body, lambda: self._text_prompt(given))
         text = self.runner.decode(turn.token_ids)
@@ -266,7 +291,7 @@ class ApiEpisode:
         finish = "length" if len(turn.token_ids) >= budget else "stop"
         choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish}
         choice["logprobs"] = None
-        if body.get("logprobs"):
+        if isinstance(body.get("logprobs"), int) and body["logprobs"] is not False:  # 0 too
             tokens = [self._token_text(t) for t in turn.token_ids]
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(turn.logprobs)}
         return self._reply("cmpl", "text_completion", choice, used, turn)
@@ -331,8 +356,6 @@ class ApiEpisode:
             )
         if self.generating:
             raise ApiError(409, "one request at a time per episode")
-        if body.get("top_logprobs"):
-            raise ApiError(400, "top_logprobs: not served (logprobs: true gives each token's)")
         sampling = self._sampling(body)
         mark = self._mark()
         episode = extend()

@@ -31,9 +31,11 @@ MAX_BODY = 8 << 20  # a request's JSON, at most (long agentic histories fit)
 class ApiError(Exception):
     """A request refused: its HTTP status and an OpenAI-style message."""
 
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, code: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+        self.status, self.message, self.code, self.param = status, message, code, param
 
 
 class Served(Protocol):
@@ -44,9 +46,11 @@ class Served(Protocol):
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]: ...
 
 
-def _error(status: int, message: str, code: str | None = None) -> web.Response:
+def _error(
+    status: int, message: str, code: str | None = None, param: str | None = None
+) -> web.Response:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return web.json_response(body, status=status)
 
 
@@ -171,8 +175,6 @@ class ApiServer:
             episode = self._episode(request)
             body = await _body(request)
             if not chat:
-                if body.get("stream"):
-                    raise ApiError(400, "stream: served for chat completions only")
                 return web.json_response(await episode.complete(body))
             reply = await episode.chat(body)
             if body.get("stream"):
@@ -181,7 +183,7 @@ class ApiServer:
                 return await _stream(request, reply, usage)
             return web.json_response(reply)
         except ApiError as exc:
-            return _error(exc.status, exc.message, exc.code)
+            return _error(exc.status, exc.message, exc.code, exc.param)
         except Exception as exc:  # never the server's end: this request's only
             log.exception("agent_api: a request failed")
             return _error(500, f"{type(exc).__name__}: {exc}")

@@ -333,7 +333,7 @@ def _episodes(cfg: PipelineConfig, tokenizer: Any, processes: EnvProcesses | Non
 
             agent = load_agent(e.agent_api, e.agent_args, client="client")
             try:
-                tools = engine_backend(cfg.engine).tool_calls(cfg.model.path)
+                tools = engine_backend(cfg.engine).tool_calls(e.tool_call_parser, tokenizer)
             except EngineUnavailable as exc:
                 raise RecipeError(str(exc)) from None
             host, name = e.api_host, cfg.id

@@ -85,8 +85,17 @@ class EngineBackend(Protocol):
         """The shard's engine (slow: may load a model). On failure, raise."""
         ...
 
-    def tool_calls(self, model: str | None) -> ToolCallFormat:
-        """How the model this engine serves reads tools and writes calls."""
+    def tool_parsers(self) -> frozenset[str] | None:
+        """The tool-call parser names ``env.tool_call_parser`` may take with this engine,
+        known before any process starts without importing it (None: not known until
+        the driver builds the format)."""
+        ...
+
+    def tool_calls(self, parser: str | None, tokenizer: Any) -> ToolCallFormat:
+        """How the served model (``tokenizer``'s) reads tools and writes calls, read by
+        ``parser`` (None: the engine's default). Quick, importing no engine (the
+        format's ``prepare`` may); EngineUnavailable (one line) for a parser it lacks
+        or one that cannot read this model's calls."""
         ...
 
 
@@ -115,11 +124,29 @@ class PlainEngine:
         assert isinstance(start.engine, CustomEngineConfig)
         return self.engine_class(**start.engine.custom_args)  # type: ignore[no-any-return]
 
-    def tool_calls(self, model: str | None) -> ToolCallFormat:
-        return HermesToolCalls()
+    def tool_parsers(self) -> frozenset[str] | None:
+        return HERMES_ONLY
+
+    def tool_calls(self, parser: str | None, tokenizer: Any) -> ToolCallFormat:
+        return hermes_format(parser, tokenizer)
 
 
-_METHODS = ("check_installed", "uses_cuda", "environment", "for_base_group", "build", "tool_calls")
+HERMES_ONLY = frozenset({"hermes"})
+
+
+def hermes_format(parser: str | None, tokenizer: Any) -> ToolCallFormat:
+    """The package's own Hermes parser, for an engine that has no parsers of its own
+    (EngineUnavailable for any other parser name)."""
+    if parser not in (None, "hermes"):
+        raise EngineUnavailable(
+            f"env.tool_call_parser {parser!r}: this engine reads tool calls in the hermes "
+            "format only"
+        )
+    return HermesToolCalls(tokenizer)
+
+
+_METHODS: tuple[str, ...] = ("check_installed", "uses_cuda", "environment", "for_base_group")
+_METHODS += ("build", "tool_parsers", "tool_calls")
 
 
 def engine_backend(engine: EngineConfig) -> EngineBackend:

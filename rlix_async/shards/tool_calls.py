@@ -150,17 +150,38 @@ def for_template(message: dict[str, Any]) -> dict[str, Any]:
 
 
 class HermesToolCalls:
-    """The :class:`~rlix_async.protocols.engine.ToolCallFormat` of Hermes-style models:
-    a template that renders tools gets them (and the messages as such templates expect
-    them, :func:`for_template`); one that does not gets them in the system prompt
-    (:func:`hermes_messages`). Calls are read back with :func:`parse_tool_calls`."""
+    """The :class:`~rlix_async.protocols.engine.ToolCallFormat` of Hermes-style models,
+    read by this module's own parser: what an engine of your own gets (vLLM's backend
+    uses vLLM's parsers, shards/vllm/tool_parsers.py). A template that renders tools
+    gets them (and the messages as such templates expect them, :func:`for_template`);
+    one that does not gets them in the system prompt (:func:`hermes_messages`). Calls
+    are read back with :func:`parse_tool_calls` from the turn's text, special tokens
+    skipped."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def prepare(self) -> None:
+        return None
 
     def render(
-        self, messages: Messages, tools: list[dict[str, Any]] | None, tokenizer: Any
+        self, messages: Messages, tools: list[dict[str, Any]] | None
     ) -> tuple[Messages, list[dict[str, Any]] | None]:
-        if template_takes_tools(tokenizer):
-            return [for_template(m) for m in messages], tools
-        return hermes_messages(messages, tools), None
+        return render_for(self.tokenizer, messages, tools)
 
-    def parse(self, text: str, call_id: str) -> tuple[str | None, list[dict[str, Any]]]:
+    def parse(
+        self, token_ids: list[int], call_id: str, tools: list[dict[str, Any]]
+    ) -> tuple[str | None, list[dict[str, Any]]]:
+        text = str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
         return parse_tool_calls(text, call_id)
+
+
+def render_for(
+    tokenizer: Any, messages: Messages, tools: list[dict[str, Any]] | None
+) -> tuple[Messages, list[dict[str, Any]] | None]:
+    """``messages`` and ``tools`` as ``tokenizer``'s chat template takes them: its own
+    rendering of tools where it has one (as ``vllm serve`` renders them), else the
+    Hermes system prompt."""
+    if template_takes_tools(tokenizer):
+        return [for_template(m) for m in messages], tools
+    return hermes_messages(messages, tools), None

@@ -142,7 +142,7 @@ def policy_loss(
     n = own if tokens is None else torch.as_tensor(tokens, dtype=torch.float32).clamp(min=1.0)
     adv = advantages.unsqueeze(-1)
     ratio = torch.exp(logp - old_logp)
-    w, mismatch = mask, {}
+    w, mismatch = mask, dict[str, float]()
     if behavior_logp is not None:
         w, mismatch = _behaviour_weights(old_logp, behavior_logp, mask, own, cfg)
     if cfg.kind == "dapo":

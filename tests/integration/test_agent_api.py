@@ -16,11 +16,12 @@ import torch
 from helpers.episodes import CHAT, TOKENIZER, ids, scripted_generate
 
 from rlix_async.protocols.batch import Group
+from rlix_async.protocols.engine import ToolCallFormat
 from rlix_async.protocols.generation import Sampling
 from rlix_async.rollout.agents import load_agent
 from rlix_async.rollout.api_agents import ApiAgentRunner
 from rlix_async.rollout.episodes import EnvFailure, Episode
-from rlix_async.shards.tool_calls import hermes_messages
+from rlix_async.shards.tool_calls import HermesToolCalls, hermes_messages
 from rlix_async.train.packing import pack_batch
 
 TOOLS = [
@@ -91,6 +92,14 @@ async def malformed_tool(row: dict[str, Any], client: openai.AsyncOpenAI) -> flo
     return 0.0
 
 
+async def declines_tools(row: dict[str, Any], client: openai.AsyncOpenAI) -> float:
+    reply = await client.chat.completions.create(
+        model="p", messages=[{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="none"
+    )
+    SEEN["message"] = reply.choices[0].message
+    return 0.0
+
+
 async def loops(row: dict[str, Any], client: openai.AsyncOpenAI) -> float:
     """Never stops on its own: the server's max_turns ends it (the 400 uncaught)."""
     messages: list[Any] = [{"role": "user", "content": "go"}]
@@ -129,19 +138,40 @@ async def raises(row: dict[str, Any], client: openai.AsyncOpenAI) -> float:
     raise RuntimeError("my scaffold broke")
 
 
-def runner(fn: Any, **limits: Any) -> ApiAgentRunner:
+def runner(fn: Any, tool_calls: ToolCallFormat | None = None, **limits: Any) -> ApiAgentRunner:
     settings: dict[str, Any] = dict(
         max_turns=4, max_tokens=16, max_episode_tokens=400, step_timeout_s=5.0
     )
     settings.update(limits)
     agent = load_agent(f"{__name__}:{fn.__name__}", {}, client="client")
-    return ApiAgentRunner(agent, CHAT, TOKENIZER, host="127.0.0.1", model_name="p", **settings)
+    return ApiAgentRunner(
+        agent, CHAT, TOKENIZER, host="127.0.0.1", model_name="p", tool_calls=tool_calls,
+        **settings,
+    )  # fmt: skip
+
+
+def _formats() -> list[Any]:
+    """The package's Hermes parser, and vLLM's (its hermes) where vLLM is installed:
+    the endpoint reads the same calls through either."""
+    formats: list[Any] = [pytest.param(HermesToolCalls, id="own-hermes")]
+    try:
+        from rlix_async.shards.vllm.tool_parsers import VllmToolCalls
+
+        if VllmToolCalls.available():
+            formats.append(pytest.param(lambda tok: VllmToolCalls("hermes", tok), id="vllm-hermes"))
+    except ImportError:
+        pass
+    return formats
 
 
 async def run(
-    fn: Any, turns: list[str], seen: list[list[int]] | None = None, **limits: Any
+    fn: Any,
+    turns: list[str],
+    seen: list[list[int]] | None = None,
+    tool_calls: ToolCallFormat | None = None,
+    **limits: Any,
 ) -> Episode:
-    r = runner(fn, **limits)
+    r = runner(fn, tool_calls, **limits)
     try:
         return await r.run(
             {"q": "2+2?"}, scripted_generate(turns, [] if seen is None else seen), SAMPLING
@@ -191,10 +221,11 @@ def test_a_split_episode_weighs_once_in_its_groups_advantages() -> None:
               rewards=[1.0, 0.0], members=[0, 2])  # fmt: skip
 
 
-async def test_tool_calls_round_trip_in_the_hermes_format() -> None:
+@pytest.mark.parametrize("fmt", _formats())
+async def test_tool_calls_round_trip_in_the_hermes_format(fmt: Any) -> None:
     call = '<tool_call>{"name": "calc", "arguments": {"expr": "2+2"}}</tool_call>'
     seen: list[list[int]] = []
-    ep = await run(uses_a_tool, [call, "4"], seen, max_tokens=100)
+    ep = await run(uses_a_tool, [call, "4"], seen, fmt(TOKENIZER), max_tokens=100)
     assert ep.reward == 1.0 and ep.splits == 0 and SEEN["finish"] == "tool_calls"
     (c,) = SEEN["calls"]
     assert c.function.name == "calc" and json.loads(c.function.arguments) == {"expr": "2+2"}
@@ -204,12 +235,19 @@ async def test_tool_calls_round_trip_in_the_hermes_format() -> None:
     assert "<tool_response>\n4\n</tool_response>" in second  # the tool's result, a reply
 
 
-async def test_a_malformed_tool_call_is_plain_content() -> None:
+@pytest.mark.parametrize("fmt", _formats())
+async def test_a_malformed_tool_call_is_plain_content(fmt: Any) -> None:
     for text in ['<tool_call>{"name": "calc", "arguments": </tool_call>',
                  '<tool_call>["calc"]</tool_call>', "no call at all"]:  # fmt: skip
-        await run(malformed_tool, [text], max_tokens=100)
+        await run(malformed_tool, [text], None, fmt(TOKENIZER), max_tokens=100)
         assert SEEN["message"].content == text and not SEEN["message"].tool_calls
         assert SEEN["finish"] in ("stop", "length")
+
+
+async def test_tool_choice_none_reads_no_call_as_vllm_serves_it() -> None:
+    call = '<tool_call>{"name": "calc", "arguments": {"expr": "2+2"}}</tool_call>'
+    await run(declines_tools, [call], max_tokens=100)
+    assert SEEN["message"].content == call and not SEEN["message"].tool_calls
 
 
 async def test_limits_and_sampling_settings_are_400s_and_keys_are_the_episodes() -> None:
@@ -217,7 +255,7 @@ async def test_limits_and_sampling_settings_are_400s_and_keys_are_the_episodes()
     errors = SEEN["errors"]
     assert len(errors) == 5
     assert "this pipeline samples at temperature 1, top_p 1" in errors[0]
-    assert "top_p" in errors[1] and "n must be 1" in errors[2] and "max_tokens 0" in errors[3]
+    assert "top_p" in errors[1] and "n 2: must be 1" in errors[2] and "max_tokens 0" in errors[3]
     assert "stop: at most 4" in errors[4]
     assert SEEN["short"] == ("length", 2) and SEEN["other"] == 401
     assert ep.turns == 1 and ep.token_ids == ids("ab")  # refused requests left no trace
@@ -395,7 +433,7 @@ async def test_a_refusal_the_agent_recovers_from_ends_nothing() -> None:
 async def completes(row: dict[str, Any], client: openai.AsyncOpenAI) -> float:
     """/v1/completions: a text prompt, continued; then the prompt plus that completion
     plus more (reused), then an unrelated prompt (a split)."""
-    first = await client.completions.create(model="p", prompt="Q: 2+2?\nA:", logprobs=1)
+    first = await client.completions.create(model="p", prompt="Q: 2+2?\nA:", logprobs=0)
     SEEN["completion"] = first
     again = "Q: 2+2?\nA:" + first.choices[0].text + "\nQ: sure?\nA:"
     await client.completions.create(model="p", prompt=again)
@@ -490,11 +528,13 @@ async def test_a_fuzz_of_mutated_requests_never_breaks_the_server() -> None:
     try:
         async with aiohttp.ClientSession() as http:
             for _ in range(600):
-                body: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}],
-                                        "prompt": "x"}  # fmt: skip
+                path = rng.choice(["/chat/completions", "/completions"])
+                body: dict[str, Any] = (
+                    {"prompt": "x"} if path == "/completions"
+                    else {"messages": [{"role": "user", "content": "x"}]}
+                )  # fmt: skip
                 for field in rng.sample(fields, rng.randint(1, 3)):
                     body[field] = rng.choice(values)
-                path = rng.choice(["/chat/completions", "/completions"])
                 auth = {"Authorization": f"Bearer {key}"} if rng.random() < 0.9 else {}
                 data = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
                 async with http.post(server.url + path, data=data, headers=auth) as resp:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,12 +18,13 @@ from rlix_async.config import CustomEngineConfig, ShardConfig, VllmEngineConfig
 from rlix_async.protocols.engine import ShardEngine, ToolCallFormat
 from rlix_async.shards import shard_main
 from rlix_async.shards.engines import (
+    HERMES_ONLY,
     EngineStart,
     EngineUnavailable,
     PlainEngine,
     engine_backend,
+    hermes_format,
 )
-from rlix_async.shards.tool_calls import HermesToolCalls
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 SCRIPTED = f"{HELPERS / 'scripted_engine.py'}:ScriptedEngine"
@@ -48,8 +50,11 @@ class CpuOnly:
     def build(self, start: EngineStart) -> ShardEngine:
         raise AssertionError("not built in these tests")
 
-    def tool_calls(self, model: str | None) -> ToolCallFormat:
-        return HermesToolCalls()
+    def tool_parsers(self) -> frozenset[str] | None:
+        return HERMES_ONLY
+
+    def tool_calls(self, parser: str | None, tokenizer: Any) -> ToolCallFormat:
+        return hermes_format(parser, tokenizer)
 
 
 CPU_ONLY = CpuOnly()
@@ -98,7 +103,7 @@ def test_choosing_the_vllm_backend_imports_no_vllm() -> None:
         "from rlix_async.config import VllmEngineConfig\n"
         "from rlix_async.shards.engines import engine_backend\n"
         "b = engine_backend(VllmEngineConfig())\n"
-        "b.tool_calls(None); b.environment(); b.uses_cuda(0)\n"
+        "b.tool_calls(None, None); b.tool_parsers(); b.environment(); b.uses_cuda(0)\n"
         "print(b.binding_variable, 'vllm' in sys.modules, 'torch' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)

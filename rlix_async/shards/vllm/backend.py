@@ -6,18 +6,19 @@ supports (``api.check_version``; serving adapters from memory also checks vLLM's
 private LoRA interfaces); its CPU build pins its OpenMP threads through
 ``VLLM_CPU_OMP_THREADS_BIND``; its logs stay at warnings unless the user asks for
 more; a base group's shard sizes its adapter slots for its largest group; and the
-served model's tool calls are read in the Hermes format (shards/tool_calls.py).
+served model's tool calls are read by vLLM's own parsers (shards/vllm/tool_parsers.py).
 Importing this module imports no vLLM.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
 from rlix_async.config import EngineConfig, VllmEngineConfig
 from rlix_async.protocols.engine import ShardEngine, ToolCallFormat
 from rlix_async.shards.engines import EngineStart, EngineUnavailable
-from rlix_async.shards.tool_calls import HermesToolCalls
 
 
 class VllmBackend:
@@ -64,8 +65,15 @@ class VllmBackend:
             lora=start.engine.lora if start.adapters else None,
         )
 
-    def tool_calls(self, model: str | None) -> ToolCallFormat:
-        return HermesToolCalls()
+    def tool_parsers(self) -> frozenset[str] | None:
+        from rlix_async.shards.vllm.tool_parsers import parser_names
+
+        return parser_names()
+
+    def tool_calls(self, parser: str | None, tokenizer: Any) -> ToolCallFormat:
+        from rlix_async.shards.vllm.tool_parsers import DEFAULT, VllmToolCalls
+
+        return VllmToolCalls(parser or DEFAULT, tokenizer)
 
 
 BACKEND = VllmBackend()
