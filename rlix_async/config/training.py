@@ -28,8 +28,9 @@ class LossConfig(Config, frozen=True):
         doc(
             "Token masking of training-inference mismatch (IcePop): a response token "
             "whose pi_old / pi_behaviour leaves [1/mask_ratio, mask_ratio] is left out "
-            "of the loss (weight 0; counted in the step row's ratio_masked_frac), where "
-            "truncation alone (is_cap) would still train on it. Unset: off."
+            "of the policy-gradient term (weight 0; the KL term, if any, keeps it; "
+            "counted in the step row's ratio_masked_frac), where truncation alone "
+            "(is_cap) would still train on it. Unset: off."
         ),
     ] = None
     kl_coef: Annotated[

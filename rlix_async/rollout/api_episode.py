@@ -126,7 +126,10 @@ class ApiEpisode:
         for name in ("temperature", "top_p"):
             value = body.get(name)
             if value is not None and (
-                not isinstance(value, int | float) or float(value) != getattr(base, name)
+                not isinstance(value, int | float)
+                or isinstance(value, bool)
+                or abs(value) > 1e6  # a float() of a huge integer would overflow
+                or float(value) != getattr(base, name)
             ):
                 raise ApiError(
                     400,
@@ -160,7 +163,9 @@ class ApiEpisode:
                 f"{runner.context_tokens})",
                 "context_length_exceeded",
             )
-        given = {k: body[k] for k in ("max_completion_tokens", "max_tokens") if k in body}
+        given = {
+            k: body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None
+        }
         if len(set(map(repr, given.values()))) > 1:
             raise ApiError(400, f"max_tokens and max_completion_tokens differ: {given}")
         name, asked = next(iter(given.items()), ("max_tokens", None))
@@ -252,7 +257,7 @@ class ApiEpisode:
         # tool_choice "none": calls not read, as vLLM serves it (the tools stay rendered)
         if tools and body.get("tool_choice") != "none":
             call_id = f"call_{self.name}_{self.turns}"
-            content, calls = self.tool_calls.parse(list(turn.token_ids), call_id, tools)
+            content, calls = self.tool_calls.parse(self._text_ids(turn.token_ids), call_id, tools)
         else:
             content, calls = self.runner.decode(turn.token_ids), []
         message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -291,7 +296,7 @@ class ApiEpisode:
         finish = "length" if len(turn.token_ids) >= budget else "stop"
         choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish}
         choice["logprobs"] = None
-        if isinstance(body.get("logprobs"), int) and body["logprobs"] is not False:  # 0 too
+        if type(body.get("logprobs")) is int:  # 0 too: each token's (checked: not above 0)
             tokens = [self._token_text(t) for t in turn.token_ids]
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(turn.logprobs)}
         return self._reply("cmpl", "text_completion", choice, used, turn)
@@ -416,6 +421,13 @@ class ApiEpisode:
             self.current = current
             del self.done[done:]
             self.splits -= int(current is not None)
+
+    def _text_ids(self, ids: list[int]) -> list[int]:
+        """A turn's ids without the stop token that ended it, which vLLM's text leaves
+        out (a parser that keeps special tokens would otherwise see it)."""
+        stops = set(self.sampling.stop_token_ids) if self.sampling is not None else set()
+        stops.add(self.runner.tokenizer.eos_token_id)
+        return list(ids[:-1] if ids and ids[-1] in stops else ids)
 
     def _token_text(self, token: int) -> str:
         return str(self.runner.tokenizer.decode([token]))

@@ -46,9 +46,16 @@ CONSTRAINED = (
 )
 
 
+def _same(value: Any, served: Any) -> bool:
+    """Equal and of the same type: ``true`` is not ``1``, ``"false"`` not ``false``."""
+    if type(served) is float:  # a number: 0 is 0.0
+        return type(value) in (int, float) and value == served
+    return type(value) is type(served) and value == served
+
+
 def _only(*served: Any, why: str) -> Check:
-    """Served when absent (null) or one of ``served``."""
-    return lambda value: None if value is None or value in served else why
+    """Served when absent (null) or one of ``served`` (same type)."""
+    return lambda value: None if value is None or any(_same(value, s) for s in served) else why
 
 
 def _text(value: Any) -> str | None:
@@ -81,7 +88,9 @@ def _stream_options(value: Any) -> str | None:
     extra = set(value) - {"include_usage", "include_obfuscation"}
     if extra:
         return f"{', '.join(sorted(extra))}: not served (include_usage is)"
-    if value.get("include_obfuscation"):
+    if _bool(value.get("include_usage")) is not None:
+        return "include_usage must be true or false"
+    if value.get("include_obfuscation") is not None and value["include_obfuscation"] is not False:
         return "include_obfuscation: not served (the stream carries no padding)"
     return None
 
@@ -90,14 +99,10 @@ def _bool(value: Any) -> str | None:
     return None if value is None or isinstance(value, bool) else "must be true or false"
 
 
-def _top_logprobs(value: Any) -> str | None:
-    if value in (None, 0):
-        return None
-    return "the top alternatives are not served (logprobs: true gives each token's)"
-
-
-def _n(value: Any) -> str | None:
-    return None if value in (None, 1) else "must be 1: each sample is its own episode's turn"
+_top_logprobs = _only(
+    0, why="the top alternatives are not served (logprobs: true gives each token's)"
+)
+_n = _only(1, why="must be 1: each sample is its own episode's turn")
 
 
 # the fields of both endpoints
@@ -108,14 +113,14 @@ COMMON: dict[str, Check] = {
     "stop": _episode_reads,
     "max_tokens": _episode_reads,
     "n": _n,
-    "frequency_penalty": _only(0, why=SAMPLING),
-    "presence_penalty": _only(0, why=SAMPLING),
+    "frequency_penalty": _only(0.0, why=SAMPLING),
+    "presence_penalty": _only(0.0, why=SAMPLING),
     "logit_bias": _only({}, why=SAMPLING),
     "seed": _only(
         why="a turn may be cut by a shrink and finished on another shard, so no seed "
         "makes it reproducible"
     ),
-    "stream": _episode_reads,
+    "stream": _bool,
     "stream_options": _stream_options,
     "user": _text,
 }
@@ -151,10 +156,8 @@ CHAT: dict[str, Check] = {
 COMPLETIONS: dict[str, Check] = {
     **COMMON,
     "prompt": _episode_reads,
-    "logprobs": lambda v: (
-        None
-        if v in (None, 0, False)
-        else "the top alternatives are not served (logprobs: 0 gives each token's)"
+    "logprobs": _only(
+        0, why="the top alternatives are not served (logprobs: 0 gives each token's)"
     ),
     "echo": _only(False, why="the prompt is not echoed"),
     "suffix": _only(why="insertion (a suffix) is not served"),

@@ -264,6 +264,8 @@ class _Update:
         self.owner, self.model, self.optim = owner, model, optim
         self.t, self.idx, self.old, self.ref = t, idx, old, ref
         self.minibatches, self.stats = minibatches, stats
+        # this rank's response tokens in the step (every minibatch's rows together)
+        self.step_tokens = float(t["mask"].sum().clamp(min=1.0))
 
     def run(self, step: int, minibatch: int, is_old: bool) -> float:
         """Update ``minibatch`` of step ``step``. ``is_old``: the weights are still
@@ -331,8 +333,11 @@ class _Update:
             stats["clip_frac"] += s["clip_frac"] * share
             stats["is_weight_mean"] += s["is_weight_mean"] * share
             stats["kl"] += s["kl"] * share
+            # token means over the step: each micro-batch weighs by its response tokens
+            # (a row share would let three short rows outweigh one long one)
+            tokens = float(t["mask"][mi, :w].sum()) / self.step_tokens
             for key in ("mismatch_mean", "is_truncated_frac", "ratio_masked_frac"):
-                stats[key] += s[key] * share
+                stats[key] += s[key] * tokens
             stats["mismatch_max"] = max(stats["mismatch_max"], s["mismatch_max"])
             return loss
 

@@ -88,6 +88,16 @@ async def noop(row: dict[str, Any], client: Any) -> float:
     return 0.0
 
 
+# values of the wrong type that equal a served one in Python (True == 1, 0 == False):
+# refused, never read as the served one
+WRONG_TYPES = {
+    True: [("n", True), ("stream", "false"), ("store", 0), ("parallel_tool_calls", 1),
+           ("top_logprobs", False), ("frequency_penalty", False), ("n", 1.0),
+           ("stream_options", {"include_usage": "no"}), ("logprobs", 1)],
+    False: [("logprobs", 0.0), ("logprobs", False), ("best_of", True), ("echo", 0)],
+}  # fmt: skip
+
+
 def _schema(module: Any) -> set[str]:
     return set(module.CompletionCreateParamsBase.__annotations__) | {"stream"}
 
@@ -134,6 +144,17 @@ async def test_every_request_field_is_honoured_or_refused_by_name(chat: bool) ->
                         if want == 400:
                             assert body["error"]["param"] == field, (field, body)
                             assert field in body["error"]["message"], (field, body)
+            for field, value in WRONG_TYPES[chat]:
+                body = {**base, field: value}
+                if field == "stream_options":
+                    body["stream"] = True
+                async with http.post(server.url + path, json=body) as r:
+                    answer = await r.json()
+                    assert r.status == 400 and answer["error"]["param"] == field, (field, value)
+            # null is absent: max_tokens null beside max_completion_tokens is not two limits
+            both = {**base, "max_tokens": None, **({"max_completion_tokens": 2} if chat else {})}
+            async with http.post(server.url + path, json=both) as r:
+                assert r.status == 200, await r.text()
     finally:
         await server.stop()
     assert set(outcomes) == schema  # every field of the schema was sent

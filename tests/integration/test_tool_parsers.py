@@ -38,8 +38,35 @@ def _tools_template() -> Any:
 
 
 def _turn(tokenizer: Any, text: str) -> list[int]:
-    """A turn's token ids as the engine returns them: the text, then end of sequence."""
-    return [*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    """A turn's token ids as the endpoint hands them over: its stop token left out."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+async def _agent(row: dict[str, Any], llm: Any) -> float:
+    return 0.0
+
+
+def test_the_endpoint_leaves_out_the_stop_token_that_ended_the_turn() -> None:
+    """vLLM's text leaves out the stop token that ended a turn; hermes keeps special
+    tokens for its markers, so the endpoint hands the parser the ids without it."""
+    from helpers.episodes import CHAT
+
+    from rlix_async.protocols.generation import Sampling
+    from rlix_async.rollout.agents import AgentRunner, load_agent
+    from rlix_async.rollout.api_episode import ApiEpisode
+
+    runner = AgentRunner(load_agent(f"{__name__}:_agent", {}), CHAT, TOKENIZER, max_turns=2,
+                         max_tokens=8, max_episode_tokens=64, step_timeout_s=5.0)  # fmt: skip
+    stop = Sampling(max_tokens=8, stop_token_ids=(7,))
+    episode = ApiEpisode(runner, None, stop, None, "ep1", "p")  # type: ignore[arg-type]
+    eos = TOKENIZER.eos_token_id
+    assert episode._text_ids([5, 6, 7]) == [5, 6] and episode._text_ids([5, eos]) == [5]
+    assert episode._text_ids([7, 5]) == [7, 5]  # only the one that ended it
+    fmt = VllmToolCalls("hermes", TOKENIZER)
+    text = "the answer is 4"
+    ids = [*_turn(TOKENIZER, text), eos]
+    assert fmt.parse(episode._text_ids(ids), "c", TOOLS) == (text, [])
+    assert fmt.parse(ids, "c", TOOLS)[0] != text  # kept, the parser would show it
 
 
 def test_the_parser_names_read_without_importing_vllm_are_vllms() -> None:

@@ -379,6 +379,18 @@ def _uneven_batch() -> list[Group]:
     ]
 
 
+def test_the_mismatch_figures_are_token_means_however_the_rows_are_split() -> None:
+    """Rows of 6, 1, 2 and 4 tokens: one micro-batch a row, or all at once, the step's
+    mismatch is the mean over its tokens (a mean of row means would weigh the 1-token
+    row as much as the 6-token one)."""
+    whole = TorchTrainer(TorchTrainConfig(minibatches=1), SMALL)
+    rows = TorchTrainer(TorchTrainConfig(minibatches=1, micro_batch_size=1), SMALL)
+    a, b = whole.train_step(_uneven_batch()), rows.train_step(_uneven_batch())
+    assert a["mismatch_mean"] > 0
+    for key in ("mismatch_mean", "mismatch_max", "is_truncated_frac"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+
+
 def _gradients_at_the_update(t: TorchTrainer) -> list[dict[str, torch.Tensor]]:
     """The accumulated gradients each optimizer step is taken with (the step runs)."""
     seen: list[dict[str, torch.Tensor]] = []

@@ -15,7 +15,8 @@ renders them); one that does not gets the Hermes system prompt (shards/tool_call
 which only the hermes parser reads back, so another parser is refused for such a
 model. A turn is decoded as vLLM's serving layer decodes it for the parser: special
 tokens kept where the parser's ``adjust_request`` asks (some models' call markers are
-special tokens), the turn's final end-of-sequence token left out.
+special tokens), the stop token that ended the turn left out (by the endpoint, which
+knows the pipeline's stop tokens).
 """
 
 from __future__ import annotations
@@ -115,17 +116,15 @@ class VllmToolCalls:
         self, token_ids: list[int], call_id: str, tools: list[dict[str, Any]]
     ) -> tuple[str | None, list[dict[str, Any]]]:
         self.prepare()
-        request = self._request_class(model="policy", messages=[], tools=tools)
-        parser = self._parser_class(self.tokenizer, request.tools)
-        request = parser.adjust_request(request)
-        ids = list(token_ids)
-        if ids and ids[-1] == self.tokenizer.eos_token_id:  # vLLM's text leaves it out
-            ids.pop()
-        skip = bool(getattr(request, "skip_special_tokens", True))
-        text = str(self.tokenizer.decode(ids, skip_special_tokens=skip))
-        try:
+        text = str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        try:  # whatever fails here is the model's text, never the server's failure
+            request = self._request_class(model="policy", messages=[], tools=tools)
+            parser = self._parser_class(self.tokenizer, request.tools)
+            request = parser.adjust_request(request)
+            if not getattr(request, "skip_special_tokens", True):  # call markers kept
+                text = str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
             found = parser.extract_tool_calls(text, request)
-        except Exception:  # the model's text, not the server's failure
+        except Exception:
             log.debug("tool parser %s failed on a turn", self.name, exc_info=True)
             return text, []
         if not found.tools_called:
@@ -138,4 +137,6 @@ class VllmToolCalls:
             }
             for i, c in enumerate(found.tool_calls)
         ]
-        return found.content or None, calls
+        # as vLLM's serving layer: text that is only whitespace beside the calls is none
+        content = found.content if found.content and found.content.strip() else None
+        return content, calls
