@@ -81,8 +81,9 @@ class EnvConfig(Config, frozen=True):
             "agent_api: how the model's tool calls are read back, by the name `vllm serve "
             "--tool-call-parser` takes (hermes, llama3_json, qwen3_xml, pythonic, ...): "
             "the serving engine's own parser (vLLM's, for engine kind vllm; an engine "
-            "of your own reads hermes only). Checked before any process starts; a model "
-            "whose chat template renders no tools takes hermes. Unset: hermes."
+            "of your own reads hermes only). The name is checked before any process "
+            "starts; a model whose chat template renders no tools takes hermes. Unset: "
+            "hermes."
         ),
     ] = None
     agent_args: Annotated[

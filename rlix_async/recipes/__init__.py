@@ -15,6 +15,12 @@ def _arithmetic_data(out: Path) -> None:
     write_data(out)
 
 
+def _agent_data(out: Path) -> None:
+    from rlix_async.recipes.arithmetic_agent import write_data
+
+    write_data(out)
+
+
 def _calculator_data(out: Path) -> None:
     from rlix_async.recipes.calculator import write_data
 
@@ -30,6 +36,7 @@ def _guess_data(out: Path) -> None:
 # name: (its YAML in this package, the converted model it trains, what writes its data)
 RECIPES: dict[str, tuple[str, str, Callable[[Path], None]]] = {
     "arithmetic": ("arithmetic.yaml", "smollm2-135m-instruct", _arithmetic_data),
+    "arithmetic_agent": ("arithmetic_agent.yaml", "smollm2-135m-instruct", _agent_data),
     "calculator": ("calculator.yaml", "smollm2-135m-instruct", _calculator_data),
     "calculator_api": ("calculator_api.yaml", "smollm2-135m-instruct", _calculator_data),
     "guess": ("guess.yaml", "smollm2-135m-instruct", _guess_data),

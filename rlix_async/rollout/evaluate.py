@@ -84,6 +84,7 @@ class Evaluator:
         gate = asyncio.Semaphore(self.concurrency)
         rewards: list[float] = []
         extras: dict[str, list[float]] = {}
+        episode_figures: dict[str, list[float]] = {}  # an episode's turns and its env's info
         lengths: list[int] = []
         cut: list[bool] = []
         versions: list[int] = []
@@ -104,6 +105,9 @@ class Evaluator:
                     lengths.append(len(traj.token_ids))
                     cut.append(bool(traj.cut))
                     versions.extend(v for v in traj.versions if v is not None)
+                    episode_figures.setdefault("turns_mean", []).append(float(traj.turns))
+                    for name, value in traj.info.items():
+                        episode_figures.setdefault(f"env/{name}", []).append(value)
                 elif traj is not None:
                     scored = await self.prompts.score(sample, [traj.token_ids])
                     rewards.append(scored.rewards[0])  # a failed reward scores 0 here
@@ -126,6 +130,8 @@ class Evaluator:
             await client.clear_progress(STREAM)
         row: dict[str, Any] = {"step": version}
         row.update(summarize(rewards, extras, lengths, cut, failed, reward_failed))
+        # an episode pipeline's: as its step rows have them (env/<info>, turns_mean)
+        row.update({f"eval/{k}": finite_mean(v) for k, v in episode_figures.items()})
         # the weights it ran on: at least `version` (the shards may have moved on)
         row["eval/weight_version_min"] = min(versions, default=version)
         row["eval/weight_version_max"] = max(versions, default=version)

@@ -161,7 +161,9 @@ def engine_backend(engine: EngineConfig) -> EngineBackend:
         return found  # type: ignore[no-any-return]
     if isinstance(found, type):  # a ShardEngine class
         return PlainEngine(found)
+    missing = [m for m in _METHODS if not callable(getattr(found, m, None))]
     raise EngineUnavailable(
-        f"engine.custom: {engine.custom} is neither an engine backend nor a ShardEngine "
-        "class (rlix_async/shards/engines.py says what each has)"
+        f"engine.custom: {engine.custom} is neither an engine backend (it lacks "
+        f"{', '.join(missing)}) nor a ShardEngine class (rlix_async/shards/engines.py "
+        "says what each has)"
     )

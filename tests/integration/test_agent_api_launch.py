@@ -109,3 +109,5 @@ def test_an_openai_api_agent_trains_under_launch(tmp_path: Path) -> None:
     evals = [r for r in metrics if "eval/reward" in r]
     assert sorted(r["step"] for r in evals) == [0, 2]
     assert all(r["eval/n"] == 2 and r["eval/failed"] == 0 for r in evals)
+    # the agent's own metrics and the turns, as the step rows carry them
+    assert all(r["eval/env/chars"] >= 0 and 1.0 <= r["eval/turns_mean"] <= 2.0 for r in evals)

@@ -108,3 +108,23 @@ def test_reward_png_shows_eval_accuracy_when_a_pipeline_evaluates(
     (line,) = fig.axes[1].get_lines()  # only the pipeline that evaluates
     assert line.get_label() == evaluating
     assert list(line.get_ydata()) == [0.5, 0.7]
+
+
+def test_the_agent_recipes_data_is_half_one_digit_sums_and_eval_is_held_out(
+    tmp_path: Path,
+) -> None:
+    from rlix_async.recipes.arithmetic_agent import write_data as write_agent_data
+
+    train, held_out = write_agent_data(tmp_path / "a")
+    assert train.read_bytes() == write_agent_data(tmp_path / "b")[0].read_bytes()
+    rows, evals = read(train), read(held_out)
+    assert (len(rows), len(evals)) == (3000, 40)
+    assert {r["prompt"] for r in rows}.isdisjoint({r["prompt"] for r in evals})
+
+    def wide(r: dict[str, Any]) -> bool:  # a two-digit first term
+        return int(r["prompt"][len("What is ") :].split(" + ")[0]) >= 10
+
+    assert sum(map(wide, evals)) == 20 and sum(map(wide, rows)) == 1500
+    for r in rows[:50]:
+        a, b = (int(x) for x in r["prompt"][len("What is ") :].split("?")[0].split(" + "))
+        assert r["answer"] == a + b and b < 10
