@@ -91,8 +91,11 @@ def test_vllm_keeps_its_own_defaults_per_device() -> None:
 def test_an_engine_that_cannot_load_is_one_line() -> None:
     with pytest.raises(EngineUnavailable, match=r"^engine.custom: cannot import nope"):
         engine_backend(CustomEngineConfig(custom="nope:X"))
-    with pytest.raises(EngineUnavailable, match="neither an engine backend nor a ShardEngine"):
+    with pytest.raises(EngineUnavailable, match=r"neither an engine backend \(it lacks .*\) nor"):
         engine_backend(CustomEngineConfig(custom=f"{__name__}:SCRIPTED"))  # a string
+    # a backend written before tool_parsers: told what it lacks
+    with pytest.raises(EngineUnavailable, match=r"\(it lacks tool_parsers\)"):
+        engine_backend(CustomEngineConfig(custom=f"{__name__}:BEFORE_PARSERS"))
 
 
 def test_choosing_the_vllm_backend_imports_no_vllm() -> None:
@@ -140,3 +143,18 @@ class Refusing(CpuOnly):
 
 
 REFUSING = Refusing()
+
+
+class BeforeParsers:
+    """A backend of the protocol before ``tool_parsers`` was added."""
+
+    binding_variable = None
+    check_installed = CpuOnly.check_installed
+    uses_cuda = CpuOnly.uses_cuda
+    environment = CpuOnly.environment
+    for_base_group = CpuOnly.for_base_group
+    build = CpuOnly.build
+    tool_calls = CpuOnly.tool_calls
+
+
+BEFORE_PARSERS = BeforeParsers()
