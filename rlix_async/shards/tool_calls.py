@@ -167,21 +167,17 @@ class HermesToolCalls:
     def render(
         self, messages: Messages, tools: list[dict[str, Any]] | None
     ) -> tuple[Messages, list[dict[str, Any]] | None]:
-        return render_for(self.tokenizer, messages, tools)
+        """The template's own rendering of tools where it has one (as ``vllm serve``
+        renders them), else the Hermes system prompt."""
+        if template_takes_tools(self.tokenizer):
+            return [for_template(m) for m in messages], tools
+        return hermes_messages(messages, tools), None
+
+    def text(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """A turn's text."""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     def parse(
         self, token_ids: list[int], call_id: str, tools: list[dict[str, Any]]
     ) -> tuple[str | None, list[dict[str, Any]]]:
-        text = str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
-        return parse_tool_calls(text, call_id)
-
-
-def render_for(
-    tokenizer: Any, messages: Messages, tools: list[dict[str, Any]] | None
-) -> tuple[Messages, list[dict[str, Any]] | None]:
-    """``messages`` and ``tools`` as ``tokenizer``'s chat template takes them: its own
-    rendering of tools where it has one (as ``vllm serve`` renders them), else the
-    Hermes system prompt."""
-    if template_takes_tools(tokenizer):
-        return [for_template(m) for m in messages], tools
-    return hermes_messages(messages, tools), None
+        return parse_tool_calls(self.text(token_ids), call_id)

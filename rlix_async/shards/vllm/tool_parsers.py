@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rlix_async.shards.engines import EngineUnavailable
-from rlix_async.shards.tool_calls import Messages, render_for, template_takes_tools
+from rlix_async.shards.tool_calls import HermesToolCalls, template_takes_tools
 
 log = logging.getLogger("rlix_async.tool_parsers")
 DEFAULT = "hermes"
@@ -76,13 +76,14 @@ def check_parser(name: str, tokenizer: Any) -> None:
         )
 
 
-class VllmToolCalls:
+class VllmToolCalls(HermesToolCalls):
     """The :class:`~rlix_async.protocols.engine.ToolCallFormat` of a vLLM-served model:
-    the template's rendering, and vLLM's parser ``name``."""
+    the template's rendering (the Hermes format's), and vLLM's parser ``name``."""
 
     def __init__(self, name: str, tokenizer: Any) -> None:
         check_parser(name, tokenizer)
-        self.name, self.tokenizer = name, tokenizer
+        super().__init__(tokenizer)
+        self.name = name
         self._parser_class: Any = None
         self._request_class: Any = None
 
@@ -111,22 +112,17 @@ class VllmToolCalls:
             ) from None
         self._request_class, self._parser_class = ChatCompletionRequest, parser_class
 
-    def render(
-        self, messages: Messages, tools: list[dict[str, Any]] | None
-    ) -> tuple[Messages, list[dict[str, Any]] | None]:
-        return render_for(self.tokenizer, messages, tools)
-
     def parse(
         self, token_ids: list[int], call_id: str, tools: list[dict[str, Any]]
     ) -> tuple[str | None, list[dict[str, Any]]]:
         self.prepare()
-        text = str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        text = self.text(token_ids)
         try:  # whatever fails here is the model's text, never the server's failure
             request = self._request_class(model="policy", messages=[], tools=tools)
             parser = self._parser_class(self.tokenizer, request.tools)
             request = parser.adjust_request(request)
             if not getattr(request, "skip_special_tokens", True):  # call markers kept
-                text = str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
+                text = self.text(token_ids, skip_special_tokens=False)
             found = parser.extract_tool_calls(text, request)
         except Exception:
             log.debug("tool parser %s failed on a turn", self.name, exc_info=True)
