@@ -23,6 +23,7 @@ knows the pipeline's stop tokens).
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import logging
 from pathlib import Path
@@ -35,6 +36,7 @@ log = logging.getLogger("rlix_async.tool_parsers")
 DEFAULT = "hermes"
 
 
+@functools.cache  # the driver builds a format per runner (training and eval): read once
 def parser_names() -> frozenset[str] | None:
     """The ``--tool-call-parser`` names the installed vLLM registers, read from its
     source (``vllm/tool_parsers/__init__.py``'s table, whose keys its AGENTS.md calls
