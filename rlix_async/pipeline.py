@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -79,6 +80,9 @@ log = logging.getLogger("rlix_async.pipeline")
 STORE_TIMEOUT_S = 3600.0
 
 
+TRAINER_THREAD = "trainer"  # the name of the thread every trainer call runs on
+
+
 class Driver:
     """Rank 0: the collector and the step loop."""
 
@@ -113,6 +117,16 @@ class Driver:
         self.out = cfg.run_dir
         self.out.mkdir(parents=True, exist_ok=True)
         self.records = RunRecords(cfg, recipe)  # metrics.jsonl, samples.jsonl, loggers
+        # Every call that allocates the trainer's tensors runs on this one thread. glibc
+        # gives each thread that allocates its own arena and keeps what a step frees
+        # there: spread over the default executor's threads, the agent recipe's trainer
+        # held 7 GB for a 3.4 GB working set (docs/PERF.md, issue 49).
+        self._trainer_thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=TRAINER_THREAD
+        )
+
+    async def _on_trainer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._trainer_thread, fn, *args)
 
     async def run(self, cache: WeightCache) -> None:
         from rlix_async.security import ClientKeys
@@ -179,6 +193,7 @@ class Driver:
         finally:
             ledger.close()
             self.records.close()
+            self._trainer_thread.shutdown(wait=False)  # idle unless a failure left a call
             if weight_server is not None:
                 await weight_server.close()
 
@@ -206,7 +221,7 @@ class Driver:
         after (docs/PERF.md, "GPU figures")."""
         tensors = self.trainer.weights_for_cache()  # a LoRA pipeline's: its adapter only
         self.sync_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        await asyncio.to_thread(cache.build, self.trainer.step, tensors)
+        await self._on_trainer_thread(cache.build, self.trainer.step, tensors)
 
     async def _publish(self, hooks: ClusterHooks, cache: WeightCache) -> None:
         v = self.trainer.step
@@ -243,7 +258,7 @@ class Driver:
         t1 = time.monotonic()
         if self.channel is not None:
             await asyncio.to_thread(self.channel.post, version, batch)
-        stats = await asyncio.to_thread(self._train, batch)
+        stats: dict[str, float] = await self._on_trainer_thread(self._train, batch)
         collector.stop_doomed()  # the step moved on: some groups can no longer be used
         times = await self._after_training(hooks, cache, collector, ledger, version)
         train_s = time.monotonic() - t1  # the row's, and the pace's training time
@@ -303,7 +318,7 @@ class Driver:
             # it while the checkpoint is written, and the ledger must name what it holds
             buffered = list(self.buffer.groups)
             extra = {"buffer": self.buffer.state_dict(), **collector.state_dict()}
-            path = await asyncio.to_thread(
+            path = await self._on_trainer_thread(
                 self.trainer.save, checkpoint_path(self.out, step), extra
             )
             ledger.checkpoint(step, buffered)  # the step's trajectories are trained for good
@@ -315,7 +330,7 @@ class Driver:
         if publish:
             await self._build(cache)
         lap("cache_build")
-        await asyncio.to_thread(self.trainer.offload)  # never block heartbeats
+        await self._on_trainer_thread(self.trainer.offload)  # never block heartbeats
         # every rank's state is off the devices before they are released
         if self.channel is not None:
             await asyncio.to_thread(self.channel.wait_done, version)

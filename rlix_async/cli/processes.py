@@ -183,15 +183,18 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    if args.out is None:  # a recipe's run never overwrites the scheduling demo's
-        args.out = "rlix-recipe" if args.recipe else "rlix-demo"
+    if args.quick and args.recipe:
+        raise UsageError("--quick runs the tiny demo; --recipe a recipe: one or the other")
+    if args.out is None:  # no demo overwrites another's run
+        args.out = "rlix-quick" if args.quick else "rlix-recipe" if args.recipe else "rlix-demo"
     check_output(args.out, directory=True)
-    from rlix_async.demo import demo_config, format_summary, run_demo  # torch: after the check
+    from rlix_async.demo import MAIN, demo_config, format_summary, run_demo  # torch: after
     from rlix_async.launch import LaunchError
     from rlix_async.models.pretrained import ModelError
 
+    recipe = None if args.quick else args.recipe or MAIN
     try:
-        cfg = demo_config(args.out, args.steps, args.overrides, args.recipe)
+        cfg = demo_config(args.out, args.steps, args.overrides, recipe)
     except ModelError as exc:  # the model's package or the `models` extra is missing
         raise UsageError(str(exc)) from None
     summaries = []
@@ -261,16 +264,26 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser(
         "demo",
-        help="two GRPO pipelines time-sharing 4 CPU devices (main job); --recipe arithmetic: "
-        "a real model learning from a dataset",
+        help="the main job: two real recipes (arithmetic and an agent) time-sharing 3 CPU "
+        "devices; --quick: the 5-minute tiny-model smoke; --recipe NAME: one recipe alone",
     )
-    p.add_argument("--out", help="output directory (rlix-demo; with --recipe: rlix-recipe)")
-    p.add_argument("--steps", type=positive_int, default=15, help="training steps per pipeline")
+    p.add_argument(
+        "--out", help="output directory (rlix-demo; --quick: rlix-quick; --recipe: rlix-recipe)"
+    )
+    p.add_argument(
+        "--steps", type=positive_int, help="training steps per pipeline (default: the config's)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="two pipelines on a random tiny model over 4 CPU devices (about 5 minutes; "
+        "needs only `bash scripts/setup.sh cpu`): time-sharing, no learning to speak of",
+    )
     p.add_argument(
         "--recipe",
         choices=sorted(RECIPES),
-        help="run a packaged recipe instead (writes its data under OUT/data, converts its "
-        "model once; needs `bash scripts/setup.sh cpu models recipes`)",
+        help="a packaged recipe (writes its data under OUT/data, converts its model once; "
+        "the main job and recipes need `bash scripts/setup.sh cpu models recipes agents`)",
     )
     add_overrides(p, "engine.kv_cache_mb=64")
     p.set_defaults(func=_demo)

@@ -21,6 +21,12 @@ def _agent_data(out: Path) -> None:
     write_data(out)
 
 
+def _time_sharing_data(out: Path) -> None:
+    """The main demo's two pipelines: each recipe's data in its own directory."""
+    _arithmetic_data(out / "arithmetic")
+    _agent_data(out / "arithmetic_agent")
+
+
 def _calculator_data(out: Path) -> None:
     from rlix_async.recipes.calculator import write_data
 
@@ -40,6 +46,8 @@ RECIPES: dict[str, tuple[str, str, Callable[[Path], None]]] = {
     "calculator": ("calculator.yaml", "smollm2-135m-instruct", _calculator_data),
     "calculator_api": ("calculator_api.yaml", "smollm2-135m-instruct", _calculator_data),
     "guess": ("guess.yaml", "smollm2-135m-instruct", _guess_data),
+    # the main demo: arithmetic and arithmetic_agent as two pipelines time-sharing
+    "time_sharing": ("time_sharing.yaml", "smollm2-135m-instruct", _time_sharing_data),
 }
 
 
@@ -56,8 +64,9 @@ def prepare_recipe(
     name: str, out: str, log: Callable[[str], None] = lambda _: None
 ) -> tuple[dict[str, Any], Path]:
     """Write the recipe's data under ``out/data`` and convert its model (once; later
-    calls find it). Returns the recipe's YAML as a dict with ``out``, the data paths and
-    ``model.path`` filled in, and the model's directory."""
+    calls find it). Returns the recipe's YAML as a dict with ``out``, the data paths
+    (the YAML's, relative to ``out``: ``data/...``) and ``model.path`` filled in, and
+    the model's directory."""
     from rlix_async.models.pretrained import convert as convert_model
 
     _, model_name, write = RECIPES[name]
@@ -69,7 +78,7 @@ def prepare_recipe(
     for p in raw["pipelines"]:
         p["model"] = {**p.get("model", {}), "path": str(model)}
         d = p["data"]
-        d["train"] = str(data / Path(d["train"]).name)
+        d["train"] = str(Path(out) / d["train"])
         if d.get("eval"):
-            d["eval"] = str(data / Path(d["eval"]).name)
+            d["eval"] = str(Path(out) / d["eval"])
     return raw, model

@@ -36,6 +36,7 @@ CASES = [
         "is not a directory",
     ),
     ("demo-bad-steps", ["demo", "--steps", "0"], "--steps: must be >= 1"),
+    ("demo-quick-and-recipe", ["demo", "--quick", "--recipe", "arithmetic"], "one or the other"),
     ("plan-not-json", ["plan", "{tmp}/afile"], "invalid snapshot"),
     (
         "simulate-journal-dir-missing",

@@ -102,7 +102,7 @@ def test_the_example_engine_runs_the_demos_time_sharing_loop(tmp_path: Path) -> 
     out = tmp_path / "demo"
     engine = f"engine={{kind: custom, custom: '{ENGINE}:BACKEND', max_model_len: 128}}"
     done = subprocess.run(
-        [sys.executable, "-m", "rlix_async.cli", "demo", "--out", str(out), "--steps", "4", engine],
+        [sys.executable, "-m", "rlix_async.cli", "demo", "--quick", "--out", str(out), "--steps", "4", engine],
         capture_output=True,
         text=True,
         timeout=560,

@@ -1,4 +1,4 @@
-"""The README's main job end to end: `rlix-async demo` with real vLLM shards and torchrun
+"""The quick demo end to end: `rlix-async demo --quick` with real vLLM shards and torchrun
 trainers, the coordinator killed -9 and a pipeline killed -9 mid-run.
 
 The launcher restarts the coordinator on its journal and the pipeline with
@@ -44,7 +44,7 @@ def _steps(out: Path, pid: str) -> int:
 def test_demo_survives_coordinator_and_pipeline_kills(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlix_async.cli", "demo", "--out", str(out), "--steps", "12"],
+        [sys.executable, "-m", "rlix_async.cli", "demo", "--quick", "--out", str(out), "--steps", "12"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -20,6 +20,7 @@ import pytest
 import torch
 from helpers.cluster import ROOT, SCRIPTED_ENGINE
 
+from rlix_async.pipeline import TRAINER_THREAD
 from rlix_async.rollout.ledger import LEDGER, tally
 
 pytest.importorskip("transformers")
@@ -91,6 +92,22 @@ def test_a_trainer_backend_from_outside_the_package_trains_through_launch(tmp_pa
     model = AutoModelForCausalLM.from_pretrained(str(hf))
     for name, value in model.state_dict().items():
         assert torch.equal(value, ckpt["model"][name]), name
+
+
+@pytest.mark.timeout(240)
+def test_every_trainer_call_runs_on_the_pipelines_one_trainer_thread(tmp_path: Path) -> None:
+    """reload, train_step, offload and save allocate the trainer's tensors: on threads
+    taken from a pool, glibc keeps each one's freed memory in its own arena and the
+    process grows to several times its working set (docs/PERF.md, issue 49)."""
+    recording = f"{ROOT / 'tests' / 'helpers' / 'thread_recording_trainer.py'}:BACKEND"
+    run, out, pid = _launch(tmp_path, trainer=recording)
+    assert run.returncode == 0, run.stderr[-3000:]
+    from helpers.thread_recording_trainer import RECORD
+
+    calls = [json.loads(x) for x in (out / pid / RECORD).read_text().splitlines()]
+    assert {c[0] for c in calls} == {"reload", "train_step", "offload", "save"}, calls
+    assert all(c[1].startswith(TRAINER_THREAD) for c in calls), calls
+    assert len({c[2] for c in calls}) == 1, calls
 
 
 @pytest.mark.timeout(120)

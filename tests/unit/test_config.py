@@ -175,7 +175,7 @@ def test_the_demo_runs_the_example_config() -> None:
     two cannot drift; the demo only sets the output and the steps."""
     from rlix_async.demo import demo_config
 
-    assert (ROOT / "examples" / "pipelines.yaml").resolve() == ROOT / "rlix_async" / "demo.yaml"
+    assert (ROOT / "examples" / "pipelines.yaml").resolve() == ROOT / "rlix_async" / "quick_demo.yaml"
     example = load_config(ROOT / "examples" / "pipelines.yaml", LaunchConfig)
     demo = demo_config(example.out, steps=example.pipelines[0].steps)
     assert demo == example

@@ -128,3 +128,49 @@ def test_the_agent_recipes_data_is_half_one_digit_sums_and_eval_is_held_out(
     for r in rows[:50]:
         a, b = (int(x) for x in r["prompt"][len("What is ") :].split("?")[0].split(" + "))
         assert r["answer"] == a + b and b < 10
+
+
+def test_the_main_demo_is_the_two_recipes_time_sharing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rlix-async demo` runs the arithmetic and agent recipes as two pipelines: each on
+    its own recipe's data (in its own directory: both write train.jsonl) and settings,
+    so the pair cannot drift from the recipes it shows; only the layout, the steps and
+    the micro-batch cap (memory, not maths) are its own. A device is shared and each
+    trainer's device is one of its own shards, so training shrinks and expands."""
+    from rlix_async.demo import MAIN
+    from rlix_async.recipes.arithmetic_agent import write_data as write_agent_data
+
+    cache = tmp_path / "cache"
+    (cache / "models" / RECIPES[MAIN][1]).mkdir(parents=True)
+    (cache / "models" / RECIPES[MAIN][1] / MARKER).write_text("{}")
+    monkeypatch.setenv("RLIX_ASYNC_CACHE", str(cache))
+    out = tmp_path / "run"
+    cfg = demo_config(str(out), recipe=MAIN)
+    arithmetic, agent = cfg.pipelines
+    assert (arithmetic.id, agent.id) == ("arithmetic", "arithmetic_agent")
+    own = {
+        "arithmetic": write_data(tmp_path / "a"),
+        "arithmetic_agent": write_agent_data(tmp_path / "b"),
+    }
+    for p in cfg.pipelines:
+        assert p.data is not None and p.data.eval is not None
+        assert Path(p.data.train).parent == out / "data" / p.id
+        train, held_out = own[p.id]
+        assert Path(p.data.train).read_bytes() == train.read_bytes()
+        assert Path(p.data.eval).read_bytes() == held_out.read_bytes()
+        alone = demo_config(str(tmp_path / p.id), recipe=p.id).pipelines[0]
+        layout = ("clusters", "steps", "checkpoint_every", "data", "train")
+        for field in type(p).__struct_fields__:
+            if field not in layout:
+                assert getattr(p, field) == getattr(alone, field), (p.id, field)
+        assert p.train == type(p.train)(
+            **{
+                **{f: getattr(alone.train, f) for f in type(p.train).__struct_fields__},
+                "max_tokens_per_micro_batch": 512,
+            }
+        ), p.id
+    infer = [set(p.clusters["actor_infer"].devices) for p in cfg.pipelines]
+    assert infer[0] & infer[1], "no device is shared"
+    for p, shards in zip(cfg.pipelines, infer, strict=True):
+        assert set(p.clusters["actor_train"].devices) <= shards - (infer[0] & infer[1])
