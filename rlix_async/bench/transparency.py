@@ -69,6 +69,7 @@ class RunRecord:
     # evaluations that ran on other weights than their step's (a later version: the
     # pipeline evaluates on weights of at least its step), as [step, min, max]
     eval_off_step: list[list[int]] = field(default_factory=list)
+    pipeline: str = RECIPE  # the pipeline this record is of
 
 
 def _last_run(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -78,19 +79,22 @@ def _last_run(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return events[starts[-1] :] if starts else events
 
 
-def read_run(out: Path, mode: str, seed: int, bound: int, wall_s: float) -> RunRecord:
+def read_run(
+    out: Path, mode: str, seed: int, bound: int, wall_s: float, pipeline: str = RECIPE
+) -> RunRecord:
+    """``pipeline``'s record in the run written to ``out``."""
     from rlix_async.demo import journal_counts
     from rlix_async.rollout.ledger import LEDGER, read_events, tally
     from rlix_async.rollout.records import read_metrics
 
-    events = _last_run(list(read_events(out / RECIPE / LEDGER)))
+    events = _last_run(list(read_events(out / pipeline / LEDGER)))
     row_of = {e["g"]: e["row"] for e in events if e["ev"] == "requested"}
     rows = [e["row"] for e in events if e["ev"] == "requested"]
     # the batch taken at version v is trained into step v + 1
     trained_rows = {
         e["v"] + 1: sorted(row_of[g] for g in e["g"]) for e in events if e["ev"] == "taken"
     }
-    steps = read_metrics(out, RECIPE)
+    steps = read_metrics(out, pipeline)
     batch: dict[int, int] = {}
     lag: dict[int, int] = {}
     trained = 0
@@ -99,9 +103,9 @@ def read_run(out: Path, mode: str, seed: int, bound: int, wall_s: float) -> RunR
         trained = r["trained"]
         # step k trains at version k - 1 on trajectories from these versions
         lag[r["step"]] = r["step"] - 1 - min(r["trained_on_versions"])
-    evals = read_metrics(out, RECIPE, evals=True)
+    evals = read_metrics(out, pipeline, evals=True)
     neighbour = read_metrics(out, NEIGHBOUR)
-    t = tally(out / RECIPE / LEDGER)
+    t = tally(out / pipeline / LEDGER)
     return RunRecord(
         mode=mode,
         seed=seed,
@@ -114,7 +118,7 @@ def read_run(out: Path, mode: str, seed: int, bound: int, wall_s: float) -> RunR
         bound=bound,
         wall_s=round(wall_s, 1),
         stale=t.dropped_stale + t.cancelled_stale,
-        shrinks=journal_counts(out / "journal.jsonl").get(RECIPE, {}).get("shrinks", 0),
+        shrinks=journal_counts(out / "journal.jsonl").get(pipeline, {}).get("shrinks", 0),
         neighbour_steps=neighbour[-1]["step"] if neighbour else 0,
         eval_off_step=[
             [r["step"], r["eval/weight_version_min"], r["eval/weight_version_max"]]
@@ -122,6 +126,7 @@ def read_run(out: Path, mode: str, seed: int, bound: int, wall_s: float) -> RunR
             if (r.get("eval/weight_version_min"), r.get("eval/weight_version_max"))
             != (r["step"], r["step"])
         ],
+        pipeline=pipeline,
     )
 
 
@@ -254,9 +259,12 @@ class TransparencyError(RuntimeError):
     """A run of the bench did not finish. One line."""
 
 
-def run_until_recipe_done(cfg: LaunchConfig, poll_s: float = 1.0) -> float:
-    """Launch ``cfg`` and stop everything once the recipe's pipeline has finished (the
-    neighbour never does). Returns the wall time."""
+def run_until_done(
+    cfg: LaunchConfig, wait_for: Sequence[str] = (RECIPE,), poll_s: float = 1.0
+) -> dict[str, float]:
+    """Launch ``cfg`` and stop everything once the pipelines in ``wait_for`` have
+    finished (a neighbour never does). Returns the seconds from the launch until each
+    of them exited."""
     from rlix_async.launch import Launcher
 
     def _terminated(signum: int, frame: Any) -> None:
@@ -265,15 +273,24 @@ def run_until_recipe_done(cfg: LaunchConfig, poll_s: float = 1.0) -> float:
     launcher = Launcher(cfg)  # a bad recipe is a LaunchError here, before anything starts
     previous = signal.signal(signal.SIGTERM, _terminated)
     t0 = time.monotonic()
+    finished: dict[str, float] = {}
     try:
         launcher.start()
-        while RECIPE not in launcher.exit_codes and launcher.step():
+        while len(finished) < len(wait_for) and launcher.step():
+            for pid in wait_for:
+                if pid in launcher.exit_codes and pid not in finished:
+                    finished[pid] = time.monotonic() - t0
             time.sleep(poll_s)
-        if launcher.exit_codes.get(RECIPE) != 0:
+        failed = {p: launcher.exit_codes.get(p) for p in wait_for if launcher.exit_codes.get(p)}
+        missing = [p for p in wait_for if p not in launcher.exit_codes]
+        if failed or missing:
             raise TransparencyError(
-                f"{RECIPE} did not finish (exit codes {launcher.exit_codes}); see {cfg.out}/logs"
+                f"{', '.join(sorted({*failed, *missing}))} did not finish (exit codes "
+                f"{launcher.exit_codes}); see {cfg.out}/logs"
             )
-        return time.monotonic() - t0
+        for pid in wait_for:  # the last exit, seen by the loop's final step
+            finished.setdefault(pid, time.monotonic() - t0)
+        return finished
     finally:
         launcher.stop()
         signal.signal(signal.SIGTERM, previous)
@@ -307,7 +324,7 @@ def run_transparency(
                     path = run_dir / leftover
                     shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
                 log(f"{mode} seed {seed}: {steps} steps, eval every {eval_every} ({run_dir})")
-                wall = run_until_recipe_done(cfg)
+                wall = run_until_done(cfg)[RECIPE]
                 done = {"wall_s": wall, "steps": steps, "eval_every": eval_every}
                 record.write_text(json.dumps(done))
             run = read_run(run_dir, mode, seed, bound, done["wall_s"])

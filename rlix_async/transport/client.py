@@ -37,7 +37,7 @@ from rlix_async.protocol import (
 )
 from rlix_async.security import ClientKeys, check_endpoint, tcp_only
 from rlix_async.transport.endpoint import _call_hook, _Endpoint
-from rlix_async.transport.types import Buffer, CallTimeout, TransportConfig
+from rlix_async.transport.types import Buffer, CallTimeout, ConnectionLost, TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class RpcClient(_Endpoint):
         self.server_instance: str | None = None
         self.reconnects = 0
         self._ready = asyncio.Event()
+        self._closing = asyncio.Event()  # wakes callers waiting for a reconnect that is over
         self._setup_task: asyncio.Task[Any] | None = None
         self._reconnect_task: asyncio.Task[Any] | None = None
         self._last_seen = 0.0
@@ -115,6 +116,7 @@ class RpcClient(_Endpoint):
     async def close(self) -> None:
         if self._closed:
             return
+        self._closing.set()
         linger = 0
         if self._ready.is_set():  # tell the server now rather than let it time us out
             with contextlib.suppress(zmq.ZMQError):
@@ -164,15 +166,25 @@ class RpcClient(_Endpoint):
         return await self._notify(None, msg, frames)
 
     async def _wait_ready(self, timeout: float, msg: Message) -> None:
+        """Until connected (again), or the client is closed: a caller waiting for a
+        reconnect that close() ended must not wait out its whole timeout (a router that
+        replaces a reconnecting client left its requests hanging for their 600 s)."""
         if self._ready.is_set() or asyncio.current_task() is self._setup_task:
             return
+        ready = asyncio.ensure_future(self._ready.wait())
+        closing = asyncio.ensure_future(self._closing.wait())
         try:
             async with asyncio.timeout(timeout):
-                await self._ready.wait()
+                await asyncio.wait({ready, closing}, return_when=asyncio.FIRST_COMPLETED)
         except TimeoutError:
             raise CallTimeout(
                 f"{msg.type_name}: not connected to {self.endpoint} within {timeout}s"
             ) from None
+        finally:
+            ready.cancel()
+            closing.cancel()
+        if not self._ready.is_set():
+            raise ConnectionLost(f"{msg.type_name}: the client of {self.endpoint} was closed")
 
     # --- socket ---------------------------------------------------------------------
 

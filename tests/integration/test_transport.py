@@ -148,6 +148,37 @@ async def test_killed_server_detected_by_client(spawn, ipc_ep) -> None:
             await pending  # in-flight calls fail fast instead of hanging until their timeout
 
 
+async def test_closing_a_reconnecting_client_fails_the_calls_waiting_for_it(spawn, ipc_ep) -> None:
+    """A call made while the client reconnects waits for the reconnect; if the client is
+    closed instead (a router replaces a client that is not connected), the call fails
+    at once rather than waiting out its timeout: under load the demo's agent pipeline
+    hung 600 s on requests waiting for a client that no longer existed."""
+    server = spawn("server", ipc_ep, "--hb", "0.2")
+    lost: asyncio.Queue[float] = asyncio.Queue()
+    client = RpcClient(
+        server.endpoint,
+        "p0/router/0",
+        config=FAST,
+        on_disconnected=lambda reason: lost.put_nowait(time.monotonic()),
+    )
+    await client.connect()
+    server.kill9()
+    await asyncio.wait_for(lost.get(), 5)  # reconnecting to a server that is gone
+    assert not client.connected
+    waiting = [
+        asyncio.ensure_future(client.call(Ping(seq=1), timeout=600)),
+        asyncio.ensure_future(client.notify(Ping(seq=2))),
+    ]
+    await asyncio.sleep(0.3)
+    assert not any(w.done() for w in waiting)  # they wait for the reconnect...
+    closed_at = time.monotonic()
+    await client.close()
+    for w in waiting:  # ...and fail as soon as there will be none
+        with pytest.raises(ConnectionLost, match="closed"):
+            await asyncio.wait_for(w, 5)
+    assert time.monotonic() - closed_at < 2
+
+
 async def test_server_restart_reconnects_and_reregisters(spawn, ipc_ep) -> None:
     server = spawn("server", ipc_ep, "--hb", "0.2")
     registrations: list[str] = []

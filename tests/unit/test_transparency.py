@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from rlix_async.bench.transparency import RunRecord, compare, format_transparency, read_run
 from rlix_async.protocols.batch import Group
 from rlix_async.rollout.ledger import LEDGER, Ledger
@@ -154,3 +156,70 @@ def test_a_run_is_read_from_its_ledger_and_metrics(tmp_path: Path) -> None:
     assert r.evals == {0: 0.5, 2: 0.6, 4: 0.7} and r.eval_n == 40
     assert r.eval_off_step == [[4, 4, 5]]  # part of step 4's eval ran on version 5
     assert (r.seed, r.wall_s, r.neighbour_steps) == (3, 12.3, 0)
+
+
+def test_a_pipeline_other_than_the_recipe_is_read_from_its_own_directory(tmp_path: Path) -> None:
+    """--pair reads both pipelines of a shared run: each from its own ledger and rows."""
+    for pid, reward in (("arithmetic", 0.5), ("arithmetic_agent", 0.25)):
+        (tmp_path / pid).mkdir()
+        Ledger(tmp_path / pid / LEDGER, fresh=True, from_step=0, buffered=[]).close()
+        on = {"eval/weight_version_min": 0, "eval/weight_version_max": 0}
+        row = {"step": 0, "eval/reward": reward, "eval/n": 40.0, "time": 1.0, **on}
+        (tmp_path / pid / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    r = read_run(tmp_path, "shared", 0, bound=1, wall_s=5.0, pipeline="arithmetic_agent")
+    assert (r.pipeline, r.evals) == ("arithmetic_agent", {0: 0.25})
+
+
+def _wall(mode: str, seed: int, pipeline: str, wall_s: float) -> RunRecord:
+    return run(mode, seed, {0: 0.5}, pipeline=pipeline, wall_s=wall_s)
+
+
+def test_the_gain_is_both_alone_one_after_the_other_over_both_shared() -> None:
+    from rlix_async.bench.transparency_pair import format_pair, wall_gain
+
+    runs = []
+    for seed, (a, b, sa, sb) in enumerate([(300, 500, 420, 600), (320, 480, 400, 640)]):
+        runs += [_wall("alone", seed, "arith", a), _wall("alone", seed, "agent", b)]
+        runs += [_wall("shared", seed, "arith", sa), _wall("shared", seed, "agent", sb)]
+    runs.append(_wall("alone", 2, "arith", 300))  # a seed cut short: not paired
+    w = wall_gain(runs)
+    assert [s["seed"] for s in w["per_seed"]] == [0, 1]
+    s0 = w["per_seed"][0]
+    # both shared end when the later one does: 600 s against 300 + 500 one after the other
+    assert (s0["one_after_the_other_s"], s0["shared_both_s"], s0["gain"]) == (800, 600, 1.333)
+    assert s0["slowdown"] == {"agent": 1.2, "arith": 1.4}
+    assert w["gain_mean"] == round((800 / 600 + 800 / 640) / 2, 3)
+    # two seeds: t(1) = 12.706 times the standard error
+    gains = [800 / 600, 800 / 640]
+    se = abs(gains[0] - gains[1]) / 2
+    assert w["gain_interval"] is not None and abs(w["gain_interval"] - 12.706 * se) < 0.01
+    verdict = compare([r for r in runs if r.pipeline == "arith"], [0])
+    text = format_pair({"pipelines": {"arith": verdict}, "wall": w, "transparent": False})
+    assert "gain 1.29x +- " in text and "both in 600 s, gain 1.33x" in text
+
+
+def test_the_pair_runs_the_main_demos_config_alone_and_shared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alone is the main demo's config with the other pipeline removed: same devices,
+    same settings, the seed, steps and eval cadence set on every pipeline."""
+    from rlix_async.bench.transparency_pair import SHARED, pair_config
+    from rlix_async.models.pretrained import MARKER
+    from rlix_async.recipes import RECIPES
+
+    cache = tmp_path / "cache"
+    (cache / "models" / RECIPES["time_sharing"][1]).mkdir(parents=True)
+    (cache / "models" / RECIPES["time_sharing"][1] / MARKER).write_text("{}")
+    monkeypatch.setenv("RLIX_ASYNC_CACHE", str(cache))
+    shared = pair_config(str(tmp_path / "s"), SHARED, 7, 4, 2, lambda _: None)
+    alone = pair_config(str(tmp_path / "a"), "arithmetic_agent", 7, 4, 2, lambda _: None)
+    assert [p.id for p in shared.pipelines] == ["arithmetic", "arithmetic_agent"]
+    (only,) = alone.pipelines
+    both = shared.pipelines[1]
+    assert (
+        (only.seed, only.steps, only.eval_every)
+        == (7, 4, 2)
+        == (both.seed, both.steps, both.eval_every)
+    )
+    assert only.clusters == both.clusters and only.train == both.train and only.env == both.env
+    assert alone.cluster == shared.cluster and alone.engine == shared.engine
