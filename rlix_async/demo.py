@@ -36,6 +36,7 @@ from rlix_async.rollout.ledger import LEDGER, tally
 from rlix_async.rollout.records import read_metrics
 
 MAIN = "time_sharing"  # the recipe plain `rlix-async demo` runs
+STEPS = 15  # every other demo's steps, unless told: a recipe's own YAML runs longer
 
 
 def demo_config(
@@ -45,8 +46,8 @@ def demo_config(
     recipe: str | None = None,
 ) -> LaunchConfig:
     """``recipe``'s config (its data written, its model converted; None: the quick
-    demo's), writing to ``out``; every pipeline running ``steps`` (None: the
-    config's own)."""
+    demo's), writing to ``out``; every pipeline running ``steps`` (None: the main
+    demo's config's own, every other demo :data:`STEPS`)."""
     from rlix_async.config.loading import read_yaml
 
     if recipe is None:
@@ -58,6 +59,8 @@ def demo_config(
 
         source = f"rlix_async/recipes/{RECIPES[recipe][0]}"
         raw, _ = prepare_recipe(recipe, out, log=print)
+    if steps is None and recipe != MAIN:
+        steps = STEPS
     if steps is not None:
         for p in raw["pipelines"]:
             p["steps"] = steps

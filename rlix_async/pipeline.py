@@ -219,9 +219,12 @@ class Driver:
         CUDA each tensor goes straight from the device into the page-locked slot (one
         DMA per tensor, no host temporary), instead of offload first and a host copy
         after (docs/PERF.md, "GPU figures")."""
+        await self._on_trainer_thread(self._build_on_trainer_thread, cache)
+
+    def _build_on_trainer_thread(self, cache: WeightCache) -> None:
         tensors = self.trainer.weights_for_cache()  # a LoRA pipeline's: its adapter only
         self.sync_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        await self._on_trainer_thread(cache.build, self.trainer.step, tensors)
+        cache.build(self.trainer.step, tensors)
 
     async def _publish(self, hooks: ClusterHooks, cache: WeightCache) -> None:
         v = self.trainer.step
@@ -551,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         recipe = None
         if cfg.data is not None and rank == 0:
             recipe = load_recipe(cfg)
+            recipe.prepare()  # imports that would starve the event loop's heartbeats
     except (ConfigError, RecipeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -276,11 +276,14 @@ def run_until_done(
     finished: dict[str, float] = {}
     try:
         launcher.start()
-        while len(finished) < len(wait_for) and launcher.step():
-            for pid in wait_for:
-                if pid in launcher.exit_codes and pid not in finished:
-                    finished[pid] = time.monotonic() - t0
-            time.sleep(poll_s)
+        try:
+            while len(finished) < len(wait_for) and launcher.step():
+                for pid in wait_for:
+                    if pid in launcher.exit_codes and pid not in finished:
+                        finished[pid] = time.monotonic() - t0
+                time.sleep(poll_s)
+        except RuntimeError as exc:  # the launcher gave up on a process
+            raise TransparencyError(f"{exc}; see {cfg.out}/logs") from None
         failed = {p: launcher.exit_codes.get(p) for p in wait_for if launcher.exit_codes.get(p)}
         missing = [p for p in wait_for if p not in launcher.exit_codes]
         if failed or missing:
@@ -288,6 +291,11 @@ def run_until_done(
                 f"{', '.join(sorted({*failed, *missing}))} did not finish (exit codes "
                 f"{launcher.exit_codes}); see {cfg.out}/logs"
             )
+        # a pipeline restarted from its checkpoint did steps twice: its wall and curve
+        # are not a run's
+        restarted = [p for p in wait_for if launcher.pipelines[p].restarts]
+        if restarted:
+            raise TransparencyError(f"{', '.join(restarted)} restarted mid-run; see {cfg.out}/logs")
         for pid in wait_for:  # the last exit, seen by the loop's final step
             finished.setdefault(pid, time.monotonic() - t0)
         return finished
@@ -316,9 +324,11 @@ def run_transparency(
             cfg = transparency_config(str(run_dir), mode, seed, steps, eval_every, log)
             bound = cfg.pipelines[0].max_trajectory_age_steps
             done = json.loads(record.read_text()) if record.exists() else None
-            if done is None or (done.get("steps", steps), done.get("eval_every", eval_every)) != (
-                steps,
-                eval_every,
+            if (
+                done is None
+                or "bench" in done  # --pair's run (its record names it)
+                or (done.get("steps", steps), done.get("eval_every", eval_every))
+                != (steps, eval_every)
             ):
                 for leftover in ("journal.jsonl", RECIPE, NEIGHBOUR, "logs"):
                     path = run_dir / leftover

@@ -69,7 +69,10 @@ def wall_gain(runs: Sequence[RunRecord]) -> dict[str, Any]:
     """Per seed with every pipeline's alone run and the shared run: the pipelines one
     after the other (the sum of their alone walls) over the shared run's wall (until
     the last one exited): above 1, time-sharing finished both sooner. And each
-    pipeline's shared wall over its alone wall."""
+    pipeline's shared wall over its alone wall. Alone, a pipeline keeps its devices of
+    the 3: on a CPU node they are shares of the cores taken round robin (device 2
+    shares device 0's core), so each alone run has every core; on GPUs the baseline
+    would leave one device idle and flatter the gain."""
     pipelines = sorted({r.pipeline for r in runs})
     by = {(r.mode, r.seed, r.pipeline): r for r in runs}
     per_seed: list[dict[str, Any]] = []
@@ -123,13 +126,17 @@ def run_pair_transparency(
             cfg = pair_config(str(run_dir), mode, seed, steps, eval_every, log)
             record = run_dir / "record.json"
             done = json.loads(record.read_text()) if record.exists() else None
-            if done is None or (done["steps"], done["eval_every"]) != (steps, eval_every):
+            if done is None or (done.get("bench"), done["steps"], done["eval_every"]) != (
+                PAIR,
+                steps,
+                eval_every,
+            ):
                 for leftover in ("journal.jsonl", "logs", *ids):
                     path = run_dir / leftover
                     shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
                 log(f"{mode} seed {seed}: {steps} steps, eval every {eval_every} ({run_dir})")
                 walls = run_until_done(cfg, [p.id for p in cfg.pipelines])
-                done = {"wall_s": walls, "steps": steps, "eval_every": eval_every}
+                done = {"bench": PAIR, "wall_s": walls, "steps": steps, "eval_every": eval_every}
                 record.write_text(json.dumps(done))
             for p in cfg.pipelines:
                 run = read_run(

@@ -322,6 +322,8 @@ def _transparency(args: argparse.Namespace) -> int:
 
     from rlix_async.cli.args import check_output
 
+    if args.out is None:  # the two benches never read each other's runs
+        args.out = "rlix-transparency-pair" if args.pair else "rlix-transparency"
     check_output(args.out, directory=True)
     from rlix_async.bench.transparency import (
         TransparencyError,
@@ -552,7 +554,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "staleness, eval curves (exit 1: time-sharing changed the recipe); --pair: the main "
         "demo's two recipes, each alone and both shared, and the wall time sharing saves",
     )
-    p.add_argument("--out", default="rlix-transparency", help="one directory per run in here")
+    p.add_argument(
+        "--out", help="one directory per run in here (rlix-transparency; --pair: ...-pair)"
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="two at least")
     p.add_argument(
         "--pair",

@@ -271,7 +271,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--out", help="output directory (rlix-demo; --quick: rlix-quick; --recipe: rlix-recipe)"
     )
     p.add_argument(
-        "--steps", type=positive_int, help="training steps per pipeline (default: the config's)"
+        "--steps",
+        type=positive_int,
+        help="training steps per pipeline (the main demo: its config's 10; else 15)",
     )
     p.add_argument(
         "--quick",
@@ -283,7 +285,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--recipe",
         choices=sorted(RECIPES),
         help="a packaged recipe (writes its data under OUT/data, converts its model once; "
-        "the main job and recipes need `bash scripts/setup.sh cpu models recipes agents`)",
+        "the main job and recipes need `bash scripts/setup.sh cpu models recipes agents`); "
+        "time_sharing is the main demo's pair",
     )
     add_overrides(p, "engine.kv_cache_mb=64")
     p.set_defaults(func=_demo)

@@ -78,7 +78,7 @@ def prepare_recipe(
     for p in raw["pipelines"]:
         p["model"] = {**p.get("model", {}), "path": str(model)}
         d = p["data"]
-        d["train"] = str(Path(out) / d["train"])
-        if d.get("eval"):
-            d["eval"] = str(Path(out) / d["eval"])
+        for split in ("train", "eval"):  # the YAML's data/... paths, under out
+            if d.get(split) and not Path(d[split]).is_absolute():
+                d[split] = str(Path(out) / d[split])
     return raw, model

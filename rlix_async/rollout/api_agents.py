@@ -108,8 +108,15 @@ class ApiAgentRunner(AgentRunner):
         assert self.server is not None
         return self.server
 
+    def prepare(self) -> None:
+        """The engine's parser, which may import its library (vLLM's: 2.5 s alone, 14 s
+        on 2 loaded cores): the pipeline calls this before its event loop joins the
+        cluster. In a thread beside the loop the import still held the GIL for seconds,
+        so heartbeats went missing and an agent's turn was timed out."""
+        self.tool_calls.prepare()
+
     async def _start(self, server: ApiServer) -> None:
-        # the engine's parser may import its library (vLLM's: seconds): off the loop
+        # a library user who never called prepare(): off the loop at least
         await asyncio.to_thread(self.tool_calls.prepare)
         await server.start()
 

@@ -211,6 +211,9 @@ class EpisodeRunner:
         stopped with it: rollout/env_workers.py)."""
         return self._threads.stuck
 
+    def prepare(self) -> None:
+        """What the runner loads before the pipeline joins its cluster (nothing here)."""
+
     def close(self) -> None:
         """Shut the env threads (and workers) down without waiting for calls still running."""
         self._threads.close()

@@ -229,6 +229,18 @@ class Recipe:
         both = (self.runner, self.eval_runner, self.episodes, self.eval_episodes)
         return list({id(r): r for r in both if r is not None}.values())
 
+    def prepare(self) -> None:
+        """Load what the episode runners need before the pipeline joins its cluster
+        (an agent endpoint's tool-call parser). Raises RecipeError (one line)."""
+        from rlix_async.shards.engines import EngineUnavailable
+
+        for runner in (self.episodes, self.eval_episodes):
+            if runner is not None:
+                try:
+                    runner.prepare()
+                except EngineUnavailable as exc:
+                    raise RecipeError(str(exc)) from None
+
     def close(self) -> None:
         for runner in self._runners():
             runner.close()

@@ -171,19 +171,23 @@ class RpcClient(_Endpoint):
         replaces a reconnecting client left its requests hanging for their 600 s)."""
         if self._ready.is_set() or asyncio.current_task() is self._setup_task:
             return
-        ready = asyncio.ensure_future(self._ready.wait())
         closing = asyncio.ensure_future(self._closing.wait())
         try:
             async with asyncio.timeout(timeout):
-                await asyncio.wait({ready, closing}, return_when=asyncio.FIRST_COMPLETED)
+                # connected again, then lost again before this task ran: wait on
+                while not self._ready.is_set() and not self._closing.is_set():
+                    ready = asyncio.ensure_future(self._ready.wait())
+                    try:
+                        await asyncio.wait({ready, closing}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        ready.cancel()
         except TimeoutError:
             raise CallTimeout(
                 f"{msg.type_name}: not connected to {self.endpoint} within {timeout}s"
             ) from None
         finally:
-            ready.cancel()
             closing.cancel()
-        if not self._ready.is_set():
+        if self._closing.is_set():
             raise ConnectionLost(f"{msg.type_name}: the client of {self.endpoint} was closed")
 
     # --- socket ---------------------------------------------------------------------

@@ -48,6 +48,11 @@ class RecordingTrainer(sgd.SgdTrainer):  # type: ignore[misc,name-defined]
         stats: dict[str, float] = super().train_step(groups)
         return stats
 
+    def weights_for_cache(self) -> dict[str, Any]:
+        self._record("weights_for_cache")  # the cache is built on the same thread, after
+        weights: dict[str, Any] = super().weights_for_cache()
+        return weights
+
     def save(self, path: Path, extra: dict[str, Any]) -> Path:
         self._record("save")
         saved: Path = super().save(path, extra)

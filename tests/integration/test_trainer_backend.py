@@ -105,7 +105,8 @@ def test_every_trainer_call_runs_on_the_pipelines_one_trainer_thread(tmp_path: P
     from helpers.thread_recording_trainer import RECORD
 
     calls = [json.loads(x) for x in (out / pid / RECORD).read_text().splitlines()]
-    assert {c[0] for c in calls} == {"reload", "train_step", "offload", "save"}, calls
+    every = {"reload", "train_step", "offload", "save", "weights_for_cache"}
+    assert {c[0] for c in calls} == every, calls
     assert all(c[1].startswith(TRAINER_THREAD) for c in calls), calls
     assert len({c[2] for c in calls}) == 1, calls
 

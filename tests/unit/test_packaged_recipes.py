@@ -159,7 +159,9 @@ def test_the_main_demo_is_the_two_recipes_time_sharing(
         train, held_out = own[p.id]
         assert Path(p.data.train).read_bytes() == train.read_bytes()
         assert Path(p.data.eval).read_bytes() == held_out.read_bytes()
+        assert p.steps == recipe_raw(MAIN)["pipelines"][0]["steps"] == 10  # the pair's own
         alone = demo_config(str(tmp_path / p.id), recipe=p.id).pipelines[0]
+        assert alone.steps == 15  # a recipe alone: 15 unless told, not its YAML's
         layout = ("clusters", "steps", "checkpoint_every", "data", "train")
         for field in type(p).__struct_fields__:
             if field not in layout:

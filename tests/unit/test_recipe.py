@@ -213,3 +213,32 @@ async def test_an_episode_pipeline_whose_groups_keep_failing_stops_naming_the_fi
         await col.run()
     runner.close()
     col.ledger.close()  # type: ignore[union-attr]
+
+
+def test_a_recipe_prepares_its_episode_runners_before_the_pipeline_joins(
+    dataset: PromptDataset,
+) -> None:
+    """The pipeline calls Recipe.prepare() before its event loop starts: an agent
+    endpoint's tool-call parser imports vLLM there, where a missed heartbeat costs
+    nothing. An engine that cannot give the parser is a one-line recipe error. The
+    runners are stand-ins with the one method under test (a real ApiAgentRunner needs
+    a model directory and an engine's parser: tests/integration/test_agent_api_launch.py)."""
+    from rlix_async.rollout.prompts import Recipe, RecipeError
+    from rlix_async.shards.engines import EngineUnavailable
+
+    class Runner:
+        def __init__(self, fails: bool = False) -> None:
+            self.prepared, self.fails = 0, fails
+
+        def prepare(self) -> None:
+            if self.fails:
+                raise EngineUnavailable("vLLM's tool parsers do not import here: no vllm")
+            self.prepared += 1
+
+    rollout, evaluation = Runner(), Runner()
+    recipe = Recipe(None, dataset, None, None, [], None, rollout, evaluation)  # type: ignore[arg-type]
+    recipe.prepare()
+    assert (rollout.prepared, evaluation.prepared) == (1, 1)
+    broken = Recipe(None, dataset, None, None, [], None, Runner(fails=True))  # type: ignore[arg-type]
+    with pytest.raises(RecipeError, match="do not import here"):
+        broken.prepare()
