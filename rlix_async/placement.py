@@ -301,6 +301,8 @@ def place_processes(
                 keys=keys,
                 engine=engine,
                 members=members,
+                # its data server declares a silent router dead: as loaded a host
+                heartbeat_interval_s=cfg.heartbeat_interval_s,
             )
             path = out / sid / f"shard-{rank}.yaml"
             plan.append(

@@ -30,8 +30,9 @@ class LaunchConfig(Config, frozen=True):
     heartbeat_interval_s: Annotated[
         float,
         doc(
-            "The coordinator's heartbeat period: a process silent 2.5 periods is declared "
-            "dead, and every process adopts the longer wait from the coordinator's welcome. "
+            "The coordinator's and every shard's heartbeat period: a process silent 2.5 "
+            "periods is declared dead, and every process adopts the longer wait from the "
+            "welcome of the server it joins. "
             "Raise it where hosts are loaded enough to starve a process for seconds.",
             gt=0,
             le=60,

@@ -516,10 +516,13 @@ def test_a_node_waits_for_the_shards_elsewhere_of_the_pipelines_it_drives(
     assert remote_shards(plan, 2) == {"far": {0}}
 
 
-def test_the_launchs_heartbeat_period_reaches_the_coordinator(tmp_path: Path) -> None:
+def test_the_launchs_heartbeat_period_reaches_the_coordinator_and_the_shards(
+    tmp_path: Path,
+) -> None:
     """A loaded host needs a longer wait before its processes are declared dead: the
     launch's ``heartbeat_interval_s`` is the coordinator's (its welcome hands the
-    timeout to every client)."""
+    timeout to every client) and every shard's, whose data server declares a silent
+    router dead (on the main demo's 2 loaded cores routers went silent 2.6 s)."""
     from rlix_async.config import LaunchConfig, load_config
     from rlix_async.placement import place_processes
 
@@ -528,6 +531,8 @@ def test_the_launchs_heartbeat_period_reaches_the_coordinator(tmp_path: Path) ->
     plan = place_processes(load_config(path, LaunchConfig), tmp_path / "out", "tcp://10.0.0.1:7600")
     coordinator = plan[0].config
     assert plan[0].role == "coordinator" and coordinator.heartbeat_interval_s == 2.5  # type: ignore[attr-defined]
+    shards = [p.config for p in plan if p.role == "shard"]
+    assert shards and all(s.heartbeat_interval_s == 2.5 for s in shards)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
