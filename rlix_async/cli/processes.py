@@ -262,6 +262,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_overrides(p, "pipelines[0].steps=20")
     p.set_defaults(func=_launch)
 
+    _register_demo(sub)
+
+
+def _register_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "demo",
         help="the main job: two real recipes (arithmetic and an agent) time-sharing 3 CPU "
