@@ -1,8 +1,8 @@
 """The engine seam: an engine from outside the package (examples/engines/hf_engine.py)
 plugs in by config alone. It applies every synced version: its greedy output changes
 with the versions and equals what the trainer's exported model decodes; and it runs
-the demo's time-sharing loop (shrinks, expands, syncs, nothing lost) under
-`rlix-async demo`. The trainer, weight cache, transports, coordinator, shard workers
+the quick demo's time-sharing loop (shrinks, expands, syncs, nothing lost) under
+`rlix-async demo --quick`. The trainer, weight cache, transports, coordinator, shard workers
 and torchrun are the package's own, unchanged."""
 
 from __future__ import annotations
