@@ -134,6 +134,11 @@ def read_run(
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306}
 
 
+def interval95(values: Sequence[float]) -> float:
+    """Half the width of a 95% interval of the mean of ``values`` (two at least)."""
+    return T95.get(len(values) - 1, 2.0) * statistics.stdev(values) / math.sqrt(len(values))
+
+
 def _overlap(a: dict[int, list[int]], b: dict[int, list[int]]) -> float:
     """The share of the rows ``a`` trained on that ``b`` trained on too (as multisets)."""
     from collections import Counter
@@ -198,8 +203,7 @@ def compare(runs: Sequence[RunRecord], eval_steps: Sequence[int]) -> dict[str, A
         point["difference"] = statistics.fmean(diffs) if diffs else math.nan
         if len(diffs) >= 2:
             # paired by seed: a 95% interval of the mean difference, at least one question
-            se = statistics.stdev(diffs) / math.sqrt(len(diffs))
-            point["noise"] = max(T95.get(len(diffs) - 1, 2.0) * se, one_question)
+            point["noise"] = max(interval95(diffs), one_question)
             point["within_noise"] = abs(point["difference"]) <= point["noise"] + 1e-9
         else:
             point["noise"], point["within_noise"] = None, None  # one seed: not judged
@@ -348,13 +352,8 @@ def run_transparency(
     return result
 
 
-def plot_transparency(runs: Sequence[RunRecord], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+def draw_eval_curves(ax: Any, runs: Sequence[RunRecord], title: str) -> None:
+    """Each run's greedy eval curve on ``ax``: alone solid, shared dashed."""
     colour = {"alone": "tab:blue", "shared": "tab:orange"}
     for r in runs:
         steps = sorted(r.evals)
@@ -368,9 +367,19 @@ def plot_transparency(runs: Sequence[RunRecord], path: Path) -> None:
             label=f"{r.mode} seed {r.seed}",
         )
     ax.set(xlabel="training step", ylabel="greedy eval accuracy", ylim=(0, 1.02))
-    ax.set_title("arithmetic recipe: alone vs time-shared with a neighbour")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def plot_transparency(runs: Sequence[RunRecord], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    draw_eval_curves(ax, runs, "arithmetic recipe: alone vs time-shared with a neighbour")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -21,7 +21,6 @@ Two questions, each answered per pipeline and over seeds:
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import statistics
 from collections.abc import Callable, Sequence
@@ -30,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from rlix_async.bench.transparency import (
-    T95,
     RunRecord,
     compare,
+    draw_eval_curves,
     format_transparency,
+    interval95,
     read_run,
     run_until_done,
 )
@@ -56,13 +56,6 @@ def pair_config(
     if mode != SHARED:
         raw["pipelines"] = [p for p in raw["pipelines"] if p["id"] == mode]
     return convert(raw, LaunchConfig, f"bench transparency --pair ({mode})")
-
-
-def _interval(values: Sequence[float]) -> float | None:
-    """Half the width of a 95% interval of the mean (Student's t); None for one value."""
-    if len(values) < 2:
-        return None
-    return T95.get(len(values) - 1, 2.0) * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def wall_gain(runs: Sequence[RunRecord]) -> dict[str, Any]:
@@ -97,7 +90,7 @@ def wall_gain(runs: Sequence[RunRecord]) -> dict[str, Any]:
     return {
         "per_seed": per_seed,
         "gain_mean": round(statistics.fmean(gains), 3) if gains else None,
-        "gain_interval": _interval(gains),
+        "gain_interval": interval95(gains) if len(gains) > 1 else None,
         "slowdown_mean": {
             p: round(statistics.fmean(s["slowdown"][p] for s in per_seed), 3)
             for p in pipelines
@@ -173,23 +166,9 @@ def plot_pair(runs: Sequence[RunRecord], path: Path) -> None:
 
     pipelines = sorted({r.pipeline for r in runs})
     fig, axes = plt.subplots(1, len(pipelines), figsize=(7 * len(pipelines), 4), squeeze=False)
-    colour = {"alone": "tab:blue", SHARED: "tab:orange"}
     for ax, pid in zip(axes[0], pipelines, strict=True):
-        for r in (r for r in runs if r.pipeline == pid):
-            steps = sorted(r.evals)
-            ax.plot(
-                steps,
-                [r.evals[s] for s in steps],
-                marker="o",
-                color=colour[r.mode],
-                linestyle="-" if r.mode == "alone" else "--",
-                alpha=0.8,
-                label=f"{r.mode} seed {r.seed}",
-            )
-        ax.set(xlabel="training step", ylabel="greedy eval accuracy", ylim=(0, 1.02))
-        ax.set_title(f"{pid}: alone vs time-shared")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        mine = [r for r in runs if r.pipeline == pid]
+        draw_eval_curves(ax, mine, f"{pid}: alone vs time-shared")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -127,15 +127,21 @@ async def test_killed_client_detected_within_three_intervals(spawn, ipc_ep) -> N
         assert "p0/infer/0" not in server.peers
 
 
-async def test_killed_server_detected_by_client(spawn, ipc_ep) -> None:
-    server = spawn("server", ipc_ep, "--hb", "0.2")
+def _client_noting_losses(endpoint: str, identity: str) -> tuple[RpcClient, asyncio.Queue[float]]:
+    """A FAST client that puts the time of each lost connection on the queue."""
     lost: asyncio.Queue[float] = asyncio.Queue()
     client = RpcClient(
-        server.endpoint,
-        "p0/driver/0",
+        endpoint,
+        identity,
         config=FAST,
         on_disconnected=lambda reason: lost.put_nowait(time.monotonic()),
     )
+    return client, lost
+
+
+async def test_killed_server_detected_by_client(spawn, ipc_ep) -> None:
+    server = spawn("server", ipc_ep, "--hb", "0.2")
+    client, lost = _client_noting_losses(server.endpoint, "p0/driver/0")
     async with client:
         assert await client.call(Ping(seq=1)) == Pong(seq=1)
         pending = asyncio.ensure_future(client.call(Sleep(seconds=30), timeout=30))
@@ -154,13 +160,7 @@ async def test_closing_a_reconnecting_client_fails_the_calls_waiting_for_it(spaw
     at once rather than waiting out its timeout: under load the demo's agent pipeline
     hung 600 s on requests waiting for a client that no longer existed."""
     server = spawn("server", ipc_ep, "--hb", "0.2")
-    lost: asyncio.Queue[float] = asyncio.Queue()
-    client = RpcClient(
-        server.endpoint,
-        "p0/router/0",
-        config=FAST,
-        on_disconnected=lambda reason: lost.put_nowait(time.monotonic()),
-    )
+    client, lost = _client_noting_losses(server.endpoint, "p0/router/0")
     await client.connect()
     server.kill9()
     await asyncio.wait_for(lost.get(), 5)  # reconnecting to a server that is gone
