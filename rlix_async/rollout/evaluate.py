@@ -7,7 +7,9 @@ scores each response with the recipe's reward. Its demand goes to the planner as
 a progress stream of its own (``eval``: target = prompts, completed = answered),
 summed with the rollout's, so the coordinator keeps (or wakes) shards for it as
 it does for rollout, and it shares the cluster the same way. The result is a row
-of ``eval/<metric>`` means.
+of ``eval/<metric>`` means. A prompt that fails is asked again after its pass
+(``eval/retried`` counts the retries); one that fails every try scores 0
+(``eval/failed``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlix_async.hooks import ClusterHooks
@@ -26,6 +29,7 @@ from rlix_async.shards.router import Trajectory
 
 log = logging.getLogger("rlix_async.eval")
 STREAM = "eval"
+RETRIES = 2  # times a failed prompt is asked again (Evaluator.run)
 
 
 def eval_due(step: int, every: int, last: int) -> bool:
@@ -42,7 +46,8 @@ def summarize(
     failed: int,
     reward_failed: int = 0,
 ) -> dict[str, float]:
-    """``eval/<metric>`` means; a request that failed scores 0 (counted in eval/failed)."""
+    """``eval/<metric>`` means; a prompt that failed every try scores 0 (counted in
+    eval/failed)."""
     n = len(rewards) + failed
     row = {
         "eval/reward": sum(rewards) / n if n else math.nan,
@@ -57,6 +62,28 @@ def summarize(
     return row
 
 
+@dataclass
+class _Scores:
+    """What an evaluation's answered prompts add up to."""
+
+    rewards: list[float] = field(default_factory=list)
+    extras: dict[str, list[float]] = field(default_factory=dict)
+    episode_figures: dict[str, list[float]] = field(default_factory=dict)  # turns, env info
+    lengths: list[int] = field(default_factory=list)
+    cut: list[bool] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    reward_failed: int = 0
+
+    def add_episode(self, episode: Episode) -> None:  # an env's episode scored itself
+        self.rewards.append(episode.reward)
+        self.lengths.append(len(episode.token_ids))
+        self.cut.append(bool(episode.cut))
+        self.versions.extend(v for v in episode.versions if v is not None)
+        self.episode_figures.setdefault("turns_mean", []).append(float(episode.turns))
+        for name, value in episode.info.items():
+            self.episode_figures.setdefault(f"env/{name}", []).append(value)
+
+
 class Evaluator:
     def __init__(
         self,
@@ -67,6 +94,7 @@ class Evaluator:
         concurrency: int = 32,
         timeout_s: float = 3600.0,
         episodes: EpisodeRunner | None = None,
+        retries: int = RETRIES,
     ) -> None:
         self.prompts = prompts
         self.episodes = episodes  # an env pipeline's: each prompt is an episode
@@ -74,67 +102,79 @@ class Evaluator:
         self.max_tokens = max_tokens
         self.concurrency = concurrency
         self.timeout_s = timeout_s
+        self.retries = retries
 
     async def run(self, version: int) -> dict[str, Any]:
-        """Evaluate weights ``version`` (or newer, if the shards moved on meanwhile)."""
+        """Evaluate weights ``version`` (or newer, if the shards moved on meanwhile).
+
+        A prompt whose request or episode failed is asked again after the rest of its
+        pass, up to ``retries`` times: greedy decoding gives a healthy retry the answer
+        the first try would have given, so a passing fault (an agent's own-time limit
+        overrun on starved cores, a shard lost mid-turn) costs time, not score; a prompt
+        that fails every time (an agent the model's answer breaks) scores 0, counted in
+        ``eval/failed``, so breaking the scorer never pays."""
         t0 = time.monotonic()
         samples = [self.prompts.at(i) for i in range(len(self.prompts.dataset))]
         total, done = len(samples), 0
         client = self.hooks.client
         gate = asyncio.Semaphore(self.concurrency)
-        rewards: list[float] = []
-        extras: dict[str, list[float]] = {}
-        episode_figures: dict[str, list[float]] = {}  # an episode's turns and its env's info
-        lengths: list[int] = []
-        cut: list[bool] = []
-        versions: list[int] = []
-        failed = reward_failed = 0
+        scores = _Scores()
+        pending, retried = samples, 0
 
-        async def one(sample: Sample) -> None:
-            nonlocal done, failed, reward_failed
+        async def one(sample: Sample, last: bool) -> bool:
+            nonlocal done
             async with gate:  # generation and scoring: at most `concurrency` at once
                 try:
                     traj = await self._generate(sample, version)
                 except Exception as exc:  # one prompt's failure is counted, not fatal
-                    failed += 1
-                    if failed == 1:
-                        log.error("eval at version %d: a request failed: %s", version, exc)
+                    if not last:
+                        return False
+                    log.error("eval at version %d: a request failed: %s", version, exc)
                     traj = None
-                if isinstance(traj, Episode):  # an env's episode scored itself
-                    rewards.append(traj.reward)
-                    lengths.append(len(traj.token_ids))
-                    cut.append(bool(traj.cut))
-                    versions.extend(v for v in traj.versions if v is not None)
-                    episode_figures.setdefault("turns_mean", []).append(float(traj.turns))
-                    for name, value in traj.info.items():
-                        episode_figures.setdefault(f"env/{name}", []).append(value)
+                if isinstance(traj, Episode):
+                    scores.add_episode(traj)
                 elif traj is not None:
-                    scored = await self.prompts.score(sample, [traj.token_ids])
-                    rewards.append(scored.rewards[0])  # a failed reward scores 0 here
-                    reward_failed += sum(scored.errors)
-                    for name, values in scored.extras.items():
-                        extras.setdefault(name, []).append(values[0])
-                    lengths.append(len(traj.token_ids))
-                    cut.append(
-                        truncated(traj.token_ids, self.max_tokens, self.prompts.stop_token_ids)
-                    )
-                    versions.extend(v for v in traj.versions if v is not None)
+                    await self._score(sample, traj, scores)
             done += 1
             await client.report_progress(total, done, STREAM)
+            return traj is not None
 
         await client.report_progress(total, 0, STREAM, force=True)
         try:
             async with asyncio.timeout(self.timeout_s):
-                await asyncio.gather(*(one(s) for s in samples))
+                for attempt in range(self.retries + 1):
+                    last = attempt == self.retries
+                    answered = await asyncio.gather(*(one(s, last) for s in pending))
+                    pending = [s for s, ok in zip(pending, answered, strict=True) if not ok]
+                    retried += len(pending) if not last else 0
+                    if not pending:
+                        break
         finally:
             await client.clear_progress(STREAM)
+        return self._row(version, scores, failed=len(pending), retried=retried, t0=t0)
+
+    async def _score(self, sample: Sample, traj: Trajectory, scores: _Scores) -> None:
+        scored = await self.prompts.score(sample, [traj.token_ids])
+        scores.rewards.append(scored.rewards[0])  # a failed reward scores 0 here
+        scores.reward_failed += sum(scored.errors)
+        for name, values in scored.extras.items():
+            scores.extras.setdefault(name, []).append(values[0])
+        scores.lengths.append(len(traj.token_ids))
+        scores.cut.append(truncated(traj.token_ids, self.max_tokens, self.prompts.stop_token_ids))
+        scores.versions.extend(v for v in traj.versions if v is not None)
+
+    def _row(
+        self, version: int, scores: _Scores, *, failed: int, retried: int, t0: float
+    ) -> dict[str, Any]:
+        s = scores
         row: dict[str, Any] = {"step": version}
-        row.update(summarize(rewards, extras, lengths, cut, failed, reward_failed))
+        row.update(summarize(s.rewards, s.extras, s.lengths, s.cut, failed, s.reward_failed))
+        row["eval/retried"] = float(retried)
         # an episode pipeline's: as its step rows have them (env/<info>, turns_mean)
-        row.update({f"eval/{k}": finite_mean(v) for k, v in episode_figures.items()})
+        row.update({f"eval/{k}": finite_mean(v) for k, v in s.episode_figures.items()})
         # the weights it ran on: at least `version` (the shards may have moved on)
-        row["eval/weight_version_min"] = min(versions, default=version)
-        row["eval/weight_version_max"] = max(versions, default=version)
+        row["eval/weight_version_min"] = min(s.versions, default=version)
+        row["eval/weight_version_max"] = max(s.versions, default=version)
         row["eval_s"] = round(time.monotonic() - t0, 3)
         row["time"] = time.time()
         return row

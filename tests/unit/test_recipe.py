@@ -242,3 +242,78 @@ def test_a_recipe_prepares_its_episode_runners_before_the_pipeline_joins(
     broken = Recipe(None, dataset, None, None, [], None, Runner(fails=True))  # type: ignore[arg-type]
     with pytest.raises(RecipeError, match="do not import here"):
         broken.prepare()
+
+
+class _Starved:
+    """An env whose reset fails on a row's first try (a passing fault, as an agent's
+    own-time limit overrun on starved cores is) and on every try for answer 10 (a row
+    the model's answer always breaks); it rewards the answer "7"."""
+
+    tries: dict[int, int] = {}
+
+    def __init__(self, row: dict[str, Any]) -> None:
+        self.answer = int(row["answer"])
+
+    async def reset(self) -> str:
+        n = _Starved.tries[self.answer] = _Starved.tries.get(self.answer, 0) + 1
+        if self.answer == 10 or (self.answer <= 5 and n == 1):
+            raise TimeoutError("more than 10 s of its own")
+        return "q"
+
+    async def step(self, action: str) -> Any:
+        from rlix_async.rollout.episodes import StepResult
+
+        return StepResult(None, 1.0 if action.strip() == "7" else 0.0, True)
+
+
+@pytest.mark.parametrize("retries", [2, 0])
+async def test_an_eval_asks_a_failed_prompt_again_and_scores_only_what_fails_every_try(
+    dataset: PromptDataset, retries: int
+) -> None:
+    """The pair bench's agent scored 0.250 instead of 0.425 at step 0 because episodes
+    that overran their own-time limit on cores starved by the other pipeline's start
+    were scored wrong. Greedy decoding makes a retry give the answer the first try
+    would have, so a failed prompt is asked again after its pass (eval/retried), and
+    only one that fails every try scores 0 (eval/failed). retries=0 is the old rule.
+    The cluster is a stand-in (progress recorded, generate answering "7"): what is
+    under test is the evaluator's bookkeeping; the real path is test_env_recipe.py."""
+    from types import SimpleNamespace
+
+    from helpers.episodes import CHAT, decode, ids
+
+    from rlix_async.rollout.episodes import EpisodeRunner, load_env
+    from rlix_async.rollout.evaluate import Evaluator
+
+    _Starved.tries.clear()
+    progress: list[tuple[int, int]] = []
+
+    async def report_progress(total: int, done: int, stream: str, force: bool = False) -> None:
+        progress.append((total, done))
+
+    async def clear_progress(stream: str) -> None:
+        pass
+
+    async def generate(prompt_ids: list[int], sampling: Any, **_: Any) -> Trajectory:
+        out = ids("7")
+        return Trajectory(list(prompt_ids), out, [-1.0] * len(out), [4] * len(out))
+
+    client = SimpleNamespace(report_progress=report_progress, clear_progress=clear_progress)
+    hooks: Any = SimpleNamespace(client=client, router=SimpleNamespace(generate=generate))
+    runner = EpisodeRunner(load_env(f"{__name__}:_Starved"), CHAT, decode, max_turns=1,
+                           max_tokens=4, max_episode_tokens=64, step_timeout_s=2.0)  # fmt: skip
+    evaluator = Evaluator(
+        prompts(dataset, "exact_match"), hooks, max_tokens=4, episodes=runner, retries=retries
+    )
+    row = await evaluator.run(4)
+    runner.close()
+    assert row["eval/n"] == 10
+    if retries:  # answers 1-5 failed once, answer 10 every time (three tries)
+        assert (row["eval/failed"], row["eval/retried"]) == (1, 5 + 1 + 1)
+        assert row["eval/reward"] == pytest.approx(9 / 10)
+    else:
+        assert (row["eval/failed"], row["eval/retried"]) == (6, 0)
+        assert row["eval/reward"] == pytest.approx(4 / 10)
+    assert _Starved.tries[10] == retries + 1 and _Starved.tries[1] == min(2, retries + 1)
+    # the planner's stream: every prompt answered or given up on once, never counted twice
+    assert progress[0] == (10, 0) and progress[-1] == (10, 10)
+    assert [d for _, d in progress[1:]] == list(range(1, 11))
