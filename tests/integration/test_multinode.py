@@ -18,16 +18,14 @@ launcher is started again.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from helpers.hosts import Hosts, make_hosts
+from helpers.hosts import make_hosts
+from helpers.multinode import CLI, journal, launch_on, logs, metrics, wait_for
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.multinode, pytest.mark.vllm]
@@ -63,7 +61,6 @@ pipelines:
       actor_infer: {{tp: 1, devices: [5]}}      # host 1: every sync crosses hosts
 """
 
-CLI = [sys.executable, "-m", "rlix_async.cli"]
 STEPS = 300  # a tiny model steps in a fraction of a second: still mid-run at the kill
 
 
@@ -79,46 +76,6 @@ def _setup(tmp_path: Path, steps: int) -> tuple[Path, Path, Path]:
     return cfg, out, keys
 
 
-def _launch(hosts: Hosts, k: int, cfg: Path, keys: Path, job: str, *extra: str) -> None:
-    argv = [
-        *CLI, "launch", str(cfg), "--node", str(k),
-        "--coordinator", f"tcp://{hosts[0].address}:7611",
-        "--address", hosts[k].address, "--keys", str(keys), "--job", job, *extra,
-    ]  # fmt: skip
-    hosts.start(hosts[k], argv, cfg.parent / f"launch-{k}.log")
-
-
-def _metrics(out: Path, pid: str) -> list[dict[str, object]]:
-    path = out / pid / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _logs(tmp_path: Path) -> str:
-    parts = []
-    for path in sorted([*tmp_path.glob("launch-*.log"), *(tmp_path / "out" / "logs").glob("*")]):
-        parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-2500:]}")
-    return "\n".join(parts)
-
-
-def _wait(what: str, until, tmp_path: Path, live=(), timeout: float = 300, hosts=None) -> None:  # type: ignore[no-untyped-def]
-    """Until ``until()``; fails at once if a launcher in ``live`` has ended."""
-    deadline = time.monotonic() + timeout
-    while not until():
-        if time.monotonic() > deadline:
-            stacks = "\n".join(hosts.stacks()) if hosts is not None else ""
-            pytest.fail(f"timed out waiting for {what}\n{_logs(tmp_path)}\n{stacks}")
-        ended = [p.poll() for p in live if p.poll() is not None]
-        assert not ended, f"a launcher ended ({ended}) waiting for {what}\n{_logs(tmp_path)}"
-        time.sleep(1)
-
-
-def _journal(out: Path) -> list[dict[str, object]]:
-    lines = (out / "journal.jsonl").read_text().splitlines()
-    return [json.loads(x) for x in lines if x.strip().endswith("}")]
-
-
 @pytest.mark.timeout(900)
 def test_two_pipelines_train_across_hosts_and_one_survives_losing_a_host(tmp_path: Path) -> None:
     cfg, out, keys = _setup(tmp_path, steps=STEPS)
@@ -131,20 +88,20 @@ def test_two_pipelines_train_across_hosts_and_one_survives_losing_a_host(tmp_pat
     with make_hosts(3, tmp_path / "hosts") as hosts:
         coordinator = f"tcp://{hosts[0].address}:7611"
         for k in range(3):
-            _launch(hosts, k, cfg, keys, "mn")
+            launch_on(hosts, k, cfg, keys, "mn")
         first = [proc for _, proc, _ in hosts.procs]
         # far's first steps (a checkpoint at 5): its rollouts came from a shard on the
         # other host over tcp, its weights went there from its trainer's weight server
-        _wait("far's checkpoint", lambda: len(_metrics(out, "far")) >= 6, tmp_path, first)
+        wait_for("far's checkpoint", lambda: len(metrics(out, "far")) >= 6, tmp_path, first)
         # and near's shard on host 2 pulled a version over tcp (a tiny model steps in
         # a fraction of a second: far can reach its checkpoint before that shard syncs)
-        _wait("near's second shard to sync across hosts", lambda: any(
+        wait_for("near's second shard to sync across hosts", lambda: any(
             e["ev"] == "synced" and e["pipeline"] == "near" and e["rank"] == 1
-            and e.get("version") is not None for e in _journal(out)), tmp_path, first)  # fmt: skip
+            and e.get("version") is not None for e in journal(out)), tmp_path, first)  # fmt: skip
 
         # Host 2 loses power at once (far is mid-run): far's trainer and near's second
         # shard die with it.
-        killed_at_step = len(_metrics(out, "far"))
+        killed_at_step = len(metrics(out, "far"))
         assert hosts.kill_host(hosts[2])
 
         # Another host's view of the cluster: with the run's keys it is served...
@@ -156,40 +113,40 @@ def test_two_pipelines_train_across_hosts_and_one_survives_losing_a_host(tmp_pat
         refused = hosts.run(hosts[1], [*status, "--keys", str(wrong)], timeout=120)
         assert "plans applied" not in refused and "error" in refused.lower(), refused
 
-        _wait("far's leases to expire", lambda: any(
+        wait_for("far's leases to expire", lambda: any(
             e["ev"] == "unregister" and e["pipeline"] == "far"
-            and e.get("reason") == "lease expired" for e in _journal(out)),
+            and e.get("reason") == "lease expired" for e in journal(out)),
             tmp_path, first[:2])  # fmt: skip
-        _wait("near to finish without host 2", lambda: (
+        wait_for("near to finish without host 2", lambda: (
             out / "nodes" / "mn" / "near.exit").exists(), tmp_path, first[:2])  # fmt: skip
         assert (out / "nodes" / "mn" / "near.exit").read_text().strip() == "0"
         assert killed_at_step < STEPS and not (out / "nodes" / "mn" / "far.exit").exists()
 
         # Host 2 is back: its launcher resumes far from its newest checkpoint.
-        _launch(hosts, 2, cfg, keys, "mn", "--resume")
-        _wait("every launcher to end", lambda: all(
+        launch_on(hosts, 2, cfg, keys, "mn", "--resume")
+        wait_for("every launcher to end", lambda: all(
             proc.poll() is not None for _, proc, _ in hosts.procs[:2] + hosts.procs[3:]),
             tmp_path, timeout=420, hosts=hosts)  # fmt: skip
         codes = [proc.poll() for proc in [*first[:2], hosts.procs[-1][1]]]
-        assert codes == [0, 0, 0], _logs(tmp_path)
+        assert codes == [0, 0, 0], logs(tmp_path)
 
-    near, far = _metrics(out, "near"), _metrics(out, "far")
-    assert [r["step"] for r in near] == list(range(1, STEPS + 1)), _logs(tmp_path)
+    near, far = metrics(out, "near"), metrics(out, "far")
+    assert [r["step"] for r in near] == list(range(1, STEPS + 1)), logs(tmp_path)
     assert {r["step"] for r in far} == set(range(1, STEPS + 1)) and far[-1]["step"] == STEPS
     assert "resumed from" in (out / "logs" / "pipeline-far.log").read_text()
-    logs = out / "logs"
+    log_dir = out / "logs"
     # the versions of near's second shard and far's only shard came over tcp from the
     # trainer's weight server, never through shared memory
     for pipeline in ("near", "far"):
-        log = (logs / f"pipeline-{pipeline}.log").read_text()
+        log = (log_dir / f"pipeline-{pipeline}.log").read_text()
         assert "serving weights at tcp://" in log
         # the bytes crossed hosts sealed (each transfer on weights.streams streams)
         assert re.search(r"weights: sealed stream \d+/\d+ of version", log), log[-2000:]
-    journal = _journal(out)
-    joined = {(e["pipeline"], e["rank"]): str(e["incarnation"]).split(":")[0] for e in journal
+    events = journal(out)
+    joined = {(e["pipeline"], e["rank"]): str(e["incarnation"]).split(":")[0] for e in events
               if e["ev"] == "shard_joined"}  # fmt: skip
     assert joined == {("near", 0): "host1", ("near", 1): "host2", ("far", 0): "host1"}
-    synced = {(e["pipeline"], e["rank"], e["version"]) for e in journal if e["ev"] == "synced"}
+    synced = {(e["pipeline"], e["rank"], e["version"]) for e in events if e["ev"] == "synced"}
     assert any(p == "far" and v and v >= 1 for p, _, v in synced), sorted(synced)  # type: ignore[operator]
     # near's second shard (host 2) pulled at least its first version from host 1
     assert any(p == "near" and r == 1 and v is not None for p, r, v in synced), sorted(synced)
@@ -197,7 +154,7 @@ def test_two_pipelines_train_across_hosts_and_one_survives_losing_a_host(tmp_pat
     # (weights/node_cache.py), whose workers read it from the node's shared memory.
     # (A resumed trainer numbers its versions from its checkpoint again: counted apart.)
     for pipeline, host in (("near", "host2"), ("far", "host1")):
-        log = (logs / f"pipeline-{pipeline}.log").read_text()
+        log = (log_dir / f"pipeline-{pipeline}.log").read_text()
         for part in log.split("resumed from"):
             # one transfer: its first stream's line (the others carry the same version)
             sent = re.findall(
@@ -206,5 +163,5 @@ def test_two_pipelines_train_across_hosts_and_one_survives_losing_a_host(tmp_pat
             assert {h for _, h in sent} <= {host}, sent
             versions = [v for v, _ in sent]
             assert len(versions) == len(set(versions)), f"{pipeline}: a version sent twice {sent}"
-    received = (logs / "node-cache-near-2.log").read_text()
+    received = (log_dir / "node-cache-near-2.log").read_text()
     assert "received version" in received, received[-2000:]

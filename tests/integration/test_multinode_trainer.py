@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 from helpers.cluster import SCRIPTED_ENGINE
-from helpers.hosts import Hosts, make_hosts
+from helpers.hosts import make_hosts
+from helpers.multinode import CLI, launch_on, logs
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.multinode]
 
-CLI = [sys.executable, "-m", "rlix_async.cli"]
 STEPS = 30  # long enough for the knock below to land mid-run
 
 CONFIG = """
@@ -46,22 +46,6 @@ pipelines:
       actor_train: {{tp: 1, pp: 2, devices: [2, 4]}}   # host 1 (stage 0), host 2 (stage 1)
       actor_infer: {{tp: 1, devices: [3]}}             # host 1
 """
-
-
-def _launch(hosts: Hosts, k: int, cfg: Path, keys: Path) -> None:
-    argv = [
-        *CLI, "launch", str(cfg), "--node", str(k),
-        "--coordinator", f"tcp://{hosts[0].address}:7621",
-        "--address", hosts[k].address, "--keys", str(keys), "--job", "span1",
-    ]  # fmt: skip
-    hosts.start(hosts[k], argv, cfg.parent / f"launch-{k}.log")
-
-
-def _logs(tmp_path: Path) -> str:
-    parts = []
-    for path in sorted([*tmp_path.glob("launch-*.log"), *(tmp_path / "out" / "logs").glob("*")]):
-        parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-2500:]}")
-    return "\n".join(parts)
 
 
 KNOCK = """
@@ -100,29 +84,30 @@ def test_a_pipeline_parallel_trainer_spans_two_hosts(tmp_path: Path) -> None:
             )
         )
         for k in range(3):
-            _launch(hosts, k, cfg, keys)
+            launch_on(hosts, k, cfg, keys, "span1", port=7621)
         metrics = out / "span" / "metrics.jsonl"
         deadline = time.monotonic() + 420
         knocked = ""
         while not (out / "nodes" / "span1" / "span.exit").exists():
             ended = [p.poll() for _, p, _ in hosts.procs if p.poll() not in (None, 0)]
-            assert not ended, f"a launcher failed ({ended})\n{_logs(tmp_path)}"
+            assert not ended, f"a launcher failed ({ended})\n{logs(tmp_path)}"
             if not knocked and metrics.exists() and metrics.read_text().strip():
                 # mid-run, from host 0: the store at host 1's address, without the secret
                 knocked = hosts.run(
                     hosts[0], [sys.executable, "-c", KNOCK, hosts[1].address, "29700"]
                 )
-            assert time.monotonic() < deadline, f"timed out\n{_logs(tmp_path)}"
+            assert time.monotonic() < deadline, f"timed out\n{logs(tmp_path)}"
             time.sleep(1)
         for _, proc, _ in hosts.procs:
             proc.wait(timeout=120)
         codes = [p.poll() for _, p, _ in hosts.procs]
-        assert codes == [0, 0, 0], _logs(tmp_path)
+        assert codes == [0, 0, 0], logs(tmp_path)
     assert knocked.strip() == "refused", knocked
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), _logs(tmp_path)
-    logs = out / "logs"
-    assert (logs / "pipeline-span.log").exists() and (logs / "pipeline-span-node2.log").exists()
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), logs(tmp_path)
+    log_dir = out / "logs"
+    assert (log_dir / "pipeline-span.log").exists()
+    assert (log_dir / "pipeline-span-node2.log").exists()
     # the checkpoint is sharded: each host's rank wrote its own stage's part into the
     # run directory, and together they hold the whole model
     from rlix_async.train.sharded_checkpoint import ShardedCheckpoint
