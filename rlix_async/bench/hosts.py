@@ -11,7 +11,8 @@ Traffic goes only to loopback and these namespaces' own addresses (no route leav
 the bridge). Needs root (as on this machine kind and in CI); where namespaces cannot
 be made, :func:`make_hosts` raises :class:`HostsError` with the reason (the test tier
 fails with it: never a silent skip). :func:`shape_link` limits a host's link in both
-directions with ``tc`` (a token bucket on each end of its veth pair), and
+directions with ``tc`` (a token bucket on each end of its veth pair;
+:func:`unshape_link` lifts it), and
 :func:`tx_bytes` reads what a host sent, from the kernel's counters.
 """
 
@@ -244,6 +245,15 @@ def shape_link(host: Host, mbit: int) -> None:
     except (subprocess.CalledProcessError, FileNotFoundError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
         raise HostsError(f"shaping {host.name}'s link with tc: {detail.strip()}") from None
+
+
+def unshape_link(host: Host) -> None:
+    """Undo :func:`shape_link`: ``host``'s link at full speed again."""
+    for argv in (
+        ["ip", "netns", "exec", host.netns, "tc", "qdisc", "del", "dev", "eth0", "root"],
+        ["tc", "qdisc", "del", "dev", host.veth, "root"],
+    ):
+        subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30)
 
 
 def tx_bytes(host: Host) -> int:
