@@ -1,10 +1,12 @@
-"""The Megatron-core trainer backend: a Llama-shaped ``GPTModel``, exported under HF names.
+"""The Megatron-core trainer backend: a Llama- or Qwen3-MoE-shaped ``GPTModel``, exported
+under HF names.
 
 The same time-sharing cycle as the torch backend (protocols/trainer.py), with
 Megatron's parallel state built and destroyed with each step's group. HF
-Llama-family weights come in through ``hf_to_megatron`` and leave through
-``megatron_to_hf`` (vLLM's loader takes those names); other families are refused
-by :func:`llama_shape`, at launch (``MegatronBackend.check``).
+Llama-family and Qwen3-MoE weights come in through ``hf_to_megatron`` and leave
+through ``megatron_to_hf`` (vLLM's loader takes those names); other families are
+refused by :func:`model_shape`, at launch (``MegatronBackend.check``), as is an MoE
+model at a layout not built for it (``check_moe_layout``).
 
 Composed, not derived: the step is train/policy_update.py's (every backend's), run
 over :class:`~rlix_async.train.megatron_parallel.MegatronParallel` (tensor x pipeline
@@ -45,12 +47,13 @@ from rlix_async.train.host_buffers import DeviceOffload, state_tensors
 from rlix_async.train.megatron_hf import (
     MegatronModelError,
     hf_to_megatron,
-    llama_shape,
     megatron_to_hf,
+    model_shape,
     read_hf_part,
     stage_reads,
 )
 from rlix_async.train.megatron_model import gpt_model, tiny_shape
+from rlix_async.train.megatron_moe import check_moe_layout
 from rlix_async.train.megatron_parallel import MegatronLayout, MegatronParallel
 from rlix_async.train.pipeline_parallel import (
     EMBEDDING,
@@ -171,9 +174,10 @@ class MegatronTrainer:
 
         megatron_cpu_compat.apply()  # before Megatron is imported or used (CPU only)
         path = self.model_cfg.path
-        self._shape = llama_shape(path) if path else tiny_shape(self.model_cfg)
+        self._shape = model_shape(path) if path else tiny_shape(self.model_cfg)
         check_shape(self._shape["heads"], self._shape["groups"], self.layout.tp)
         check_layers(self._shape["layers"], self.layout.pp)
+        check_moe_layout(self._shape.get("moe"), self.layout.tp, self.layout.pp)
         model = self._gpt_model()
         if path:
             self._load_hf(model, path)
@@ -509,13 +513,15 @@ class MegatronBackend:
         )
 
     def check(self, cfg: PipelineConfig) -> None:
-        """A model directory of a family it would build wrong is refused (one line)."""
+        """A model directory of a family it would build wrong, or an MoE model at a
+        layout not built for it, is refused (one line)."""
         if cfg.model.path:
-            llama_shape(cfg.model.path)
+            spec = cfg.clusters["actor_train"]
+            check_moe_layout(model_shape(cfg.model.path).get("moe"), spec.tp, spec.pp)
 
     def hf_state(self, state: dict[str, Any], base: Path) -> dict[str, Any]:
-        """A checkpoint's model, in Megatron's names, in the base's HF Llama names."""
-        s = llama_shape(str(base))
+        """A checkpoint's model, in Megatron's names, in the base's HF names."""
+        s = model_shape(str(base))
         return megatron_to_hf(state, s["heads"], s["groups"], s["head_dim"])
 
 

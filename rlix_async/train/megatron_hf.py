@@ -1,7 +1,7 @@
-"""Megatron's GPTModel and HF Llama, one to the other: the shape of an HF Llama-family
+"""Megatron's GPTModel and HF Llama or Qwen3-MoE, one to the other: the shape of an HF
 directory (other families refused in one line), both weight conversions (exact: tests
-compare logits), and reading only one tensor-parallel rank's slices of a safetensors
-directory. Used by the Megatron trainer (train/megatron.py), the launcher's model
+compare logits; the experts' names in train/megatron_moe.py), and reading only one
+tensor-parallel rank's slices of a safetensors directory. Used by the Megatron trainer (train/megatron.py), the launcher's model
 check and ``rlix-async export``."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from rlix_async.train.megatron_moe import MODEL_TYPES as MOE_TYPES
+from rlix_async.train.megatron_moe import expert_to_hf, experts_to_megatron, moe_shape
 from rlix_async.train.pipeline_parallel import stage_layers
 from rlix_async.train.tensor_parallel import hf_part
 
@@ -21,19 +23,20 @@ class MegatronModelError(ValueError):
     """A model directory the Megatron backend cannot load. One line."""
 
 
-def llama_shape(path: str) -> dict[str, Any]:
-    """The GPTModel shape of an HF Llama-family directory; MegatronModelError for a
-    model this backend would build wrong (another family, biases, scaled RoPE)."""
+def model_shape(path: str) -> dict[str, Any]:
+    """The GPTModel shape of an HF Llama-family or Qwen3-MoE directory;
+    MegatronModelError for a model this backend would build wrong (another family,
+    biases, scaled RoPE)."""
     import transformers
 
     try:
         c = transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise MegatronModelError(f"{path}: no readable config.json ({exc})") from None
-    if c.model_type != "llama":
+    if c.model_type not in ("llama", *MOE_TYPES):
         raise MegatronModelError(
             f"{path}: the megatron backend loads Llama-family checkpoints (model_type "
-            f"llama), not {c.model_type}; use train.backend torch"
+            f"llama) and {', '.join(MOE_TYPES)}, not {c.model_type}; use train.backend torch"
         )
     # transformers 5 keeps rope_theta in rope_parameters; 4.x on the config itself
     rope = getattr(c, "rope_parameters", None) or {}
@@ -50,8 +53,8 @@ def llama_shape(path: str) -> dict[str, Any]:
     if any(unsupported.values()):
         what = ", ".join(k for k, v in unsupported.items() if v)
         raise MegatronModelError(
-            f"{path}: the megatron backend builds plain Llama (no biases, default RoPE, "
-            f"SwiGLU); this model has {what}; use train.backend torch"
+            f"{path}: the megatron backend builds no biases, default RoPE and SwiGLU; "
+            f"this model has {what}; use train.backend torch"
         )
     heads = c.num_attention_heads
     return {
@@ -66,6 +69,8 @@ def llama_shape(path: str) -> dict[str, Any]:
         "rope_base": float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
         "tied": bool(c.tie_word_embeddings),
         "max_len": c.max_position_embeddings,
+        "qk_norm": c.model_type in MOE_TYPES,  # Qwen3's RMSNorm of each head's q and k
+        "moe": moe_shape(c) if c.model_type in MOE_TYPES else None,
     }
 
 
@@ -82,13 +87,17 @@ _LAYER_TO_HF = {  # within decoder.layers.N. / model.layers.N.
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.router.weight": "mlp.gate.weight",  # an MoE layer's router
 }
 
 
 def megatron_to_hf(
     sd: Mapping[str, torch.Tensor | None], heads: int, groups: int, head_dim: int
 ) -> dict[str, torch.Tensor]:
-    """Megatron GPT (local spec, RMSNorm, SwiGLU, RoPE) -> HF Llama state dict."""
+    """Megatron GPT (local spec, RMSNorm, SwiGLU, RoPE; MoE layers' experts per
+    expert) -> HF Llama or Qwen3-MoE state dict."""
     out: dict[str, torch.Tensor] = {}
     per = heads // groups
     top, simple = _TOP_TO_HF, _LAYER_TO_HF
@@ -105,6 +114,8 @@ def megatron_to_hf(
         pre, rest = f"model.layers.{parts[2]}.", ".".join(parts[3:])
         if rest in simple:
             out[pre + simple[rest]] = v
+        elif (experts := expert_to_hf(rest, v)) is not None:
+            out.update({pre + k: t for k, t in experts.items()})
         elif rest == "mlp.linear_fc1.weight":  # [gate; up]
             gate, up = v.chunk(2, 0)
             out[pre + "mlp.gate_proj.weight"], out[pre + "mlp.up_proj.weight"] = gate, up
@@ -127,7 +138,8 @@ def megatron_to_hf(
 def hf_to_megatron(
     sd: Mapping[str, torch.Tensor], heads: int, groups: int, head_dim: int, *, tied: bool
 ) -> dict[str, torch.Tensor]:
-    """HF Llama state dict -> Megatron GPT (the inverse of :func:`megatron_to_hf`).
+    """HF Llama or Qwen3-MoE state dict -> Megatron GPT (the inverse of
+    :func:`megatron_to_hf`; experts per expert or fused as transformers holds them).
     With ``tied`` embeddings the output layer is the embedding: ``lm_head`` is dropped."""
     out: dict[str, torch.Tensor] = {}
     per = heads // groups
@@ -150,7 +162,11 @@ def hf_to_megatron(
     for pre, w in layers.items():
         try:
             q, k, v = (w.pop(f"self_attn.{n}_proj.weight") for n in "qkv")
-            gate, up = w.pop("mlp.gate_proj.weight"), w.pop("mlp.up_proj.weight")
+            if "mlp.gate_proj.weight" in w or "mlp.up_proj.weight" in w:  # a dense MLP
+                gate, up = w.pop("mlp.gate_proj.weight"), w.pop("mlp.up_proj.weight")
+                out[pre + "mlp.linear_fc1.weight"] = torch.cat([gate, up], 0)  # [gate; up]
+            else:
+                out.update(experts_to_megatron(w, pre))
         except KeyError as exc:
             raise KeyError(f"layer {pre} lacks {exc}") from None
         if w:
@@ -165,7 +181,6 @@ def hf_to_megatron(
             dim=1,
         )
         out[pre + "self_attention.linear_qkv.weight"] = qkv.reshape(-1, hidden)
-        out[pre + "mlp.linear_fc1.weight"] = torch.cat([gate, up], 0)  # [gate; up]
     return out
 
 

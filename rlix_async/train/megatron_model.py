@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rlix_async.config import ModelConfig
+from rlix_async.train.megatron_moe import bind_missing_te_gemm, moe_config
 from rlix_async.train.precision import cast_parameters
 from rlix_async.train.tensor_parallel import padded_vocab
 
@@ -53,10 +54,16 @@ def gpt_model(
     part, under Megatron's current parallel state), in ``dtype``, in host memory."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     s = shape
+    moe = s.get("moe")
+    if moe is not None:
+        bind_missing_te_gemm()
     tc = TransformerConfig(
         num_layers=s["layers"],
         hidden_size=s["hidden"],
@@ -80,12 +87,20 @@ def gpt_model(
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         calculate_per_token_loss=True,  # each piece's loss is weighed already
+        qk_layernorm=bool(s.get("qk_norm")),
+        **(moe_config(moe) if moe is not None else {}),
         **recompute_config(recompute),
         **pipeline_config(pp, dtype),
     )
+    if moe is not None:  # the local spec makes every layer MoE: the block spec reads which
+        spec: Any = get_gpt_decoder_block_spec(
+            tc, use_transformer_engine=False, normalization="RMSNorm"
+        )
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=tc.qk_layernorm)
     model = GPTModel(
         config=tc,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab(s["vocab_size"], tp),
         max_sequence_length=s["max_len"],
         position_embedding_type="rope",
@@ -137,29 +152,50 @@ def run_model(model: torch.nn.Module, ids: torch.Tensor, gather: bool = True) ->
     return model(ids, pos, attention_mask=causal, runtime_gather_output=gather)
 
 
+# Group attributes whose name is not the ProcessGroupCollection field they hold: an
+# MoE layer's attention tensor-parallel group, and inside an expert module (and in an
+# MoE layer's token dispatcher, which is no nn.Module) the expert groups.
+_RENAMED = {"attn_tp_group": "tp"}
+_IN_EXPERTS = {"tp_group": "expt_tp", "dp_group": "expt_dp"}
+
+
 def rebind_groups(models: list[torch.nn.Module]) -> None:
     """Point every module of ``models`` at the process groups Megatron's parallel state
     holds now.
 
     Megatron's modules keep the groups they were built with (``tp_group``,
-    ``pp_group``, ``embd_group``, ``cp_group``, ``pg_collection``), but the
-    time-sharing cycle destroys those after every step: without this the layers
-    would keep using the constructor's gloo group in every later step's NCCL group's
-    place. A group attribute this cannot map is an error, not a stale link left
-    behind."""
+    ``pp_group``, ``embd_group``, ``cp_group``, ``pg_collection``; an MoE layer's
+    experts and token dispatcher their expert groups), but the time-sharing cycle
+    destroys those after every step: without this the layers would keep using the
+    constructor's gloo group in every later step's NCCL group's place. A group
+    attribute this cannot map is an error, not a stale link left behind."""
     from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.experts import SequentialMLP
 
     groups = ProcessGroupCollection.use_mpu_process_groups()
     for model in models:
+        in_experts = {
+            id(m) for e in model.modules() if isinstance(e, SequentialMLP) for m in e.modules()
+        }
         for module in model.modules():
-            for name, value in list(vars(module).items()):
-                if isinstance(value, ProcessGroupCollection):
-                    setattr(module, name, groups)
-                elif isinstance(value, dist.ProcessGroup):
-                    new = getattr(groups, name.removesuffix("_group"), None)
-                    if not name.endswith("_group") or not isinstance(new, dist.ProcessGroup):
-                        raise RuntimeError(
-                            f"{type(module).__name__}.{name}: a process group the Megatron "
-                            "trainer does not rebuild with each step's groups"
-                        )
-                    setattr(module, name, new)
+            _rebind(module, groups, _IN_EXPERTS if id(module) in in_experts else {})
+            dispatcher = getattr(module, "token_dispatcher", None)
+            if dispatcher is not None:
+                _rebind(dispatcher, groups, {"tp_group": "expt_tp"})
+
+
+def _rebind(obj: object, groups: Any, renamed: dict[str, str]) -> None:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    for name, value in list(vars(obj).items()):
+        if isinstance(value, ProcessGroupCollection):
+            setattr(obj, name, groups)
+        elif isinstance(value, dist.ProcessGroup):
+            field = renamed.get(name) or _RENAMED.get(name) or name.removesuffix("_group")
+            new = getattr(groups, field, None)
+            if not name.endswith("_group") or not isinstance(new, dist.ProcessGroup):
+                raise RuntimeError(
+                    f"{type(obj).__name__}.{name}: a process group the Megatron "
+                    "trainer does not rebuild with each step's groups"
+                )
+            setattr(obj, name, new)

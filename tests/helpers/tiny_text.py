@@ -26,6 +26,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 IM_START = "<|im_start|>"
@@ -83,16 +85,18 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 def save_tiny_model(
     directory: Path,
-    family: Literal["llama", "qwen2"] = "llama",
+    family: Literal["llama", "qwen2", "qwen3_moe"] = "llama",
     *,
     seed: int = 0,
     tie_word_embeddings: bool = True,
+    **config: object,
 ) -> Path:
     """Write a random tiny causal LM and ``tiny_tokenizer()`` to ``directory``; return it.
 
     The same seed gives the same weights. The embedding rows past the tokenizer
     (vocab rounded up to 64, as real checkpoints pad it) are never produced by
-    the tokenizer but can be sampled by the model."""
+    the tokenizer but can be sampled by the model. A qwen3_moe model has 4 experts of
+    which each token takes 2 unless ``config`` says otherwise (any other field too)."""
     tokenizer = tiny_tokenizer()
     vocab_size = -(-len(tokenizer) // 64) * 64
     eos_id = tokenizer.eos_token_id
@@ -118,14 +122,19 @@ def save_tiny_model(
         # across weights or cut a response at a token need varied text
         initializer_range=0.3,
     )
+    if family == "qwen3_moe":
+        shape.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    shape.update(config)
     torch.manual_seed(seed)
-    model: LlamaForCausalLM | Qwen2ForCausalLM
+    model: LlamaForCausalLM | Qwen2ForCausalLM | Qwen3MoeForCausalLM
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**shape))
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**shape))
+    elif family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape))
     else:
-        raise ValueError(f"family {family!r}: expected 'llama' or 'qwen2'")
+        raise ValueError(f"family {family!r}: expected 'llama', 'qwen2' or 'qwen3_moe'")
     model.generation_config = GenerationConfig(
         bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id
     )

@@ -86,11 +86,11 @@ def test_megatron_loads_an_hf_llama_directory_with_identical_logits(
 def test_megatron_refuses_a_model_family_it_would_build_wrong(tmp_path: Path) -> None:
     from helpers.tiny_text import save_tiny_model
 
-    from rlix_async.train.megatron_hf import MegatronModelError, llama_shape
+    from rlix_async.train.megatron_hf import MegatronModelError, model_shape
 
     path = save_tiny_model(tmp_path / "q", "qwen2")
     with pytest.raises(MegatronModelError, match=r"Llama-family checkpoints .* not qwen2"):
-        llama_shape(str(path))
+        model_shape(str(path))
 
 
 def test_megatron_grpo_steps_learn() -> None:

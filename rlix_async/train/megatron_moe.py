@@ -1,0 +1,137 @@
+"""Mixture-of-experts models in the Megatron backend: an HF Qwen3-MoE directory's shape,
+its TransformerConfig fields, and the names of its expert weights on each side.
+
+Qwen3-MoE is Qwen3 attention (RMSNorm on each head's queries and keys: Megatron's
+``qk_layernorm``) with a top-k softmax router over per-expert SwiGLU MLPs in the
+layers ``decoder_sparse_step`` and ``mlp_only_layers`` pick. Megatron builds it with
+its own MoE layer (``SequentialMLP`` experts: grouped GEMMs need TransformerEngine),
+the router in float32 and the load-balancing loss off (RL updates a trained model;
+its routing is not to be rebalanced by the policy loss).
+
+The router's probabilities: HF takes a softmax over every expert, then the top k, and
+renormalizes them when ``norm_topk_prob``; Megatron's default (``pre_softmax`` off)
+takes the top k logits and a softmax over those k, which is the same distribution.
+Without ``norm_topk_prob`` HF keeps the unrenormalized probabilities: Megatron's
+``pre_softmax``.
+
+Names: transformers 5 holds a layer's experts fused in memory
+(``mlp.experts.gate_up_proj`` [E, 2F, H], ``mlp.experts.down_proj`` [E, H, F]) and
+writes them per expert (``mlp.experts.J.{gate,up,down}_proj.weight``), which is what
+vLLM's loader and ``from_pretrained`` take; Megatron's ``SequentialMLP`` holds expert
+J as ``mlp.experts.local_experts.J.linear_fc1.weight`` ([gate; up]) and
+``linear_fc2.weight``. The cache and ``export`` carry the per-expert HF names.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from rlix_async.train.tensor_parallel import LayoutError
+
+MODEL_TYPES = ("qwen3_moe",)
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight")
+_HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def moe_shape(c: Any) -> dict[str, Any]:
+    """The MoE part of a Qwen3-MoE config's GPTModel shape: which layers are MoE (1)
+    and which dense (0), as HF's ``Qwen3MoeDecoderLayer`` picks them, the experts, the
+    top k and the router's softmax placement."""
+    layers = c.num_hidden_layers
+    step = max(int(getattr(c, "decoder_sparse_step", 1) or 1), 1)
+    dense = set(getattr(c, "mlp_only_layers", None) or [])
+    return {
+        "experts": int(c.num_experts),
+        "topk": int(c.num_experts_per_tok),
+        "ffn": int(c.moe_intermediate_size),
+        "layers": [0 if (i in dense or (i + 1) % step) else 1 for i in range(layers)],
+        "pre_softmax": not bool(getattr(c, "norm_topk_prob", True)),
+    }
+
+
+def check_moe_layout(moe: dict[str, Any] | None, tp: int, pp: int) -> None:
+    """An MoE model trains at tensor and pipeline parallel 1 here, or LayoutError:
+    Megatron's MoE layer refuses to train at tp > 1 without sequence parallel (not
+    built), and at pp > 1 stages exchange variable-length pieces, which only the
+    all-to-all dispatcher takes (its CUDA streams not yet replaced for the host)."""
+    if moe is not None and (tp > 1 or pp > 1):
+        raise LayoutError(
+            f"a mixture-of-experts model trains at tp 1 and pp 1 with the megatron backend "
+            f"(asked tp {tp}, pp {pp}): MoE at tp > 1 needs sequence parallel and at pp > 1 "
+            "the all-to-all dispatcher, neither built yet; scale it with dp"
+        )
+
+
+def moe_config(moe: dict[str, Any]) -> dict[str, Any]:
+    """TransformerConfig's fields for ``moe`` (a shape's ``moe``)."""
+    return {
+        "num_moe_experts": moe["experts"],
+        "moe_ffn_hidden_size": moe["ffn"],
+        "moe_router_topk": moe["topk"],
+        "moe_router_pre_softmax": moe["pre_softmax"],
+        "moe_router_score_function": "softmax",
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False,  # SequentialMLP: grouped GEMMs need TransformerEngine
+        "moe_permute_fusion": False,
+        # a list, never Megatron's integer form (``i % n == 0``, not HF's rule)
+        "moe_layer_freq": list(moe["layers"]),
+    }
+
+
+def bind_missing_te_gemm() -> None:
+    """megatron-core 0.16.1's ``moe_utils`` binds ``te_general_gemm`` only when
+    TransformerEngine imports, then tests it against None in the router's matmul:
+    without TransformerEngine (CPU, or a GPU machine without it) every MoE forward
+    raises NameError. Bound to None, the router takes its torch path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def expert_to_hf(rest: str, v: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """A Megatron expert weight (``rest``: its name within a layer) as HF's per-expert
+    tensors; None when ``rest`` is no expert weight. At expert parallel 1 the local
+    index is the expert's own."""
+    m = _EXPERT.fullmatch(rest)
+    if m is None:
+        return None
+    j, fc = m.groups()
+    pre = f"mlp.experts.{j}."
+    if fc == "2":
+        return {pre + "down_proj.weight": v}
+    gate, up = v.chunk(2, 0)
+    return {pre + "gate_proj.weight": gate, pre + "up_proj.weight": up}
+
+
+def experts_to_megatron(parts: dict[str, torch.Tensor], layer: str) -> dict[str, torch.Tensor]:
+    """A layer's HF expert tensors (popped from ``parts``: per expert as saved, or fused
+    as transformers holds them in memory) in Megatron's names under ``layer``."""
+    out: dict[str, torch.Tensor] = {}
+    fused = [parts.pop(f"mlp.experts.{n}", None) for n in ("gate_up_proj", "down_proj")]
+    if any(t is not None for t in fused):  # [E, 2F, H] (gate first), [E, H, F]
+        gate_up, down = fused
+        if gate_up is None or down is None:
+            raise KeyError(
+                f"{layer}: fused experts without {'down' if down is None else 'gate_up'}_proj"
+            )
+        for e in range(gate_up.shape[0]):
+            out[f"{layer}mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
+            out[f"{layer}mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
+    per: dict[str, dict[str, torch.Tensor]] = {}
+    for name in list(parts):
+        if (m := _HF_EXPERT.fullmatch(name)) is not None:
+            per.setdefault(m.group(1), {})[m.group(2)] = parts.pop(name)
+    for j, w in per.items():
+        if set(w) != {"gate", "up", "down"}:
+            raise KeyError(f"expert {j} of {layer} lacks {sorted({'gate', 'up', 'down'} - set(w))}")
+        fc1 = torch.cat([w["gate"], w["up"]], 0)  # [gate; up]
+        out[f"{layer}mlp.experts.local_experts.{j}.linear_fc1.weight"] = fc1
+        out[f"{layer}mlp.experts.local_experts.{j}.linear_fc2.weight"] = w["down"]
+    return out
