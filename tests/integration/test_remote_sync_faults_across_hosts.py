@@ -7,8 +7,8 @@ session refused every later sync and wake).
 Host 0 runs the coordinator, the trainer and one shard (shared memory); host 1 runs
 the other shard, which takes each version through its node's cache over tcp. In order:
 
-1. **Remote shards miss the start.** Host 1's launcher starts only after host 0's
-   shard is up and 20 s more: host 0's trainer must wait for it (no version published
+1. **Remote shards miss the start.** Host 1's launcher starts only once host 0's
+   shard is up and 15 s more: host 0's trainer must wait for it (no version published
    before host 1's shard joined), where it once began at once on half its shards.
 2. **A version vanishes under a sync.** Host 1's link is shaped to 2 Mbit/s, so a
    version takes seconds to cross it while the trainer publishes one a second: the
@@ -103,14 +103,14 @@ def test_a_remote_tp2_shard_waits_to_start_follows_lost_versions_and_outlives_a_
     cfg.write_text(CONFIG.format(out=out, model=model))
     with make_hosts(2, tmp_path / "hosts") as hosts:
         first = launch_on(hosts, 0, cfg, keys, "rs")
-        # 1. host 0's shard is up; host 1's launcher has not even started
-        wait_for("host 0's shard", lambda: _events(out, "shard_joined", rank=0), tmp_path, [first])
-        time.sleep(20)  # a trainer that did not wait would have published and stepped
+        # 1. host 0's shard is up (its launcher is where it starts trainers); host 1's
+        # launcher has not even started
+        waiting = "trainers start once the shards on other nodes joined: waiting for p/1"
+        launch_log = tmp_path / "launch-0.log"
+        wait_for("host 0's launcher to wait for host 1's shard", lambda: (
+            waiting in launch_log.read_text()), tmp_path, [first])  # fmt: skip
+        time.sleep(15)  # a trainer that did not wait would have published and stepped
         assert not _events(out, "weights") and not metrics(out, "p"), logs(tmp_path)
-        assert (
-            "trainers start once the shards on other nodes joined: waiting for p/1"
-            in (tmp_path / "launch-0.log").read_text()
-        )
         second = launch_on(hosts, 1, cfg, keys, "rs")
         live = [first, second]
         wait_for("host 1's shard to sync", lambda: _events(out, "synced", rank=1), tmp_path, live)
