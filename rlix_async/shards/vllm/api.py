@@ -63,6 +63,8 @@ NAMES = {
     "UnquantizedEmbeddingMethod": "vllm.model_executor.layers.vocab_parallel_embedding",
     "Attention": "vllm.model_executor.layers.attention",
     "AttentionImplBase": "vllm.v1.attention.backend",
+    # read by prepack_cpu_experts
+    "CPUUnquantizedExperts": "vllm.model_executor.layers.fused_moe.experts.cpu_moe",
 }
 
 
@@ -168,6 +170,29 @@ def reload_needed(model: Any, on_cuda: bool) -> str | None:
         if getattr(type(impl), "process_weights_after_loading", None) is not base_impl_step:
             return f"{where}: its backend {type(impl).__name__} processes weights after loading"
     return None
+
+
+def prepack_cpu_experts(model: Any) -> int:
+    """Re-run the CPU experts' prepack on every fused-MoE layer of ``model`` after a
+    layerwise reload; the number of layers it ran on.
+
+    vLLM 0.32's unquantized fused-MoE method lays a layer's experts out for the CPU
+    kernel (``CPUUnquantizedExperts.process_weights_after_loading``: pad, prepack)
+    only at the first load: on a weight update (``UnquantizedFusedMoEMethod.
+    _setup_kernel`` with its kernel built) it skips that step, and the reload copies
+    the new weights, in the checkpoint's layout, back into the prepacked parameters.
+    The CPU kernel then reads them as if prepacked and serves wrong tokens with no
+    error (measured: a reload of the very weights it serves changed its greedy
+    output). The same prepack on the weights as reloaded restores it."""
+    experts_type = __getattr__("CPUUnquantizedExperts")
+    done = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, experts_type):
+            experts.process_weights_after_loading(module)
+            done += 1
+    return done
 
 
 def register_transfer_backend(name: str, module: str, cls: str) -> None:

@@ -25,7 +25,9 @@ the transfer engine, the reload, the tied head.
 
 Loading is vLLM's layerwise reload (``initialize_layerwise_reload``, the model's
 ``load_weights``, ``finalize_layerwise_reload``), which rebuilds each layer and
-re-runs what vLLM does to weights after loading (repacking on CPU, quantisation).
+re-runs what vLLM does to weights after loading (repacking on CPU, quantisation;
+the CPU experts' prepack of a mixture-of-experts layer, which vLLM 0.32 skips on
+updates, is run again here: ``vllm_api.prepack_cpu_experts``).
 Where every module vLLM built uses its weights as loaded (CUDA, an allowlist of
 layers: :func:`vllm_api.reload_needed`) it is skipped, and ``load_weights`` copies each tensor straight into the serving
 parameters. A lease that expired under a hung load (the owner rewrote the slot)
@@ -187,6 +189,7 @@ class RlixShmTransferEngine(vllm_api.WeightTransferEngine):  # type: ignore[misc
             self.model.load_weights(named)
         finally:
             vllm_api.finalize_layerwise_reload(self.model, self.model_config)
+        vllm_api.prepack_cpu_experts(self.model)  # vLLM 0.32 skips it on updates
 
     def _with_tied_head(self, named: Named) -> Named:
         """The embedding again as ``lm_head.weight`` when the model ties them: trainers
