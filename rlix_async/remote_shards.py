@@ -99,9 +99,9 @@ class RemoteShardsWait:
                 f"shards on other nodes not joined after {self.timeout_s:.0f}s: {names} "
                 "(is their node's `launch --node` running?)"
             )
-        if not self._said:
+        if not self._said:  # a warning: an operator sees why nothing trains yet
             self._said = True
-            log.info(
+            log.warning(
                 "trainers start once the shards on other nodes joined: waiting for %s",
                 ", ".join(f"{pid}/{rank}" for pid, rank in self.missing),
             )

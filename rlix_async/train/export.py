@@ -114,8 +114,12 @@ def _full(ckpt: Path, base: Path, state: dict[str, Any]) -> Any:
     """The base's architecture holding the checkpoint's weights, in their dtype."""
     import transformers
 
+    from rlix_async.train.megatron_moe import fuse_experts
+
     dtype = next(t.dtype for t in state.values() if t.is_floating_point())
     model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype)
+    # transformers holds a MoE layer's experts fused; a checkpoint may name them one by one
+    state = fuse_experts(state, set(model.state_dict()))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight" or not model.config.tie_word_embeddings]
     if missing or unexpected:

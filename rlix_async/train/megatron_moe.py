@@ -110,6 +110,26 @@ def expert_to_hf(rest: str, v: torch.Tensor) -> dict[str, torch.Tensor] | None:
     return {pre + "gate_proj.weight": gate, pre + "up_proj.weight": up}
 
 
+def fuse_experts(state: dict[str, torch.Tensor], fused: set[str]) -> dict[str, torch.Tensor]:
+    """``state`` with each layer's per-expert HF tensors stacked into the fused ones
+    ``fused`` names (a transformers model's in-memory keys): ``gate_up_proj[e]`` is
+    [gate_e; up_e], ``down_proj[e]`` is down_e. Exact: a copy, no arithmetic."""
+    out = dict(state)
+    for key in sorted(k for k in fused if k.endswith("mlp.experts.gate_up_proj") and k not in out):
+        pre = key.removesuffix("gate_up_proj")
+        n = 0
+        while f"{pre}{n}.gate_proj.weight" in out:
+            n += 1
+        if n == 0:
+            continue  # nothing to fuse: the load will name what is missing
+        parts = [
+            [out.pop(f"{pre}{e}.{w}_proj.weight") for w in ("gate", "up", "down")] for e in range(n)
+        ]
+        out[key] = torch.stack([torch.cat([g, u], 0) for g, u, _ in parts])
+        out[pre + "down_proj"] = torch.stack([d for _, _, d in parts])
+    return out
+
+
 def experts_to_megatron(parts: dict[str, torch.Tensor], layer: str) -> dict[str, torch.Tensor]:
     """A layer's HF expert tensors (popped from ``parts``: per expert as saved, or fused
     as transformers holds them in memory) in Megatron's names under ``layer``."""

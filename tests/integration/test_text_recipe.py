@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers.tiny_text import save_tiny_model
 
 pytest.importorskip("transformers")
@@ -252,6 +253,9 @@ def test_a_text_recipe_trains_a_moe_model_with_the_megatron_backend(
     assert all(r["mismatch_max"] < 1e-3 for r in steps), [r["mismatch_max"] for r in steps]
     evals = [r for r in rows if "eval/reward" in r]
     assert max(r["eval/weight_version_min"] for r in evals) >= 2  # the trained weights served
+    # the last checkpoint exports as a directory transformers loads, every tensor the
+    # trainer's (transformers fuses the experts in memory; the directory has them apart)
+    _export_is_the_checkpoint(out / pid / "ckpt", moe, tmp_path / "hf")
     # a layout the MoE layers are not built for is refused before anything starts
     cfg.write_text(cfg.read_text().replace("actor_train: {tp: 1, devices: [0]}",
                                            "actor_train: {tp: 1, pp: 2, devices: [0, 1]}"))  # fmt: skip
@@ -260,3 +264,29 @@ def test_a_text_recipe_trains_a_moe_model_with_the_megatron_backend(
     assert refused.returncode == 2, (refused.stdout, refused.stderr)
     (line,) = refused.stderr.strip().splitlines()
     assert "mixture-of-experts model trains at tp 1 and pp 1" in line
+
+
+def _export_is_the_checkpoint(ckpts: Path, base: Path, hf: Path) -> None:
+    import transformers
+    from safetensors.torch import load_file
+
+    from rlix_async.train.megatron import MegatronBackend
+    from rlix_async.train.sharded_checkpoint import ShardedCheckpoint
+
+    ckpt = max(ckpts.glob("step_*"), key=lambda p: int(p.name.split("_")[1].split(".")[0]))
+    done = subprocess.run(
+        [sys.executable, "-m", "rlix_async.cli", "export", str(ckpt), "--hf", str(hf)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    if ckpt.is_dir():
+        state = ShardedCheckpoint(ckpt).full_model()
+    else:
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)["model"]
+    trained = MegatronBackend().hf_state(state, base)
+    written = load_file(str(hf / "model.safetensors"))
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in written
+    assert written.keys() == trained.keys()
+    assert all(torch.equal(written[k], v) for k, v in trained.items())
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf)
+    assert model.config.model_type == "qwen3_moe"
