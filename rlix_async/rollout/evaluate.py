@@ -120,16 +120,20 @@ class Evaluator:
         gate = asyncio.Semaphore(self.concurrency)
         scores = _Scores()
         pending, retried = samples, 0
+        warned = False  # the first failure is logged; the rest are counted
 
         async def one(sample: Sample, last: bool) -> bool:
-            nonlocal done
+            nonlocal done, warned
             async with gate:  # generation and scoring: at most `concurrency` at once
                 try:
                     traj = await self._generate(sample, version)
                 except Exception as exc:  # one prompt's failure is counted, not fatal
                     if not last:
+                        if not warned:
+                            warned = True
+                            log.warning("eval at version %d: %s (asked again)", version, exc)
                         return False
-                    log.error("eval at version %d: a request failed: %s", version, exc)
+                    log.error("eval at version %d: a request failed every try: %s", version, exc)
                     traj = None
                 if isinstance(traj, Episode):
                     scores.add_episode(traj)

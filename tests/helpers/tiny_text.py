@@ -133,6 +133,10 @@ def save_tiny_model(
         model = Qwen2ForCausalLM(Qwen2Config(**shape))
     elif family == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape))
+        with torch.no_grad():  # norms of 1 everywhere would hide a q_norm/k_norm mix-up
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(1.0, 0.2)
     else:
         raise ValueError(f"family {family!r}: expected 'llama', 'qwen2' or 'qwen3_moe'")
     model.generation_config = GenerationConfig(
