@@ -90,7 +90,7 @@ def test_grpo_steps_on_a_moe_model_learn_through_the_time_sharing_cycle(tmp_path
     from rlix_async.config import MegatronTrainConfig, ModelConfig
     from rlix_async.train.megatron import MegatronTrainer
 
-    path = _directory(tmp_path)
+    path = _directory(tmp_path, vocab_size=64)  # as the dense test's: tokens < 8 ~ 1/8
     t = MegatronTrainer(MegatronTrainConfig(lr=1e-2), ModelConfig(path=str(path)), seed=0)
     gen = torch.Generator().manual_seed(0)
 
