@@ -78,7 +78,9 @@ class NodeLogs:
         return {i: at for i, (at, _) in got.items()}
 
 
-def _receiver_pids(host: Host) -> list[int]:
+def node_cache_pids(host: Host) -> list[int]:
+    """The node cache (weights receiver) processes on ``host``: none while whoever
+    starts it starts a new one."""
     pids = subprocess.run(
         ["ip", "netns", "pids", host.netns], capture_output=True, text=True, timeout=30
     ).stdout.split()
@@ -107,7 +109,7 @@ def inject(
                 if match is None:
                     continue
                 relay = next(h for h in hosts.hosts if h.address == match.group(1))
-                pids = _receiver_pids(relay)
+                pids = node_cache_pids(relay)
                 if not pids:
                     raise RuntimeError(f"kill-relay: no receiver runs on {relay.name}")
                 for pid in pids:

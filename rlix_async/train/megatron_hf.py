@@ -1,8 +1,8 @@
 """Megatron's GPTModel and HF Llama or Qwen3-MoE, one to the other: the shape of an HF
 directory (other families refused in one line), both weight conversions (exact: tests
 compare logits; the experts' names in train/megatron_moe.py), and reading only one
-tensor-parallel rank's slices of a safetensors directory. Used by the Megatron trainer (train/megatron.py), the launcher's model
-check and ``rlix-async export``."""
+tensor-parallel rank's slices of a safetensors directory. Used by the Megatron trainer
+(train/megatron.py), the launcher's model check and ``rlix-async export``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Trainer helpers shared by the torch and Megatron trainer tests: a batch sampled from
-the trainer's own model, the probability mass a reward pushes up, and the torchrun
-offload-cycle check."""
+the trainer's own model, the probability mass a reward pushes up, a Megatron trainer's
+logits, and the torchrun offload-cycle check."""
 
 from __future__ import annotations
 
@@ -10,11 +10,23 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rlix_async.protocols.batch import Group
 from rlix_async.train.trainer import TorchTrainer
+
+
+def megatron_logits(trainer: Any, ids: torch.Tensor) -> torch.Tensor:
+    """A Megatron trainer's logits on ``ids`` (its eval model, no gradient), under a
+    private one-rank parallel state made and destroyed around the forward."""
+    trainer.parallel_state(None)
+    try:
+        with torch.no_grad():
+            return trainer.parallel.logits(trainer.model.eval(), ids)
+    finally:
+        trainer.destroy_group()
 
 
 def sample_batch(trainer: TorchTrainer, gen: torch.Generator) -> list[Group]:

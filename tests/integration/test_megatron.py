@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.cluster import SCRIPTED_ENGINE
+from helpers.trainer import megatron_logits
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
@@ -30,12 +31,7 @@ def test_megatron_weights_load_into_hf_llama_with_identical_logits() -> None:
     hf = tiny_llama(0).eval()
     hf.load_state_dict(t.weights_for_cache(), strict=True)
     ids = torch.tensor([[5, 17, 300, 2, 9]])
-    t.parallel_state(None)
-    try:
-        with torch.no_grad():
-            mg = t.parallel.logits(t.model.eval(), ids)
-    finally:
-        t.destroy_group()
+    mg = megatron_logits(t, ids)
     assert torch.allclose(mg, hf(input_ids=ids).logits, atol=1e-5)
 
 
@@ -74,12 +70,7 @@ def test_megatron_loads_an_hf_llama_directory_with_identical_logits(
     assert cache.keys() == expected.keys()
     assert all(torch.equal(cache[k], v) for k, v in expected.items())
     ids = torch.tensor([[5, 17, 30, 2, 9, 44]])
-    t.parallel_state(None)
-    try:
-        with torch.no_grad():
-            mg = t.parallel.logits(t.model.eval(), ids)
-    finally:
-        t.destroy_group()
+    mg = megatron_logits(t, ids)
     assert torch.allclose(mg, hf(input_ids=ids).logits, atol=1e-5)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.trainer import megatron_logits
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
@@ -69,12 +70,7 @@ def test_a_qwen3_moe_directory_trains_as_megatron_with_its_own_logits_and_tensor
     assert all(torch.equal(direct[k], v) for k, v in state.items())
     # float32 both sides, the same routing: only the summation order differs
     ids = torch.tensor([[5, 17, 30, 2, 9, 44, 61, 3]])
-    t.parallel_state(None)
-    try:
-        with torch.no_grad():
-            mg = t.parallel.logits(t.model.eval(), ids)
-    finally:
-        t.destroy_group()
+    mg = megatron_logits(t, ids)
     assert torch.allclose(mg, hf(input_ids=ids).logits, atol=1e-5)
 
 

@@ -36,10 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.hosts import Host, make_hosts
+from helpers.hosts import make_hosts
 from helpers.multinode import CLI, journal, launch_on, logs, metrics, wait_for
 
 from rlix_async.bench.hosts import shape_link, unshape_link
+from rlix_async.bench.weights_faults import node_cache_pids
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.multinode, pytest.mark.vllm]
@@ -76,19 +77,6 @@ def _failed_syncs(out: Path, since: float) -> list[dict[str, Any]]:
     return [
         e for e in _events(out, "fence", rank=1) if e["t"] >= since and e["reason"] == "sync failed"
     ]
-
-
-def _node_cache_pids(host: Host) -> list[int]:
-    """The node cache process on ``host`` (none while its launcher starts a new one)."""
-    pids = subprocess.run(
-        ["ip", "netns", "pids", host.netns], capture_output=True, text=True, timeout=30
-    ).stdout.split()
-    found = []
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            if b"node-cache" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-                found.append(int(pid))
-    return found
 
 
 @pytest.mark.timeout(900)
@@ -140,7 +128,7 @@ def test_a_remote_tp2_shard_waits_to_start_follows_lost_versions_and_outlives_a_
         first_kill = time.time()
         failed: list[dict[str, Any]] = []
         for _ in range(3):
-            node = functools.partial(_node_cache_pids, hosts[1])
+            node = functools.partial(node_cache_pids, hosts[1])
             wait_for("host 1's node cache", node, tmp_path, live, timeout=60)
             killed_at = time.time()
             for pid in node():

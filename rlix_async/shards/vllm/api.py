@@ -172,9 +172,9 @@ def reload_needed(model: Any, on_cuda: bool) -> str | None:
     return None
 
 
-def prepack_cpu_experts(model: Any) -> int:
+def prepack_cpu_experts(model: Any) -> None:
     """Re-run the CPU experts' prepack on every fused-MoE layer of ``model`` after a
-    layerwise reload; the number of layers it ran on.
+    layerwise reload.
 
     vLLM 0.32's unquantized fused-MoE method lays a layer's experts out for the CPU
     kernel (``CPUUnquantizedExperts.process_weights_after_loading``: pad, prepack)
@@ -185,14 +185,11 @@ def prepack_cpu_experts(model: Any) -> int:
     error (measured: a reload of the very weights it serves changed its greedy
     output). The same prepack on the weights as reloaded restores it."""
     experts_type = __getattr__("CPUUnquantizedExperts")
-    done = 0
     for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         if isinstance(experts, experts_type):
             experts.process_weights_after_loading(module)
-            done += 1
-    return done
 
 
 def register_transfer_backend(name: str, module: str, cls: str) -> None:
