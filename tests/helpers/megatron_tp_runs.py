@@ -40,6 +40,30 @@ def run_tp(
         [*cmd, *([str(ckpt)] if ckpt else [])], env=env, capture_output=True, text=True, timeout=240
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return _record(out, world)
+
+
+def run_jobs(root: Path, world: int, jobs: dict[str, dict[str, Any]]) -> dict[str, dict]:
+    """Several runs of ``world`` ranks in turn under one torchrun (on the CPU): each
+    job is ``model``, ``tp``, ``steps`` and optionally ``pp``, ``ckpt`` (a path),
+    ``distributed_optimizer`` and ``top_p``; its output lands in ROOT/NAME. One start
+    and one Megatron import for them all: a start costs more than a tiny run's steps."""
+    listed = [{"out": str(root / name), **{k: str(v) if isinstance(v, Path) else v
+                                            for k, v in job.items()}}
+              for name, job in jobs.items()]  # fmt: skip
+    root.mkdir(parents=True, exist_ok=True)
+    spec = root / f"jobs-{world}-{next(iter(jobs))}.json"
+    spec.write_text(json.dumps(listed))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world}", str(SCRIPT), "--jobs", str(spec)]  # fmt: skip
+    timeout = 120 + 60 * len(jobs)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {name: _record(root / name, world) for name in jobs}
+
+
+def _record(out: Path, world: int) -> dict[str, Any]:
     record: dict[str, Any] = torch.load(out / "run.pt", weights_only=True)
     record["logits"] = torch.load(out / "logits.pt", weights_only=True)
     record["rss"] = [json.loads((out / f"rss-{r}.json").read_text()) for r in range(world)]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.megatron_tp_runs import assert_same_weights, run_tp
+from helpers.megatron_tp_runs import assert_same_weights, run_jobs
 
 pytest.importorskip("megatron.core")
 # the module's runs (torchrun jobs of 1-4 ranks on 2 cores, beside the other pytest
@@ -30,23 +30,30 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("pp")
     model = save_tiny_llama(root / "model", seed=3, **SHAPE)
     tied = save_tiny_llama(root / "tied", seed=4, tied=True, **SHAPE)
-    out = {
-        "tp1": run_tp(root / "tp1", model, 1, 1, 2),
-        "pp2": run_tp(root / "pp2", model, 1, 2, 2, pp=2),
-        "tied_tp1": run_tp(root / "ttp1", tied, 1, 1, 2),
-        "tied_dp2": run_tp(root / "tdp2", tied, 1, 2, 2),
-        "tied_pp2_dp2": run_tp(root / "tpp2dp2", tied, 1, 4, 2, pp=2),
-        "tied_tp2_pp2": run_tp(root / "ttp2pp2", tied, 2, 4, 2, pp=2),
-    }
-    out["pp2_resumed"] = run_tp(root / "pp2r", model, 1, 2, 1, root / "pp2" / "ckpt_1", pp=2)
-    out["tp1_from_pp2"] = run_tp(root / "tp1r", model, 1, 1, 1, root / "pp2" / "ckpt_1")
-    # tied at pp=2: the last stage's copy of the embedding and its state, from stage 0's
-    out["tied_pp2_resumed"] = run_tp(
-        root / "tpp2r", tied, 1, 4, 1, root / "tpp2dp2" / "ckpt_1", pp=2
-    )
-    out["tied_tp1_from_tp2_pp2"] = run_tp(
-        root / "ttp1r", tied, 1, 1, 1, root / "ttp2pp2" / "ckpt_1"
-    )
+    pp2 = root / "pp2" / "ckpt_1"
+    out = run_jobs(root, 1, {
+        "tp1": {"model": model, "tp": 1, "steps": 2},
+        "tied_tp1": {"model": tied, "tp": 1, "steps": 2},
+    })  # fmt: skip
+    out |= run_jobs(root, 2, {
+        "pp2": {"model": model, "tp": 1, "pp": 2, "steps": 2},
+        "tied_dp2": {"model": tied, "tp": 1, "steps": 2},
+        "pp2_resumed": {"model": model, "tp": 1, "pp": 2, "steps": 1, "ckpt": pp2},
+    })  # fmt: skip
+    out |= run_jobs(root, 4, {
+        "tied_pp2_dp2": {"model": tied, "tp": 1, "pp": 2, "steps": 2},
+        "tied_tp2_pp2": {"model": tied, "tp": 2, "pp": 2, "steps": 2},
+        # tied at pp=2: the last stage's copy of the embedding and its state, from stage 0's
+        "tied_pp2_resumed": {
+            "model": tied, "tp": 1, "pp": 2, "steps": 1, "ckpt": root / "tied_pp2_dp2" / "ckpt_1"
+        },
+    })  # fmt: skip
+    out |= run_jobs(root, 1, {
+        "tp1_from_pp2": {"model": model, "tp": 1, "steps": 1, "ckpt": pp2},
+        "tied_tp1_from_tp2_pp2": {
+            "model": tied, "tp": 1, "steps": 1, "ckpt": root / "tied_tp2_pp2" / "ckpt_1"
+        },
+    })  # fmt: skip
     return out
 
 

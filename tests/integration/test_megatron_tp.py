@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.megatron_tp_runs import assert_same_weights, run_tp
+from helpers.megatron_tp_runs import assert_same_weights, run_jobs
 
 pytest.importorskip("megatron.core")
 # the module's runs (torchrun jobs of 1-4 ranks on 2 cores, beside the other pytest
@@ -26,29 +26,33 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
     root = tmp_path_factory.mktemp("tp")
     model = save_tiny_llama(root / "model", seed=3, **SHAPE)
-    one = run_tp(root / "tp1", model, 1, 1, 2)
-    two = run_tp(root / "tp2", model, 2, 2, 2)
     tied = save_tiny_llama(root / "tied", seed=4, tied=True, **SHAPE)
-    return {
-        "tp1": one,
-        "tp2": two,
-        # two replicas each, of a model whose output layer is its embedding
-        "tp1_dp2_tied": run_tp(root / "tp1dp2", tied, 1, 2, 2),
-        "tp2_dp2_tied": run_tp(root / "tp2dp2", tied, 2, 4, 2),
-        "tp2_resumed": run_tp(root / "tp2r", model, 2, 2, 1, root / "tp2" / "ckpt_1"),
-        "tp1_from_tp2": run_tp(root / "tp1r", model, 1, 1, 1, root / "tp2" / "ckpt_1"),
-        # a one-rank trainer's step_1.pt (the whole model in one file), split at tp=2
-        "tp2_from_tp1": run_tp(root / "tp2from1", model, 2, 2, 1, root / "tp1" / "ckpt_1.pt"),
-        # the distributed optimizer: each replica keeps and steps half the state
-        "zero": run_tp(root / "zero", tied, 2, 4, 2, distributed_optimizer=True),
-        "zero_resumed": run_tp(
-            root / "zeror", tied, 2, 4, 1, root / "zero" / "ckpt_1", distributed_optimizer=True
-        ),
-        "tp1_from_zero": run_tp(root / "tp1z", tied, 1, 2, 1, root / "zero" / "ckpt_1"),
+    # in the order the checkpoints they resume from are written; one torchrun per world
+    out = run_jobs(root, 1, {
+        "tp1": {"model": model, "tp": 1, "steps": 2},
         # under top-p the logits are gathered (the nucleus sorts the whole vocabulary)
-        "tp1_top_p": run_tp(root / "tp1p", model, 1, 1, 2, top_p=0.9),
-        "tp2_top_p": run_tp(root / "tp2p", model, 2, 2, 2, top_p=0.9),
-    }
+        "tp1_top_p": {"model": model, "tp": 1, "steps": 2, "top_p": 0.9},
+    })  # fmt: skip
+    out |= run_jobs(root, 2, {
+        "tp2": {"model": model, "tp": 2, "steps": 2},
+        # two replicas each, of a model whose output layer is its embedding
+        "tp1_dp2_tied": {"model": tied, "tp": 1, "steps": 2},
+        "tp2_resumed": {"model": model, "tp": 2, "steps": 1, "ckpt": root / "tp2" / "ckpt_1"},
+        # a one-rank trainer's step_1.pt (the whole model in one file), split at tp=2
+        "tp2_from_tp1": {"model": model, "tp": 2, "steps": 1, "ckpt": root / "tp1" / "ckpt_1.pt"},
+        "tp2_top_p": {"model": model, "tp": 2, "steps": 2, "top_p": 0.9},
+    })  # fmt: skip
+    # the distributed optimizer: each replica keeps and steps half the state
+    zero = {"model": tied, "tp": 2, "distributed_optimizer": True}
+    out |= run_jobs(root, 4, {
+        "tp2_dp2_tied": {"model": tied, "tp": 2, "steps": 2},
+        "zero": {**zero, "steps": 2},
+        "zero_resumed": {**zero, "steps": 1, "ckpt": root / "zero" / "ckpt_1"},
+    })  # fmt: skip
+    ckpt = root / "zero" / "ckpt_1"
+    out |= run_jobs(root, 2, {"tp1_from_zero": {"model": tied, "tp": 1, "steps": 1, "ckpt": ckpt}})
+    ckpt = root / "tp2" / "ckpt_1"
+    return out | run_jobs(root, 1, {"tp1_from_tp2": {"model": model, "tp": 1, "steps": 1, "ckpt": ckpt}})  # fmt: skip
 
 
 def test_the_cache_built_at_tp2_is_the_bytes_of_tp1(runs: dict[str, dict]) -> None:
