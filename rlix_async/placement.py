@@ -38,6 +38,7 @@ from rlix_async.protocols.topology import (
     SPAN_WORLD,
     TRAIN,
     ClusterSpec,
+    trainer_place,
 )
 from rlix_async.shards.engines import engine_backend
 
@@ -77,25 +78,23 @@ class PlacedProcess:
 
     def trainer_ranks(self) -> list[dict[str, int]]:
         """A trainer's torchrun ranks: each one's node, device and place in the model's
-        layout (Megatron's order tp-pp-dp: ``tp`` consecutive ranks per pipeline stage,
-        ``tp`` x ``pp`` consecutive ranks per replica)."""
+        layout, as the trainer's Megatron groups place it (:func:`trainer_place`):
+        tp-pp-dp, ``tp`` consecutive ranks per pipeline stage and ``tp`` x ``pp`` per
+        replica; with expert parallel, tp-ep-dp-pp, a stage's ranks consecutive and
+        replica ``dp`` holding expert slice ``ep`` (``edp``: its experts' replica)."""
         spec = (
             self.config.clusters["actor_train"]
             if isinstance(self.config, PipelineConfig)
             else ClusterSpec()
         )
-        tp, pp = spec.tp, spec.pp
-        return [
-            {
-                "rank": r,
-                "node": self.node,
-                "device": d,
-                "tp": r % tp,
-                "pp": r // tp % pp,
-                "dp": r // (tp * pp),
-            }
-            for r, d in enumerate(self.devices, start=self.first_rank)
-        ]
+        # the whole trainer's ranks (one per actor_train device), not this node's share:
+        # with ep a stage's ranks sit together, so a place depends on the rank count
+        world = len(spec.devices) or len(self.devices)
+        rows: list[dict[str, int]] = []
+        for r, d in enumerate(self.devices, start=self.first_rank):
+            place = trainer_place(r, world, spec.tp, spec.pp, spec.ep)
+            rows.append({"rank": r, "node": self.node, "device": d, **place._asdict()})
+        return rows
 
 
 def visible_devices(devices: list[int] | tuple[int, ...], gpus_per_node: int) -> str:

@@ -21,8 +21,9 @@ from typing import Annotated, Any, ClassVar
 import msgspec
 
 # Bump when a message changes incompatibly; peers of another version are refused
-# at hello with a message that names both versions.
-PROTOCOL_VERSION = 2
+# at hello with a message that names both versions. 3: ClusterSpec gained ep, which a
+# version-2 peer (its structs forbid unknown fields) would refuse mid-registration.
+PROTOCOL_VERSION = 3
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]

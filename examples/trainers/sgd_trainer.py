@@ -138,8 +138,8 @@ class SgdBackend:
     def check(self, cfg: PipelineConfig) -> None:
         """What this backend cannot train, in one line, before any process starts."""
         spec = cfg.clusters["actor_train"]
-        if spec.tp != 1 or spec.pp != 1:
-            raise ValueError("the sgd backend is data parallel only (tp: 1, pp: 1)")
+        if spec.tp != 1 or spec.pp != 1 or spec.ep != 1:
+            raise ValueError("the sgd backend is data parallel only (tp: 1, pp: 1, ep: 1)")
         if cfg.lora is not None:
             raise ValueError("the sgd backend trains full weights (no lora)")
         if cfg.train.loss.kl_coef > 0:

@@ -111,13 +111,13 @@ class TrainSection(Config, frozen=True, tag_field="backend"):
     def check_layout(self, spec: ClusterSpec, model: ModelConfig) -> None:
         """The trainer's layout (``clusters.actor_train``) for this backend: data
         parallel only unless a backend says otherwise (raises ``field: why``)."""
-        if spec.tp != 1 or spec.pp != 1:
-            key = "tp" if spec.tp != 1 else "pp"
+        key = next((k for k in ("tp", "pp", "ep") if getattr(spec, k) != 1), None)
+        if key is not None:
             raise invalid(
                 f"clusters.actor_train.{key}",
                 f"{getattr(spec, key)}: the {self.backend} backend is data parallel only "
-                "(use tp: 1, pp: 1; tensor and pipeline parallel are the megatron "
-                "backend's)",
+                "(use tp: 1, pp: 1, ep: 1; tensor, pipeline and expert parallel are the "
+                "megatron backend's)",
             )
 
     @property
@@ -139,10 +139,11 @@ class TorchTrainConfig(TrainSection, frozen=True, tag="torch"):
 
 
 class MegatronTrainConfig(TrainSection, frozen=True, tag="megatron"):
-    """A megatron-core GPTModel at tensor x pipeline x data parallel (train/megatron.py).
+    """A megatron-core GPTModel at tensor x pipeline x expert x data parallel (train/megatron.py).
 
-    Built from model.path (Llama-family directories only; others are refused at
-    launch) or the tiny model's shape."""
+    Built from model.path (Llama-family and Qwen3-MoE directories; others are refused
+    at launch) or the tiny model's shape; expert parallel needs a mixture-of-experts
+    model (Qwen3-MoE)."""
 
     recompute: Annotated[
         Literal["none", "selective", "full"],
@@ -165,26 +166,15 @@ class MegatronTrainConfig(TrainSection, frozen=True, tag="megatron"):
 
     def check_layout(self, spec: ClusterSpec, model: ModelConfig) -> None:
         """Whole attention heads and query groups per tensor-parallel rank, whole layers
-        per stage (read from the model directory's config.json, or the tiny model's
-        shape, heads of 64), devices a multiple of tp x pp (T x P consecutive ranks
-        hold one replica)."""
-        tp, pp = spec.tp, spec.pp
-        if tp == 1 and pp == 1:
+        per stage, whole experts per expert-parallel rank (read from the model
+        directory's config.json, or the tiny model's shape, heads of 64 and no experts),
+        devices a multiple of tp x pp x ep (where each rank sits:
+        protocols/topology.trainer_place)."""
+        tp, pp, ep = spec.tp, spec.pp, spec.ep
+        if tp == 1 and pp == 1 and ep == 1:
             return
-        what = f"tp={tp}" if tp != 1 else f"pp={pp}"
-        if model.path is None:
-            heads = groups = model.hidden // 64
-            ffn, layers = 2 * model.hidden, model.layers
-        else:
-            try:
-                c = json.loads((Path(model.path) / "config.json").read_text())
-                heads = int(c["num_attention_heads"])
-                groups = int(c.get("num_key_value_heads") or heads)
-                ffn, layers = int(c["intermediate_size"]), int(c["num_hidden_layers"])
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise invalid(
-                    "model.path", f"no readable config.json to split over {what} ({exc})"
-                ) from None
+        what = next(f"{k}={getattr(spec, k)}" for k in ("tp", "pp", "ep") if getattr(spec, k) != 1)
+        heads, groups, ffn, layers, experts = _model_shape(model, what)
         at = "clusters.actor_train"
         if heads % tp or groups % tp:
             raise invalid(f"{at}.tp", f"{tp}: the model has {heads} attention heads in "
@@ -194,16 +184,48 @@ class MegatronTrainConfig(TrainSection, frozen=True, tag="megatron"):
         if layers % pp:
             raise invalid(f"{at}.pp", f"{pp}: the model's {layers} layers do not split into "
                           "as many per stage")  # fmt: skip
-        if len(spec.devices) % (tp * pp):
-            raise invalid(f"{at}.devices", f"{len(spec.devices)} devices: a replica spans "
-                          f"tp x pp = {tp * pp}, so they must be a multiple of it")  # fmt: skip
+        if ep > 1 and not experts:
+            source = "config.json has no num_experts" if model.path else "the tiny model is dense"
+            raise invalid(f"{at}.ep", f"{ep}: ep needs a mixture-of-experts model ({source})")
+        if experts and experts % ep:
+            raise invalid(f"{at}.ep", f"{ep}: the model's {experts} experts do not split over it")
+        span = tp * pp * ep
+        if len(spec.devices) % span:
+            # with ep, a replica's experts are spread over ep replicas: the unit is those
+            whole, sizes = ("replica", "tp x pp") if ep == 1 else ("layout", "tp x pp x ep")
+            raise invalid(f"{at}.devices", f"{len(spec.devices)} devices: a {whole} spans "
+                          f"{sizes} = {span}, so they must be a multiple of it")  # fmt: skip
+        if ep > 1 and self.distributed_optimizer:
+            raise invalid(f"{at}.ep", f"{ep}: the distributed optimizer does not shard expert "
+                          "state yet: set distributed_optimizer: false with ep > 1")  # fmt: skip
+
+
+def _model_shape(model: ModelConfig, what: str) -> tuple[int, int, int, int, int | None]:
+    """(attention heads, query groups, MLP width, layers, experts or None if dense) of
+    the model a layout splits; ``what`` names the layout for a config.json we cannot read."""
+    if model.path is None:  # the tiny model: a dense Llama with heads of 64
+        heads = model.hidden // 64
+        return heads, heads, 2 * model.hidden, model.layers, None
+    try:
+        c = json.loads((Path(model.path) / "config.json").read_text())
+        heads = int(c["num_attention_heads"])
+        groups = int(c.get("num_key_value_heads") or heads)
+        # The routed experts: Qwen3-MoE checkpoints say num_experts, transformers 5 writes
+        # num_local_experts for them; a dense config has neither (or 0/null)
+        experts = c.get("num_experts") or c.get("num_local_experts")
+        experts = int(experts) if experts else None
+        return heads, groups, int(c["intermediate_size"]), int(c["num_hidden_layers"]), experts
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise invalid(
+            "model.path", f"no readable config.json to split over {what} ({exc})"
+        ) from None
 
 
 class CustomTrainConfig(TrainSection, frozen=True, kw_only=True, tag="custom"):
     """A trainer backend of your own (examples/trainers/sgd_trainer.py is one).
 
     It reads the common keys as the package's backends do, and whatever more it needs
-    from custom_args; its layout (tp, pp) is its own to check."""
+    from custom_args; its layout (tp, pp, ep) is its own to check."""
 
     custom: Annotated[
         str,

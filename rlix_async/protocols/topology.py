@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 import msgspec
 
@@ -97,11 +97,21 @@ class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "model replica; a replica spans tp x pp devices.",
         ),
     ] = 1
+    ep: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            description="Expert-parallel size (actor_train, megatron backend, "
+            "mixture-of-experts models): each replica of a stage holds experts/ep of every "
+            "MoE layer's experts; a layout spans tp x pp x ep devices (ranks in "
+            "Megatron's tp-ep-dp-pp order: a stage's ranks are consecutive).",
+        ),
+    ] = 1
 
     @property
     def dp(self) -> int:
         """Bundles of ``tp`` devices (ranks as the planner counts them; a trainer's
-        data-parallel size is this divided by ``pp``)."""
+        data-parallel size is this divided by ``pp``, its experts' by ``pp`` x ``ep``)."""
         return len(self.devices) // self.tp
 
     def bundle(self, rank: int) -> tuple[int, ...]:
@@ -117,6 +127,43 @@ class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return sum(1 for b in self.bundles() if taken.isdisjoint(b))
 
 
+class TrainerPlace(NamedTuple):
+    """Where a trainer rank sits in the model's layout: its tensor-parallel rank, its
+    pipeline stage, its expert-parallel rank, its replica (data-parallel rank) and its
+    expert replica (expert-data-parallel rank: the replicas of its experts)."""
+
+    tp: int
+    pp: int
+    ep: int
+    dp: int
+    edp: int
+
+
+def trainer_place(rank: int, world: int, tp: int, pp: int, ep: int = 1) -> TrainerPlace:
+    """Megatron's rank order for ``world`` ranks at ``tp`` x ``pp`` (x ``ep``). Without
+    expert parallel it is tp-pp-dp: ``tp`` consecutive ranks per stage, ``tp`` x ``pp``
+    per replica. With it, tp-ep-dp-pp (Megatron's default order): a stage's ranks are
+    consecutive, so the experts' all-to-all stays within them (on one node where a
+    stage fits) and only pipeline traffic crosses; replica d holds expert slice
+    ``d % ep``. Megatron allows no order with both consecutive replicas and experts
+    split over replicas at pp > 1 (``initialize_model_parallel``)."""
+    dp_world = world // (tp * pp)
+    if ep == 1:
+        d = rank // (tp * pp)
+        return TrainerPlace(rank % tp, rank // tp % pp, 0, d, d)
+    d = rank // tp % dp_world
+    return TrainerPlace(rank % tp, rank // (tp * dp_world), d % ep, d, d // ep)
+
+
+def _layout_sizes(spec: ClusterSpec) -> str:
+    """The sizes a device count must be a multiple of: ``tp=2``, ``tp x pp = 2 x 2`` or
+    ``tp x pp x ep = 1 x 2 x 2``, naming pp and ep only where set, so a rollout
+    cluster's message speaks of its tp alone."""
+    if spec.ep > 1:
+        return f"tp x pp x ep = {spec.tp} x {spec.pp} x {spec.ep}"
+    return f"tp x pp = {spec.tp} x {spec.pp}" if spec.pp > 1 else f"tp={spec.tp}"
+
+
 def validate_cluster(name: str, spec: ClusterSpec, shape: ClusterShape) -> None:
     gpn = shape.gpus_per_node
     where = f"cluster {name}"
@@ -130,6 +177,8 @@ def validate_cluster(name: str, spec: ClusterSpec, shape: ClusterShape) -> None:
             )
     elif spec.pp != 1:
         raise TopologyError(f"{where}: pp={spec.pp}: pipeline parallel is actor_train's only")
+    elif spec.ep != 1:
+        raise TopologyError(f"{where}: ep={spec.ep}: expert parallel is actor_train's only")
     elif spec.tp not in SMALL_TP and spec.tp % gpn != 0:
         raise TopologyError(
             f"{where}: tp={spec.tp} must be in {SMALL_TP} or a multiple of gpus_per_node={gpn}"
@@ -144,10 +193,9 @@ def validate_cluster(name: str, spec: ClusterSpec, shape: ClusterShape) -> None:
             f"{where}: devices {bad} do not exist (cluster has {shape.num_devices}: "
             f"{shape.nodes} nodes x {gpn})"
         )
-    if len(spec.devices) % (spec.tp * spec.pp):
+    if len(spec.devices) % (spec.tp * spec.pp * spec.ep):
         raise TopologyError(
-            f"{where}: {len(spec.devices)} devices is not a multiple of "
-            + (f"tp x pp = {spec.tp} x {spec.pp}" if spec.pp > 1 else f"tp={spec.tp}")
+            f"{where}: {len(spec.devices)} devices is not a multiple of {_layout_sizes(spec)}"
         )
     for rank, bundle in enumerate(spec.bundles()):
         if bundle[-1] - bundle[0] != len(bundle) - 1:

@@ -53,7 +53,13 @@ from rlix_async.train.megatron_hf import (
     stage_reads,
 )
 from rlix_async.train.megatron_model import gpt_model, tiny_shape
-from rlix_async.train.megatron_moe import check_moe_layout
+from rlix_async.train.megatron_moe import (
+    check_moe_layout,
+    expert_global_name,
+    expert_reads,
+    is_expert,
+    to_expert_rank,
+)
 from rlix_async.train.megatron_parallel import MegatronLayout, MegatronParallel
 from rlix_async.train.pipeline_parallel import (
     EMBEDDING,
@@ -86,6 +92,7 @@ class MegatronTrainer:
         *,
         tp: int = 1,
         pp: int = 1,
+        ep: int = 1,
         store: dist.Store | None = None,
         checkpoint_to: Callable[[int], Path | None] | None = None,
         seed: int = 0,
@@ -96,15 +103,16 @@ class MegatronTrainer:
         top_p: float = 1.0,
         total_steps: int | None = None,
     ) -> None:
-        """``tp`` x ``pp`` consecutive ranks per replica; with more than one every rank
-        constructs its trainer at the same time, meeting on ``store``.
+        """``tp`` x ``pp`` ranks per replica, ``ep`` replicas sharing out each one's
+        experts (``protocols.topology.trainer_place``); with more than one rank every
+        rank constructs its trainer at the same time, meeting on ``store``.
         ``checkpoint_to(step)``: the path rank 0 will ``save`` the step just trained
         to, None when it is not checkpointed (under model parallel every rank writes
         its part of it while the step's group is up)."""
-        if tp * pp > 1 and (store is None or world % (tp * pp)):
+        if tp * pp * ep > 1 and (store is None or world % (tp * pp * ep)):
             raise ValueError(
-                f"tensor x pipeline parallel {tp} x {pp} needs a store and a multiple of "
-                f"{tp * pp} ranks"
+                f"tensor x pipeline x expert parallel {tp} x {pp} x {ep} needs a store and "
+                f"a multiple of {tp * pp * ep} ranks"
             )
         self.cfg = cfg or MegatronTrainConfig()
         self.model_cfg = model or ModelConfig()
@@ -112,7 +120,7 @@ class MegatronTrainer:
         self.place = RankPlace.of(rank, world)
         self.device = self.place.device
         self.dtype = DTYPES[resolve_dtype(self.cfg.dtype, self.device.type == "cuda")]
-        self.layout = MegatronLayout(rank, world, tp, pp, self.device)
+        self.layout = MegatronLayout(rank, world, tp, pp, self.device, ep)
         self._store = store
         self.checkpoint_to = checkpoint_to or (lambda step: None)
         self._full: dict[str, torch.Tensor] | None = None  # rank 0, model parallel: the whole model
@@ -177,7 +185,8 @@ class MegatronTrainer:
         self._shape = model_shape(path) if path else tiny_shape(self.model_cfg)
         check_shape(self._shape["heads"], self._shape["groups"], self.layout.tp)
         check_layers(self._shape["layers"], self.layout.pp)
-        check_moe_layout(self._shape.get("moe"), self.layout.tp, self.layout.pp)
+        lay = self.layout
+        check_moe_layout(self._shape.get("moe"), lay.tp, lay.pp, lay.ep)
         model = self._gpt_model()
         if path:
             self._load_hf(model, path)
@@ -192,20 +201,33 @@ class MegatronTrainer:
         lay = self.layout
         self.parallel_state(self._store if lay.model_parallel else None, "gloo")
         torch.manual_seed(self.seed)
-        model = gpt_model(self._shape, self.dtype, self.cfg.recompute, lay.tp, lay.pp, lay.stage)
+        model = gpt_model(
+            self._shape, self.dtype, self.cfg.recompute, lay.tp, lay.pp, lay.stage, lay.ep
+        )
         if not lay.model_parallel:
             lay.destroy()  # the time-sharing cycle creates groups per step
         return model
 
+    @property
+    def _experts_per_rank(self) -> int:
+        moe = self._shape.get("moe")
+        return moe["experts"] // self.layout.ep if moe else 0
+
     def _full_name(self, local: str) -> str | None:
-        """The full model's name of this stage's ``local`` (None: a tied embedding's
-        last-stage copy)."""
-        s = self._shape
-        return global_name(local, self.layout.stage, self.layout.pp, s["layers"], s["tied"])
+        """The full model's name of this stage's (and expert-parallel rank's) ``local``
+        (None: a tied embedding's last-stage copy)."""
+        s, lay = self._shape, self.layout
+        name = global_name(local, lay.stage, lay.pp, s["layers"], s["tied"])
+        return name and expert_global_name(name, lay.ep_rank, self._experts_per_rank)
 
     def _to_stage(self, full: Mapping[str, object]) -> dict[str, object]:
-        s = self._shape
-        return to_stage(full, self.layout.stage, self.layout.pp, s["layers"], s["tied"])
+        """This rank's part of ``full`` (the whole model's names): its stage's layers,
+        its own experts, under its local names."""
+        s, lay = self._shape, self.layout
+        staged = to_stage(full, lay.stage, lay.pp, s["layers"], s["tied"])
+        if lay.ep == 1:
+            return staged
+        return to_expert_rank(staged, lay.ep_rank, lay.ep, s["moe"]["experts"])
 
     def _load_hf(self, model: torch.nn.Module, path: str) -> None:
         """The directory's weights into ``model``, every parameter accounted for. Under
@@ -213,7 +235,12 @@ class MegatronTrainer:
         of them from a safetensors directory (its memory holds its part of the model,
         not all of it)."""
         s, lay = self._shape, self.layout
-        wanted = stage_reads(lay.stage, lay.pp, s["layers"], s["tied"])
+        stage = stage_reads(lay.stage, lay.pp, s["layers"], s["tied"])
+        experts = expert_reads(lay.ep_rank, lay.ep, s["moe"]["experts"]) if lay.ep > 1 else None
+
+        def wanted(name: str) -> bool:
+            return stage(name) and (experts is None or experts(name))
+
         if (
             lay.model_parallel
             and (part := read_hf_part(path, s, lay.tp_rank, lay.tp, wanted)) is not None
@@ -266,7 +293,7 @@ class MegatronTrainer:
         if self._memory.moved:
             raise RuntimeError("init_group() on an offloaded trainer: call reload() first")
         self.parallel_state(store if self.place.world > 1 else None)
-        if self.layout.dp_world > 1 and self.layout.pp == 1:
+        if self.layout.dp_world > 1 and not self.parallel.manual_reduce:
             self.parallel.data.wrap(self.model)
 
     def destroy_group(self) -> None:
@@ -320,16 +347,22 @@ class MegatronTrainer:
         optimizer state when the distributed optimizer shards it (else nothing), under
         the full model's names; rank 0 promotes it in ``save``."""
         lay = self.layout
+        # under expert parallel the next ep - 1 replicas hold the other experts: each
+        # writes those (and their optimizer state), nothing else
+        experts_only = 0 < lay.dp_rank < lay.ep
+
+        def name(local: str) -> str | None:
+            return None if experts_only and not is_expert(local) else self._full_name(local)
 
         def part() -> dict[str, torch.Tensor]:
             return sharded_checkpoint.rank_part(
-                self.model.state_dict() if lay.dp_rank == 0 else {},
+                self.model.state_dict() if lay.dp_rank == 0 or experts_only else {},
                 self.optim.state_dict()["state"],
                 self._optim_param_names(),
-                self._full_name,
+                name,
             )
 
-        mine = lay.dp_rank == 0 or self.parallel.owners is not None
+        mine = lay.dp_rank == 0 or experts_only or self.parallel.owners is not None
         where = (lay.stage, lay.tp_rank, lay.dp_rank)
         sharded_checkpoint.write_parts(path, lay.rank, part if mine else None, where, self.device)
         self._parts_step = self.step
@@ -340,9 +373,11 @@ class MegatronTrainer:
             self.model.state_dict(),
             tp=(lay.tp_rank, lay.tp),
             stage=(lay.stage, lay.pp),
-            first_replica=lay.dp_rank == 0,
+            replica=(lay.dp_rank, lay.ep),
             shape=(s["layers"], s["tied"], s["vocab_size"]),
             device=self.device,
+            rank_of=lay.rank_of,
+            experts_per_rank=self._experts_per_rank,
         )
 
     # --- checkpoints and the weight cache --------------------------------------------------
@@ -393,6 +428,9 @@ class MegatronTrainer:
             state = {
                 "model": self._model_state(),
                 "optim": self.optim.state_dict(),
+                # the optimizer's order by name: a rank of another layout (its experts,
+                # its stage) finds each parameter's state by it
+                "optim_names": self._param_names(),
                 "step": self.step,
                 "rng": rng_state(self.device),
             }
@@ -410,7 +448,9 @@ class MegatronTrainer:
             "layers": s["layers"],
             "tied": s["tied"],
             "vocab_size": s["vocab_size"],
-            "dp": lay.dp_world if self.parallel.owners is not None else 1,  # optimizer shards
+            # the replicas that wrote parts: optimizer shards, or the other experts' holders
+            "dp": lay.dp_world if self.parallel.owners is not None else lay.ep,
+            "ep": lay.ep,
             "step": self.step,
             "rng": rng_state(self.device),
             "param_group": {k: v for k, v in group.items() if k != "params"},
@@ -457,7 +497,9 @@ class MegatronTrainer:
         self._install(self.model, ckpt["model"], path)
         if lay.model_parallel and lay.rank == 0:
             self._full = {k: v for k, v in ckpt["model"].items() if isinstance(v, torch.Tensor)}
-        order = self._full_param_names() if lay.pp > 1 else self._param_names()
+        order = ckpt.get("optim_names") or (
+            self._full_param_names() if lay.pp > 1 else self._param_names()
+        )
         index = {n: i for i, n in enumerate(order)}
         whole = ckpt["optim"]["state"]
         by_name = {}
@@ -499,6 +541,7 @@ class MegatronBackend:
             cfg.model,
             tp=spec.tp,
             pp=spec.pp,
+            ep=spec.ep,
             store=store,
             checkpoint_to=lambda step: (
                 checkpoint_path(cfg.run_dir, step) if checkpoint_due(step, cfg) else None
@@ -517,7 +560,7 @@ class MegatronBackend:
         layout not built for it, is refused (one line)."""
         if cfg.model.path:
             spec = cfg.clusters["actor_train"]
-            check_moe_layout(model_shape(cfg.model.path).get("moe"), spec.tp, spec.pp)
+            check_moe_layout(model_shape(cfg.model.path).get("moe"), spec.tp, spec.pp, spec.ep)
 
     def hf_state(self, state: dict[str, Any], base: Path) -> dict[str, Any]:
         """A checkpoint's model, in Megatron's names, in the base's HF names."""

@@ -107,3 +107,29 @@ def _pipeline_on_host() -> None:
             torch.Tensor.cuda = cuda  # type: ignore[method-assign]
 
     LanguageModule.setup_embeddings_and_output_layer = setup_on_host  # type: ignore[method-assign]
+
+
+def alltoall_on_host() -> None:
+    """Megatron's all-to-all token dispatcher on a host without CUDA (CPU only, as
+    ``apply``): its class creates one ``torch.cuda.Stream()`` for all instances and
+    ``_maybe_dtoh_and_synchronize`` waits on CUDA streams and events. On the host
+    there is nothing to copy or wait for, but the GPU path also turns the split sizes
+    into host sequences there (``maybe_move_tensor_to_cpu`` skips host tensors), and
+    ``all_to_all_single`` refuses tensors for them: they become lists at that point."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if getattr(MoEAlltoAllTokenDispatcher, "_rlix_on_host", False):
+        return
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()  # not None: no Stream() built
+
+    def host_dtoh(self: Any, point: Any, tokens_per_expert: Any = None) -> Any:
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                if isinstance(value := getattr(self, name), torch.Tensor):
+                    setattr(self, name, value.tolist())
+        return tokens_per_expert
+
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = host_dtoh  # type: ignore[method-assign]
+    MoEAlltoAllTokenDispatcher._rlix_on_host = True  # type: ignore[attr-defined]

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rlix_async.config import ModelConfig
+from rlix_async.train import megatron_cpu_compat
 from rlix_async.train.megatron_moe import bind_missing_te_gemm, moe_config
 from rlix_async.train.precision import cast_parameters
 from rlix_async.train.tensor_parallel import padded_vocab
@@ -48,10 +49,17 @@ def seed_rng_tracker(seed: int) -> None:
 
 
 def gpt_model(
-    shape: dict[str, Any], dtype: torch.dtype, recompute: str, tp: int, pp: int, stage: int
+    shape: dict[str, Any],
+    dtype: torch.dtype,
+    recompute: str,
+    tp: int,
+    pp: int,
+    stage: int,
+    ep: int = 1,
 ) -> torch.nn.Module:
-    """Stage ``stage`` of ``pp`` of a GPTModel of ``shape`` (this rank's tensor-parallel
-    part, under Megatron's current parallel state), in ``dtype``, in host memory."""
+    """Stage ``stage`` of ``pp`` of a GPTModel of ``shape`` (this rank's tensor- and
+    expert-parallel part, under Megatron's current parallel state), in ``dtype``, in
+    host memory."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -64,6 +72,7 @@ def gpt_model(
     moe = s.get("moe")
     if moe is not None:
         bind_missing_te_gemm()
+        megatron_cpu_compat.alltoall_on_host()
     tc = TransformerConfig(
         num_layers=s["layers"],
         hidden_size=s["hidden"],
@@ -88,9 +97,8 @@ def gpt_model(
         apply_rope_fusion=False,
         calculate_per_token_loss=True,  # each piece's loss is weighed already
         qk_layernorm=bool(s.get("qk_norm")),
-        **(moe_config(moe) if moe is not None else {}),
         **recompute_config(recompute),
-        **pipeline_config(pp, dtype),
+        **(pipeline_config(pp, dtype) | (moe_config(moe, ep, pp) if moe is not None else {})),
     )
     if moe is not None:  # the local spec makes every layer MoE: the block spec reads which
         spec: Any = get_gpt_decoder_block_spec(
@@ -127,7 +135,9 @@ def pipeline_config(pp: int, dtype: torch.dtype) -> dict[str, Any]:
         "pipeline_model_parallel_size": pp,
         "pipeline_dtype": dtype,
         "variable_seq_lengths": True,
-        "moe_token_dispatcher_type": "alltoall",  # allgather refuses variable lengths
+        # Megatron refuses variable lengths with its default dispatcher even without
+        # experts (an MoE model's config sets its own: moe_config)
+        "moe_token_dispatcher_type": "alltoall",
     }
 
 

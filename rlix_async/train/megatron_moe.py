@@ -25,6 +25,7 @@ J as ``mlp.experts.local_experts.J.linear_fc1.weight`` ([gate; up]) and
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from rlix_async.train.tensor_parallel import LayoutError
 MODEL_TYPES = ("qwen3_moe",)
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight")
 _HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
 
 
 def moe_shape(c: Any) -> dict[str, Any]:
@@ -52,21 +54,29 @@ def moe_shape(c: Any) -> dict[str, Any]:
     }
 
 
-def check_moe_layout(moe: dict[str, Any] | None, tp: int, pp: int) -> None:
-    """An MoE model trains at tensor and pipeline parallel 1 here, or LayoutError:
+def check_moe_layout(moe: dict[str, Any] | None, tp: int, pp: int, ep: int = 1) -> None:
+    """An MoE model trains at tensor parallel 1 here (at any pp and ep), or LayoutError:
     Megatron's MoE layer refuses to train at tp > 1 without sequence parallel (not
-    built), and at pp > 1 stages exchange variable-length pieces, which only the
-    all-to-all dispatcher takes (its CUDA streams not yet replaced for the host)."""
-    if moe is not None and (tp > 1 or pp > 1):
+    built). Expert parallel needs experts, as many on every rank."""
+    if moe is None:
+        if ep > 1:
+            raise LayoutError(f"ep {ep}: expert parallel needs a mixture-of-experts model")
+        return
+    if tp > 1:
         raise LayoutError(
-            f"a mixture-of-experts model trains at tp 1 and pp 1 with the megatron backend "
-            f"(asked tp {tp}, pp {pp}): MoE at tp > 1 needs sequence parallel and at pp > 1 "
-            "the all-to-all dispatcher, neither built yet; scale it with dp"
+            f"a mixture-of-experts model trains at tp 1 with the megatron backend (asked tp "
+            f"{tp}): MoE at tp > 1 needs sequence parallel, not built yet; scale it with "
+            "ep, pp and dp"
         )
+    if moe["experts"] % ep:
+        raise LayoutError(f"ep {ep}: the model's {moe['experts']} experts do not split over it")
 
 
-def moe_config(moe: dict[str, Any]) -> dict[str, Any]:
-    """TransformerConfig's fields for ``moe`` (a shape's ``moe``)."""
+def moe_config(moe: dict[str, Any], ep: int, pp: int) -> dict[str, Any]:
+    """TransformerConfig's fields for ``moe`` (a shape's ``moe``) at expert parallel
+    ``ep`` and pipeline parallel ``pp``. The all-gather dispatcher needs every rank of
+    the expert group to send as many tokens (pieces here differ in rows and width) and
+    refuses the variable lengths stages exchange: the all-to-all one takes both."""
     return {
         "num_moe_experts": moe["experts"],
         "moe_ffn_hidden_size": moe["ffn"],
@@ -76,7 +86,8 @@ def moe_config(moe: dict[str, Any]) -> dict[str, Any]:
         "moe_router_dtype": "fp32",
         "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0,
-        "moe_token_dispatcher_type": "allgather",
+        "moe_token_dispatcher_type": "alltoall" if ep > 1 or pp > 1 else "allgather",
+        "expert_model_parallel_size": ep,
         "moe_grouped_gemm": False,  # SequentialMLP: grouped GEMMs need TransformerEngine
         "moe_permute_fusion": False,
         # a list, never Megatron's integer form (``i % n == 0``, not HF's rule)
@@ -155,3 +166,48 @@ def experts_to_megatron(parts: dict[str, torch.Tensor], layer: str) -> dict[str,
         out[f"{layer}mlp.experts.local_experts.{j}.linear_fc1.weight"] = fc1
         out[f"{layer}mlp.experts.local_experts.{j}.linear_fc2.weight"] = w["down"]
     return out
+
+
+def expert_global_name(name: str, ep_rank: int, per: int) -> str:
+    """The full model's name of this rank's expert weight ``name`` (Megatron's local
+    index J is expert ``ep_rank x per + J``, ``per`` experts a rank); any other name
+    as it is."""
+    m = _LOCAL_EXPERT.search(name)
+    if m is None or ep_rank == 0:
+        return name
+    return f"{name[: m.start(1)]}{int(m.group(1)) + ep_rank * per}{name[m.end(1) :]}"
+
+
+def to_expert_rank(full: Mapping[str, Any], ep_rank: int, ep: int, experts: int) -> dict[str, Any]:
+    """Expert-parallel rank ``ep_rank``'s part of ``full`` (Megatron's names, experts
+    by their global index): every non-expert entry, and its own experts renamed to
+    their local index."""
+    if ep == 1:
+        return dict(full)
+    per = experts // ep
+    out: dict[str, Any] = {}
+    for name, v in full.items():
+        m = _LOCAL_EXPERT.search(name)
+        if m is None:
+            out[name] = v
+        elif ep_rank * per <= (g := int(m.group(1))) < (ep_rank + 1) * per:
+            out[f"{name[: m.start(1)]}{g - ep_rank * per}{name[m.end(1) :]}"] = v
+    return out
+
+
+def expert_reads(ep_rank: int, ep: int, experts: int) -> Callable[[str], bool]:
+    """Which HF tensors expert-parallel rank ``ep_rank`` reads: all but the other
+    ranks' per-expert ones (fused ones, as transformers holds them in memory, are read
+    whole and cut after conversion)."""
+    per = experts // ep
+
+    def wanted(name: str) -> bool:
+        m = _HF_EXPERT.search(name)
+        return m is None or ep_rank * per <= int(m.group(1)) < (ep_rank + 1) * per
+
+    return wanted
+
+
+def is_expert(name: str) -> bool:
+    """Whether Megatron's ``name`` is an expert weight (split over expert parallel)."""
+    return _LOCAL_EXPERT.search(name) is not None

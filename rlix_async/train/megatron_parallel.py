@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlix_async.protocols.topology import trainer_place
 from rlix_async.train.data_parallel import DataParallel
 from rlix_async.train.distributed_optimizer import ParameterOwners
 from rlix_async.train.megatron_model import rebind_groups, run_model, seed_rng_tracker
@@ -29,28 +30,36 @@ from rlix_async.train.vocab_parallel import vocab_parallel_logp
 
 
 class MegatronLayout:
-    """Where a rank sits in the tp x pp x dp layout, and Megatron's parallel state over
-    a fresh group for it."""
+    """Where a rank sits in the tp x pp x dp layout (x ep: a replica's experts split
+    over ``ep`` replicas; ``protocols.topology.trainer_place``), and Megatron's parallel
+    state over a fresh group for it."""
 
-    def __init__(self, rank: int, world: int, tp: int, pp: int, device: torch.device) -> None:
-        self.rank, self.world, self.tp, self.pp = rank, world, tp, pp
+    def __init__(
+        self, rank: int, world: int, tp: int, pp: int, device: torch.device, ep: int = 1
+    ) -> None:
+        self.rank, self.world, self.tp, self.pp, self.ep = rank, world, tp, pp, ep
         self.device = device
-        self.dp_rank, self.dp_world = rank // (tp * pp), world // (tp * pp)
+        place = trainer_place(rank, world, tp, pp, ep)
+        self.tp_rank, self.stage, self.ep_rank = place.tp, place.pp, place.ep
+        self.dp_rank, self.dp_world = place.dp, world // (tp * pp)
+        # without expert parallel: tp x pp consecutive ranks per replica (the launcher's
+        # layout); with it Megatron's default order (no other splits experts over
+        # replicas at pp > 1)
+        self.order = "tp-pp-dp" if ep == 1 else "tp-ep-dp-pp"
         self.group_gen = 0
 
     @property
     def model_parallel(self) -> bool:
-        """Whether a replica spans several ranks."""
-        return self.tp * self.pp > 1
+        """Whether a rank holds part of the model only (a replica spans several ranks,
+        or its experts do)."""
+        return self.tp * self.pp * self.ep > 1
 
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp
-
-    @property
-    def stage(self) -> int:
-        """This rank's pipeline stage."""
-        return self.rank // self.tp % self.pp
+    def rank_of(self, stage: int, dp_rank: int, tp_rank: int) -> int:
+        """The rank at (``stage``, replica ``dp_rank``, ``tp_rank``): the inverse of
+        ``trainer_place``."""
+        if self.ep == 1:
+            return tp_rank + self.tp * (stage + self.pp * dp_rank)
+        return tp_rank + self.tp * (dp_rank + self.dp_world * stage)
 
     def dp_group(self) -> dist.ProcessGroup | None:
         from megatron.core import parallel_state
@@ -80,9 +89,13 @@ class MegatronLayout:
                 world_size=self.world if store is not None else 1,
             )
         if not parallel_state.model_parallel_is_initialized():
-            tp, pp = (self.tp, self.pp) if store is not None else (1, 1)
-            # tp-pp-dp: a replica is tp x pp consecutive ranks (the launcher's layout)
-            parallel_state.initialize_model_parallel(tp, pp, order="tp-pp-dp")
+            alone = store is None
+            parallel_state.initialize_model_parallel(
+                1 if alone else self.tp,
+                1 if alone else self.pp,
+                expert_model_parallel_size=1 if alone else self.ep,
+                order="tp-pp-dp" if alone else self.order,
+            )
             rebind_groups(models)
         seed_rng_tracker(seed)
 
@@ -143,8 +156,10 @@ class MegatronParallel:
         ``trainable``, or with the distributed optimizer this replica's share."""
         if not distributed or self.dp_world == 1:
             return trainable
-        span = self.layout.tp * self.layout.pp  # data-parallel rank d: d x span + offset
-        ranks = [d * span + self.layout.rank % span for d in range(self.dp_world)]
+        lay = self.layout
+        if lay.ep > 1:  # config validation refuses it first: expert state is not split yet
+            raise ValueError("the distributed optimizer does not shard expert state (ep > 1)")
+        ranks = [lay.rank_of(lay.stage, d, lay.tp_rank) for d in range(self.dp_world)]
         self.owners = ParameterOwners(trainable, self.dp_rank, ranks)
         return self.owners.mine
 
@@ -167,8 +182,15 @@ class MegatronParallel:
     def training_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.data.training_model(model)
 
+    @property
+    def manual_reduce(self) -> bool:
+        """Whether gradients are averaged after the backward (``_reduce_grads``) rather
+        than by DDP: under the pipeline schedule, and with expert parallel (DDP would
+        average each rank's experts with other ranks' different ones)."""
+        return self.layout.pp > 1 or self.layout.ep > 1
+
     def grads_averaged(self) -> bool:
-        return self.data.grads_averaged() or (self.layout.pp > 1 and self.dp_world > 1)
+        return self.data.grads_averaged() or (self.manual_reduce and self.dp_world > 1)
 
     def after_optim_step(self) -> None:
         if self.owners is not None:  # each replica stepped its share: every weight to all
@@ -188,17 +210,37 @@ class MegatronParallel:
         )
 
     def forward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
+        pieces = self._in_step(pieces, backward=False)
         if self.layout.pp == 1:
             self.data.forward(model, pieces)
         else:
             self._schedule(model, pieces, forward_only=True)
 
     def forward_backward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
+        pieces = self._in_step(pieces, backward=True)
         if self.layout.pp == 1:
             self.data.forward_backward(model, pieces)
-            return
-        self._schedule(model, pieces, forward_only=False)
-        self._reduce_grads()
+        else:
+            self._schedule(model, pieces, forward_only=False)
+        if self.manual_reduce:
+            self._reduce_grads()
+
+    def _in_step(self, pieces: list[Piece], backward: bool) -> list[Piece]:
+        """``pieces``, padded under expert parallel to as many as the most any replica
+        runs: every forward and backward pass of an MoE layer exchanges tokens with the
+        other expert-parallel ranks, so a rank with fewer pieces (shares differ by a
+        row) would leave them waiting. A padding piece is two tokens whose loss is
+        zero times the logits: no gradient, no figure."""
+        if self.layout.ep == 1:
+            return pieces
+        most = torch.tensor([len(pieces)], device=self.layout.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group())
+        filler = torch.zeros((1, 2), dtype=torch.long, device=self.layout.device)
+
+        def nothing(logits: torch.Tensor) -> torch.Tensor:
+            return logits.float().sum() * 0 if backward else logits.new_zeros(())
+
+        return pieces + [Piece(filler, 1, nothing)] * (int(most) - len(pieces))
 
     def _schedule(self, model: torch.nn.Module, pieces: list[Piece], forward_only: bool) -> None:
         """Megatron's 1F1B pipeline schedule over ``pieces`` (each stage runs its layers;
@@ -230,24 +272,29 @@ class MegatronParallel:
         )
 
     def _reduce_grads(self) -> None:
-        """After a pipelined backward: the replicas' gradients averaged over the
-        data-parallel group (one flat buffer per dtype) and a tied embedding's two
-        copies' gradients summed over the embedding group (first and last stage)."""
+        """After the backward: the replicas' gradients averaged (one flat buffer per
+        dtype) and a tied embedding's two copies' gradients summed over the embedding
+        group (first and last stage). Under expert parallel a rank's experts are
+        averaged only with their own replicas (the expert-data-parallel group), over
+        all ``dp_world`` replicas' tokens all the same: each expert's gradient already
+        sums what every replica's tokens routed to it gave (Megatron's scaling)."""
         from megatron.core import parallel_state
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         assert self.model is not None  # set by the trainer before any step
+        dense: list[torch.Tensor] = []
+        experts: list[torch.Tensor] = []
+        for p in self.model.parameters():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:  # an expert no token reached: zeros keep buffers aligned
+                p.grad = torch.zeros_like(p)
+            (dense if getattr(p, "allreduce", True) else experts).append(p.grad)
         if self.dp_world > 1:
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-            for grads in by_dtype.values():
-                flat = _flatten_dense_tensors(grads)
-                dist.all_reduce(flat, group=self.dp_group())
-                flat.div_(self.dp_world)
-                for g, r in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-                    g.copy_(r)
+            _average(dense, self.dp_group(), self.dp_world)
+        if experts and parallel_state.get_expert_data_parallel_world_size() > 1:
+            _average(experts, parallel_state.get_expert_data_parallel_group(), self.dp_world)
+        elif experts and self.dp_world > 1:  # no replica of them: the division alone
+            torch._foreach_div_(experts, float(self.dp_world))
         if self.tied and parallel_state.is_rank_in_embedding_group():
             weight = self.model.shared_embedding_or_output_weight()  # type: ignore[operator]
             if weight.grad is None:
@@ -263,13 +310,18 @@ class MegatronParallel:
         # each split weight's squares once per rank, each whole one (the same on every
         # rank of a stage) only on tensor-parallel rank 0, a tied embedding's last-stage
         # copy (``shared``) never: summed over the stages' ranks, every weight once
+        # an expert's (``allreduce`` False) are split over expert parallel too: summed
+        # over the ranks that hold different experts, the expert group's
         grads = [(p, p.grad) for p in params if p.grad is not None]
-        squares = torch.zeros((), dtype=torch.float32, device=self.layout.device)
+        squares = torch.zeros(2, dtype=torch.float32, device=self.layout.device)
         for p, g in grads:
             if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
-                squares += g.float().pow(2).sum()
-        dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
-        norm = squares.sqrt()
+                squares[int(not getattr(p, "allreduce", True))] += g.float().pow(2).sum()
+        dist.all_reduce(squares[:1], group=parallel_state.get_model_parallel_group())
+        if self.layout.ep > 1:
+            group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+            dist.all_reduce(squares[1:], group=group)
+        norm = squares.sum().sqrt()
         if torch.isfinite(norm):
             coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
             for _, g in grads:
@@ -290,3 +342,19 @@ class MegatronParallel:
             group=parallel_state.get_pipeline_model_parallel_group(),
         )
         return dict(zip(keys, values.tolist(), strict=True))
+
+
+def _average(grads: list[torch.Tensor], group: dist.ProcessGroup | None, over: int) -> None:
+    """``grads`` summed over ``group`` and divided by ``over``, one flat buffer per
+    dtype."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = _flatten_dense_tensors(same)
+        dist.all_reduce(flat, group=group)
+        flat.div_(over)
+        for g, r in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
+            g.copy_(r)

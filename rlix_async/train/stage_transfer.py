@@ -1,7 +1,8 @@
 """The whole model gathered onto rank 0 of a model-parallel trainer, which builds the
 weight cache from it (:func:`gather_model`): each stage's tensor-parallel parts onto its
 first rank (an all-gather), then each stage's part to rank 0 as named tensors over the
-default process group (:func:`send_tensors`, :func:`recv_tensors`).
+default process group (:func:`send_tensors`, :func:`recv_tensors`); under expert
+parallel the replicas holding the other experts send those too.
 
 A header first (its length, then UTF-8 JSON of each tensor's name, dtype and shape:
 plain values, never pickle), then the tensors in its order. Under NCCL the tensors
@@ -11,12 +12,13 @@ travel on the device and land in host memory; under gloo they stay on the host.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from rlix_async.train.megatron_moe import expert_global_name, is_expert
 from rlix_async.train.pipeline_parallel import from_stage
 from rlix_async.train.tensor_parallel import merge_tensor, split_dim
 
@@ -89,31 +91,41 @@ def gather_model(
     *,
     tp: tuple[int, int],
     stage: tuple[int, int],
-    first_replica: bool,
+    replica: tuple[int, int],
     shape: tuple[int, bool, int],
     device: torch.device,
+    rank_of: Callable[[int, int, int], int],
+    experts_per_rank: int = 0,
 ) -> dict[str, torch.Tensor] | None:
     """The whole (tp=1/pp=1) model on rank 0, None elsewhere, from every rank's
     ``state`` (its model's state dict). ``tp``, ``stage``: (this rank's, how many);
-    ``shape``: the model's layers, whether its embeddings are tied, its vocabulary.
-    Every rank of the first replica takes part; the others hold the same weights."""
-    if not first_replica:
+    ``replica``: (this rank's data-parallel rank, expert parallel); ``shape``: the
+    model's layers, whether its embeddings are tied, its vocabulary; ``rank_of(stage,
+    replica, tp_rank)``: where a part lives. Every rank of the first replica takes
+    part; under expert parallel the next ``ep - 1`` replicas send their experts
+    (``experts_per_rank`` each, renamed to their global index); the others hold the
+    same weights as one of these."""
+    (tp_rank, tp_size), (stage_rank, pp), (dp_rank, ep) = tp, stage, replica
+    if dp_rank >= ep:
         return None
-    (tp_rank, tp_size), (stage_rank, pp) = tp, stage
     layers, tied, vocab = shape
     local = {}
     for name, v in state.items():
-        if isinstance(v, torch.Tensor):
+        # the first replica's everything, the next ones' experts (ep > 1: tp 1)
+        if isinstance(v, torch.Tensor) and (dp_rank == 0 or is_expert(name)):
             full = _gather(name, v, tp_rank, tp_size, vocab)
             if full is not None:
                 local[name] = full
     if tp_rank != 0:
         return None
-    mine = from_stage(local, stage_rank, pp, layers, tied)
-    if stage_rank > 0:
+    staged = from_stage(local, stage_rank, pp, layers, tied)
+    mine = {expert_global_name(k, dp_rank, experts_per_rank): v for k, v in staged.items()}
+    if (stage_rank, dp_rank) != (0, 0):
         send_tensors(mine, 0, device)  # type: ignore[arg-type]
         return None
     out: dict[str, torch.Tensor] = dict(mine)  # type: ignore[arg-type]
-    for other in range(1, pp):
-        out.update(recv_tensors(other * tp_size, device))  # its first rank
+    for s in range(pp):
+        for d in range(ep):
+            if (s, d) != (0, 0):
+                out.update(recv_tensors(rank_of(s, d, 0), device))
     return out

@@ -1,6 +1,7 @@
 """Fixed GRPO batches for the tensor-parallel runs (tests/helpers/megatron_tp.py):
 two groups per step with rewards that differ within each group, over the tiny model's
-vocabulary (below 63)."""
+vocabulary (below 63). ``ODD_BATCHES``: 7 rows a step, so two replicas' shares
+differ by a row (and, a row a micro-batch, in how many passes they run)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,15 @@ BATCHES = [
     [_group([6, 7, 8, 9], 3), _group([10, 11], 4)],
     [_group([12, 13], 5), _group([14, 15, 16], 6)],
 ]
+
+
+def _odd(groups: list[Group]) -> list[Group]:
+    first, second = groups
+    cut = Group(
+        second.prompt, second.responses[:3], second.logprobs[:3], second.versions[:3],
+        second.rewards[:3],
+    )  # fmt: skip
+    return [first, cut]
+
+
+ODD_BATCHES = [_odd(b) for b in BATCHES]

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from helpers.megatron_batches import BATCHES
+from helpers.megatron_batches import BATCHES, ODD_BATCHES
 from rlix_async.config import MegatronTrainConfig, ModelConfig
 from rlix_async.train.megatron import MegatronTrainer
 from rlix_async.train.packing import Piece
@@ -62,16 +62,20 @@ def run(
     ckpt: Path | None,
     distributed_optimizer: bool,
     top_p: float,
+    ep: int = 1,
+    micro_batch_size: int = 2,
+    batches: str = "even",
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    store = dist.FileStore(str(out / f"store-{tp}x{pp}-{world}-{ckpt is not None}"), world)
+    store = dist.FileStore(str(out / f"store-{tp}x{pp}x{ep}-{world}-{ckpt is not None}"), world)
+    steps_batches = BATCHES if batches == "even" else ODD_BATCHES
     torch.manual_seed(0)
     trainer = MegatronTrainer(
         MegatronTrainConfig(  # two micro-batches per minibatch at one replica: interleaved
             dtype="float32",
             lr=1e-3,
             minibatches=2,
-            micro_batch_size=2,
+            micro_batch_size=micro_batch_size,
             distributed_optimizer=distributed_optimizer,
         ),
         ModelConfig(path=model_dir),
@@ -82,6 +86,7 @@ def run(
         world=world,
         tp=tp,
         pp=pp,
+        ep=ep,
         store=store,
         checkpoint_to=lambda step: out / "ckpt_1.pt" if step == 1 else None,
     )
@@ -107,7 +112,8 @@ def run(
         trainer.model.eval()
         trainer.parallel.forward(trainer.model, [Piece(ids, ids.shape[1] - 1, keep)])
         trainer.model.train()
-    if logits and trainer.layout.tp_rank == 0 and trainer.layout.dp_rank == 0:
+    lay = trainer.layout
+    if logits and lay.tp_rank == 0 and lay.dp_rank == 0:
         torch.save(logits[0], out / "logits.pt")
     stale: list[int] = [stale_groups(trainer)]  # the first step's groups, then each later's
     figures: list[dict[str, float]] = []
@@ -116,7 +122,7 @@ def run(
         if s:
             trainer.init_group(store)
             stale.append(stale_groups(trainer))
-        figures.append(trainer.train_step(BATCHES[trainer.step % len(BATCHES)]))
+        figures.append(trainer.train_step(steps_batches[trainer.step % len(steps_batches)]))
         times.append(dict(trainer.step_times))
         trainer.destroy_group()
         if rank == 0 and trainer.step == 1 and ckpt is None:
@@ -153,4 +159,5 @@ for job in jobs_from_argv(sys.argv):
         Path(job["out"]), job["model"], job["tp"], job.get("pp", 1), job["steps"],
         Path(job["ckpt"]) if job.get("ckpt") else None,
         job.get("distributed_optimizer", False), job.get("top_p", 1.0),
+        job.get("ep", 1), job.get("micro_batch_size", 2), job.get("batches", "even"),
     )  # fmt: skip

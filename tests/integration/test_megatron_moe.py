@@ -153,8 +153,15 @@ def test_a_moe_model_at_a_layout_not_built_for_it_is_refused_in_one_line(
     # turn it on): the top 2 of a softmax over all experts, Megatron's pre-softmax
     assert moe == {"experts": 4, "topk": 2, "ffn": 64, "layers": [1, 1], "pre_softmax": True}
     check_moe_layout(moe, 1, 1)
+    check_moe_layout(moe, 1, 2, 2)  # pipeline and expert parallel: the all-to-all dispatcher
     check_moe_layout(None, 2, 2)  # a dense model: any layout its shape allows
-    for tp, pp in ((2, 1), (1, 2)):
-        with pytest.raises(LayoutError, match="sequence parallel") as err:
-            check_moe_layout(moe, tp, pp)
+    for (tp, pp, ep), why in (
+        ((2, 1, 1), "sequence parallel"),
+        ((2, 2, 2), "sequence parallel"),
+        ((1, 1, 3), "4 experts do not split"),
+    ):
+        with pytest.raises(LayoutError, match=why) as err:
+            check_moe_layout(moe, tp, pp, ep)
         assert "\n" not in str(err.value)
+    with pytest.raises(LayoutError, match="needs a mixture-of-experts model"):
+        check_moe_layout(None, 1, 1, 2)

@@ -110,6 +110,33 @@ pipelines:
     ]  # fmt: skip
 
 
+def test_dry_run_shows_each_trainer_ranks_place_in_the_expert_parallel_layout(
+    tmp_path: Path,
+) -> None:
+    """A Qwen3-MoE model (4 experts) at pp 2 and ep 2 over 4 devices: Megatron's
+    tp-ep-dp-pp order puts each stage's ranks together (0-1, 2-3), and the two replicas
+    of a stage hold one half of the experts each (one expert replica)."""
+    from helpers.tiny_text import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "moe", "qwen3_moe")
+    text = """
+out: {out}
+cluster: {{nodes: 1, gpus_per_node: 4}}
+pipelines:
+  - id: moe
+    train: {{backend: megatron}}
+    model: {{path: MODEL}}
+    clusters:
+      actor_train: {{pp: 2, ep: 2, devices: [0, 1, 2, 3]}}
+      actor_infer: {{tp: 1, devices: [0, 1]}}
+""".replace("MODEL", str(model))
+    plan = dry_run(tmp_path, text)["processes"]
+    (trainer,) = [p for p in plan if p["role"] == "trainer"]
+    assert [(r["tp"], r["pp"], r["ep"], r["dp"], r["edp"]) for r in trainer["ranks"]] == [
+        (0, 0, 0, 0, 0), (0, 0, 1, 1, 0), (0, 1, 0, 0, 0), (0, 1, 1, 1, 0),
+    ]  # fmt: skip
+
+
 def test_a_trainer_across_nodes_is_a_torchrun_job_per_node_meeting_at_rank0s_address(
     tmp_path: Path,
 ) -> None:
@@ -234,12 +261,14 @@ def test_dry_run_says_when_the_users_own_binding_goes_to_every_process(tmp_path:
         (
             ["pipelines[0].clusters.actor_train.tp=2"],
             "pipelines[0].clusters.actor_train.tp: 2: the torch backend is data parallel only "
-            "(use tp: 1, pp: 1; tensor and pipeline parallel are the megatron backend's)",
+            "(use tp: 1, pp: 1, ep: 1; tensor, pipeline and expert parallel are the megatron "
+            "backend's)",
         ),
         (
             ["pipelines[0].clusters.actor_train.pp=2"],
             "pipelines[0].clusters.actor_train.pp: 2: the torch backend is data parallel only "
-            "(use tp: 1, pp: 1; tensor and pipeline parallel are the megatron backend's)",
+            "(use tp: 1, pp: 1, ep: 1; tensor, pipeline and expert parallel are the megatron "
+            "backend's)",
         ),
         (
             [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from rlix_async.config import ConfigError, LaunchConfig, convert, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = [c.LaunchConfig, c.PipelineConfig, c.CoordinatorConfig, c.ShardConfig, c.Scenario]
+EP2 = "pipelines[0].clusters.actor_train.ep=2"
 
 
 def _pipeline(**keys: object) -> dict[str, object]:
@@ -127,6 +129,25 @@ def test_every_field_of_every_config_has_a_description() -> None:
             "pipelines[0].weights_endpoint: ipc:///tmp/w.sock: shards on other nodes reach it",
         ),
         ({}, [], "pipelines: required, missing"),
+        (
+            {"pipelines": [_pipeline()]},
+            [EP2, "pipelines[0].clusters.actor_train.devices=[0,1]"],
+            "pipelines[0].clusters.actor_train.ep: 2: the torch backend is data parallel only "
+            "(use tp: 1, pp: 1, ep: 1; tensor, pipeline and expert parallel are the megatron "
+            "backend's)",
+        ),
+        (
+            {"pipelines": [_pipeline()]},
+            ["pipelines[0].clusters.actor_infer.ep=2"],
+            "pipelines[0].clusters: cluster actor_infer: ep=2: expert parallel is "
+            "actor_train's only",
+        ),
+        (
+            {"pipelines": [_pipeline(train={"backend": "megatron"})]},
+            [EP2, "pipelines[0].clusters.actor_train.devices=[0,1]"],
+            "pipelines[0].clusters.actor_train.ep: 2: ep needs a mixture-of-experts model "
+            "(the tiny model is dense)",
+        ),
     ],
 )
 def test_errors_name_the_file_and_field_in_one_line(
@@ -137,6 +158,77 @@ def test_errors_name_the_file_and_field_in_one_line(
     text = str(info.value)
     assert text.startswith(f"my.yaml: {message}"), text
     assert "\n" not in text
+
+
+def _moe_config(path: Path, **config: object) -> str:
+    """A Qwen3-MoE model directory as far as a layout check reads it (config.json)."""
+    path.mkdir()
+    shape = {"model_type": "qwen3_moe", "num_attention_heads": 2, "num_key_value_heads": 1,
+             "intermediate_size": 256, "num_hidden_layers": 2, "num_experts": 4}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(shape | config))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("config", "train", "actor_train", "message"),
+    [
+        (
+            {"num_experts": 6}, {}, {"ep": 4, "devices": [0, 1, 2, 3]},
+            "clusters.actor_train.ep: 4: the model's 6 experts do not split over it",
+        ),
+        (  # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts
+            {"num_experts": None, "num_local_experts": 6}, {}, {"ep": 4, "devices": [0, 1, 2, 3]},
+            "clusters.actor_train.ep: 4: the model's 6 experts do not split over it",
+        ),
+        (
+            {"num_experts": None}, {}, {"ep": 2, "devices": [0, 1]},
+            "clusters.actor_train.ep: 2: ep needs a mixture-of-experts model (config.json has "
+            "no num_experts)",
+        ),
+        (
+            {}, {}, {"ep": 2, "devices": [0, 1, 2]},
+            "clusters.actor_train.devices: 3 devices: a layout spans tp x pp x ep = 2, so they "
+            "must be a multiple of it",
+        ),
+        (
+            {}, {}, {"pp": 2, "ep": 2, "devices": [0, 1]},
+            "clusters.actor_train.devices: 2 devices: a layout spans tp x pp x ep = 4, so they "
+            "must be a multiple of it",
+        ),
+        (
+            {}, {"distributed_optimizer": True}, {"ep": 2, "devices": [0, 1]},
+            "clusters.actor_train.ep: 2: the distributed optimizer does not shard expert state "
+            "yet: set distributed_optimizer: false with ep > 1",
+        ),
+    ],
+)  # fmt: skip
+def test_a_megatron_expert_parallel_layout_the_model_cannot_take_is_one_line(
+    tmp_path: Path,
+    config: dict[str, object],
+    train: dict[str, object],
+    actor_train: dict[str, object],
+    message: str,
+) -> None:
+    pipe = _pipeline(
+        model={"path": _moe_config(tmp_path / "moe", **config)},
+        train={"backend": "megatron", **train},
+        clusters={"actor_train": actor_train, "actor_infer": {"devices": [0, 1]}},
+    )
+    with pytest.raises(ConfigError) as info:
+        convert({"pipelines": [pipe]}, LaunchConfig, "my.yaml")
+    assert str(info.value) == f"my.yaml: pipelines[0].{message}"
+
+
+def test_a_megatron_expert_parallel_layout_of_a_moe_model_is_taken(tmp_path: Path) -> None:
+    pipe = _pipeline(
+        model={"path": _moe_config(tmp_path / "moe")},
+        train={"backend": "megatron"},
+        clusters={"actor_train": {"pp": 2, "ep": 2, "devices": [0, 1, 2, 3]},
+                  "actor_infer": {"devices": [0, 1]}},
+    )  # fmt: skip
+    (p,) = convert({"pipelines": [pipe]}, LaunchConfig, "my.yaml").pipelines
+    assert (p.clusters["actor_train"].pp, p.clusters["actor_train"].ep) == (2, 2)
+    assert p.clusters["actor_infer"].ep == 1  # unset: no expert parallel
 
 
 def test_overrides_set_nested_keys_and_list_items() -> None:
@@ -175,7 +267,9 @@ def test_the_demo_runs_the_example_config() -> None:
     two cannot drift; the demo only sets the output and the steps."""
     from rlix_async.demo import demo_config
 
-    assert (ROOT / "examples" / "pipelines.yaml").resolve() == ROOT / "rlix_async" / "quick_demo.yaml"
+    assert (
+        ROOT / "examples" / "pipelines.yaml"
+    ).resolve() == ROOT / "rlix_async" / "quick_demo.yaml"
     example = load_config(ROOT / "examples" / "pipelines.yaml", LaunchConfig)
     demo = demo_config(example.out, steps=example.pipelines[0].steps)
     assert demo == example

@@ -75,6 +75,9 @@ def test_a_journal_of_the_previous_version_replays(tmp_path: Path) -> None:
     assert ev.replay(path, reg) == 4
     assert reg.pipelines["A"].held == {"actor_train": Priority.ACTOR_TRAINING}
     assert reg.pipelines["A"].active == {1}
+    # written before clusters had pp and ep: they read as the sizes of 1 they meant
+    train = reg.pipelines["A"].clusters["actor_train"]
+    assert (train.tp, train.pp, train.ep) == (1, 1, 1)
 
 
 @pytest.mark.parametrize(

@@ -73,6 +73,14 @@ def run(snap: Snapshot) -> Plan:
             {INFER: ClusterSpec(1, (0,)), "critic": ClusterSpec(1, ())},
             "cluster critic: device list is empty",
         ),
+        (
+            {INFER: ClusterSpec(1, (0, 1), ep=2)},
+            "actor_infer: ep=2: expert parallel is actor_train's",
+        ),
+        (
+            {INFER: ClusterSpec(1, (0,)), "actor_train": ClusterSpec(1, (0, 1, 2), pp=1, ep=2)},
+            "actor_train: 3 devices is not a multiple of tp x pp x ep = 1 x 1 x 2",
+        ),
     ],
 )
 def test_bad_topologies_name_cluster_and_rule(clusters, message) -> None:

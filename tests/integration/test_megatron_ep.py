@@ -1,0 +1,114 @@
+"""The Megatron trainer at expert parallel 2 (alone, and with pipeline parallel 2)
+against data parallel 2, under torchrun on this CPU (gloo, Megatron's all-to-all
+token dispatcher) on a tiny Qwen3-MoE (4 experts, top 2): the same HF weights load
+into every layout, each rank reading its own experts; the weight cache gathered from
+the expert-parallel ranks is the same bytes, every expert under its HF name; each
+step's loss and gradient norm agree (expert gradients averaged with their own
+replicas only, over every replica's tokens; the norm over the expert group); shares
+that differ by a row run as many passes (no rank waits forever on the all-to-all);
+checkpoints written at ep 2 and pp 2 x ep 2 resume exactly, and at ep 1 (resharded),
+and a one-rank checkpoint resumes at ep 2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.megatron_tp_runs import assert_same_weights, run_jobs
+from helpers.tiny_text import save_tiny_model
+
+pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("ep")
+    moe = save_tiny_model(root / "model", "qwen3_moe", seed=3, tie_word_embeddings=False)
+    # a row a micro-batch over 7 rows: the replicas' passes differ in number
+    odd = {"model": moe, "tp": 1, "steps": 2, "batches": "odd", "micro_batch_size": 1}
+    out = run_jobs(root, 1, {"tp1": {"model": moe, "tp": 1, "steps": 2}})
+    out |= run_jobs(root, 2, {
+        "dp2": {"model": moe, "tp": 1, "steps": 2},
+        "ep2": {"model": moe, "tp": 1, "ep": 2, "steps": 2},
+        "pp2": {"model": moe, "tp": 1, "pp": 2, "steps": 2},
+        "dp2_odd": odd,
+        "ep2_odd": {**odd, "ep": 2},
+        "ep2_resumed": {"model": moe, "tp": 1, "ep": 2, "steps": 1, "ckpt": root / "ep2" / "ckpt_1"},
+        "ep2_from_dp2": {"model": moe, "tp": 1, "ep": 2, "steps": 1, "ckpt": root / "dp2" / "ckpt_1.pt"},
+        "dp2_from_ep2": {"model": moe, "tp": 1, "steps": 1, "ckpt": root / "ep2" / "ckpt_1"},
+    })  # fmt: skip
+    out |= run_jobs(root, 4, {"pp2_ep2": {"model": moe, "tp": 1, "pp": 2, "ep": 2, "steps": 2}})
+    pp2_ep2 = root / "pp2_ep2" / "ckpt_1"
+    out |= run_jobs(
+        root, 2, {"dp2_from_pp2_ep2": {"model": moe, "tp": 1, "steps": 1, "ckpt": pp2_ep2}}
+    )
+    return out | run_jobs(root, 1, {"tp1_from_pp2_ep2": {"model": moe, "tp": 1, "steps": 1, "ckpt": pp2_ep2}})  # fmt: skip
+
+
+def _same_training(one: dict, other: dict) -> None:
+    assert one["cache_start"].keys() == other["cache_start"].keys()
+    for k, v in one["cache_start"].items():
+        assert torch.equal(other["cache_start"][k], v), k
+    torch.testing.assert_close(other["logits"], one["logits"], atol=1e-5, rtol=1e-5)
+    for a, b in zip(one["figures"], other["figures"], strict=True):
+        # float32, summed in another order over the ranks' experts
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-4)
+    assert_same_weights(other["cache_end"], one["cache_end"])
+
+
+def test_the_cache_holds_every_expert_under_its_hf_name(runs: dict[str, dict]) -> None:
+    cache = runs["ep2"]["cache_start"]
+    for layer in (0, 1):
+        for e in range(4):
+            for w in ("gate", "up", "down"):
+                assert f"model.layers.{layer}.mlp.experts.{e}.{w}_proj.weight" in cache
+    assert not any("local_experts" in k for k in cache)
+    for name in ("tp1", "pp2", "pp2_ep2"):
+        assert runs[name]["cache_start"].keys() == cache.keys(), name
+        for k, v in cache.items():
+            assert torch.equal(runs[name]["cache_start"][k], v), (name, k)
+
+
+def test_ep2_trains_as_dp2(runs: dict[str, dict]) -> None:
+    _same_training(runs["dp2"], runs["ep2"])
+
+
+def test_pp2_x_ep2_trains_as_dp2(runs: dict[str, dict]) -> None:
+    """Four ranks in Megatron's tp-ep-dp-pp order: stage s holds ranks 2s and 2s+1,
+    each with two of the four experts of its layer (and pp 2 alone as one rank)."""
+    _same_training(runs["tp1"], runs["pp2"])
+    _same_training(runs["dp2"], runs["pp2_ep2"])
+
+
+def test_uneven_shares_run_as_many_passes_and_train_as_dp2(runs: dict[str, dict]) -> None:
+    _same_training(runs["dp2_odd"], runs["ep2_odd"])
+
+
+def test_every_step_the_expert_layers_use_that_steps_groups(runs: dict[str, dict]) -> None:
+    for name in ("ep2", "pp2", "pp2_ep2"):
+        assert runs[name]["stale_groups"] == [0, 0], name
+
+
+def test_checkpoints_resume_exactly_and_across_expert_parallel_sizes(
+    runs: dict[str, dict],
+) -> None:
+    second = runs["ep2"]["figures"][1]
+    assert runs["ep2_resumed"]["figures"][0] == second  # bit for bit: the same layout
+    torch.testing.assert_close(
+        runs["ep2_resumed"]["cache_end"], runs["ep2"]["cache_end"], atol=0, rtol=0
+    )
+    # at as many replicas (a step's figures are rank 0's share's): each expert's weights
+    # and moments from the rank that held it
+    for resumed, source in (
+        ("dp2_from_ep2", "ep2"),
+        ("dp2_from_pp2_ep2", "pp2_ep2"),
+        ("ep2_from_dp2", "dp2"),  # a one-rank step_1.pt, its experts shared out
+    ):
+        figures, want = runs[resumed]["figures"][0], runs[source]["figures"][1]
+        assert figures["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6), resumed
+        assert figures["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), resumed
+        assert_same_weights(runs[resumed]["cache_end"], runs[source]["cache_end"])
+    # one rank: the whole batch's update from the resharded state, the same weights
+    assert_same_weights(runs["tp1_from_pp2_ep2"]["cache_end"], runs["pp2_ep2"]["cache_end"])
