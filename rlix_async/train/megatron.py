@@ -54,6 +54,7 @@ from rlix_async.train.megatron_hf import (
 )
 from rlix_async.train.megatron_model import gpt_model, tiny_shape
 from rlix_async.train.megatron_moe import (
+    ExpertLoad,
     check_moe_layout,
     expert_global_name,
     expert_reads,
@@ -137,6 +138,7 @@ class MegatronTrainer:
                 max_grad_norm=self.cfg.max_grad_norm,
             )
             self.parallel.model = self.model
+            self._expert_load = self._count_expert_load()
             if not start_offloaded:
                 self.model = self.model.to(self.device)
             trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -191,6 +193,19 @@ class MegatronTrainer:
         if path:
             self._load_hf(model, path)
         return model
+
+    def _count_expert_load(self) -> ExpertLoad | None:
+        """Forward hooks on the policy's routers counting each expert's tokens (an MoE
+        model only)."""
+        moe = self._shape.get("moe")
+        if moe is None:
+            return None
+
+        def layer(router: str) -> int:
+            full = self._full_name(f"{router}.weight") or ""
+            return int(full.split(".")[2])  # decoder.layers.N.mlp.router.weight
+
+        return ExpertLoad(self.model, layer, self._shape["layers"], moe["experts"])
 
     def _gpt_model(self) -> torch.nn.Module:
         """A GPTModel (this rank's stage and tensor-parallel part) of ``self._shape``,
@@ -331,6 +346,8 @@ class MegatronTrainer:
         self.step_times = dict(self.update.step_times)
         if self.layout.pp > 1:
             stats = self.parallel.from_last_stage(stats)
+        if self._expert_load is not None:
+            stats |= self._expert_load.stats(self.device)
         if self.layout.model_parallel:  # while the group is up: the weight cache needs it whole
             t0 = time.perf_counter()
             self._full = self._gather_model()

@@ -211,3 +211,58 @@ def expert_reads(ep_rank: int, ep: int, experts: int) -> Callable[[str], bool]:
 def is_expert(name: str) -> bool:
     """Whether Megatron's ``name`` is an expert weight (split over expert parallel)."""
     return _LOCAL_EXPERT.search(name) is not None
+
+
+class ExpertLoad:
+    """How many token positions each MoE layer's router sent to each expert in a step's
+    update passes (every row's positions once: pi_old's pass runs in eval mode and a
+    recomputed forward inside the backward is skipped), counted by forward hooks on
+    ``model``'s routers. ``global_layer(name)``: the full model's layer index of a
+    router module's name (pipeline stages hold other layers)."""
+
+    def __init__(
+        self, model: torch.nn.Module, global_layer: Callable[[str], int], layers: int, experts: int
+    ) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.counts = torch.zeros(layers, experts, dtype=torch.float64)
+        self.layers: set[int] = set()
+        for name, module in model.named_modules():
+            if isinstance(module, TopKRouter):
+                layer = global_layer(name)
+                self.layers.add(layer)
+                module.register_forward_hook(self._hook(layer))
+
+    def _hook(self, layer: int) -> Callable[..., None]:
+        def count(module: torch.nn.Module, args: Any, out: Any) -> None:
+            # the update passes only (train mode), not their recomputation in backward
+            if module.training and torch._C._current_autograd_node() is None:
+                routing_map = out[1]  # [tokens, experts], True where routed
+                self.counts[layer] += routing_map.sum(0).to("cpu", torch.float64)
+
+        return count
+
+    def stats(self, device: torch.device) -> dict[str, float]:
+        """The step's figures, summed over every rank (each holds its own tokens of its
+        own layers; MoE trains at tp 1, so no rank repeats another's), then reset: per
+        MoE layer its busiest expert's tokens over the mean (1: balanced; at most E/k)
+        and its idlest's, the busiest and idlest over all layers."""
+        import torch.distributed as dist
+
+        counts, self.counts = self.counts, torch.zeros_like(self.counts)
+        if dist.is_initialized():
+            wire = counts.to(device) if dist.get_backend() == "nccl" else counts
+            dist.all_reduce(wire)
+            counts = wire.cpu()
+        out: dict[str, float] = {}
+        high, low = [], []
+        for layer in range(counts.shape[0]):
+            row = counts[layer]
+            if row.sum() > 0:
+                high.append(float(row.max() / row.mean()))
+                low.append(float(row.min() / row.mean()))
+                out[f"moe/load_max_over_mean/layer_{layer}"] = high[-1]
+        if high:
+            out["moe/load_max_over_mean"] = max(high)
+            out["moe/load_min_over_mean"] = min(low)
+        return out

@@ -12,6 +12,10 @@ the whole vocabulary). The gradient norm counts every weight once over the
 model-parallel group; a tied embedding's two copies sum their gradients over the
 embedding group. With the distributed optimizer each replica steps its share of the
 parameters and sends those weights to the others (``train/distributed_optimizer.py``).
+Under expert parallel (an MoE model's experts shared out over ``ep`` replicas, in
+Megatron's tp-ep-dp-pp order) DDP is off: the dense gradients are averaged over the
+replicas and each expert's over its own replicas, and every expert rank runs as many
+pieces (each MoE layer's forward and backward exchange tokens among them).
 """
 
 from __future__ import annotations

@@ -99,6 +99,7 @@ from rlix_async.train.trainer import TorchTrainer
 out_dir, backend = sys.argv[1], sys.argv[2]
 tp = 2 if backend == "megatron_tp2" else 1  # both ranks one replica
 pp = 2 if backend == "megatron_pp2" else 1  # both ranks one replica, one stage each
+ep = 2 if backend == "megatron_ep2" else 1  # two replicas, two of the MoE's experts each
 kw = {}
 if backend.startswith("megatron"):
     from megatron.core import parallel_state
@@ -108,9 +109,12 @@ else:
     Trainer, TrainConfig = TorchTrainer, TorchTrainConfig
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
-if tp * pp > 1:
-    kw = {"tp": tp, "pp": pp, "store": store}
-model = ModelConfig(vocab_size=63 if tp > 1 else 64, layers=pp, hidden=64 * tp)
+if tp * pp * ep > 1:
+    kw = {"tp": tp, "pp": pp, "ep": ep, "store": store}
+if ep > 1:  # a tiny Qwen3-MoE directory
+    model = ModelConfig(path=sys.argv[3])
+else:
+    model = ModelConfig(vocab_size=63 if tp > 1 else 64, layers=pp, hidden=64 * tp)
 t = Trainer(TrainConfig(), model, rank=rank, world=world, **kw)
 cuda = t.device.type == "cuda"
 g = [Group([1, 2], [[3, 4, 5], [6, 7, 8]], [[-4.0] * 3] * 2, [[0] * 3] * 2, [1.0, 0.0])] * 2
@@ -122,7 +126,7 @@ for i in range(20):
     losses.append(t.train_step(g)["loss"])
     t.destroy_group(); t.offload()
     # after the offload, as the pipeline publishes (rank 0 holds the whole model at tp x pp > 1)
-    w = t.weights_for_cache() if tp * pp == 1 or rank == 0 else {}
+    w = t.weights_for_cache() if tp * pp * ep == 1 or rank == 0 else {}
     assert not dist.is_initialized()
     if backend.startswith("megatron"):
         assert not parallel_state.model_parallel_is_initialized()
@@ -140,11 +144,12 @@ with open(f"{out_dir}/rank{rank}.json", "w") as fh:
 
 
 def run_cycles(
-    tmp_path: Path, backend: str, timeout: float = 280, cuda: bool = False
+    tmp_path: Path, backend: str, timeout: float = 280, cuda: bool = False, model: str = ""
 ) -> list[dict]:
     """20 train/export/offload/destroy cycles on 2 torchrun ranks; asserts nothing leaked.
-    ``backend``: torch, megatron (data parallel 2), megatron_tp2 (tensor parallel 2) or
-    megatron_pp2 (pipeline parallel 2).
+    ``backend``: torch, megatron (data parallel 2), megatron_tp2 (tensor parallel 2),
+    megatron_pp2 (pipeline parallel 2) or megatron_ep2 (expert parallel 2 of the MoE
+    directory ``model``).
 
     ``cuda=False`` hides every CUDA device (gloo on the host, whatever the machine);
     ``cuda=True`` needs two devices, one per rank, and checks device memory too.
@@ -164,6 +169,7 @@ def run_cycles(
             str(script),
             str(tmp_path),
             backend,
+            model,
         ],
         capture_output=True,
         text=True,
@@ -172,7 +178,11 @@ def run_cycles(
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    if backend not in ("megatron_tp2", "megatron_pp2"):  # (else rank 0 alone holds it whole)
+    if backend not in (
+        "megatron_tp2",
+        "megatron_pp2",
+        "megatron_ep2",
+    ):  # (else rank 0 alone holds it whole)
         assert rows[0]["weights"] == rows[1]["weights"]  # DDP kept the replicas identical
     assert [r["device"] for r in rows] == (["cuda:0", "cuda:1"] if cuda else ["cpu", "cpu"])
     for r in rows:

@@ -11,6 +11,8 @@ and a one-rank checkpoint resumes at ep 2."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers.megatron_tp_runs import assert_same_weights, run_jobs
@@ -82,6 +84,23 @@ def test_pp2_x_ep2_trains_as_dp2(runs: dict[str, dict]) -> None:
     _same_training(runs["dp2"], runs["pp2_ep2"])
 
 
+def test_rows_carry_each_layers_expert_load_over_every_rank(runs: dict[str, dict]) -> None:
+    """The busiest expert's positions over the mean, per MoE layer, counted where each
+    layer's router runs and summed over the ranks: the same at every layout that cuts
+    the rows into the same pieces (padding positions are routed too)."""
+    keys = {"moe/load_max_over_mean", "moe/load_min_over_mean"} | {
+        f"moe/load_max_over_mean/layer_{n}" for n in (0, 1)
+    }
+    for pair in (("tp1", "pp2"), ("dp2", "ep2"), ("dp2", "pp2_ep2")):
+        want, got = (runs[name]["figures"][0] for name in pair)
+        assert keys <= want.keys(), want.keys()
+        for k in keys:
+            assert got[k] == pytest.approx(want[k], rel=1e-9), (pair, k)
+        # top 2 of 4 experts: between balanced (1) and two experts taking all (2)
+        assert 1 <= want["moe/load_max_over_mean"] <= 2
+        assert 0 <= want["moe/load_min_over_mean"] <= 1
+
+
 def test_uneven_shares_run_as_many_passes_and_train_as_dp2(runs: dict[str, dict]) -> None:
     _same_training(runs["dp2_odd"], runs["ep2_odd"])
 
@@ -112,3 +131,17 @@ def test_checkpoints_resume_exactly_and_across_expert_parallel_sizes(
         assert_same_weights(runs[resumed]["cache_end"], runs[source]["cache_end"])
     # one rank: the whole batch's update from the resharded state, the same weights
     assert_same_weights(runs["tp1_from_pp2_ep2"]["cache_end"], runs["pp2_ep2"]["cache_end"])
+
+
+def test_twenty_cycles_at_expert_parallel_2_leak_nothing(tmp_path: Path) -> None:
+    """Per step: the parallel state with its expert groups, the all-to-all dispatcher's
+    groups rebound, the experts gathered onto rank 0; RSS flat after warm-up on both
+    ranks (tests/helpers/trainer.py)."""
+    from helpers.trainer import run_cycles
+
+    moe = save_tiny_model(tmp_path / "model", "qwen3_moe", seed=3)
+    rows = run_cycles(tmp_path, "megatron_ep2", timeout=380, model=str(moe))
+    assert rows[0]["weights"] and not rows[1]["weights"]
+    # the weights rank 0 publishes hold every expert, its own and rank 1's
+    downs = [k for k in rows[0]["weights"] if k.endswith("down_proj.weight") and "experts" in k]
+    assert len(downs) == 2 * 4
