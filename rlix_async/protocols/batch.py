@@ -39,6 +39,12 @@ class Group(msgspec.Struct):
     # response, the episode (0, 1, ...) it belongs to, so advantages are the episodes'
     # (a split episode weighs no more in the group's mean); empty: one each
     members: list[int] = []
+    # mixture-of-experts routing replay (train.routing_replay): per response, the experts
+    # the engine's routers chose for every token it computed as an input, i.e. positions
+    # 0 .. len(prompt) + len(response) - 2 of prompt + response: uint8 [positions,
+    # MoE layers (in layer order), top k (in the router's rank order)], C order; b"" for
+    # a response the engine recorded none for; empty: none at all
+    routes: list[bytes] = []
 
     def __post_init__(self) -> None:
         n = len(self.responses)
@@ -57,6 +63,8 @@ class Group(msgspec.Struct):
             raise ValueError("group: one member index per response, numbering episodes from 0")
         if self.members and len(set(zip(self.members, self.rewards, strict=True))) != self.size:
             raise ValueError("group: an episode's trajectories share its reward")
+        if self.routes and len(self.routes) != n:
+            raise ValueError("group: one routes entry per response (b'' for none)")
         if self.masks and (
             len(self.masks) != n
             or any(len(m) != len(r) for m, r in zip(self.masks, self.responses, strict=True))
