@@ -100,6 +100,18 @@ class TrainSection(Config, frozen=True, tag_field="backend"):
         ),
     ] = None
     loss: Annotated[LossConfig, doc("The policy loss.")] = LossConfig()
+    routing_replay: Annotated[
+        Literal["auto", "none", "rollout"],
+        doc(
+            "Mixture-of-experts models: rollout makes the trainer's routers pick the "
+            "experts the engine's routers picked for each token it generated from (the "
+            "shards record them; megatron backend), so rounding differences between the "
+            "two cannot send a token through other experts and blow up its importance "
+            "ratio; rows carry routing_agreement, how often the trainer's own choice "
+            "agreed. none: the trainer routes on its own. auto: rollout for an MoE model "
+            "under the megatron backend, else none."
+        ),
+    ] = "auto"
 
     def __post_init__(self) -> None:
         if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
@@ -111,6 +123,12 @@ class TrainSection(Config, frozen=True, tag_field="backend"):
     def check_layout(self, spec: ClusterSpec, model: ModelConfig) -> None:
         """The trainer's layout (``clusters.actor_train``) for this backend: data
         parallel only unless a backend says otherwise (raises ``field: why``)."""
+        if self.routing_replay == "rollout":
+            raise invalid(
+                "train.routing_replay",
+                f"rollout: the {self.backend} backend routes on its own (routing replay "
+                "is the megatron backend's); use auto or none",
+            )
         key = next((k for k in ("tp", "pp", "ep") if getattr(spec, k) != 1), None)
         if key is not None:
             raise invalid(
@@ -171,6 +189,9 @@ class MegatronTrainConfig(TrainSection, frozen=True, tag="megatron"):
         devices a multiple of tp x pp x ep (where each rank sits:
         protocols/topology.trainer_place)."""
         tp, pp, ep = spec.tp, spec.pp, spec.ep
+        if self.routing_replay == "rollout" and not moe_experts(model):
+            raise invalid("train.routing_replay", "rollout: routing replay needs a "
+                          "mixture-of-experts model (auto turns it on for one)")  # fmt: skip
         if tp == 1 and pp == 1 and ep == 1:
             return
         what = next(f"{k}={getattr(spec, k)}" for k in ("tp", "pp", "ep") if getattr(spec, k) != 1)
@@ -242,3 +263,24 @@ class CustomTrainConfig(TrainSection, frozen=True, kw_only=True, tag="custom"):
 
 # The trainer section: which fields exist depends on ``backend`` (torch when unset).
 TrainConfig = TorchTrainConfig | MegatronTrainConfig | CustomTrainConfig
+
+
+def moe_experts(model: ModelConfig) -> int | None:
+    """The routed experts of ``model`` (None: a dense model, or no readable config)."""
+    if model.path is None:
+        return None
+    try:
+        c = json.loads((Path(model.path) / "config.json").read_text())
+        # Qwen3-MoE checkpoints say num_experts, transformers 5 writes num_local_experts
+        experts = c.get("num_experts") or c.get("num_local_experts")
+        return int(experts) if experts else None
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def replays_routes(train: TrainSection, model: ModelConfig) -> bool:
+    """Whether the trainer replays the engine's routing (``train.routing_replay``
+    resolved): the shards record routes exactly when this holds."""
+    if train.routing_replay == "auto":
+        return train.backend == "megatron" and moe_experts(model) is not None
+    return train.routing_replay == "rollout"

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 # is an extra)
 BACKENDS = {
     "torch": "rlix_async.train.trainer:BACKEND",
-    "megatron": "rlix_async.train.megatron:BACKEND",
+    "megatron": "rlix_async.train.megatron_backend:BACKEND",
 }
 
 

@@ -16,6 +16,12 @@ from rlix_async.train import lora as lora_utils
 from rlix_async.train.packing import Piece
 from rlix_async.train.policy_update import sampling_token_logp
 
+
+def _nothing(piece: Piece) -> None:
+    return None
+
+
+BeforePiece = Callable[[Piece], None]
 # Logits [B, positions, V] of the last ``keep`` positions of ``ids`` under ``model``.
 ForwardLogits = Callable[[torch.nn.Module, torch.Tensor, int], torch.Tensor]
 
@@ -83,15 +89,23 @@ class DataParallel:
     def grads_averaged(self) -> bool:
         return self.ddp is not None
 
-    def forward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
+    def forward(
+        self, model: torch.nn.Module, pieces: list[Piece], before: BeforePiece = _nothing
+    ) -> None:
+        """``before(piece)`` runs before each piece's forward (a backend's per-piece
+        state: the routes a mixture-of-experts model replays)."""
         for p in pieces:
+            before(p)
             p.take(self.logits(model, p.ids, p.width + 1))
 
-    def forward_backward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
+    def forward_backward(
+        self, model: torch.nn.Module, pieces: list[Piece], before: BeforePiece = _nothing
+    ) -> None:
         """Gradients add up over the pieces; under DDP they are reduced once, after the
         last."""
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         for j, p in enumerate(pieces):
+            before(p)
             last = j == len(pieces) - 1
             with contextlib.nullcontext() if last or not ddp else model.no_sync():  # type: ignore[operator]
                 p.take(self.logits(model, p.ids, p.width + 1)).backward()

@@ -5,7 +5,7 @@ The same time-sharing cycle as the torch backend (protocols/trainer.py), with
 Megatron's parallel state built and destroyed with each step's group. HF
 Llama-family and Qwen3-MoE weights come in through ``hf_to_megatron`` and leave
 through ``megatron_to_hf`` (vLLM's loader takes those names); other families are
-refused by :func:`model_shape`, at launch (``MegatronBackend.check``), as is an MoE
+refused by :func:`model_shape`, at launch (``megatron_backend.MegatronBackend.check``), as is an MoE
 model at a layout not built for it (``check_moe_layout``).
 
 Composed, not derived: the step is train/policy_update.py's (every backend's), run
@@ -31,12 +31,11 @@ import torch
 import torch.distributed as dist
 
 from rlix_async.config import MegatronTrainConfig, ModelConfig, resolve_dtype
+from rlix_async.config.training import replays_routes
 from rlix_async.models.hf import load_hf_model
 from rlix_async.protocols.batch import Group
 from rlix_async.train import sharded_checkpoint
 from rlix_async.train.checkpoints import (
-    checkpoint_due,
-    checkpoint_path,
     read_checkpoint,
     rng_state,
     set_rng_state,
@@ -77,12 +76,13 @@ from rlix_async.train.precision import (
     cast_floats,
     drop_main_params,
 )
+from rlix_async.train.routing_replay import RouteReplay
 from rlix_async.train.sharded_checkpoint import ShardedCheckpoint, sharded_path
 from rlix_async.train.stage_transfer import gather_model
 from rlix_async.train.tensor_parallel import check_shape, pad_vocab_rows, shard, shard_tensor
 
 if TYPE_CHECKING:
-    from rlix_async.config import PipelineConfig
+    pass
 
 
 class MegatronTrainer:
@@ -138,7 +138,7 @@ class MegatronTrainer:
                 max_grad_norm=self.cfg.max_grad_norm,
             )
             self.parallel.model = self.model
-            self._expert_load = self._count_expert_load()
+            self._expert_load = self._moe_hooks()
             if not start_offloaded:
                 self.model = self.model.to(self.device)
             trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -154,6 +154,9 @@ class MegatronTrainer:
         self.update = PolicyUpdate(
             self.cfg, self.parallel, self.device, total_steps=total_steps or 0
         )
+        if self.parallel.replay is not None:  # the batch carries the engine's routes
+            moe = self._shape["moe"]
+            self.update.route_shape = (sum(moe["layers"]), moe["topk"])
         self.step = 0
         self.step_times: dict[str, float] = {}
         self._memory = DeviceOffload(self.device)
@@ -194,17 +197,27 @@ class MegatronTrainer:
             self._load_hf(model, path)
         return model
 
-    def _count_expert_load(self) -> ExpertLoad | None:
-        """Forward hooks on the policy's routers counting each expert's tokens (an MoE
-        model only)."""
+    @property
+    def _replays(self) -> bool:
+        """Whether the policy replays the engine's routing (an MoE model's setting)."""
+        return self._shape.get("moe") is not None and replays_routes(self.cfg, self.model_cfg)
+
+    def _moe_hooks(self) -> ExpertLoad | None:
+        """An MoE policy's router hooks: each expert's load counted, and the engine's
+        routes replayed when it does (``train/routing_replay.py``; the routes' columns
+        are the MoE layers in order)."""
         moe = self._shape.get("moe")
         if moe is None:
             return None
 
-        def layer(router: str) -> int:
+        def layer(router: str) -> int:  # the full model's layer of this rank's router
             full = self._full_name(f"{router}.weight") or ""
             return int(full.split(".")[2])  # decoder.layers.N.mlp.router.weight
 
+        if self._replays:
+            moe_layers = [i for i, is_moe in enumerate(moe["layers"]) if is_moe]
+            recompute = self.cfg.recompute == "full"
+            self.parallel.replay = RouteReplay(self.model, layer, moe_layers.index, recompute)
         return ExpertLoad(self.model, layer, self._shape["layers"], moe["experts"])
 
     def _gpt_model(self) -> torch.nn.Module:
@@ -217,8 +230,9 @@ class MegatronTrainer:
         self.parallel_state(self._store if lay.model_parallel else None, "gloo")
         torch.manual_seed(self.seed)
         model = gpt_model(
-            self._shape, self.dtype, self.cfg.recompute, lay.tp, lay.pp, lay.stage, lay.ep
-        )
+            self._shape, self.dtype, self.cfg.recompute, lay.tp, lay.pp, lay.stage, lay.ep,
+            routing_replay=self._replays,
+        )  # fmt: skip
         if not lay.model_parallel:
             lay.destroy()  # the time-sharing cycle creates groups per step
         return model
@@ -348,6 +362,8 @@ class MegatronTrainer:
             stats = self.parallel.from_last_stage(stats)
         if self._expert_load is not None:
             stats |= self._expert_load.stats(self.device)
+        if self.parallel.replay is not None:
+            stats |= self.parallel.replay.stats(self.device)
         if self.layout.model_parallel:  # while the group is up: the weight cache needs it whole
             t0 = time.perf_counter()
             self._full = self._gather_model()
@@ -542,47 +558,3 @@ class MegatronTrainer:
         s = self._shape
         hf = megatron_to_hf(self._model_state(), s["heads"], s["groups"], s["head_dim"])
         return cast_floats(hf, self.dtype)
-
-
-class MegatronBackend:
-    """``train.backend: megatron`` (train/backends.py)."""
-
-    def build(
-        self, cfg: PipelineConfig, rank: int, world: int, store: dist.Store | None
-    ) -> MegatronTrainer:
-        assert isinstance(cfg.train, MegatronTrainConfig)  # the registry's choice
-        spec = cfg.clusters["actor_train"]
-        # in host memory until the first grant: the devices are not the pipeline's yet
-        return MegatronTrainer(
-            cfg.train,
-            cfg.model,
-            tp=spec.tp,
-            pp=spec.pp,
-            ep=spec.ep,
-            store=store,
-            checkpoint_to=lambda step: (
-                checkpoint_path(cfg.run_dir, step) if checkpoint_due(step, cfg) else None
-            ),
-            seed=cfg.seed,
-            rank=rank,
-            world=world,
-            start_offloaded=True,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            total_steps=cfg.steps,
-        )
-
-    def check(self, cfg: PipelineConfig) -> None:
-        """A model directory of a family it would build wrong, or an MoE model at a
-        layout not built for it, is refused (one line)."""
-        if cfg.model.path:
-            spec = cfg.clusters["actor_train"]
-            check_moe_layout(model_shape(cfg.model.path).get("moe"), spec.tp, spec.pp, spec.ep)
-
-    def hf_state(self, state: dict[str, Any], base: Path) -> dict[str, Any]:
-        """A checkpoint's model, in Megatron's names, in the base's HF names."""
-        s = model_shape(str(base))
-        return megatron_to_hf(state, s["heads"], s["groups"], s["head_dim"])
-
-
-BACKEND = MegatronBackend()

@@ -56,6 +56,8 @@ def gpt_model(
     pp: int,
     stage: int,
     ep: int = 1,
+    *,
+    routing_replay: bool = False,
 ) -> torch.nn.Module:
     """Stage ``stage`` of ``pp`` of a GPTModel of ``shape`` (this rank's tensor- and
     expert-parallel part, under Megatron's current parallel state), in ``dtype``, in
@@ -99,6 +101,8 @@ def gpt_model(
         qk_layernorm=bool(s.get("qk_norm")),
         **recompute_config(recompute),
         **(pipeline_config(pp, dtype) | (moe_config(moe, ep, pp) if moe is not None else {})),
+        # each router gets a RouterReplay hook (train/routing_replay.py drives it)
+        moe_enable_routing_replay=routing_replay,
     )
     if moe is not None:  # the local spec makes every layer MoE: the block spec reads which
         spec: Any = get_gpt_decoder_block_spec(

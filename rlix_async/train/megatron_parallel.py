@@ -30,6 +30,7 @@ from rlix_async.train.data_parallel import DataParallel
 from rlix_async.train.distributed_optimizer import ParameterOwners
 from rlix_async.train.megatron_model import rebind_groups, run_model, seed_rng_tracker
 from rlix_async.train.packing import Piece
+from rlix_async.train.routing_replay import RouteReplay
 from rlix_async.train.vocab_parallel import vocab_parallel_logp
 
 
@@ -134,6 +135,7 @@ class MegatronParallel:
         self.max_grad_norm = max_grad_norm
         self.owners: ParameterOwners | None = None  # the distributed optimizer's shares
         self.model: torch.nn.Module | None = None  # the policy (its tied embedding's grads)
+        self.replay: RouteReplay | None = None  # an MoE policy replaying the engine's routes
         # pipeline parallel 1: one stage per replica, DDP over the replicas
         self.data = DataParallel(
             layout.device,
@@ -215,19 +217,34 @@ class MegatronParallel:
 
     def forward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
         pieces = self._in_step(pieces, backward=False)
-        if self.layout.pp == 1:
-            self.data.forward(model, pieces)
-        else:
-            self._schedule(model, pieces, forward_only=True)
+        try:
+            if self.layout.pp == 1:
+                self.data.forward(model, pieces, self._before)
+            else:
+                self._schedule(model, pieces, forward_only=True)
+        finally:
+            self._before(None)
 
     def forward_backward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
         pieces = self._in_step(pieces, backward=True)
-        if self.layout.pp == 1:
-            self.data.forward_backward(model, pieces)
-        else:
-            self._schedule(model, pieces, forward_only=False)
+        if self.replay is not None:  # the update passes see every row once a step
+            self.replay.counting = True
+        try:
+            if self.layout.pp == 1:
+                self.data.forward_backward(model, pieces, self._before)
+            else:
+                self._schedule(model, pieces, forward_only=False)
+        finally:
+            self._before(None)
         if self.manual_reduce:
             self._reduce_grads()
+
+    def _before(self, piece: Piece | None) -> None:
+        """The routes the next piece's forward replays (None: the pass is over)."""
+        if self.replay is not None:
+            self.replay.set(piece.routes if piece is not None else None)
+            if piece is None:
+                self.replay.counting = False
 
     def _in_step(self, pieces: list[Piece], backward: bool) -> list[Piece]:
         """``pieces``, padded under expert parallel to as many as the most any replica
@@ -257,6 +274,7 @@ class MegatronParallel:
 
         def step(it: Any, stage_model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             piece = next(it)
+            self._before(piece)
             out = run_model(stage_model, piece.ids, gather=vocab is not None)
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:

@@ -16,16 +16,24 @@ import torch
 from rlix_async.protocols.batch import Group
 from rlix_async.train.algo import group_advantages
 
+NO_ROUTE = 255  # a position the engine recorded no expert for (uint8 routes)
 
-def pack_batch(groups: list[Group], rank: int, world: int) -> dict[str, torch.Tensor]:
+
+def pack_batch(
+    groups: list[Group], rank: int, world: int, routes: tuple[int, int] | None = None
+) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s share (every ``world``-th row) of ``groups``' trajectories.
 
     ``ids`` [B, L] the tokens; ``mask``, ``behavior`` [B, W] per predicted position from
     the first position any row's response needs (the sampler's log-probs, and which
     positions are trained on); ``adv`` [B] each row's group-normalised advantage;
-    ``lengths`` [B] each row's tokens before its padding.
+    ``lengths`` [B] each row's tokens before its padding. With ``routes`` (MoE layers,
+    top k) and any group carrying them: ``routes`` [B, L, layers, k] uint8, the
+    engine's experts per position (``NO_ROUTE`` where it recorded none: padding, the
+    last token, a row without routes or whose routes do not fit its length).
     """
     rows: list[tuple[list[int], int, list[float], float, list[int] | None]] = []
+    recorded: list[bytes] = []
     for g in groups:
         if g.members:  # several trajectories of one episode: the episodes' advantages
             reward_of = dict(zip(g.members, g.rewards, strict=True))  # alike within one
@@ -36,7 +44,8 @@ def pack_batch(groups: list[Group], rank: int, world: int) -> dict[str, torch.Te
         masks: list[list[int] | None] = list(g.masks) or [None] * len(g.responses)
         for resp, lps, a, m in zip(g.responses, g.logprobs, adv.tolist(), masks, strict=True):
             rows.append((g.prompt + resp, len(g.prompt), lps, a, m))
-    rows = rows[rank::world]
+        recorded += g.routes or [b""] * len(g.responses)
+    rows, recorded = rows[rank::world], recorded[rank::world]
     longest = max(len(r[0]) for r in rows)
     # Position t predicts token t+1, so responses are predicted from position plen-1
     # on. The per-position tensors (mask, behaviour, and the log-probs made to match
@@ -55,7 +64,26 @@ def pack_batch(groups: list[Group], rank: int, world: int) -> dict[str, torch.Te
         behavior[i, span] = torch.tensor(lps, dtype=torch.float32)
     adv_rows = torch.tensor([r[3] for r in rows], dtype=torch.float32)
     lengths = torch.tensor([len(r[0]) for r in rows], dtype=torch.long)
-    return {"ids": ids, "mask": mask, "behavior": behavior, "adv": adv_rows, "lengths": lengths}
+    out = {"ids": ids, "mask": mask, "behavior": behavior, "adv": adv_rows, "lengths": lengths}
+    if routes is not None and any(recorded):
+        out["routes"] = pack_routes(recorded, [len(r[0]) for r in rows], longest, routes)
+    return out
+
+
+def pack_routes(
+    recorded: list[bytes], lengths: list[int], longest: int, shape: tuple[int, int]
+) -> torch.Tensor:
+    """Each row's routes (positions 0 .. length - 2, ``shape`` = (layers, k) each) in a
+    [rows, longest, layers, k] uint8 tensor, ``NO_ROUTE`` elsewhere; a row whose bytes
+    are not exactly that many positions' gets none (never a misaligned replay)."""
+    layers, k = shape
+    out = torch.full((len(recorded), longest, layers, k), NO_ROUTE, dtype=torch.uint8)
+    for i, (raw, n) in enumerate(zip(recorded, lengths, strict=True)):
+        if raw and len(raw) == (n - 1) * layers * k:
+            out[i, : n - 1] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(
+                n - 1, layers, k
+            )
+    return out
 
 
 def micro_batches(
@@ -85,8 +113,10 @@ class Piece(NamedTuple):
     """One forward pass of a step: the token ``ids`` (rows x positions), how many of
     their last tokens are predicted (``width``), and what ``take`` does with the logits
     of the ``width`` + 1 positions before them (a loss to backpropagate, or a zero
-    after storing log-probs)."""
+    after storing log-probs). ``routes``: the engine's experts for ``ids`` (rows x
+    positions x MoE layers x k, in host memory; None: the model routes on its own)."""
 
     ids: torch.Tensor
     width: int
     take: Take
+    routes: torch.Tensor | None = None

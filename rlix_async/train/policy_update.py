@@ -130,8 +130,18 @@ class PolicyUpdate:
         self.total_steps = total_steps
         self.adapter_reference = adapter_reference
         self.step_times: dict[str, float] = {}  # the last run's, by part
+        # (MoE layers, top k) when the backend replays the engine's routing: the batch
+        # then carries the routes each piece's forward takes
+        self.route_shape: tuple[int, int] | None = None
+        self.routes: torch.Tensor | None = None  # the step's, this rank's rows (host)
         # tests and backends may replace it (a pass that cannot be shared)
         self.passes_agree = passes_agree
+
+    def piece_routes(self, rows: torch.Tensor, positions: int) -> torch.Tensor | None:
+        """The step's routes of ``rows``' first ``positions`` (None: none recorded)."""
+        if self.routes is None:
+            return None
+        return self.routes[rows.cpu(), :positions]
 
     def has_reference(self, reference: torch.nn.Module | None) -> bool:
         return reference is not None or (self.adapter_reference and self.cfg.loss.kl_coef > 0)
@@ -163,7 +173,9 @@ class PolicyUpdate:
             clock.append(time.perf_counter())
             return round(clock[-1] - clock[-2], 4)
 
-        share = pack_batch(groups, self.parallel.dp_rank, self.parallel.dp_world)
+        share = pack_batch(groups, self.parallel.dp_rank, self.parallel.dp_world, self.route_shape)
+        # routes stay in host memory (layers x k bytes a token): each piece takes its own
+        self.routes = share.pop("routes", None)
         t = {k: v.to(self.device) for k, v in share.items()}
         n = t["ids"].shape[0]
         order = torch.arange(n, device=self.device)
@@ -231,7 +243,7 @@ class PolicyUpdate:
                     entropy_sum.add_((ent * t["mask"][idx]).sum().cpu())
                 return logits.new_zeros(())
 
-            return Piece(ids, width, take)
+            return Piece(ids, width, take, self.piece_routes(idx, ids.shape[1]))
 
         with torch.no_grad():
             if ref is not None:
@@ -293,7 +305,8 @@ class _Update:
             # up to this piece's own longest row: the padding after it costs nothing
             w = max(max(lengths[r] for r in rows) - 1 - first, 1)
             ids = t["ids"][mi, : first + 1 + w]
-            pieces.append(Piece(ids, w, self._loss_of(mi, ids, w, is_old)))
+            routes = self.owner.piece_routes(mi, ids.shape[1])
+            pieces.append(Piece(ids, w, self._loss_of(mi, ids, w, is_old), routes))
         parallel.forward_backward(parallel.training_model(self.model), pieces)
         norm = parallel.clip_grads(list(lora_utils.trainable(self.model)))
         # A non-finite gradient would write NaN into every weight and every later

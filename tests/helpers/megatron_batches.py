@@ -32,3 +32,26 @@ def _odd(groups: list[Group]) -> list[Group]:
 
 
 ODD_BATCHES = [_odd(b) for b in BATCHES]
+
+
+def with_routes(batches: list[list[Group]], layers: int, k: int, experts: int) -> list[list[Group]]:
+    """``batches`` with engine routes for every response (routing replay): fixed
+    pseudo-random experts, k distinct per position and layer, for positions 0 ..
+    len(prompt) + len(response) - 2."""
+    out = []
+    for b, groups in enumerate(batches):
+        routed = []
+        for g_i, g in enumerate(groups):
+            routes = []
+            for r_i, r in enumerate(g.responses):
+                n = len(g.prompt) + len(r) - 1
+                flat = bytearray()
+                for t in range(n):
+                    for layer in range(layers):
+                        first = (b * 7 + g_i * 5 + r_i * 3 + t * 11 + layer * 13) % experts
+                        flat += bytes((first + j) % experts for j in range(k))
+                routes.append(bytes(flat))
+            routed.append(Group(g.prompt, g.responses, g.logprobs, g.versions, g.rewards,
+                                routes=routes))  # fmt: skip
+        out.append(routed)
+    return out

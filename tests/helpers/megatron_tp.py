@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from helpers.megatron_batches import BATCHES, ODD_BATCHES
+from helpers.megatron_batches import BATCHES, ODD_BATCHES, with_routes
 from rlix_async.config import MegatronTrainConfig, ModelConfig
 from rlix_async.train.megatron import MegatronTrainer
 from rlix_async.train.packing import Piece
@@ -68,7 +68,9 @@ def run(
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     store = dist.FileStore(str(out / f"store-{tp}x{pp}x{ep}-{world}-{ckpt is not None}"), world)
-    steps_batches = BATCHES if batches == "even" else ODD_BATCHES
+    steps_batches = BATCHES if batches != "odd" else ODD_BATCHES
+    if batches == "routes":  # a tiny Qwen3-MoE's: 2 MoE layers, top 2 of 4 experts
+        steps_batches = with_routes(BATCHES, 2, 2, 4)
     torch.manual_seed(0)
     trainer = MegatronTrainer(
         MegatronTrainConfig(  # two micro-batches per minibatch at one replica: interleaved

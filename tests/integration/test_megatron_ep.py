@@ -34,12 +34,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "ep2": {"model": moe, "tp": 1, "ep": 2, "steps": 2},
         "pp2": {"model": moe, "tp": 1, "pp": 2, "steps": 2},
         "dp2_odd": odd,
+        "dp2_routes": {"model": moe, "tp": 1, "steps": 2, "batches": "routes"},
+        "ep2_routes": {"model": moe, "tp": 1, "ep": 2, "steps": 2, "batches": "routes"},
         "ep2_odd": {**odd, "ep": 2},
         "ep2_resumed": {"model": moe, "tp": 1, "ep": 2, "steps": 1, "ckpt": root / "ep2" / "ckpt_1"},
         "ep2_from_dp2": {"model": moe, "tp": 1, "ep": 2, "steps": 1, "ckpt": root / "dp2" / "ckpt_1.pt"},
         "dp2_from_ep2": {"model": moe, "tp": 1, "steps": 1, "ckpt": root / "ep2" / "ckpt_1"},
     })  # fmt: skip
-    out |= run_jobs(root, 4, {"pp2_ep2": {"model": moe, "tp": 1, "pp": 2, "ep": 2, "steps": 2}})
+    out |= run_jobs(root, 4, {
+        "pp2_ep2": {"model": moe, "tp": 1, "pp": 2, "ep": 2, "steps": 2},
+        "pp2_ep2_routes": {"model": moe, "tp": 1, "pp": 2, "ep": 2, "steps": 2, "batches": "routes"},
+    })  # fmt: skip
     pp2_ep2 = root / "pp2_ep2" / "ckpt_1"
     out |= run_jobs(
         root, 2, {"dp2_from_pp2_ep2": {"model": moe, "tp": 1, "steps": 1, "ckpt": pp2_ep2}}
@@ -99,6 +104,22 @@ def test_rows_carry_each_layers_expert_load_over_every_rank(runs: dict[str, dict
         # top 2 of 4 experts: between balanced (1) and two experts taking all (2)
         assert 1 <= want["moe/load_max_over_mean"] <= 2
         assert 0 <= want["moe/load_min_over_mean"] <= 1
+
+
+def test_replayed_routes_train_alike_at_every_layout(runs: dict[str, dict]) -> None:
+    """The batches carry engine routes (train/routing_replay.py): each rank's routers
+    take its own rows' routes, each stage its own layers' columns, so the layouts
+    train alike; the routes are not the model's own, so the step differs from the
+    unreplayed one and agreement is partial (the same count at every layout)."""
+    _same_training(runs["dp2_routes"], runs["ep2_routes"])
+    _same_training(runs["dp2_routes"], runs["pp2_ep2_routes"])
+    one, routed = runs["dp2"]["figures"][0], runs["dp2_routes"]["figures"][0]
+    assert "routing_agreement" not in one
+    assert 0 < routed["routing_agreement"] < 1
+    assert routed["loss"] != pytest.approx(one["loss"], rel=1e-3)
+    for name in ("ep2_routes", "pp2_ep2_routes"):
+        got = runs[name]["figures"][0]["routing_agreement"]
+        assert got == pytest.approx(routed["routing_agreement"], abs=1e-9), name
 
 
 def test_uneven_shares_run_as_many_passes_and_train_as_dp2(runs: dict[str, dict]) -> None:

@@ -273,7 +273,7 @@ def _export_is_the_checkpoint(ckpts: Path, base: Path, hf: Path) -> None:
     import transformers
     from safetensors.torch import load_file
 
-    from rlix_async.train.megatron import MegatronBackend
+    from rlix_async.train.megatron_backend import MegatronBackend
     from rlix_async.train.sharded_checkpoint import ShardedCheckpoint
 
     ckpt = max(ckpts.glob("step_*"), key=lambda p: int(p.name.split("_")[1].split(".")[0]))
