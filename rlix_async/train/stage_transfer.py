@@ -1,18 +1,22 @@
 """The whole model gathered onto rank 0 of a model-parallel trainer, which builds the
 weight cache from it (:func:`gather_model`): each stage's tensor-parallel parts onto its
-first rank (an all-gather), then each stage's part to rank 0 as named tensors over the
-default process group (:func:`send_tensors`, :func:`recv_tensors`); under expert
-parallel the replicas holding the other experts send those too.
+first rank (an all-gather per bucket), then each stage's part to rank 0 as named
+tensors over the default process group (:func:`send_tensors`, :func:`recv_tensors`);
+under expert parallel the replicas holding the other experts send those too.
 
 A header first (its length, then UTF-8 JSON of each tensor's name, dtype and shape:
-plain values, never pickle), then the tensors in its order. Under NCCL the tensors
-travel on the device and land in host memory; under gloo they stay on the host.
+plain values, never pickle), then the tensors in its order, packed into buckets of one
+dtype (:func:`buckets`: at most ``BUCKET_BYTES``, as the weight cache's) so a model of
+a thousand tensors costs a few collectives, not a thousand. Under NCCL the tensors
+travel on the device and land in host memory, each bucket's copy to page-locked host
+memory overlapping the next bucket's transfer; under gloo they stay on the host.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,61 +33,134 @@ _DTYPES = {
 }
 
 
+BUCKET_BYTES = 64 << 20  # as the weight cache's default bucket (weights.bucket_mb)
+
+
 def _wire_device(device: torch.device) -> torch.device:
     return device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+def buckets(sizes: Sequence[tuple[torch.dtype, int]], limit: int = BUCKET_BYTES) -> list[range]:
+    """Consecutive runs of tensors (``sizes``: each one's dtype and elements) of one
+    dtype and at most ``limit`` bytes together (a larger tensor alone): the indices of
+    each run. Both ends of a transfer compute it from the same header."""
+    out: list[range] = []
+    start, used = 0, 0
+    for i, (dtype, n) in enumerate(sizes):
+        nbytes = n * dtype.itemsize
+        if i > start and (dtype != sizes[start][0] or used + nbytes > limit):
+            out.append(range(start, i))
+            start, used = i, 0
+        used += nbytes
+    if sizes:
+        out.append(range(start, len(sizes)))
+    return out
+
+
+class _HostCopies:
+    """Device-to-host copies that overlap the next bucket's transfer: into page-locked
+    buffers, without waiting, all waited for once at the end (on the host a copy is
+    made at once)."""
+
+    def __init__(self) -> None:
+        self.cuda = False
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cuda":
+            return t if t.is_contiguous() else t.contiguous()
+        self.cuda = True
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def wait(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
 def send_tensors(tensors: Mapping[str, torch.Tensor], dst: int, device: torch.device) -> None:
-    """``tensors`` to rank ``dst`` (which calls :func:`recv_tensors`); ``device``: this
-    rank's device (the tensors cross on it under NCCL)."""
+    """``tensors`` to rank ``dst`` (which calls :func:`recv_tensors`), one send per
+    bucket; ``device``: this rank's device (the tensors cross on it under NCCL)."""
     wire = _wire_device(device)
+    items = list(tensors.items())
     header = json.dumps(
-        [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors.items()]
+        [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in items]
     ).encode()
     dist.send(torch.tensor([len(header)], dtype=torch.int64, device=wire), dst)
     dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(wire), dst)
-    for t in tensors.values():
-        dist.send(t.detach().to(wire).contiguous(), dst)
+    for run in buckets([(t.dtype, t.numel()) for _, t in items]):
+        flat = torch.cat([items[i][1].detach().reshape(-1).to(wire) for i in run])
+        dist.send(flat, dst)
     if wire.type == "cuda":  # NCCL's send is queued: done before the group may go
         torch.cuda.synchronize(wire)
 
 
 def recv_tensors(src: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """What rank ``src`` sends with :func:`send_tensors`, in host memory."""
+    """What rank ``src`` sends with :func:`send_tensors`, in host memory (each bucket's
+    copy to the host overlapping the next one's transfer)."""
     wire = _wire_device(device)
     size = torch.empty(1, dtype=torch.int64, device=wire)
     dist.recv(size, src)
     raw = torch.empty(int(size.item()), dtype=torch.uint8, device=wire)
     dist.recv(raw, src)
-    out: dict[str, torch.Tensor] = {}
-    for name, dtype, shape in json.loads(raw.cpu().numpy().tobytes()):
+    header = json.loads(raw.cpu().numpy().tobytes())
+    for name, dtype, _ in header:
         if dtype not in _DTYPES:
             raise ValueError(f"rank {src} sent {name} as {dtype}: not a trainer state dtype")
-        t = torch.empty(shape, dtype=_DTYPES[dtype], device=wire)
-        dist.recv(t, src)
-        out[name] = t.cpu()
+    sizes = [(_DTYPES[dtype], math.prod(shape)) for _, dtype, shape in header]
+    copies, landed = _HostCopies(), []
+    for run in buckets(sizes):
+        flat = torch.empty(sum(sizes[i][1] for i in run), dtype=sizes[run[0]][0], device=wire)
+        dist.recv(flat, src)
+        landed.append((run, copies.take(flat)))
+    copies.wait()
+    out: dict[str, torch.Tensor] = {}
+    for run, host in landed:
+        offset = 0
+        for i in run:
+            name, _, shape = header[i]
+            out[name] = host[offset : offset + sizes[i][1]].view(shape)
+            offset += sizes[i][1]
     return out
 
 
-def _gather(
-    name: str, local: torch.Tensor, tp_rank: int, tp: int, vocab: int
-) -> torch.Tensor | None:
-    """The full tensor ``name`` on the stage's first rank (None elsewhere) from the
-    parts of its tensor-parallel group."""
+def _gather_parts(
+    state: Mapping[str, torch.Tensor], tp_rank: int, tp: int, vocab: int
+) -> dict[str, torch.Tensor] | None:
+    """The full tensors of ``state`` on the stage's first rank (None elsewhere) from the
+    parts of its tensor-parallel group: one all-gather per bucket of split tensors."""
     from megatron.core import parallel_state
 
-    if split_dim(name) is None:
-        return local.detach().to("cpu", copy=True) if tp_rank == 0 else None
-    group = parallel_state.get_tensor_model_parallel_group()
-    local = local.detach().contiguous()
-    if dist.get_backend(group) == "gloo":  # the constructor's group: host tensors
-        local = local.cpu()
-    parts = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(parts, local, group=group)
-    if tp_rank != 0:
-        return None
-    # the merge is a new tensor: to the host once (no second copy when already there)
-    return merge_tensor(name, parts, vocab).to("cpu")
+    out: dict[str, torch.Tensor] = {}
+    copies = _HostCopies()
+    split = [(n, t.detach()) for n, t in state.items() if split_dim(n) is not None]
+    for name, t in state.items():
+        if split_dim(name) is None and tp_rank == 0:
+            out[name] = copies.take(t.detach()) if t.device.type == "cuda" else t.detach().clone()
+    if split and tp > 1:
+        group = parallel_state.get_tensor_model_parallel_group()
+        # the constructor's group is gloo: host tensors
+        host = dist.get_backend(group) == "gloo"
+        for run in buckets([(t.dtype, t.numel()) for _, t in split]):
+            flat = torch.cat([split[i][1].reshape(-1) for i in run])
+            flat = flat.cpu() if host else flat
+            parts = [torch.empty_like(flat) for _ in range(tp)]
+            dist.all_gather(parts, flat, group=group)
+            if tp_rank != 0:
+                continue
+            offset = 0
+            for i in run:
+                name, t = split[i]
+                pieces = [p[offset : offset + t.numel()].view(t.shape) for p in parts]
+                # the merge is a new tensor: to the host once
+                out[name] = copies.take(merge_tensor(name, pieces, vocab))
+                offset += t.numel()
+    elif tp_rank == 0:
+        for name, t in split:
+            full = merge_tensor(name, [t], vocab)
+            out[name] = copies.take(full) if full.device.type == "cuda" else full.clone()
+    copies.wait()
+    return out if tp_rank == 0 else None
 
 
 def gather_model(
@@ -109,14 +186,14 @@ def gather_model(
     if dp_rank >= ep:
         return None
     layers, tied, vocab = shape
-    local = {}
-    for name, v in state.items():
-        # the first replica's everything, the next ones' experts (ep > 1: tp 1)
-        if isinstance(v, torch.Tensor) and (dp_rank == 0 or is_expert(name)):
-            full = _gather(name, v, tp_rank, tp_size, vocab)
-            if full is not None:
-                local[name] = full
-    if tp_rank != 0:
+    # the first replica's everything, the next ones' experts (ep > 1: tp 1)
+    mine_only = {
+        name: v
+        for name, v in state.items()
+        if isinstance(v, torch.Tensor) and (dp_rank == 0 or is_expert(name))
+    }
+    local = _gather_parts(mine_only, tp_rank, tp_size, vocab)
+    if local is None:
         return None
     staged = from_stage(local, stage_rank, pp, layers, tied)
     mine = {expert_global_name(k, dp_rank, experts_per_rank): v for k, v in staged.items()}
