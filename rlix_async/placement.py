@@ -31,6 +31,7 @@ import msgspec
 
 from rlix_async.config import CoordinatorConfig, LaunchConfig, PipelineConfig, ShardConfig
 from rlix_async.config.launch_rules import base_groups
+from rlix_async.config.training import replays_routes
 from rlix_async.protocols.topology import (
     INFER,
     SPAN_ADDRESS,
@@ -300,6 +301,7 @@ def place_processes(
                 keys=keys,
                 engine=engine,
                 members=members,
+                record_routes=records_routes(groups.get(sid, [first])),
                 # its data server declares a silent router dead: as loaded a host
                 heartbeat_interval_s=cfg.heartbeat_interval_s,
             )
@@ -328,6 +330,12 @@ def place_processes(
             trainer_endpoint=trainer_endpoint(cfg, i),
         )  # fmt: skip
     return plan
+
+
+def records_routes(served: list[PipelineConfig]) -> bool:
+    """Whether a shard serving these pipelines (one, or a base group's members)
+    records the experts its tokens were routed to: where any of them replays them."""
+    return any(replays_routes(p.train, p.model) for p in served)
 
 
 def trainer_endpoint(cfg: LaunchConfig, index: int) -> str | None:

@@ -180,6 +180,13 @@ class ShardConfig(Config, frozen=True):
             "the LoRA pipelines it serves, each request with its caller's adapter."
         ),
     ] = []
+    record_routes: Annotated[
+        bool,
+        doc(
+            "Return the experts a mixture-of-experts model routed each token to (set by "
+            "the launcher where a pipeline it serves replays them: train.routing_replay)."
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
         if self.members and self.engine.sleep_level != 1:

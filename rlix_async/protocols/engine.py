@@ -28,6 +28,10 @@ class GenerationChunk:
     # why it finished: "stop" (end of sequence, a stop token or string) and "length"
     # (max_tokens) are ends of the response; "abort" or None (unknown) is not
     finish_reason: str | None = None
+    # routing replay, on the last chunk only: the experts the engine routed each input
+    # token to, positions 0 .. len(prompt) + len(token_ids) - 2 (Group.routes's format);
+    # b"": none recorded (a dense model, replay off, or positions missing)
+    routes: bytes = b""
 
 
 class ShardEngine(Protocol):

@@ -53,6 +53,10 @@ class GenerateResult(Message):
     logprobs: list[float]
     weight_version: int | None
     preempted: bool = False  # cut by a shrink: resume elsewhere from token_ids
+    # routing replay: the experts the engine routed each input token of this attempt
+    # to, its prompt (for a resumed attempt: the original prompt and the earlier tokens)
+    # and its tokens but the last (Group.routes's format); b"": none recorded
+    routes: bytes = b""
 
 
 class Cancel(Message):

@@ -334,6 +334,7 @@ class Collector:
         env's first turn, as rendered: special tokens too), else the sample's."""
         episodes = [t for t in trajs if isinstance(t, Episode)]
         members: list[int] = []
+        routes: list[bytes] = []
         if any(e.segments for e in episodes):  # agent_api: an episode split in several
             members = [i for i, e in enumerate(episodes) for _ in range(len(e.segments) + 1)]
             episodes = [s for e in episodes for s in (*e.segments, e)]
@@ -350,6 +351,10 @@ class Collector:
             prompt, prompt_text = sample.ids, sample.text
             responses, logprobs = [t.token_ids for t in trajs], [t.logprobs for t in trajs]
             versions = [[0 if v is None else v for v in t.versions] for t in trajs]
+            # routing replay: plain generations only (an episode's turns' routes are not
+            # joined into the episode's yet)
+            if any(t.routes for t in trajs):
+                routes = [t.routes for t in trajs]
         return Group(
             prompt=prompt,
             responses=responses,
@@ -364,6 +369,7 @@ class Collector:
             masks=packed.masks if episodes else [],
             episodes=figures_of(episodes) if episodes else {},
             members=members,
+            routes=routes,
         )
 
     def _request(self, sample: Sample, min_version: int) -> Awaitable[Trajectory]:

@@ -51,6 +51,8 @@ class EngineStart:
     keys_dir: str | None  # this shard's CURVE pair, to pull weights from other nodes
     key_name: str
     adapters: bool  # a base group's shard: serve LoRA adapters (an AdapterEngine)
+    # routing replay: return the experts each token was routed to (GenerationChunk.routes)
+    record_routes: bool = False
 
 
 class EngineBackend(Protocol):

@@ -85,6 +85,11 @@ class Trajectory:
     # cut one's wait for another shard left out): what finish-time fairness estimates
     # a pipeline's pace alone from (control/pace.py)
     served_s: float = 0.0
+    # routing replay: the experts the engine routed positions 0 .. len(prompt_ids) +
+    # len(token_ids) - 2 to (Group.routes's format), the last answered attempt's (a
+    # resumed attempt's prompt holds the earlier tokens, so its routes cover them);
+    # b"" when that attempt recorded none
+    routes: bytes = b""
 
 
 class Router:
@@ -225,6 +230,7 @@ class Router:
             traj.token_ids += reply.token_ids
             traj.logprobs += reply.logprobs
             traj.versions += [reply.weight_version] * len(reply.token_ids)
+            traj.routes = reply.routes  # replaces the earlier attempts': never a mix
             traj.ranks.append(rank)
             req.stale_deadline = None
             if not reply.preempted:

@@ -122,6 +122,7 @@ def engine_start(cfg: ShardConfig, cuda: bool, key_name: str = "") -> EngineStar
         keys_dir=cfg.keys,
         key_name=key_name,
         adapters=bool(cfg.members),
+        record_routes=cfg.record_routes,
     )
 
 

@@ -74,6 +74,7 @@ class _Decoded:
     logprobs: list[float] = field(default_factory=list)
     version: int | None = None  # the weights they were decoded with
     ended: bool = False  # the engine finished it on its own (a stop, or max_tokens)
+    routes: bytes = b""  # routing replay: the engine's, with its last chunk
 
     def result(self, request_id: str, *, preempted: bool) -> GenerateResult:
         return GenerateResult(
@@ -82,6 +83,7 @@ class _Decoded:
             logprobs=list(self.logprobs),
             weight_version=self.version,
             preempted=preempted,
+            routes=self.routes,
         )
 
 
@@ -325,6 +327,7 @@ class ShardWorker:
             self.decoded_tokens += len(chunk.token_ids) - len(decoded.tokens)
             decoded.tokens, decoded.logprobs = chunk.token_ids, chunk.logprobs
             decoded.ended = chunk.finish_reason in ("stop", "length")
+            decoded.routes = chunk.routes  # the last chunk's: routing replay
             if chunk.weight_version is not None:
                 decoded.version = chunk.weight_version
 

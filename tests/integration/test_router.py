@@ -61,7 +61,7 @@ async def test_shrink_with_32_requests_in_flight_resumes_every_one(
         prefills: list[tuple[str, int]] = []  # (attempt id, prompt tokens) the engines got
         for w in workers:
 
-            def recording(
+            async def recording(
                 prompt_ids: list[int],
                 sampling: Sampling,
                 *,
@@ -69,7 +69,10 @@ async def test_shrink_with_32_requests_in_flight_resumes_every_one(
                 **kw: Any,
             ) -> Any:
                 prefills.append((kw["request_id"], len(prompt_ids)))
-                return _generate(prompt_ids, sampling, **kw)
+                async for chunk in _generate(prompt_ids, sampling, **kw):
+                    if chunk.finished:  # routing replay: one byte per input position
+                        chunk.routes = _routes([*prompt_ids, *chunk.token_ids])
+                    yield chunk
 
             monkeypatch.setattr(w.engine, "generate", recording)
         await driver.report_progress(32, 0, force=True)
@@ -107,6 +110,14 @@ async def test_shrink_with_32_requests_in_flight_resumes_every_one(
         assert router.resumed == len(resumed) == sum(t.resumes for t in cut)
         assert router.reprefill_tokens == sum(resumed)
         assert router.reprefill_tokens > 2 * len(cut)  # the partial outputs, not the prompts only
+        # routes: the last attempt's, over the whole trajectory (its prompt held the rest)
+        assert all(t.routes == _routes([*t.prompt_ids, *t.token_ids]) for t in trajs)
+
+
+def _routes(seq: list[int]) -> bytes:
+    """Stand-in routes of positions 0 .. len(seq) - 2 (every input token): each
+    position's token, so a route of the wrong position or attempt shows."""
+    return bytes(t % 256 for t in seq[:-1])
 
 
 async def test_callers_wait_while_every_shard_sleeps(ipc_ep: str) -> None:

@@ -254,6 +254,10 @@ def test_a_text_recipe_trains_a_moe_model_with_the_megatron_backend(
     # layers route alike on both sides (fp32, the same top-k rule; a served version
     # laid out wrong for the CPU kernel gave nats here)
     assert all(r["mismatch_max"] < 1e-3 for r in steps), [r["mismatch_max"] for r in steps]
+    # the shard recorded each token's experts and the trainer replayed them (auto: an
+    # MoE model under megatron); both sides fp32 on one version: its own choice agreed
+    assert all(r["routing_agreement"] > 0.99 for r in steps), steps
+    assert all(r["moe/load_max_over_mean"] >= 1 for r in steps)
     evals = [r for r in rows if "eval/reward" in r]
     assert max(r["eval/weight_version_min"] for r in evals) >= 2  # the trained weights served
     # the last checkpoint exports as a directory transformers loads, every tensor the

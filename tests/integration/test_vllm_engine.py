@@ -41,7 +41,9 @@ def models(
 @pytest.mark.timeout(300)
 async def test_greedy_matches_hf_across_weight_updates(models) -> None:
     path, first, second = models
-    engine = VllmEngine(str(path), VllmEngineConfig(max_model_len=256, kv_cache_mb=64))
+    # asked to record routes (routing replay), a dense model records none
+    config = VllmEngineConfig(max_model_len=256, kv_cache_mb=64)
+    engine = VllmEngine(str(path), config, record_routes=True)
     pipeline = f"vt{uuid.uuid4().hex[:6]}"
     cache = WeightCache(pipeline, bucket_bytes=1 << 20)
     try:
@@ -49,6 +51,7 @@ async def test_greedy_matches_hf_across_weight_updates(models) -> None:
         assert engine.llm.vllm_config.model_config.enforce_eager
         for p in PROMPTS:
             assert await vllm_greedy(engine, p, 12) == hf_greedy(first, p, 12)
+        assert "dense" in (engine.routes.off or "") and engine.routes.missing == 0
 
         cache.build(2, second.state_dict())
         v2 = cache.promote(2)

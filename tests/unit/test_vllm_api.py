@@ -77,6 +77,13 @@ def test_every_name_resolves_from_the_installed_vllm() -> None:
     for name in vllm_api.NAMES:
         assert getattr(vllm_api, name) is not None, name
     vllm_api.check_internals()  # the private LoRA interface is where it is expected
+    vllm_api.check_routes_internals()  # and what routing replay hooks in the worker
+    # a moved attribute is named, in one line
+    moved = {"GPUModelRunner": ("_model_forward", "rlix_no_such_attribute")}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vllm_api, "_ROUTES_ATTRIBUTES", moved)
+        with pytest.raises(vllm_api.VllmVersionError, match=r"GPUModelRunner\.rlix_no_such"):
+            vllm_api.check_routes_internals()
 
 
 def test_the_update_info_vllm_builds_carries_every_field_of_a_cache_ref() -> None:

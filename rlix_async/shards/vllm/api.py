@@ -28,6 +28,13 @@ vLLM's training guide). Private, on purpose:
   again on the engine's step loop. :func:`check_internals` verifies at start that
   the attributes used still exist, so a vLLM that moved them fails when the shard
   starts, not at its first adapter.
+- Routing replay (:mod:`rlix_async.shards.vllm.routes`): the experts each MoE layer
+  chose per token are read by wrapping, per instance, each ``MoERunner``'s
+  ``router._compute_routing`` and the model runner's ``_model_forward``, which reads
+  the batch layout (``input_batch``, ``query_start_loc``, ``requests``, the KV block
+  table). vLLM's own ``enable_return_routed_experts`` needs its V2 model runner, which
+  the CPU build lacks. :func:`check_routes_internals` checks them when a shard that
+  records routes starts.
 """
 
 from __future__ import annotations
@@ -65,6 +72,11 @@ NAMES = {
     "AttentionImplBase": "vllm.v1.attention.backend",
     # read by prepack_cpu_experts
     "CPUUnquantizedExperts": "vllm.model_executor.layers.fused_moe.experts.cpu_moe",
+    # hooked by routing replay (shards/vllm/routes.py; check_routes_internals)
+    "MoERunner": "vllm.model_executor.layers.fused_moe.runner.moe_runner",
+    "BaseRouter": "vllm.model_executor.layers.fused_moe.router.base_router",
+    "GPUModelRunner": "vllm.v1.worker.gpu_model_runner",
+    "InputBatch": "vllm.v1.worker.gpu_input_batch",
 }
 
 
@@ -229,4 +241,38 @@ def check_internals() -> None:
         raise VllmVersionError(
             f"vLLM {installed_version()} lacks {', '.join(missing)}, which serving LoRA "
             "adapters from memory uses (rlix_async/shards/vllm/api.py)"
+        )
+
+
+# What routing replay reads in vLLM's worker (routes.py), as "Class.attribute": methods
+# and properties are looked up on the class, instance attributes in the source of the
+# class that sets them.
+_ROUTES_ATTRIBUTES = {
+    "MoERunner": ("router", "layer_id", "is_monolithic"),
+    "BaseRouter": ("_compute_routing",),
+    "GPUModelRunner": (
+        "_model_forward", "input_batch", "query_start_loc", "requests", "kv_cache_config",
+        "uses_mrope", "cache_config", "scheduler_config", "model_config", "get_model",
+    ),
+    "InputBatch": ("req_ids", "num_reqs", "block_table"),
+}  # fmt: skip
+
+
+def check_routes_internals() -> None:
+    """Fail at once (one line) if what routing replay hooks in vLLM's worker has moved."""
+    import inspect
+
+    missing = []
+    for cls_name, attributes in _ROUTES_ATTRIBUTES.items():
+        cls = __getattr__(cls_name)
+        source = inspect.getsource(cls)
+        missing += [
+            f"{cls_name}.{a}"
+            for a in attributes
+            if not hasattr(cls, a) and f"self.{a} =" not in source and f"self.{a}:" not in source
+        ]
+    if missing:
+        raise VllmVersionError(
+            f"vLLM {installed_version()} lacks {', '.join(missing)}, which recording the "
+            "experts' routes uses (rlix_async/shards/vllm/routes.py)"
         )

@@ -63,6 +63,7 @@ class VllmBackend:
             keys_dir=start.keys_dir,
             key_name=start.key_name,
             lora=start.engine.lora if start.adapters else None,
+            record_routes=start.record_routes,
         )
 
     def tool_parsers(self) -> frozenset[str] | None:

@@ -19,6 +19,12 @@ on the GPU machines it was tested on): tests/gpu/test_vllm_sleep_gpu.py is the c
 Started with ``lora`` (a base group's shard) it is an
 :class:`~rlix_async.protocols.engine.AdapterEngine`: vLLM's LoRA support, adapters
 loaded from the weight cache in memory (:mod:`rlix_async.shards.vllm.lora`).
+
+Started with ``record_routes`` (a mixture-of-experts model whose trainer replays the
+engine's routing) each finished request's last chunk carries the experts its tokens
+were routed to (:mod:`rlix_async.shards.vllm.routes`): on CPU always, on CUDA only
+with ``enforce_eager`` and vLLM's V1 model runner (Python hooks do not run inside CUDA
+graphs; otherwise the engine says why at start and records nothing).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from rlix_async.protocols.generation import Sampling
 from rlix_async.protocols.sinks import SyncError
 from rlix_async.shards.vllm.lora import AdapterError, Adapters, Served, engine_args
 from rlix_async.shards.vllm.plugin import BACKEND
+from rlix_async.shards.vllm.routes import RouteTaker
 from rlix_async.shards.vllm.worker_extension import EXTENSION
 from rlix_async.weights.transports import unreachable
 
@@ -87,6 +94,18 @@ def _engine_environment(cuda: bool) -> Iterator[None]:
         os.environ.pop("GLIBC_TUNABLES", None)
 
 
+def _why_no_routes(record: bool, cuda: bool, eager: bool) -> str | None:
+    """Why an engine records no routes (None: it records them)."""
+    if not record:
+        return "not asked (a dense model, or train.routing_replay off)"
+    if cuda and not eager:
+        return (
+            "CUDA graphs do not run the Python hooks that record them: set "
+            "engine.vllm_args.enforce_eager: true to record (slower decoding)"
+        )
+    return None
+
+
 class VllmEngine:
     def __init__(
         self,
@@ -99,10 +118,13 @@ class VllmEngine:
         keys_dir: str | None = None,
         key_name: str = "",
         lora: EngineLoraConfig | None = None,
+        record_routes: bool = False,
     ) -> None:
         """``keys_dir``/``key_name``: this shard's CURVE pair, with which vLLM's worker
         pulls versions served over tcp by a trainer on another node. ``lora``: serve
-        LoRA adapters (``load_adapter``, ``generate(adapter=...)``)."""
+        LoRA adapters (``load_adapter``, ``generate(adapter=...)``). ``record_routes``:
+        return the experts each token was routed to (routing replay; a dense model
+        records nothing)."""
         from rlix_async.shards.vllm import api as vllm_api
         from rlix_async.shards.vllm import plugin as vllm_plugin
 
@@ -137,9 +159,17 @@ class VllmEngine:
         if lora is not None:
             kwargs.update(engine_args(lora))
         kwargs.update(config.vllm_args)
+        routes_off = _why_no_routes(record_routes, cuda, bool(kwargs["enforce_eager"]))
+        if routes_off is None:  # the worker internals it hooks: before anything starts
+            vllm_api.check_routes_internals()
+        elif record_routes:
+            log.warning("routing replay: routes not recorded: %s", routes_off)
         with _engine_environment(cuda):
             self.llm = vllm_api.AsyncLLM.from_engine_args(vllm_api.AsyncEngineArgs(**kwargs))
         self.weight_version: int | None = None
+        # routing replay: ``routes.off`` says why nothing is recorded, ``routes.missing``
+        # counts results returned without routes while recording
+        self.routes = RouteTaker(self.llm, routes_off)
         self._ids = itertools.count()
         self._inflight: set[str] = set()
         self._transfer_ready = False
@@ -183,6 +213,7 @@ class VllmEngine:
             detokenize=bool(sampling.stop),  # strings are matched on the detokenized text
         )
         rid = request_id or f"r{next(self._ids)}"
+        record = await self.routes.ready()  # hooked before the request's first forward
         version = self.weight_version
         served: Served | None = None
         if adapter is not None:
@@ -191,6 +222,7 @@ class VllmEngine:
             served = table.acquire(adapter)
             version = served.version
         self._inflight.add(rid)
+        taken = not record
         try:
             tokens: list[int] = []
             lps: list[float] = []
@@ -211,9 +243,17 @@ class VllmEngine:
                             for tok, step in zip(comp.token_ids, comp.logprobs, strict=False)
                         ]
                 reason = comp.finish_reason if out.finished else None
-                yield GenerationChunk(list(tokens), list(lps), out.finished, version, reason)
+                routes = b""
+                if out.finished and not taken:  # finished, cut or aborted: its routes
+                    taken = True
+                    routes = await self.routes.take(rid, len(prompt_ids) + len(tokens) - 1)
+                yield GenerationChunk(
+                    list(tokens), list(lps), out.finished, version, reason, routes
+                )
         finally:
             self._inflight.discard(rid)
+            if not taken:  # cancelled: the worker forgets its routes
+                self.routes.forget(rid)
             if served is not None:
                 table.release(served)
 
@@ -360,6 +400,7 @@ class VllmEngine:
     def shutdown(self) -> None:
         self.llm.shutdown()
         # Drop it now: AsyncLLM.__del__ shuts down again, which fails noisily if
-        # it only runs during interpreter teardown (the adapters hold it too).
+        # it only runs during interpreter teardown (the adapters and routes hold it too).
         self._adapters = None
+        self.routes.llm = None
         del self.llm

@@ -7,7 +7,8 @@ engine gets it: the LoRA methods serve a base group's adapters
 weight-transfer backend did (``rlix_last_load``) and measure the floor of a sync
 (``rlix_reload_from_memory``: vLLM reloading a version already in the worker's own
 memory, which ``rlix-async bench weights --receiver vllm`` sets a shard's sync
-against).
+against). The ``rlix_routes_*`` methods record the experts a mixture-of-experts
+model routed each token to (:class:`~rlix_async.shards.vllm.routes.RoutesWorker`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import msgspec
 
 from rlix_async.protocols.cache_ref import CacheRef
 from rlix_async.shards.vllm.lora import RlixLoraWorker
+from rlix_async.shards.vllm.routes import RoutesWorker
 
 EXTENSION = "rlix_async.shards.vllm.worker_extension.RlixWorker"
 
 
-class RlixWorker(RlixLoraWorker):
+class RlixWorker(RlixLoraWorker, RoutesWorker):
     weight_transfer_engine: Any  # vLLM's worker attribute: our RlixShmTransferEngine
     finish_weight_update: Any  # vLLM's worker method (the class this extends)
 
