@@ -42,7 +42,7 @@ def models(
 async def test_greedy_matches_hf_across_weight_updates(models) -> None:
     path, first, second = models
     # asked to record routes (routing replay), a dense model records none
-    config = VllmEngineConfig(max_model_len=256, kv_cache_mb=64)
+    config = VllmEngineConfig(max_model_len=512, kv_cache_mb=64)
     engine = VllmEngine(str(path), config, record_routes=True)
     pipeline = f"vt{uuid.uuid4().hex[:6]}"
     cache = WeightCache(pipeline, bucket_bytes=1 << 20)
@@ -53,10 +53,17 @@ async def test_greedy_matches_hf_across_weight_updates(models) -> None:
             assert await vllm_greedy(engine, p, 12) == hf_greedy(first, p, 12)
         assert "dense" in (engine.routes.off or "") and engine.routes.missing == 0
 
+        # a prompt longer than a KV block: its first blocks stay in the prefix cache
+        long = [(7 * i) % 500 + 3 for i in range(300)]
+        assert await vllm_greedy(engine, long, 8) == hf_greedy(first, long, 8)
+
         cache.build(2, second.state_dict())
         v2 = cache.promote(2)
         await engine.load_version(v2)
         assert engine.weight_version == 2
+        # the cached blocks hold the old weights' keys and values: a request on the new
+        # ones must compute its own, never reuse them
+        assert await vllm_greedy(engine, long, 8) == hf_greedy(second, long, 8)
         # read straight from the owner's leased slot: no private copy of the version
         (how,) = await engine.last_load()
         assert how["version"] == 2 and how["staged_bytes"] == 0

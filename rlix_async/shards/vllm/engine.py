@@ -227,7 +227,7 @@ class VllmEngine:
             tokens: list[int] = []
             lps: list[float] = []
             async for out in self.llm.generate(
-                vllm_api.TokensPrompt(prompt_token_ids=prompt_ids),
+                vllm_api.TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=self._salt()),
                 params,
                 request_id=rid,
                 lora_request=served.request if served is not None else None,
@@ -256,6 +256,15 @@ class VllmEngine:
                 self.routes.forget(rid)
             if served is not None:
                 table.release(served)
+
+    def _salt(self) -> str:
+        """The prefix cache's salt for a request starting now: the base weights'
+        version. vLLM keys cached blocks by their tokens alone and keeps them across an
+        awake weight update, so a request on new weights would otherwise reuse keys and
+        values the old ones computed (a shared system prompt, a group's prompt asked
+        again); blocks of one version still serve every request on it. (A request
+        already running keeps its own blocks through the update, as it keeps its place.)"""
+        return f"rlix-w{self.weight_version}"
 
     def _adapter_table(self) -> Adapters:
         if self._adapters is None:
