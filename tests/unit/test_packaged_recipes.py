@@ -176,3 +176,25 @@ def test_the_main_demo_is_the_two_recipes_time_sharing(
     assert infer[0] & infer[1], "no device is shared"
     for p, shards in zip(cfg.pipelines, infer, strict=True):
         assert set(p.clusters["actor_train"].devices) <= shards - (infer[0] & infer[1])
+
+
+def test_the_tiny_moe_recipe_makes_its_model_once_and_launches_at_expert_parallel_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No download: the recipe makes a random Qwen3-MoE into the model cache the first
+    time (whole or not at all) and finds it after; its layout is valid at launch (8
+    experts over ep 2, the megatron backend, routes replayed)."""
+    from rlix_async.config.training import replays_routes
+    from rlix_async.train.megatron_hf import model_shape
+
+    monkeypatch.setenv("RLIX_ASYNC_CACHE", str(tmp_path / "cache"))
+    cfg = demo_config(str(tmp_path / "run"), steps=2, recipe="tiny_moe")
+    (p,) = cfg.pipelines
+    model = tmp_path / "cache" / "models" / "tiny-qwen3-moe"
+    assert p.model.path == str(model) and not list(model.parent.glob(".tiny-qwen3-moe*"))
+    moe = model_shape(str(model))["moe"]
+    assert (moe["experts"], moe["topk"], moe["layers"]) == (8, 2, [1, 1])
+    assert p.clusters["actor_train"].ep == 2 and replays_routes(p.train, p.model)
+    made = (model / "model.safetensors").stat().st_mtime_ns
+    demo_config(str(tmp_path / "again"), steps=2, recipe="tiny_moe")
+    assert (model / "model.safetensors").stat().st_mtime_ns == made  # found, not remade
