@@ -96,12 +96,33 @@ def test_a_bf16_megatron_step_on_the_device_is_finite_and_moves_the_weights() ->
 
 
 @pytest.mark.gpu2
-@pytest.mark.parametrize("backend", ["megatron", "megatron_tp2", "megatron_pp2"])
+@pytest.mark.parametrize("backend", ["megatron", "megatron_tp2", "megatron_pp2", "megatron_ep2"])
 def test_twenty_megatron_cycles_on_two_devices(tmp_path, backend: str) -> None:  # type: ignore[no-untyped-def]
-    """Data, tensor and pipeline parallel 2 over NCCL: nothing left on the devices."""
+    """Data, tensor, pipeline and expert parallel 2 over NCCL: nothing left on the
+    devices."""
+    from helpers.tiny_text import save_tiny_model
     from helpers.trainer import run_cycles
 
-    run_cycles(tmp_path, backend, cuda=True)
+    moe = save_tiny_model(tmp_path / "moe", "qwen3_moe", seed=3) if backend.endswith("ep2") else ""
+    run_cycles(tmp_path, backend, cuda=True, model=str(moe))
+
+
+@pytest.mark.gpu2
+def test_megatron_expert_parallel_on_two_devices_matches_data_parallel(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A tiny Qwen3-MoE at expert parallel 2 over NCCL (Megatron's all-to-all
+    dispatcher on CUDA, its own streams) against data parallel 2: the cache gathered
+    from both ranks' experts is the same bytes, a step's loss and norm agree."""
+    from helpers.megatron_tp_runs import run_tp
+    from helpers.tiny_text import save_tiny_model
+
+    moe = save_tiny_model(tmp_path / "moe", "qwen3_moe", seed=3, tie_word_embeddings=False)
+    dp = run_tp(tmp_path / "dp2", moe, 1, 2, 2, cuda=True)
+    ep = run_tp(tmp_path / "ep2", moe, 1, 2, 2, ep=2, cuda=True)
+    for k, v in dp["cache_start"].items():
+        assert torch.equal(ep["cache_start"][k].cpu(), v.cpu()), k
+    for a, b in zip(dp["figures"], ep["figures"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
 
 
 @pytest.mark.gpu2

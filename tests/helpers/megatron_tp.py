@@ -1,6 +1,6 @@
 """Runs of the Megatron trainer at a tensor (and pipeline) parallel size, under
 torchrun (every rank runs this): ``python -m torch.distributed.run --standalone
---nproc-per-node=W megatron_tp.py OUT MODEL TP[xPP] STEPS [CKPT]`` for one, or
+--nproc-per-node=W megatron_tp.py OUT MODEL TP[xPP[xEP]] STEPS [CKPT]`` for one, or
 ``... megatron_tp.py --jobs JOBS.json`` for several in turn in one process group (a
 list of objects with those fields and ``distributed_optimizer``/``top_p``: each run
 costs its steps rather than a torchrun start and Megatron's import). Rank 0 writes
@@ -147,9 +147,10 @@ def jobs_from_argv(argv: list[str]) -> list[dict[str, Any]]:
     if argv[1] == "--jobs":
         jobs: list[dict[str, Any]] = json.loads(Path(argv[2]).read_text())
         return jobs
-    tp_text, _, pp_text = argv[3].partition("x")
+    tp_text, pp_text, ep_text = [*argv[3].split("x"), "1", "1"][:3]
     return [{
-        "out": argv[1], "model": argv[2], "tp": int(tp_text), "pp": int(pp_text or 1),
+        "out": argv[1], "model": argv[2], "tp": int(tp_text), "pp": int(pp_text),
+        "ep": int(ep_text),
         "steps": int(argv[4]), "ckpt": argv[5] if len(argv) > 5 else None,
         "distributed_optimizer": os.environ.get("RLIX_DISTRIBUTED_OPTIMIZER") == "1",
         "top_p": float(os.environ.get("RLIX_TOP_P", "1")),

@@ -23,6 +23,7 @@ def run_tp(
     ckpt: Path | None = None,
     *,
     pp: int = 1,
+    ep: int = 1,
     cuda: bool = False,
     distributed_optimizer: bool = False,
     top_p: float = 1.0,
@@ -35,7 +36,7 @@ def run_tp(
     env["RLIX_TOP_P"] = str(top_p)
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(world))) if cuda else ""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={world}", str(SCRIPT), str(out), str(model), f"{tp}x{pp}", str(steps)]  # fmt: skip
+           f"--nproc-per-node={world}", str(SCRIPT), str(out), str(model), f"{tp}x{pp}x{ep}", str(steps)]  # fmt: skip
     done = subprocess.run(
         [*cmd, *([str(ckpt)] if ckpt else [])], env=env, capture_output=True, text=True, timeout=240
     )
