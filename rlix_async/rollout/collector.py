@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rlix_async.config import PipelineConfig
+from rlix_async.config.training import replays_routes
 from rlix_async.control.pace import TrajectoryTimes, exclusive_step_s
 from rlix_async.hooks import ClusterHooks
 from rlix_async.protocols.batch import Group
@@ -63,6 +64,9 @@ class Collector:
         # reward, else the config's token-id task
         self.prompts: PromptSource = prompts or make_token_prompts(cfg)
         self.sampling = cfg.rollout.sampling(self.prompts.stop_token_ids)  # every request's
+        # routing replay: keep the routes a shard returns (a base group's shard records
+        # them for every member when one replays; the others leave them out)
+        self.keeps_routes = replays_routes(cfg.train, cfg.model)
         self.prompts_used = 0
         self.in_flight = 0
         self.failed = 0  # trajectories whose generation raised: counted, never hidden
@@ -353,7 +357,7 @@ class Collector:
             versions = [[0 if v is None else v for v in t.versions] for t in trajs]
             # routing replay: plain generations only (an episode's turns' routes are not
             # joined into the episode's yet)
-            if any(t.routes for t in trajs):
+            if self.keeps_routes and any(t.routes for t in trajs):
                 routes = [t.routes for t in trajs]
         return Group(
             prompt=prompt,

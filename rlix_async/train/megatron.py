@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -80,9 +80,6 @@ from rlix_async.train.routing_replay import RouteReplay
 from rlix_async.train.sharded_checkpoint import ShardedCheckpoint, sharded_path
 from rlix_async.train.stage_transfer import gather_model
 from rlix_async.train.tensor_parallel import check_shape, pad_vocab_rows, shard, shard_tensor
-
-if TYPE_CHECKING:
-    pass
 
 
 class MegatronTrainer:
@@ -364,6 +361,10 @@ class MegatronTrainer:
             stats |= self._expert_load.stats(self.device)
         if self.parallel.replay is not None:
             stats |= self.parallel.replay.stats(self.device)
+            # the share of responses the shards recorded routes for (0: none replayed,
+            # e.g. a CUDA shard with CUDA graphs, env episodes: the trainer routed alone)
+            recorded = [bool(r) for g in groups for r in (g.routes or [b""] * len(g.responses))]
+            stats["routing_replay_rows"] = sum(recorded) / max(len(recorded), 1)
         if self.layout.model_parallel:  # while the group is up: the weight cache needs it whole
             t0 = time.perf_counter()
             self._full = self._gather_model()
@@ -530,9 +531,15 @@ class MegatronTrainer:
         self._install(self.model, ckpt["model"], path)
         if lay.model_parallel and lay.rank == 0:
             self._full = {k: v for k, v in ckpt["model"].items() if isinstance(v, torch.Tensor)}
-        order = ckpt.get("optim_names") or (
-            self._full_param_names() if lay.pp > 1 else self._param_names()
-        )
+        order = ckpt.get("optim_names")
+        if order is None and (lay.ep > 1 or (lay.pp > 1 and self._shape.get("moe"))):
+            # older files: the order is rebuilt from this rank's names, which holds only
+            # for dense layers (an expert rank's local experts are not the file's)
+            raise MegatronModelError(
+                f"{path}: written before checkpoints named the optimizer's parameters; "
+                "resume this mixture-of-experts model at pp 1 and ep 1 once first"
+            )
+        order = order or (self._full_param_names() if lay.pp > 1 else self._param_names())
         index = {n: i for i, n in enumerate(order)}
         whole = ckpt["optim"]["state"]
         by_name = {}

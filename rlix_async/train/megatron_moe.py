@@ -225,7 +225,9 @@ class ExpertLoad:
     ) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
 
-        self.counts = torch.zeros(layers, experts, dtype=torch.float64)
+        self.shape = (layers, experts)
+        # on the routers' device until ``stats`` (no host sync per layer and piece)
+        self.counts: torch.Tensor | None = None
         self.layers: set[int] = set()
         for name, module in model.named_modules():
             if isinstance(module, TopKRouter):
@@ -238,7 +240,11 @@ class ExpertLoad:
             # the update passes only (train mode), not their recomputation in backward
             if module.training and torch._C._current_autograd_node() is None:
                 routing_map = out[1]  # [tokens, experts], True where routed
-                self.counts[layer] += routing_map.sum(0).to("cpu", torch.float64)
+                if self.counts is None:
+                    self.counts = torch.zeros(
+                        self.shape, dtype=torch.float64, device=routing_map.device
+                    )
+                self.counts[layer] += routing_map.sum(0)
 
         return count
 
@@ -249,11 +255,14 @@ class ExpertLoad:
         and its idlest's, the busiest and idlest over all layers."""
         import torch.distributed as dist
 
-        counts, self.counts = self.counts, torch.zeros_like(self.counts)
-        if dist.is_initialized():
-            wire = counts.to(device) if dist.get_backend() == "nccl" else counts
+        counts = self.counts if self.counts is not None else torch.zeros(self.shape)
+        self.counts = None
+        if dist.is_initialized():  # every rank calls: one with no MoE layer sends zeros
+            nccl = dist.get_backend() == "nccl"
+            wire = counts.to(device if nccl else "cpu", torch.float64)
             dist.all_reduce(wire)
-            counts = wire.cpu()
+            counts = wire
+        counts = counts.cpu()
         out: dict[str, float] = {}
         high, low = [], []
         for layer in range(counts.shape[0]):

@@ -222,29 +222,35 @@ class MegatronParallel:
                 self.data.forward(model, pieces, self._before)
             else:
                 self._schedule(model, pieces, forward_only=True)
-        finally:
-            self._before(None)
+        except BaseException:
+            self._end_pass(failed=True)
+            raise
+        self._end_pass()
 
     def forward_backward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
         pieces = self._in_step(pieces, backward=True)
         if self.replay is not None:  # the update passes see every row once a step
-            self.replay.counting = True
+            self.replay.updating = True
         try:
             if self.layout.pp == 1:
                 self.data.forward_backward(model, pieces, self._before)
             else:
                 self._schedule(model, pieces, forward_only=False)
-        finally:
-            self._before(None)
+        except BaseException:
+            self._end_pass(failed=True)
+            raise
+        self._end_pass()
         if self.manual_reduce:
             self._reduce_grads()
 
-    def _before(self, piece: Piece | None) -> None:
-        """The routes the next piece's forward replays (None: the pass is over)."""
+    def _before(self, piece: Piece) -> None:
+        """The routes the next piece's forward replays."""
         if self.replay is not None:
-            self.replay.set(piece.routes if piece is not None else None)
-            if piece is None:
-                self.replay.counting = False
+            self.replay.set(piece.routes)
+
+    def _end_pass(self, failed: bool = False) -> None:
+        if self.replay is not None:  # (after a failure: cleared, the failure reported)
+            self.replay.end_pass(check=not failed)
 
     def _in_step(self, pieces: list[Piece], backward: bool) -> list[Piece]:
         """``pieces``, padded under expert parallel to as many as the most any replica

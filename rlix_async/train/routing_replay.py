@@ -32,9 +32,10 @@ def _engine_route_class() -> type:
 
     class EngineRoute(RouterReplay):  # type: ignore[misc]
         """One router's replay: the engine's experts for the piece in flight, the
-        trainer's own where it has none. A forward recomputed inside the backward (full
-        recompute) takes its piece's routes from a queue in forward order, as the
-        pipeline schedule runs backwards in that order."""
+        trainer's own where it has none. Under full recompute an update pass's forward
+        queues its piece's routes and the forward recomputed inside the backward takes
+        them in that order, as the pipeline schedule runs backwards (only update
+        passes are checkpointed: Megatron recomputes in training mode only)."""
 
         def __init__(self, owner: RouteReplay, column: int) -> None:
             super().__init__()
@@ -53,19 +54,21 @@ def _engine_route_class() -> type:
             probs, own = default_compute_topk(
                 scores, topk, num_groups=num_groups, group_topk=group_topk
             )
-            if torch._C._current_autograd_node() is not None:  # recomputed in backward
-                target = self.queue.pop(0) if self.queue else None
+            recomputed = torch._C._current_autograd_node() is not None
+            if recomputed:  # inside the backward: the piece its forward queued
+                if not self.queue:
+                    raise RuntimeError("routing replay: a recomputed forward without routes")
+                target = self.queue.pop(0)
             else:
                 target = self.owner.target(self.column)
-                if self.owner.recompute:
+                if self.owner.recompute and self.owner.updating:
                     self.queue.append(target)
             if target is None:
                 return probs, own
             engine, valid = (x.to(scores.device) for x in target)
-            if self.owner.counting and torch._C._current_autograd_node() is None:
+            if self.owner.updating and not recomputed:  # each row once a step
                 same = (own.sort(1).values == engine.sort(1).values).all(1) & valid
-                self.owner.agree += int(same.sum())
-                self.owner.total += int(valid.sum())
+                self.owner.count(same.sum(), valid.sum())
             chosen = torch.where(valid[:, None], engine, own)
             return scores.gather(1, chosen), chosen
 
@@ -90,8 +93,10 @@ class RouteReplay:
 
         engine_route = _engine_route_class()
         self.recompute = recompute
-        self.counting = False
-        self.agree = self.total = 0
+        self.updating = False  # in an update pass (forward and backward)
+        # (agreeing, recorded) (token, layer) pairs, on the device until ``stats``
+        self._counts: torch.Tensor | None = None
+        self._routers: list[Any] = []
         self._routes: torch.Tensor | None = None  # the piece's [rows, positions, layers, k]
         self._cached: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
         for name, module in model.named_modules():
@@ -99,6 +104,7 @@ class RouteReplay:
                 if module.router_replay is None:
                     raise RuntimeError("routing replay: the model was built without it")
                 module.router_replay = engine_route(self, column(global_layer(name)))
+                self._routers.append(module.router_replay)
         # driven router by router: Megatron's class-wide list (every instance ever made,
         # of every model rebuilt) is not this trainer's to keep growing
         RouterReplay.global_router_replay_instances.clear()
@@ -106,6 +112,22 @@ class RouteReplay:
     def set(self, routes: torch.Tensor | None) -> None:
         """The routes of the piece whose forward runs next (None: the model's own)."""
         self._routes, self._cached = routes, {}
+
+    def end_pass(self, check: bool = True) -> None:
+        """A pass is over: every recomputed forward took its routes (else a queue
+        would carry them into the next pass's backward: refused when ``check``)."""
+        self.set(None)
+        self.updating = False
+        left = sum(len(r.queue) for r in self._routers)
+        for r in self._routers:
+            r.queue.clear()
+        if left and check:
+            raise RuntimeError(f"routing replay: {left} queued routes no backward took")
+
+    def count(self, agree: torch.Tensor, recorded: torch.Tensor) -> None:
+        """Add a router's pairs (device tensors: no host sync per layer and piece)."""
+        pair = torch.stack([agree, recorded]).to(torch.float64)
+        self._counts = pair if self._counts is None else self._counts + pair
 
     def target(self, column: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Column ``column``'s experts for the piece in flight as the router sees its
@@ -125,11 +147,11 @@ class RouteReplay:
         (absent when none had routes), then reset."""
         import torch.distributed as dist
 
-        counts = torch.tensor([self.agree, self.total], dtype=torch.float64)
-        self.agree = self.total = 0
+        counts = self._counts if self._counts is not None else torch.zeros(2, dtype=torch.float64)
+        self._counts = None
         if dist.is_initialized():
-            wire = counts.to(device) if dist.get_backend() == "nccl" else counts
+            wire = counts.to(device if dist.get_backend() == "nccl" else "cpu")
             dist.all_reduce(wire)
             counts = wire.cpu()
-        agree, total = counts.tolist()
+        agree, total = counts.cpu().tolist()
         return {"routing_agreement": agree / total} if total else {}

@@ -67,24 +67,45 @@ def buckets(sizes: Sequence[tuple[torch.dtype, int]], limit: int = BUCKET_BYTES)
 
 
 class _HostCopies:
-    """Device-to-host copies that overlap the next bucket's transfer: into page-locked
-    buffers, without waiting, all waited for once at the end (on the host a copy is
-    made at once)."""
+    """Device-to-host copies that overlap the next bucket's transfer: each lands in one
+    of two page-locked staging buffers without waiting, and moves on into ordinary
+    host memory (what is kept: page-locked memory is scarce and the allocator keeps
+    it) when its buffer is needed again or at ``wait``. A host tensor is kept as it
+    is. What ``take`` returns holds its values only after ``wait``."""
 
     def __init__(self) -> None:
-        self.cuda = False
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._pending: list[tuple[Any, torch.Tensor, torch.Tensor] | None] = [None, None]
+        self._turn = 0
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cuda":
             return t if t.is_contiguous() else t.contiguous()
-        self.cuda = True
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        return host
+        slot, self._turn = self._turn, 1 - self._turn
+        self._drain(slot)
+        nbytes = t.numel() * t.element_size()
+        buf = self._staging[slot]
+        if buf is None or buf.numel() < nbytes:
+            buf = self._staging[slot] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        staged = buf[:nbytes].view(t.dtype).view(t.shape)
+        staged.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        out = torch.empty(t.shape, dtype=t.dtype)
+        self._pending[slot] = (done, staged, out)
+        return out
+
+    def _drain(self, slot: int) -> None:
+        pending = self._pending[slot]
+        if pending is not None:
+            done, staged, out = pending
+            done.synchronize()
+            out.copy_(staged)
+            self._pending[slot] = None
 
     def wait(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
+        for slot in (self._turn, 1 - self._turn):  # the older copy first
+            self._drain(slot)
 
 
 def send_tensors(tensors: Mapping[str, torch.Tensor], dst: int, device: torch.device) -> None:

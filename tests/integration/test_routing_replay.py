@@ -144,6 +144,7 @@ def test_replayed_routes_make_the_trainers_log_probs_the_engines(rollout: dict[s
     # the engine's routing replayed: its log-probs to float32 agreement
     assert apart["mismatch_max"] < 1e-4, apart
     assert apart["routing_agreement"] == pytest.approx(expected, abs=0.01)
+    assert apart["routing_replay_rows"] == 1.0
     alike = trainer.train_step([_group(rollout, "own")])
     assert alike["mismatch_max"] < 1e-4 and alike["routing_agreement"] == 1.0, alike
 

@@ -228,10 +228,10 @@ def test_megatron_refuses_a_model_it_would_build_wrong_before_any_process_starts
 def test_a_text_recipe_trains_a_moe_model_with_the_megatron_backend(
     tmp_path: Path, recipe: dict[str, Path]
 ) -> None:
-    """A Qwen3-MoE directory: Megatron's MoE layers train it at expert parallel 2 (two
-    ranks, two of the four experts each), vLLM serves it, and the trained versions
-    reach the shard through the cache (its experts prepacked again after each reload)
-    and are evaluated there."""
+    """A Qwen3-MoE directory: Megatron's MoE layers train it at pipeline parallel 2 x
+    expert parallel 2 (four ranks: a layer a stage, two of its four experts a rank),
+    vLLM serves it, and the trained versions reach the shard through the cache (its
+    experts prepacked again after each reload) and are evaluated there."""
     pytest.importorskip("megatron.core")
     moe = save_tiny_model(tmp_path / "moe", "qwen3_moe", seed=5, norm_topk_prob=True)
     cfg, out, pid = write_config(tmp_path, recipe, model=str(moe))
@@ -240,9 +240,9 @@ def test_a_text_recipe_trains_a_moe_model_with_the_megatron_backend(
     text = cfg.read_text().replace("train: {lr: 0.001}", MEGATRON)
     text = text.replace("    steps: 2\n", "    steps: 2\n    max_trajectory_age_steps: 0\n")
     text = text.replace(
-        "actor_train: {tp: 1, devices: [0]}", "actor_train: {ep: 2, devices: [0, 1]}"
+        "actor_train: {tp: 1, devices: [0]}", "actor_train: {pp: 2, ep: 2, devices: [0, 1, 2, 3]}"
     )
-    cfg.write_text(text.replace("gpus_per_node: 1", "gpus_per_node: 2"))
+    cfg.write_text(text.replace("gpus_per_node: 1", "gpus_per_node: 4"))
     done = launch(cfg, timeout=560)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
     rows = [json.loads(line) for line in (out / pid / "metrics.jsonl").read_text().splitlines()]
@@ -264,9 +264,8 @@ def test_a_text_recipe_trains_a_moe_model_with_the_megatron_backend(
     # trainer's (transformers fuses the experts in memory; the directory has them apart)
     _export_is_the_checkpoint(out / pid / "ckpt", moe, tmp_path / "hf")
     # a layout the MoE layers do not split over is refused before anything starts
-    cfg.write_text(cfg.read_text().replace("actor_train: {ep: 2, devices: [0, 1]}",
+    cfg.write_text(cfg.read_text().replace("actor_train: {pp: 2, ep: 2, devices: [0, 1, 2, 3]}",
                                            "actor_train: {ep: 3, devices: [0, 1, 2]}"))  # fmt: skip
-    cfg.write_text(cfg.read_text().replace("gpus_per_node: 2", "gpus_per_node: 3"))
     refused = launch(cfg, timeout=100)
     assert refused.returncode == 2, (refused.stdout, refused.stderr)
     (line,) = refused.stderr.strip().splitlines()

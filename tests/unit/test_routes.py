@@ -99,8 +99,11 @@ def test_a_shard_records_routes_where_a_pipeline_it_serves_replays_them(tmp_path
     assert records_routes([_pipeline("a", "none", tmp_path), _pipeline("b", "rollout", tmp_path)])
 
 
-def test_a_group_carries_its_generations_routes_or_none() -> None:
-    col = Collector(_pipeline("p", "none"), ReplayBuffer(StalenessBound(1)), None, lambda: 0)
+def test_a_group_carries_its_generations_routes_or_none(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_experts": 4}))
+    col = Collector(
+        _pipeline("p", "rollout", tmp_path), ReplayBuffer(StalenessBound(1)), None, lambda: 0
+    )
     sample = Sample([1, 2])
 
     def traj(routes: bytes) -> Trajectory:
@@ -112,3 +115,9 @@ def test_a_group_carries_its_generations_routes_or_none() -> None:
     back = msgspec.convert(msgspec.to_builtins(group.to_dict()), type(group))
     assert back.routes == group.routes
     assert col._group(sample, [traj(b""), traj(b"")], [1.0, 0.0], [], {}, "g").routes == []
+    # a pipeline that does not replay them keeps none (a base group's shard records
+    # them for a member that does)
+    other = Collector(
+        _pipeline("q", "none", tmp_path), ReplayBuffer(StalenessBound(1)), None, lambda: 0
+    )
+    assert other._group(sample, [traj(b"abc"), traj(b"")], [1.0, 0.0], [], {}, "g").routes == []

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 # oldest are evicted: a take follows a request's end within a step or two.
 _UNTAKEN_PER_SEQ = 2
 _MIN_UNTAKEN = 64
+# waits on the engine: the hooks installed (one collective_rpc, first request), a take
+INSTALL_TIMEOUT_S = 120.0
+TAKE_TIMEOUT_S = 120.0
 
 
 def _external(internal_id: str) -> str:
@@ -95,6 +98,9 @@ class _Recorder:
         self.forwards = 0
         self.cached_positions = 0  # read from the store (prefix-cache hits)
         self.evicted = 0  # finished requests dropped untaken
+        # why recording stopped (a router lost its hook, rows that fit no request...):
+        # the engine serves on, every later take finds nothing (counted as missing)
+        self.failed: str | None = None
 
 
 class RoutesWorker:
@@ -200,7 +206,7 @@ def _why_not_recordable(runner: Any, moe: list[Any]) -> str | None:
         return "its MoE kernel is monolithic (it routes inside the kernel, unhooked)"
     experts = runner.model_config.hf_text_config
     n = getattr(experts, "num_experts", None) or getattr(experts, "num_local_experts", 0)
-    if int(n or 0) > 256:
+    if int(n or 0) > 255:  # (255 marks a position without a route: train/packing.py)
         return f"{n} experts do not fit the routes' uint8 ids"
     if runner.uses_mrope:
         return "its positions are multimodal (M-RoPE), not one per token"
@@ -232,9 +238,10 @@ def _hooked_router(recorder: _Recorder, router: Any, layer_id: int) -> Callable[
 def _hooked_forward(recorder: _Recorder, runner: Any, forward: Any) -> Callable[..., Any]:
     """``runner._model_forward`` that files the forward's routes under each request's
     positions (rows past the batch's last query start are padding)."""
-    import torch
 
     def hooked(*args: Any, **kwargs: Any) -> Any:
+        if recorder.failed is not None:
+            return forward(*args, **kwargs)
         batch = runner.input_batch
         num_reqs = batch.num_reqs
         req_ids = list(batch.req_ids[:num_reqs])
@@ -246,22 +253,39 @@ def _hooked_forward(recorder: _Recorder, runner: Any, forward: Any) -> Callable[
             out = forward(*args, **kwargs)
         finally:
             recorder.active = False
-        n = int(starts[-1]) if num_reqs else 0
-        if n > 0:
-            if len(recorder.step) != len(recorder.layer_ids):
-                raise RuntimeError(
-                    f"routing replay: {len(recorder.step)} of {len(recorder.layer_ids)} MoE "
-                    "layers routed this forward (a router lost its hook)"
-                )
-            if positions is None or positions.dim() != 1:
-                raise RuntimeError("routing replay: the forward had no per-token positions")
-            pos = positions[:n].cpu().numpy().astype(np.int64)
-            rows = torch.stack([recorder.step[i][:n] for i in recorder.layer_ids], 1)
-            _file(recorder, runner, req_ids, starts, pos, rows.cpu().numpy())
+        try:
+            _file_forward(recorder, runner, req_ids, starts, positions)
+        except Exception as exc:  # a diagnostic's failure must not stop the engine
+            recorder.failed = f"{type(exc).__name__}: {exc}"
+            recorder.requests.clear()
+            recorder.untaken.clear()
+            log.warning("routing replay: recording stopped: %s", recorder.failed)
         recorder.step = {}
         return out
 
     return hooked
+
+
+def _file_forward(
+    recorder: _Recorder, runner: Any, req_ids: list[str], starts: np.ndarray, positions: Any
+) -> None:
+    """A forward's routes, checked, filed under its requests (rows past the batch's
+    last query start are padding)."""
+    import torch
+
+    n = int(starts[-1]) if req_ids else 0
+    if n <= 0:
+        return
+    if len(recorder.step) != len(recorder.layer_ids):
+        raise RuntimeError(
+            f"{len(recorder.step)} of {len(recorder.layer_ids)} MoE layers routed this "
+            "forward (a router lost its hook)"
+        )
+    if positions is None or positions.dim() != 1:
+        raise RuntimeError("the forward had no per-token positions")
+    pos = positions[:n].cpu().numpy().astype(np.int64)
+    rows = torch.stack([recorder.step[i][:n] for i in recorder.layer_ids], 1)
+    _file(recorder, runner, req_ids, starts, pos, rows.cpu().numpy())
 
 
 def _file(
@@ -334,7 +358,11 @@ class RouteTaker:
             return False
         if self._installing is None:
             self._installing = asyncio.ensure_future(self._install())
-        await asyncio.shield(self._installing)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._installing), INSTALL_TIMEOUT_S)
+        except TimeoutError:
+            self.off = f"installing the hooks took over {INSTALL_TIMEOUT_S:.0f} s"
+            log.warning("routing replay: routes not recorded: %s", self.off)
         return self.off is None
 
     async def _install(self) -> None:
@@ -355,7 +383,10 @@ class RouteTaker:
         self._waiting[request_id] = future
         if self._flushing is None or self._flushing.done():
             self._flushing = asyncio.ensure_future(self._flush())
-        got = await future
+        try:
+            got = await asyncio.wait_for(future, TAKE_TIMEOUT_S)
+        except TimeoutError:
+            got = None  # counted below: a result without routes, never a stuck request
         if positions <= 0:
             return b""
         if got is None or got["first"] != 0 or got["n"] < positions:
@@ -377,13 +408,16 @@ class RouteTaker:
             batch, self._waiting = self._waiting, {}
             drops, self._drops = self._drops, []
             self.rounds += 1
+            answers: dict[str, Any] = {}
             try:
                 ranks = await self.llm.collective_rpc("rlix_routes_take", args=(list(batch), drops))
+                answers = ranks[0] if ranks else {}
             except Exception as exc:  # the engine failed: each request fails with it
                 for future in batch.values():
                     if not future.done():
                         future.set_exception(exc)
                 continue
-            for rid, future in batch.items():
-                if not future.done():  # its caller may have been cancelled meanwhile
-                    future.set_result(ranks[0].get(rid))
+            finally:  # cancelled, or anything else: no caller waits on a future forever
+                for rid, future in batch.items():
+                    if not future.done():  # its caller may have been cancelled meanwhile
+                        future.set_result(answers.get(rid))
