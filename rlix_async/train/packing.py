@@ -86,6 +86,14 @@ def pack_routes(
     return out
 
 
+def minibatch_rows(rows: int, minibatches: int, device: torch.device) -> list[torch.Tensor]:
+    """A rank's ``rows`` in order, in exactly min(``minibatches``, ``rows``) parts of
+    sizes that differ by at most one (never fewer: replicas whose shares differ by a
+    row must make as many optimizer updates, each one a collective)."""
+    order = torch.arange(rows, device=device)
+    return list(order.tensor_split(max(1, min(minibatches, rows))))
+
+
 def micro_batches(
     idx: list[int], lengths: list[int], rows: int | None, max_tokens: int | None
 ) -> list[list[int]]:

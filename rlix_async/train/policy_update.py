@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from rlix_async.train import lora as lora_utils
 from rlix_async.train.algo import entropy, lr_factor, policy_loss, sampling_log_softmax
-from rlix_async.train.packing import Piece, Take, micro_batches, pack_batch
+from rlix_async.train.packing import Piece, Take, micro_batches, minibatch_rows, pack_batch
 
 if TYPE_CHECKING:
     from rlix_async.config.training import TrainSection
@@ -178,8 +178,7 @@ class PolicyUpdate:
         self.routes = share.pop("routes", None)
         t = {k: v.to(self.device) for k, v in share.items()}
         n = t["ids"].shape[0]
-        order = torch.arange(n, device=self.device)
-        parts = [p for p in order.chunk(max(1, min(self.cfg.minibatches, n))) if len(p)]
+        parts = minibatch_rows(n, self.cfg.minibatches, self.device)
         time_pack = lap()
         # Before the first update the weights are pi_old: that minibatch's old log-probs
         # are its own update pass's (detached), unless dropout makes the two passes differ

@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("ep")
     moe = save_tiny_model(root / "model", "qwen3_moe", seed=3, tie_word_embeddings=False)
+    tied = save_tiny_model(root / "tied", "qwen3_moe", seed=4)  # the output layer: the embedding
     # a row a micro-batch over 7 rows: the replicas' passes differ in number
     odd = {"model": moe, "tp": 1, "steps": 2, "batches": "odd", "micro_batch_size": 1}
     out = run_jobs(root, 1, {"tp1": {"model": moe, "tp": 1, "steps": 2}})
@@ -35,6 +36,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "pp2": {"model": moe, "tp": 1, "pp": 2, "steps": 2},
         "dp2_odd": odd,
         "dp2_routes": {"model": moe, "tp": 1, "steps": 2, "batches": "routes"},
+        "tied_dp2": {"model": tied, "tp": 1, "steps": 2},
         "ep2_routes": {"model": moe, "tp": 1, "ep": 2, "steps": 2, "batches": "routes"},
         "ep2_odd": {**odd, "ep": 2},
         "ep2_resumed": {"model": moe, "tp": 1, "ep": 2, "steps": 1, "ckpt": root / "ep2" / "ckpt_1"},
@@ -44,6 +46,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out |= run_jobs(root, 4, {
         "pp2_ep2": {"model": moe, "tp": 1, "pp": 2, "ep": 2, "steps": 2},
         "pp2_ep2_routes": {"model": moe, "tp": 1, "pp": 2, "ep": 2, "steps": 2, "batches": "routes"},
+        # two replicas of each expert (expert data parallel 2)
+        "dp4": {"model": moe, "tp": 1, "steps": 2},
+        "ep2_dp4": {"model": moe, "tp": 1, "ep": 2, "steps": 2},
+        # the tied embedding's copies on the first and the last stage
+        "tied_pp2_ep2": {"model": tied, "tp": 1, "pp": 2, "ep": 2, "steps": 2},
     })  # fmt: skip
     pp2_ep2 = root / "pp2_ep2" / "ckpt_1"
     out |= run_jobs(
@@ -120,6 +127,16 @@ def test_replayed_routes_train_alike_at_every_layout(runs: dict[str, dict]) -> N
     for name in ("ep2_routes", "pp2_ep2_routes"):
         got = runs[name]["figures"][0]["routing_agreement"]
         assert got == pytest.approx(routed["routing_agreement"], abs=1e-9), name
+
+
+def test_experts_with_two_replicas_each_average_over_them(runs: dict[str, dict]) -> None:
+    """ep 2 on four ranks: each expert on two replicas, its gradient summed over its
+    own replicas (the expert-data-parallel group) and divided by all four."""
+    _same_training(runs["dp4"], runs["ep2_dp4"])
+
+
+def test_a_tied_embedding_at_pp2_x_ep2_trains_as_dp2(runs: dict[str, dict]) -> None:
+    _same_training(runs["tied_dp2"], runs["tied_pp2_ep2"])
 
 
 def test_uneven_shares_run_as_many_passes_and_train_as_dp2(runs: dict[str, dict]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -29,3 +30,16 @@ def test_every_row_once_and_each_piece_within_the_budget(lengths: list[int], bud
     for p in pieces:
         # padding counts: a piece costs its rows times its longest row
         assert len(p) == 1 or len(p) * max(lengths[i] for i in p) <= budget
+
+
+@given(st.integers(1, 40), st.integers(1, 8))
+def test_a_ranks_rows_make_exactly_min_minibatches_rows_parts(rows: int, minibatches: int) -> None:
+    """Never fewer parts than asked (torch.chunk makes 3 of 5 rows in 4): replicas whose
+    shares differ by a row make as many updates, each one a collective."""
+    from rlix_async.train.packing import minibatch_rows
+
+    parts = minibatch_rows(rows, minibatches, torch.device("cpu"))
+    assert len(parts) == min(rows, minibatches)
+    assert torch.cat(parts).tolist() == list(range(rows))
+    sizes = [len(p) for p in parts]
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
