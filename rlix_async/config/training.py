@@ -231,10 +231,7 @@ def _model_shape(model: ModelConfig, what: str) -> tuple[int, int, int, int, int
         c = json.loads((Path(model.path) / "config.json").read_text())
         heads = int(c["num_attention_heads"])
         groups = int(c.get("num_key_value_heads") or heads)
-        # The routed experts: Qwen3-MoE checkpoints say num_experts, transformers 5 writes
-        # num_local_experts for them; a dense config has neither (or 0/null)
-        experts = c.get("num_experts") or c.get("num_local_experts")
-        experts = int(experts) if experts else None
+        experts = _experts_of(c)
         return heads, groups, int(c["intermediate_size"]), int(c["num_hidden_layers"]), experts
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise invalid(
@@ -270,12 +267,17 @@ def moe_experts(model: ModelConfig) -> int | None:
     if model.path is None:
         return None
     try:
-        c = json.loads((Path(model.path) / "config.json").read_text())
-        # Qwen3-MoE checkpoints say num_experts, transformers 5 writes num_local_experts
-        experts = c.get("num_experts") or c.get("num_local_experts")
-        return int(experts) if experts else None
+        return _experts_of(json.loads((Path(model.path) / "config.json").read_text()))
     except (OSError, ValueError, TypeError):
         return None
+
+
+def _experts_of(config: dict[str, Any]) -> int | None:
+    """A config.json's routed experts: Qwen3-MoE checkpoints say num_experts,
+    transformers 5 writes num_local_experts for them; a dense config has neither (or
+    0/null)."""
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    return int(experts) if experts else None
 
 
 def replays_routes(train: TrainSection, model: ModelConfig) -> bool:

@@ -506,13 +506,16 @@ def test_memory_levers_that_cannot_work_are_refused_naming_the_field(
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_every_launch_config_in_the_repository_loads_as_written() -> None:
+def test_every_launch_config_in_the_repository_loads_as_written(tmp_path: Path) -> None:
     """The packaged recipes, the demo and the examples load (none names engine.kind
     or train.backend where the default is meant), and dumping one with every default
     written out, tags included, reads back as the same config. A recipe's model
-    directory is filled in when it is prepared (rlix-async demo --recipe): given here."""
+    directory is filled in when it is prepared (rlix-async demo --recipe): given here
+    (the tiny MoE recipe's made, as it makes it: its layout is checked against it)."""
     from rlix_async.config.loading import read_yaml
+    from rlix_async.models.tiny import save_tiny_qwen3_moe
 
+    moe = save_tiny_qwen3_moe(tmp_path / "moe")
     paths = sorted([*ROOT.glob("rlix_async/**/*.yaml"), *ROOT.glob("examples/**/*.yaml")], key=str)
     assert len(paths) >= 6
     for path in paths:
@@ -520,6 +523,8 @@ def test_every_launch_config_in_the_repository_loads_as_written() -> None:
         for pipe in raw["pipelines"]:
             if "data" in pipe:
                 pipe.setdefault("model", {})["path"] = "models/m"
+            elif path.name == "tiny_moe.yaml":
+                pipe.setdefault("model", {})["path"] = str(moe)
         cfg = convert(raw, LaunchConfig, str(path))
         assert convert(msgspec.to_builtins(cfg), LaunchConfig, str(path)) == cfg, path
 
