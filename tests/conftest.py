@@ -26,6 +26,9 @@ TIERS = ("slow", "vllm", "gpu", "multinode")
 # first, while the other worker takes everything else. Two of them at once on two
 # cores starve each other's heartbeats.
 HEAVY = ("slow", "vllm", "multinode")
+# A slow test with no coordinator, leases or heartbeats to starve (torchrun jobs or an
+# in-process trainer: only its own time to lose) marks itself ``beside_heavy``: it runs
+# on the other worker, beside the heavy group, which is otherwise the whole run's wall.
 
 
 @pytest.hookimpl(wrapper=True)  # around pytest-xdist, which names each item's group
@@ -39,7 +42,11 @@ def pytest_collection_modifyitems(
                 if tier in item.keywords:
                     item.add_marker(pytest.mark.skip(reason=f"{tier} tier: select with -m {tier}"))
         return (yield)
-    heavy = {id(i) for i in items if any(tier in i.keywords for tier in HEAVY)}
+    heavy = {
+        id(i)
+        for i in items
+        if any(tier in i.keywords for tier in HEAVY) and "beside_heavy" not in i.keywords
+    }
     for item in items:
         if id(item) in heavy:
             item.add_marker(pytest.mark.xdist_group("heavy"))

@@ -402,6 +402,7 @@ torch.save({"norms": norms, "cache": t.weights_for_cache(),
 
 
 @pytest.mark.slow
+@pytest.mark.beside_heavy  # torchrun or in-process trainers: no heartbeats
 @pytest.mark.timeout(300)
 def test_two_ranks_train_one_adapter_as_one_rank_does(base: Path, tmp_path: Path) -> None:
     """DDP (gloo) over the adapter alone: both ranks end with the same adapter, the one

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 SMALL = {"vocab_size": 64, "layers": 1, "hidden": 64}
 
 
+@pytest.mark.beside_heavy  # torchrun or in-process: no heartbeats
 def test_megatron_weights_load_into_hf_llama_with_identical_logits() -> None:
     from rlix_async.models.tiny import tiny_llama
     from rlix_async.train.megatron import MegatronTrainer
@@ -35,6 +36,7 @@ def test_megatron_weights_load_into_hf_llama_with_identical_logits() -> None:
     assert torch.allclose(mg, hf(input_ids=ids).logits, atol=1e-5)
 
 
+@pytest.mark.beside_heavy  # torchrun or in-process: no heartbeats
 @pytest.mark.parametrize("tied", [True, False])
 def test_megatron_loads_an_hf_llama_directory_with_identical_logits(
     tmp_path: Path, tied: bool
@@ -74,6 +76,7 @@ def test_megatron_loads_an_hf_llama_directory_with_identical_logits(
     assert torch.allclose(mg, hf(input_ids=ids).logits, atol=1e-5)
 
 
+@pytest.mark.beside_heavy  # torchrun or in-process: no heartbeats
 def test_megatron_refuses_a_model_family_it_would_build_wrong(tmp_path: Path) -> None:
     from helpers.tiny_text import save_tiny_model
 
@@ -84,6 +87,7 @@ def test_megatron_refuses_a_model_family_it_would_build_wrong(tmp_path: Path) ->
         model_shape(str(path))
 
 
+@pytest.mark.beside_heavy  # torchrun or in-process: no heartbeats
 def test_megatron_grpo_steps_learn() -> None:
     from helpers.trainer import mass_below_8, sample_batch
 
@@ -107,6 +111,7 @@ def test_megatron_grpo_steps_learn() -> None:
     assert mass_below_8(View) > 2 * before  # type: ignore[arg-type]
 
 
+@pytest.mark.beside_heavy  # torchrun or in-process: no heartbeats
 def test_the_megatron_reference_stays_at_the_start_and_the_kl_grows() -> None:
     from helpers.trainer import sample_batch
 
@@ -133,6 +138,7 @@ def test_the_megatron_reference_stays_at_the_start_and_the_kl_grows() -> None:
     assert not all(torch.equal(t.model.state_dict()[n], v) for n, v in start.items())
 
 
+@pytest.mark.beside_heavy  # torchrun or in-process: no heartbeats
 @pytest.mark.timeout(400)
 def test_twenty_megatron_cycles_under_torchrun(tmp_path: Path) -> None:
     from helpers.trainer import run_cycles

@@ -19,7 +19,7 @@ from helpers.megatron_tp_runs import assert_same_weights, run_jobs
 from helpers.tiny_text import save_tiny_model
 
 pytest.importorskip("megatron.core")
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.beside_heavy]
 
 
 @pytest.fixture(scope="module")

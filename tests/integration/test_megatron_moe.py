@@ -18,7 +18,7 @@ import torch
 from helpers.trainer import megatron_logits
 
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.beside_heavy]  # in-process trainers
 
 
 def _directory(tmp_path: Path, **config: object) -> Path:

@@ -61,7 +61,7 @@ pipelines:
       actor_infer: {{tp: 1, devices: [5]}}      # host 1: every sync crosses hosts
 """
 
-STEPS = 300  # a tiny model steps in a fraction of a second: still mid-run at the kill
+STEPS = 150  # a tiny model steps in a fraction of a second: still mid-run at the kill
 
 
 def _setup(tmp_path: Path, steps: int) -> tuple[Path, Path, Path]:

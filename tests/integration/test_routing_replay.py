@@ -24,7 +24,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.beside_heavy]  # an in-process trainer
 
 TOPK = 2
 

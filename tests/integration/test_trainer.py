@@ -101,6 +101,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_unrun(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.beside_heavy  # torchrun or in-process trainers: no heartbeats
 @pytest.mark.timeout(300)
 def test_twenty_offload_cycles_under_torchrun_leak_nothing(tmp_path: Path) -> None:
     run_cycles(tmp_path, "torch")
@@ -332,6 +333,7 @@ def test_offload_and_reload_leave_training_and_checkpoints_as_they_were(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.beside_heavy  # torchrun or in-process trainers: no heartbeats
 def test_megatron_parameters_and_cache_follow_the_configured_dtype() -> None:
     pytest.importorskip("megatron.core")
     from rlix_async.train.megatron import MegatronTrainer
@@ -347,6 +349,7 @@ def test_megatron_parameters_and_cache_follow_the_configured_dtype() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.beside_heavy  # torchrun or in-process trainers: no heartbeats
 @pytest.mark.parametrize("kind", ["selective", "full"])
 def test_megatron_recompute_takes_the_same_step(kind: Any) -> None:
     """Megatron's activation recomputation (core attention, or whole layers) changes
@@ -577,6 +580,7 @@ json.dump(stats, open(f"{sys.argv[1]}/rank{rank}.json", "w"))
 
 
 @pytest.mark.slow
+@pytest.mark.beside_heavy  # torchrun or in-process trainers: no heartbeats
 @pytest.mark.timeout(300)
 def test_two_ranks_weigh_every_token_as_one_rank_does(tmp_path: Path) -> None:
     """The loss is a mean over the global batch's tokens: two ranks holding rows of
