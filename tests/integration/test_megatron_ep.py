@@ -19,7 +19,13 @@ from helpers.megatron_tp_runs import assert_same_weights, run_jobs
 from helpers.tiny_text import save_tiny_model
 
 pytest.importorskip("megatron.core")
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.beside_heavy]
+# one worker runs the module: its runs are a module fixture (on two, both would make it)
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.slow,
+    pytest.mark.beside_heavy,
+    pytest.mark.xdist_group("megatron_ep"),
+]
 
 
 @pytest.fixture(scope="module")

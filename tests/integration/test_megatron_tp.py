@@ -15,7 +15,7 @@ from helpers.megatron_tp_runs import assert_same_weights, run_jobs
 pytest.importorskip("megatron.core")
 # the module's runs (torchrun jobs of 1-4 ranks on 2 cores, beside the other pytest
 # worker) are set up by the first test: several minutes under CI's load
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("megatron_tp")]  # one fixture
 
 SHAPE = {"vocab_size": 63, "layers": 2, "hidden": 128}  # 2 heads, 2 query groups
 
