@@ -217,6 +217,8 @@ class MegatronParallel:
 
     def forward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
         pieces = self._in_step(pieces, backward=False)
+        if self.replay is not None:  # the policy's pi_old pass (not the reference's)
+            self.replay.counting = model is self.model
         try:
             if self.layout.pp == 1:
                 self.data.forward(model, pieces, self._before)
@@ -229,8 +231,11 @@ class MegatronParallel:
 
     def forward_backward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
         pieces = self._in_step(pieces, backward=True)
-        if self.replay is not None:  # the update passes see every row once a step
+        if self.replay is not None:
             self.replay.updating = True
+            # the first update is at pi_old's weights (its pass gives pi_old): counted
+            self.replay.counting = self.replay.updates_this_step == 0
+            self.replay.updates_this_step += 1
         try:
             if self.layout.pp == 1:
                 self.data.forward_backward(model, pieces, self._before)

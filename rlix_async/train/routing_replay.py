@@ -11,10 +11,10 @@ the top k indices replaced, the gate weights still the trainer's own softmax ove
 them (so the router keeps its gradient). Positions the engine recorded nothing for
 (padding, the last token, rows without routes) keep the trainer's own choice.
 
-Before it replays, each router compares its own top k with the engine's in the update
-passes (every row once a step; a forward recomputed in the backward not again):
-``routing_agreement`` is the fraction of (token, MoE layer) pairs whose expert sets
-are equal.
+Before it replays, each router compares its own top k with the engine's at the step's
+starting weights (the pi_old pass and the first update pass, which is pi_old's too:
+every row once a step, before any update moved a router): ``routing_agreement`` is
+the fraction of (token, MoE layer) pairs whose expert sets are equal.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _engine_route_class() -> type:
             if target is None:
                 return probs, own
             engine, valid = (x.to(scores.device) for x in target)
-            if self.owner.updating and not recomputed:  # each row once a step
+            if self.owner.counting and not recomputed:
                 same = (own.sort(1).values == engine.sort(1).values).all(1) & valid
                 self.owner.count(same.sum(), valid.sum())
             chosen = torch.where(valid[:, None], engine, own)
@@ -94,6 +94,10 @@ class RouteReplay:
         engine_route = _engine_route_class()
         self.recompute = recompute
         self.updating = False  # in an update pass (forward and backward)
+        # in a pass at the step's starting weights (pi_old's): each row's agreement is
+        # counted once a step, before any update moved the router
+        self.counting = False
+        self.updates_this_step = 0
         # (agreeing, recorded) (token, layer) pairs, on the device until ``stats``
         self._counts: torch.Tensor | None = None
         self._routers: list[Any] = []
@@ -117,7 +121,7 @@ class RouteReplay:
         """A pass is over: every recomputed forward took its routes (else a queue
         would carry them into the next pass's backward: refused when ``check``)."""
         self.set(None)
-        self.updating = False
+        self.updating = self.counting = False
         left = sum(len(r.queue) for r in self._routers)
         for r in self._routers:
             r.queue.clear()
@@ -143,12 +147,12 @@ class RouteReplay:
         return self._cached[column]
 
     def stats(self, device: torch.device) -> dict[str, float]:
-        """``routing_agreement`` over every rank's update passes since the last call
-        (absent when none had routes), then reset."""
+        """``routing_agreement`` over every rank's counted passes since the last call
+        (a step; absent when none had routes), then reset."""
         import torch.distributed as dist
 
         counts = self._counts if self._counts is not None else torch.zeros(2, dtype=torch.float64)
-        self._counts = None
+        self._counts, self.updates_this_step = None, 0
         if dist.is_initialized():
             wire = counts.to(device if dist.get_backend() == "nccl" else "cpu")
             dist.all_reduce(wire)
