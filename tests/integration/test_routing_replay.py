@@ -125,12 +125,14 @@ def _group(rollout: dict[str, Any], kind: str) -> Any:
     )  # fmt: skip
 
 
-def _trainer(path: Path, replay: str) -> Any:
+def _trainer(path: Path, replay: str, **train: Any) -> Any:
     from rlix_async.config import MegatronTrainConfig, ModelConfig
     from rlix_async.train.megatron import MegatronTrainer
 
     # a learning rate too small to move a route: each step sees the starting weights
-    cfg = MegatronTrainConfig(dtype="float32", lr=1e-12, minibatches=1, routing_replay=replay)
+    cfg = MegatronTrainConfig(
+        dtype="float32", lr=1e-12, routing_replay=replay, **{"minibatches": 1, **train}
+    )
     return MegatronTrainer(cfg, ModelConfig(path=str(path)), seed=0)
 
 
@@ -157,3 +159,17 @@ def test_without_replay_the_trainer_routes_on_its_own(rollout: dict[str, Any]) -
     assert apart["mismatch_max"] > 1e-2 and "routing_agreement" not in apart, apart
     alike = trainer.train_step([_group(rollout, "own")])
     assert alike["mismatch_max"] < 1e-4, alike
+
+
+def test_replay_holds_through_recomputed_forwards_and_minibatches(rollout: dict[str, Any]) -> None:
+    """Full recompute: the backward runs each layer's forward again, which must take
+    its piece's routes again (queued by the update pass, not by the pi_old pass run
+    in eval mode); two minibatches of a row a micro-batch each: a queue per pass,
+    empty at its end, and agreement counted once a row at the starting weights."""
+    trainer = _trainer(
+        rollout["path"], "rollout", recompute="full", minibatches=2, micro_batch_size=1
+    )
+    apart = trainer.train_step([_group(rollout, "perturbed")])
+    assert apart["mismatch_max"] < 1e-4, apart
+    assert apart["routing_agreement"] == pytest.approx(rollout["perturbed_agreement"], abs=0.01)
+    assert apart["skipped_updates"] == 0 and apart["grad_norm"] > 0

@@ -36,7 +36,6 @@ pytestmark = pytest.mark.vllm
 MOE_LAYERS, K = 2, 3
 SHARED = [(7 * i) % 50 + 3 for i in range(40)]  # the common prefix: a KV block and more
 PROMPTS = [[*SHARED, 11, 12, 13], [*SHARED, 21, 22], [*SHARED, 31, 32, 33, 34, 35]]
-FRESH = [(5 * i) % 47 + 4 for i in range(20)]  # shorter than a KV block: never cached
 
 
 def _engine(path: Path, record: bool) -> Any:
@@ -133,9 +132,10 @@ async def test_vllm_records_transformers_routes(tmp_path: Path) -> None:
         async with asyncio.timeout(60):
             await _cut_and_cancelled(engine, model)
 
-        # a weight update (vLLM's layerwise reload on CPU) keeps the hooks. The prompt
-        # shares no cached block: an awake sync leaves vLLM's prefix cache as it was,
-        # so a cached prompt would reuse KV (and routes) of the old weights
+        # a weight update (vLLM's layerwise reload on CPU) keeps the hooks, and a prompt
+        # whose blocks the old weights cached is computed afresh (the prefix cache is
+        # salted by version: VllmEngine._salt), with the new routers' routes
+        cached = PROMPTS[0]
         old_model = copy.deepcopy(model)
         with torch.no_grad():
             for layer in model.model.layers:
@@ -145,11 +145,11 @@ async def test_vllm_records_transformers_routes(tmp_path: Path) -> None:
         cache.build(1, update)
         async with asyncio.timeout(120):
             await engine.load_version(cache.promote(1))
-            after = await _last(engine, FRESH, greedy, "synced")
-            again = await _last(engine, FRESH, greedy, "again")  # the same, recorded again
-        _check(model, FRESH, after)
+            after = await _last(engine, cached, greedy, "synced")
+            again = await _last(engine, cached, greedy, "again")  # the same, recorded again
+        _check(model, cached, after)
         assert after.routes == again.routes
-        old_routes = _hf_routes(old_model, FRESH + after.token_ids)[: len(FRESH) - 1]
+        old_routes = _hf_routes(old_model, cached + after.token_ids)[: len(cached) - 1]
         assert old_routes.tobytes() != after.routes[: old_routes.nbytes]  # new routers
         assert engine.routes.missing == 0
 
