@@ -185,6 +185,10 @@ class MegatronTrainer:
         megatron_cpu_compat.apply()  # before Megatron is imported or used (CPU only)
         path = self.model_cfg.path
         self._shape = model_shape(path) if path else tiny_shape(self.model_cfg)
+        # whether the policy replays the engine's routing (config.json read once)
+        self._replays = self._shape.get("moe") is not None and replays_routes(
+            self.cfg, self.model_cfg
+        )
         check_shape(self._shape["heads"], self._shape["groups"], self.layout.tp)
         check_layers(self._shape["layers"], self.layout.pp)
         lay = self.layout
@@ -193,11 +197,6 @@ class MegatronTrainer:
         if path:
             self._load_hf(model, path)
         return model
-
-    @property
-    def _replays(self) -> bool:
-        """Whether the policy replays the engine's routing (an MoE model's setting)."""
-        return self._shape.get("moe") is not None and replays_routes(self.cfg, self.model_cfg)
 
     def _moe_hooks(self) -> ExpertLoad | None:
         """An MoE policy's router hooks: each expert's load counted, and the engine's

@@ -175,7 +175,12 @@ def expert_global_name(name: str, ep_rank: int, per: int) -> str:
     m = _LOCAL_EXPERT.search(name)
     if m is None or ep_rank == 0:
         return name
-    return f"{name[: m.start(1)]}{int(m.group(1)) + ep_rank * per}{name[m.end(1) :]}"
+    return _renumbered(name, m, int(m.group(1)) + ep_rank * per)
+
+
+def _renumbered(name: str, m: re.Match[str], index: int) -> str:
+    """``name`` with the expert index ``m`` found in it replaced by ``index``."""
+    return f"{name[: m.start(1)]}{index}{name[m.end(1) :]}"
 
 
 def to_expert_rank(full: Mapping[str, Any], ep_rank: int, ep: int, experts: int) -> dict[str, Any]:
@@ -191,7 +196,7 @@ def to_expert_rank(full: Mapping[str, Any], ep_rank: int, ep: int, experts: int)
         if m is None:
             out[name] = v
         elif ep_rank * per <= (g := int(m.group(1))) < (ep_rank + 1) * per:
-            out[f"{name[: m.start(1)]}{g - ep_rank * per}{name[m.end(1) :]}"] = v
+            out[_renumbered(name, m, g - ep_rank * per)] = v
     return out
 
 
@@ -213,6 +218,21 @@ def is_expert(name: str) -> bool:
     return _LOCAL_EXPERT.search(name) is not None
 
 
+def sum_over_ranks(
+    counts: torch.Tensor | None, shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    """A step's float64 ``counts`` (None: zeros of ``shape``) summed over every rank of
+    the default group (on the device under NCCL, in host memory under gloo), on the
+    host."""
+    import torch.distributed as dist
+
+    total = counts if counts is not None else torch.zeros(shape, dtype=torch.float64)
+    if dist.is_initialized():
+        total = total.to(device if dist.get_backend() == "nccl" else "cpu", torch.float64)
+        dist.all_reduce(total)
+    return total.cpu()
+
+
 class ExpertLoad:
     """How many token positions each MoE layer's router sent to each expert in a step's
     update passes (every row's positions once: pi_old's pass runs in eval mode and a
@@ -228,12 +248,9 @@ class ExpertLoad:
         self.shape = (layers, experts)
         # on the routers' device until ``stats`` (no host sync per layer and piece)
         self.counts: torch.Tensor | None = None
-        self.layers: set[int] = set()
         for name, module in model.named_modules():
             if isinstance(module, TopKRouter):
-                layer = global_layer(name)
-                self.layers.add(layer)
-                module.register_forward_hook(self._hook(layer))
+                module.register_forward_hook(self._hook(global_layer(name)))
 
     def _hook(self, layer: int) -> Callable[..., None]:
         def count(module: torch.nn.Module, args: Any, out: Any) -> None:
@@ -253,16 +270,9 @@ class ExpertLoad:
         own layers; MoE trains at tp 1, so no rank repeats another's), then reset: per
         MoE layer its busiest expert's tokens over the mean (1: balanced; at most E/k)
         and its idlest's, the busiest and idlest over all layers."""
-        import torch.distributed as dist
-
-        counts = self.counts if self.counts is not None else torch.zeros(self.shape)
+        # every rank calls: one with no MoE layer sends zeros
+        counts = sum_over_ranks(self.counts, self.shape, device)
         self.counts = None
-        if dist.is_initialized():  # every rank calls: one with no MoE layer sends zeros
-            nccl = dist.get_backend() == "nccl"
-            wire = counts.to(device if nccl else "cpu", torch.float64)
-            dist.all_reduce(wire)
-            counts = wire
-        counts = counts.cpu()
         out: dict[str, float] = {}
         high, low = [], []
         for layer in range(counts.shape[0]):

@@ -219,15 +219,7 @@ class MegatronParallel:
         pieces = self._in_step(pieces, backward=False)
         if self.replay is not None:  # the policy's pi_old pass (not the reference's)
             self.replay.counting = model is self.model
-        try:
-            if self.layout.pp == 1:
-                self.data.forward(model, pieces, self._before)
-            else:
-                self._schedule(model, pieces, forward_only=True)
-        except BaseException:
-            self._end_pass(failed=True)
-            raise
-        self._end_pass()
+        self._run(model, pieces, backward=False)
 
     def forward_backward(self, model: torch.nn.Module, pieces: list[Piece]) -> None:
         pieces = self._in_step(pieces, backward=True)
@@ -236,26 +228,32 @@ class MegatronParallel:
             # the first update is at pi_old's weights (its pass gives pi_old): counted
             self.replay.counting = self.replay.updates_this_step == 0
             self.replay.updates_this_step += 1
-        try:
-            if self.layout.pp == 1:
-                self.data.forward_backward(model, pieces, self._before)
-            else:
-                self._schedule(model, pieces, forward_only=False)
-        except BaseException:
-            self._end_pass(failed=True)
-            raise
-        self._end_pass()
+        self._run(model, pieces, backward=True)
         if self.manual_reduce:
             self._reduce_grads()
+
+    def _run(self, model: torch.nn.Module, pieces: list[Piece], backward: bool) -> None:
+        """One pass over ``pieces``: one by one at pipeline parallel 1, else through
+        the schedule; the replayed routes' pass ended either way (after a failure
+        cleared, the failure reported)."""
+        try:
+            if self.layout.pp > 1:
+                self._schedule(model, pieces, forward_only=not backward)
+            elif backward:
+                self.data.forward_backward(model, pieces, self._before)
+            else:
+                self.data.forward(model, pieces, self._before)
+        except BaseException:
+            if self.replay is not None:
+                self.replay.end_pass(check=False)
+            raise
+        if self.replay is not None:
+            self.replay.end_pass()
 
     def _before(self, piece: Piece) -> None:
         """The routes the next piece's forward replays."""
         if self.replay is not None:
             self.replay.set(piece.routes)
-
-    def _end_pass(self, failed: bool = False) -> None:
-        if self.replay is not None:  # (after a failure: cleared, the failure reported)
-            self.replay.end_pass(check=not failed)
 
     def _in_step(self, pieces: list[Piece], backward: bool) -> list[Piece]:
         """``pieces``, padded under expert parallel to as many as the most any replica

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from rlix_async.train.megatron_moe import sum_over_ranks
 from rlix_async.train.packing import NO_ROUTE
 
 
@@ -102,7 +103,7 @@ class RouteReplay:
         self._counts: torch.Tensor | None = None
         self._routers: list[Any] = []
         self._routes: torch.Tensor | None = None  # the piece's [rows, positions, layers, k]
-        self._cached: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self._cached: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, module in model.named_modules():
             if isinstance(module, TopKRouter):
                 if module.router_replay is None:
@@ -149,13 +150,7 @@ class RouteReplay:
     def stats(self, device: torch.device) -> dict[str, float]:
         """``routing_agreement`` over every rank's counted passes since the last call
         (a step; absent when none had routes), then reset."""
-        import torch.distributed as dist
-
-        counts = self._counts if self._counts is not None else torch.zeros(2, dtype=torch.float64)
+        counts = sum_over_ranks(self._counts, (2,), device)
         self._counts, self.updates_this_step = None, 0
-        if dist.is_initialized():
-            wire = counts.to(device if dist.get_backend() == "nccl" else "cpu")
-            dist.all_reduce(wire)
-            counts = wire.cpu()
-        agree, total = counts.cpu().tolist()
+        agree, total = counts.tolist()
         return {"routing_agreement": agree / total} if total else {}

@@ -71,16 +71,17 @@ class _HostCopies:
     of two page-locked staging buffers without waiting, and moves on into ordinary
     host memory (what is kept: page-locked memory is scarce and the allocator keeps
     it) when its buffer is needed again or at ``wait``. A host tensor is kept as it
-    is. What ``take`` returns holds its values only after ``wait``."""
+    is, or copied (``copy``: a view of a parameter the next step changes). What
+    ``take`` returns holds its values only after ``wait``."""
 
     def __init__(self) -> None:
         self._staging: list[torch.Tensor | None] = [None, None]
         self._pending: list[tuple[Any, torch.Tensor, torch.Tensor] | None] = [None, None]
         self._turn = 0
 
-    def take(self, t: torch.Tensor) -> torch.Tensor:
+    def take(self, t: torch.Tensor, copy: bool = False) -> torch.Tensor:
         if t.device.type != "cuda":
-            return t if t.is_contiguous() else t.contiguous()
+            return t.clone() if copy else t.contiguous()
         slot, self._turn = self._turn, 1 - self._turn
         self._drain(slot)
         nbytes = t.numel() * t.element_size()
@@ -166,7 +167,7 @@ def _gather_parts(
     split = [(n, t.detach()) for n, t in state.items() if split_dim(n) is not None]
     for name, t in state.items():
         if split_dim(name) is None and tp_rank == 0:
-            out[name] = copies.take(t.detach()) if t.device.type == "cuda" else t.detach().clone()
+            out[name] = copies.take(t.detach(), copy=True)
     if split and tp > 1:
         group = parallel_state.get_tensor_model_parallel_group()
         # the constructor's group is gloo: host tensors
@@ -188,7 +189,7 @@ def _gather_parts(
     elif tp_rank == 0:
         for name, t in split:
             full = merge_tensor(name, [t], vocab)
-            out[name] = copies.take(full) if full.device.type == "cuda" else full.clone()
+            out[name] = copies.take(full, copy=True)
     copies.wait()
     return out if tp_rank == 0 else None
 

@@ -86,3 +86,25 @@ def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
         assert float(diff.max()) <= 2 * LR * STEPS, k
         off = int((diff > 1e-5 + 1e-4 * v.float().abs()).sum())
         assert off <= max(1, v.numel() // 1000), (k, off, float(diff.max()))
+
+
+def assert_same_training(
+    one: dict[str, Any], other: dict[str, Any], clip_frac: bool = False
+) -> None:
+    """Two layouts' runs from the same HF weights trained alike: the same starting cache
+    bit for bit, logits, each step's loss, gradient norm and entropy (and, with
+    ``clip_frac``, clipped fraction) to float32 agreement over another summation
+    order, the weights after the steps (:func:`assert_same_weights`)."""
+    import pytest
+
+    assert one["cache_start"].keys() == other["cache_start"].keys()
+    for k, v in one["cache_start"].items():
+        assert torch.equal(other["cache_start"][k], v), k
+    torch.testing.assert_close(other["logits"], one["logits"], atol=1e-5, rtol=1e-5)
+    for a, b in zip(one["figures"], other["figures"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-4)
+        if clip_frac:
+            assert b["clip_frac"] == pytest.approx(a["clip_frac"], abs=1e-6)
+    assert_same_weights(other["cache_end"], one["cache_end"])  # after the steps (lr 1e-3)

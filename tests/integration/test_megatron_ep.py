@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.megatron_tp_runs import assert_same_weights, run_jobs
+from helpers.megatron_tp_runs import assert_same_training, assert_same_weights, run_jobs
 from helpers.tiny_text import save_tiny_model
 
 pytest.importorskip("megatron.core")
@@ -65,19 +65,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return out | run_jobs(root, 1, {"tp1_from_pp2_ep2": {"model": moe, "tp": 1, "steps": 1, "ckpt": pp2_ep2}})  # fmt: skip
 
 
-def _same_training(one: dict, other: dict) -> None:
-    assert one["cache_start"].keys() == other["cache_start"].keys()
-    for k, v in one["cache_start"].items():
-        assert torch.equal(other["cache_start"][k], v), k
-    torch.testing.assert_close(other["logits"], one["logits"], atol=1e-5, rtol=1e-5)
-    for a, b in zip(one["figures"], other["figures"], strict=True):
-        # float32, summed in another order over the ranks' experts
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
-        assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-4)
-    assert_same_weights(other["cache_end"], one["cache_end"])
-
-
 def test_the_cache_holds_every_expert_under_its_hf_name(runs: dict[str, dict]) -> None:
     cache = runs["ep2"]["cache_start"]
     for layer in (0, 1):
@@ -92,14 +79,14 @@ def test_the_cache_holds_every_expert_under_its_hf_name(runs: dict[str, dict]) -
 
 
 def test_ep2_trains_as_dp2(runs: dict[str, dict]) -> None:
-    _same_training(runs["dp2"], runs["ep2"])
+    assert_same_training(runs["dp2"], runs["ep2"])
 
 
 def test_pp2_x_ep2_trains_as_dp2(runs: dict[str, dict]) -> None:
     """Four ranks in Megatron's tp-ep-dp-pp order: stage s holds ranks 2s and 2s+1,
     each with two of the four experts of its layer (and pp 2 alone as one rank)."""
-    _same_training(runs["tp1"], runs["pp2"])
-    _same_training(runs["dp2"], runs["pp2_ep2"])
+    assert_same_training(runs["tp1"], runs["pp2"])
+    assert_same_training(runs["dp2"], runs["pp2_ep2"])
 
 
 def test_rows_carry_each_layers_expert_load_over_every_rank(runs: dict[str, dict]) -> None:
@@ -124,8 +111,8 @@ def test_replayed_routes_train_alike_at_every_layout(runs: dict[str, dict]) -> N
     take its own rows' routes, each stage its own layers' columns, so the layouts
     train alike; the routes are not the model's own, so the step differs from the
     unreplayed one and agreement is partial (the same count at every layout)."""
-    _same_training(runs["dp2_routes"], runs["ep2_routes"])
-    _same_training(runs["dp2_routes"], runs["pp2_ep2_routes"])
+    assert_same_training(runs["dp2_routes"], runs["ep2_routes"])
+    assert_same_training(runs["dp2_routes"], runs["pp2_ep2_routes"])
     one, routed = runs["dp2"]["figures"][0], runs["dp2_routes"]["figures"][0]
     assert "routing_agreement" not in one
     assert 0 < routed["routing_agreement"] < 1
@@ -138,15 +125,15 @@ def test_replayed_routes_train_alike_at_every_layout(runs: dict[str, dict]) -> N
 def test_experts_with_two_replicas_each_average_over_them(runs: dict[str, dict]) -> None:
     """ep 2 on four ranks: each expert on two replicas, its gradient summed over its
     own replicas (the expert-data-parallel group) and divided by all four."""
-    _same_training(runs["dp4"], runs["ep2_dp4"])
+    assert_same_training(runs["dp4"], runs["ep2_dp4"])
 
 
 def test_a_tied_embedding_at_pp2_x_ep2_trains_as_dp2(runs: dict[str, dict]) -> None:
-    _same_training(runs["tied_dp2"], runs["tied_pp2_ep2"])
+    assert_same_training(runs["tied_dp2"], runs["tied_pp2_ep2"])
 
 
 def test_uneven_shares_run_as_many_passes_and_train_as_dp2(runs: dict[str, dict]) -> None:
-    _same_training(runs["dp2_odd"], runs["ep2_odd"])
+    assert_same_training(runs["dp2_odd"], runs["ep2_odd"])
 
 
 def test_every_step_the_expert_layers_use_that_steps_groups(runs: dict[str, dict]) -> None:

@@ -70,6 +70,8 @@ NAMES = {
     "UnquantizedEmbeddingMethod": "vllm.model_executor.layers.vocab_parallel_embedding",
     "Attention": "vllm.model_executor.layers.attention",
     "AttentionImplBase": "vllm.v1.attention.backend",
+    # its adapter manager is read by adapter_manager (check_internals)
+    "WorkerLoRAManager": "vllm.lora.worker_manager",
     # read by prepack_cpu_experts
     "CPUUnquantizedExperts": "vllm.model_executor.layers.fused_moe.experts.cpu_moe",
     # hooked by routing replay (shards/vllm/routes.py; check_routes_internals)
@@ -222,31 +224,34 @@ def adapter_manager(lora_manager: Any) -> Any:
 
 def check_internals() -> None:
     """Fail at once (one line) if a private interface used here has moved."""
+    _check_attributes(
+        {"LoRAModel": ("from_lora_tensors",), "WorkerLoRAManager": ("_adapter_manager",)},
+        "serving LoRA adapters from memory uses (rlix_async/shards/vllm/api.py)",
+    )
+
+
+def _check_attributes(attributes: dict[str, tuple[str, ...]], used_by: str) -> None:
+    """VllmVersionError (one line) naming each "Class.attribute" of ``attributes`` (class
+    names of :data:`NAMES`) that vLLM lacks: methods and properties looked up on the
+    class, instance attributes in the source of the class that sets them."""
     import inspect
 
-    from vllm.lora.worker_manager import WorkerLoRAManager
-
-    missing = [
-        what
-        for what, ok in (
-            ("LoRAModel.from_lora_tensors", hasattr(__getattr__("LoRAModel"), "from_lora_tensors")),
-            (
-                "WorkerLoRAManager._adapter_manager",
-                "self._adapter_manager =" in inspect.getsource(WorkerLoRAManager),
-            ),
-        )
-        if not ok
-    ]
+    missing = []
+    for cls_name, names in attributes.items():
+        cls = __getattr__(cls_name)
+        source = inspect.getsource(cls)
+        missing += [
+            f"{cls_name}.{a}"
+            for a in names
+            if not hasattr(cls, a) and f"self.{a} =" not in source and f"self.{a}:" not in source
+        ]
     if missing:
         raise VllmVersionError(
-            f"vLLM {installed_version()} lacks {', '.join(missing)}, which serving LoRA "
-            "adapters from memory uses (rlix_async/shards/vllm/api.py)"
+            f"vLLM {installed_version()} lacks {', '.join(missing)}, which {used_by}"
         )
 
 
-# What routing replay reads in vLLM's worker (routes.py), as "Class.attribute": methods
-# and properties are looked up on the class, instance attributes in the source of the
-# class that sets them.
+# What routing replay reads in vLLM's worker (routes.py)
 _ROUTES_ATTRIBUTES = {
     "MoERunner": ("router", "layer_id", "is_monolithic"),
     "BaseRouter": ("_compute_routing",),
@@ -260,19 +265,7 @@ _ROUTES_ATTRIBUTES = {
 
 def check_routes_internals() -> None:
     """Fail at once (one line) if what routing replay hooks in vLLM's worker has moved."""
-    import inspect
-
-    missing = []
-    for cls_name, attributes in _ROUTES_ATTRIBUTES.items():
-        cls = __getattr__(cls_name)
-        source = inspect.getsource(cls)
-        missing += [
-            f"{cls_name}.{a}"
-            for a in attributes
-            if not hasattr(cls, a) and f"self.{a} =" not in source and f"self.{a}:" not in source
-        ]
-    if missing:
-        raise VllmVersionError(
-            f"vLLM {installed_version()} lacks {', '.join(missing)}, which recording the "
-            "experts' routes uses (rlix_async/shards/vllm/routes.py)"
-        )
+    _check_attributes(
+        _ROUTES_ATTRIBUTES,
+        "recording the experts' routes uses (rlix_async/shards/vllm/routes.py)",
+    )

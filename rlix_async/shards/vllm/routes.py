@@ -160,10 +160,6 @@ class RoutesWorker:
                     out[external] = routes.taken()
         return out
 
-    def rlix_routes_drop(self, request_ids: list[str]) -> None:
-        """Forget these (external) request ids' routes unread."""
-        self.rlix_routes_take([], request_ids)
-
     def rlix_routes_stats(self) -> dict[str, Any]:
         """Counters: forwards recorded, requests held (and finished untaken), positions
         read from the slot store, requests evicted untaken, the store's bytes."""
@@ -304,17 +300,23 @@ def _file(
     spans = [span for span in spans if span[2] > span[1]]
     store, bs = recorder.store, recorder.block_size
     table = runner.input_batch.block_table[0].block_table.np if store is not None else None
-    if store is not None and table is not None:
+
+    def slots(i: int, positions: np.ndarray) -> np.ndarray:
+        """Request ``i``'s KV slots of ``positions`` (its block table's blocks)."""
+        assert table is not None
+        return table[i, positions // bs].astype(np.int64) * bs + positions % bs
+
+    if store is not None:
         # every request's rows first: one may hit blocks another computes in this forward
         for _, s, e, i in spans:
-            store[table[i, pos[s:e] // bs].astype(np.int64) * bs + pos[s:e] % bs] = rows[s:e]
+            store[slots(i, pos[s:e])] = rows[s:e]
     for rid, s, e, i in spans:
         routes = recorder.requests.get(rid)
         if routes is None:
             routes = recorder.requests[rid] = _RequestRoutes((len(recorder.layer_ids), recorder.k))
-        if store is not None and table is not None and pos[s] > routes.covered:
+        if store is not None and pos[s] > routes.covered:
             gap = np.arange(routes.covered, pos[s])  # computed from cached KV: its routes
-            routes.put(gap, store[table[i, gap // bs].astype(np.int64) * bs + gap % bs])
+            routes.put(gap, store[slots(i, gap)])
             recorder.cached_positions += len(gap)
         routes.put(pos[s:e], rows[s:e])
         routes.covered = max(routes.covered, int(pos[e - 1]) + 1)
