@@ -66,6 +66,13 @@ async def _awaited(result: Any) -> Any:
     return await result
 
 
+def _started() -> int:
+    """A new worker's first task: what every env call imports, then its pid."""
+    import rlix_async.user_code  # noqa: F401
+
+    return os.getpid()
+
+
 class WorkerDied(RuntimeError):
     """The worker process holding an episode's env is gone (or was stopped)."""
 
@@ -75,7 +82,7 @@ class _Worker:
 
     def __init__(self, context: Any) -> None:
         self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context)
-        self.pid = self.pool.submit(os.getpid)  # to stop a call that will not return
+        self.pid = self.pool.submit(_started)  # to stop a call that will not return
 
     def kill(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -96,6 +103,16 @@ class EnvProcesses:
         self._where: dict[int, tuple[int, _Worker]] = {}
         self._numbers = itertools.count()
         self._closed = False
+
+    async def started(self, timeout_s: float = 120.0) -> None:
+        """Wait (``timeout_s`` at most) until every worker process has started and
+        imported what env calls need: a replaced worker spawns afresh, which took over a
+        second on a loaded CI machine, and that is not the env's time to be timed."""
+        starting = [asyncio.wrap_future(w.pid) for w in self.workers if not w.pid.done()]
+        for f in starting:  # a worker that died starting: its first call says so
+            f.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if starting:
+            await asyncio.wait(starting, timeout=timeout_s)
 
     async def build(self, row: dict[str, Any]) -> RemoteEnv:
         """A new episode's env, built in the least-loaded worker."""

@@ -236,6 +236,8 @@ class EpisodeRunner:
         try:
             assert self.env is not None
             build = self.env.make if self.processes is None else self.processes.build
+            if self.processes is not None:
+                await self.processes.started()  # the clock is the env's, not Python's start
             env = await self._call("__init__", clock, busy, build, row)
             first = await self._call("reset", clock, busy, env.reset)
             episode = Episode(self.chat.first(first))

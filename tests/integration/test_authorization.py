@@ -38,6 +38,8 @@ from rlix_async.shards.router import Router
 from rlix_async.shards.worker import ShardWorker
 from rlix_async.transport import CallTimeout, RpcClient, RpcServer, TransportConfig
 
+pytestmark = pytest.mark.usefixtures("steady_gc")  # timed heartbeats (conftest)
+
 SHAPE = ClusterShape(nodes=1, gpus_per_node=4)
 TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (1,))}
 TOPO_B = {"actor_train": ClusterSpec(1, (2,)), "actor_infer": ClusterSpec(1, (3,))}

@@ -22,6 +22,8 @@ from rlix_async.protocols.messages import DeviceOwner, StatusReply, StatusReques
 from rlix_async.protocols.snapshot import Grant, Plan
 from rlix_async.protocols.topology import ClusterShape, ClusterSpec, Priority
 
+pytestmark = pytest.mark.usefixtures("steady_gc")  # timed heartbeats (conftest)
+
 SHAPE = ClusterShape(nodes=1, gpus_per_node=4)
 TOPO = {"actor_train": ClusterSpec(1, (0, 1)), "actor_infer": ClusterSpec(1, (0, 1, 2, 3))}
 # the planner in the coordinator's thread, where a test can substitute coord_mod.plan

@@ -31,6 +31,8 @@ from rlix_async.protocols.topology import ClusterShape, ClusterSpec
 from rlix_async.shards.worker import ShardWorker
 from rlix_async.transport import TransportConfig
 
+pytestmark = pytest.mark.usefixtures("steady_gc")  # timed heartbeats (conftest)
+
 TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0, 1))}
 # generous for a loaded 2-core machine: a starved worker must not look lost (1.5 s was
 # not: a worker building its engine at first wake beside CI's other worker went silent)

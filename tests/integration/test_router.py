@@ -26,6 +26,8 @@ from rlix_async.shards.router import Router
 from rlix_async.shards.worker import ShardWorker
 from rlix_async.transport import CallContext
 
+pytestmark = pytest.mark.usefixtures("steady_gc")  # timed heartbeats (conftest)
+
 TOPO = {"actor_train": ClusterSpec(1, (0,)), "actor_infer": ClusterSpec(1, (0, 1))}
 
 

@@ -32,6 +32,8 @@ from rlix_async.transport import (
     TransportConfig,
 )
 
+pytestmark = pytest.mark.usefixtures("steady_gc")  # timed heartbeats (conftest)
+
 FAST = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=0.5, connect_timeout_s=20)
 
 

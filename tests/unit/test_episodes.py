@@ -33,6 +33,8 @@ from rlix_async.rollout.episodes import (
     turns_of,
 )
 
+pytestmark = pytest.mark.usefixtures("steady_gc")  # timed heartbeats (conftest)
+
 
 class Echo:
     """Replies 'got: ACTION'; done once the model says 'stop'; turn n is rewarded n."""
