@@ -65,6 +65,18 @@ class WeightsConfig(Config, frozen=True):
             "second slot is then filled only on demand)."
         ),
     ] = True
+    delta: Annotated[
+        Literal["auto", "off"],
+        doc(
+            "Where the trainer serves other nodes (weights_endpoint): auto encodes each "
+            "version against the one before it (per bucket the smallest of whole, the "
+            "changed elements, or XOR then zstd), once, off the training path, and sends "
+            "that to a node cache that holds the one before (checked against the owner's "
+            "signed digests; any mismatch takes the version whole). It switches itself "
+            "off while versions change almost everywhere (a float32 cache), looking "
+            "again every 10 versions. off: every version whole."
+        ),
+    ] = "auto"
 
 
 class PipelineConfig(Config, frozen=True):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -16,6 +16,11 @@ class SyncError(RuntimeError):
 
 class SlotOverwritten(SyncError):
     """The owner rewrote the slot mid-sync (it promoted two newer versions meanwhile)."""
+
+
+class DeltaMismatch(SyncError):
+    """A bucket sent as a delta did not decode to the owner's bytes (another base than
+    the one named, or a payload that does not fit): the version is taken whole."""
 
 
 class WeightSink(Protocol):
@@ -33,3 +38,17 @@ class WeightSink(Protocol):
     def load(self, named: list[tuple[str, torch.Tensor]]) -> None: ...
     def finish(self, version: int) -> None: ...
     def abort(self) -> None: ...
+
+
+@runtime_checkable
+class DeltaSink(WeightSink, Protocol):
+    """A sink that holds a version whole and can take the next one as deltas on it
+    (a node cache's slot writer): ``delta_base`` names that version (None: whole,
+    please), ``load_delta`` decodes one bucket onto it and checks the result against
+    the owner's digest (DeltaMismatch if it is not the owner's bucket);
+    ``delta_fallbacks`` counts the pulls that fell back to whole."""
+
+    delta_fallbacks: int
+
+    def delta_base(self) -> int | None: ...
+    def load_delta(self, index: int, kind: int, payload: memoryview) -> None: ...

@@ -32,7 +32,8 @@ from typing import Protocol
 import torch
 
 from rlix_async.protocols.cache_ref import CacheRef, Layout
-from rlix_async.protocols.sinks import SyncError
+from rlix_async.protocols.sinks import DeltaMismatch, SyncError
+from rlix_async.weights.delta import DeltaError, Kind, decode
 from rlix_async.weights.manifest import Manifest, ManifestSigner, bucket_digest
 from rlix_async.weights.packing import layout_of, pack_into
 from rlix_async.weights.seqlock import HEADER, write_header
@@ -317,7 +318,11 @@ class SlotWriter:
     against its digest), and the version is offered and promoted only at ``finish``,
     once every bucket of the layout arrived. A stream that breaks halfway (``abort``)
     leaves that slot empty and the promoted version where it was, so readers of the
-    cache never see part of a version."""
+    cache never see part of a version.
+
+    With the owner's digests it is also a :class:`~rlix_async.protocols.sinks.DeltaSink`:
+    the promoted version is the base a version may arrive as deltas on (decoded from
+    that slot into the one being written, each bucket then checked like any other)."""
 
     def __init__(
         self,
@@ -336,6 +341,8 @@ class SlotWriter:
         self._places: dict[str, tuple[int, int, int]] = {}  # name -> bucket, start, nbytes
         self._landed: set[int] = set()
         self.stopping = False  # set from another thread: the next bucket ends the pull
+        self.delta_fallbacks = 0  # pulls of this writer that fell back to whole
+        self.wire_bytes = 0  # what arrived: encoded sizes for deltas (a pull's record)
 
     def start(self, version: int, layout: Layout) -> None:
         if self.digests is not None and len(self.digests) != len(layout.bucket_sizes):
@@ -348,6 +355,7 @@ class SlotWriter:
             e.name: (e.bucket, starts[e.bucket] + e.offset, e.nbytes) for e in layout.entries
         }
         self._landed = set()
+        self.wire_bytes = 0
         if self.on_open is not None:
             # the generation the slot will hold once whole (what a relay's readers check)
             self.on_open(slot, self.cache.generation[slot] + 1)
@@ -355,10 +363,7 @@ class SlotWriter:
     def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         if self.stopping:  # the receiver is stopping: end the pull, the slot unoffered
             raise SyncError("the node's receiver is stopping")
-        slot = self._slot
-        assert slot is not None and self._raw is not None and self._layout is not None, (
-            "load before start"
-        )
+        assert self._raw is not None and self._layout is not None, "load before start"
         buckets = set()
         for name, tensor in named:
             bucket, start, nbytes = self._places[name]
@@ -366,17 +371,51 @@ class SlotWriter:
                 self._raw[start : start + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
             buckets.add(bucket)
         for bucket in buckets:  # a transport hands over one whole bucket per call
-            start = self._layout.bucket_offsets[bucket]
-            data = self.cache.slots[slot].buf[
-                HEADER + start : HEADER + start + self._layout.bucket_sizes[bucket]
-            ]
-            if self.digests is not None and bucket_digest(data) != self.digests[bucket]:
-                raise SyncError(
-                    f"bucket {bucket} does not match the owner's manifest (altered on its way)"
-                )
-            self._landed.add(bucket)
-            if self.on_landed is not None:
-                self.on_landed(bucket)
+            self.wire_bytes += self._layout.bucket_sizes[bucket]
+            self._check_landed(bucket, SyncError)
+
+    def _bucket(self, slot: int, bucket: int) -> memoryview:
+        assert self._layout is not None
+        start = HEADER + self._layout.bucket_offsets[bucket]
+        return self.cache.slots[slot].buf[start : start + self._layout.bucket_sizes[bucket]]
+
+    def _check_landed(self, bucket: int, error: type[SyncError]) -> None:
+        assert self._slot is not None
+        data = self._bucket(self._slot, bucket)
+        if self.digests is not None and bucket_digest(data) != self.digests[bucket]:
+            raise error(f"bucket {bucket} does not match the owner's manifest")
+        self._landed.add(bucket)
+        if self.on_landed is not None:
+            self.on_landed(bucket)
+
+    def delta_base(self) -> int | None:
+        """The version this slot's may arrive as deltas on: the promoted one, held whole
+        in the other slot, where the owner's digests check each decoded bucket."""
+        current = self.cache.current
+        if self.digests is None or self._slot is None or current not in self.cache.versions:
+            return None
+        return current
+
+    def load_delta(self, index: int, kind: int, payload: memoryview) -> None:
+        """Bucket ``index`` decoded from its payload onto the base's same bucket."""
+        if self.stopping:
+            raise SyncError("the node's receiver is stopping")
+        base = self.delta_base()
+        assert base is not None and self._slot is not None, "load_delta without a base"
+        if not 0 <= index < len(self.digests or ()):
+            raise SyncError(f"bucket {index} is not in the layout")
+        error = SyncError if kind == Kind.FULL else DeltaMismatch
+        try:
+            decode(
+                self._bucket(self.cache._slot_of(base), index),
+                kind,
+                payload,
+                self._bucket(self._slot, index),
+            )
+        except DeltaError as exc:
+            raise error(f"bucket {index} as a delta on version {base}: {exc}") from None
+        self.wire_bytes += len(payload)
+        self._check_landed(index, error)
 
     def finish(self, version: int) -> None:
         assert self._slot is not None and self._layout is not None, "finish before start"

@@ -27,6 +27,13 @@ connection must show a ticket within ``hello_timeout_s``, and at most
 ``max_connections`` are open at once. The slot-generation check after the last
 bucket runs on the CURVE socket, as for every remote sync.
 
+Deltas: a receiver that holds the version before it whole says so
+(``OpenStream.base``); where the owner has the version encoded against that one
+(``weights/delta_source.py``) the grant says ``delta_base``, and each bucket's
+header also names its encoding (full, sparse, or XOR and zstd: ``weights/delta.py``),
+its size that of the encoded bytes (never more than the bucket's). The receiver
+checks each decoded bucket against the owner's signed manifest before it counts.
+
 Several streams: one core seals (or opens) about 2 GiB/s, less than a fast link
 carries, so a grant may hold S tickets (the owner's ``weights.streams``); stream j
 carries buckets j, j+S, j+2S... under the one key, its nonces prefixed with j, so a
@@ -57,12 +64,14 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from rlix_async.aio import Supervisor
 from rlix_async.protocol import Message, RpcError
 from rlix_async.weights.cache import WeightCache
+from rlix_async.weights.delta import Encoded, Kind
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +80,7 @@ TICKET_BYTES = 32
 TAG = 16  # AES-GCM tag
 CHUNK = 1 << 20  # sealed chunk: small enough for short GIL holds, big enough for speed
 BUCKET_HEADER = struct.Struct("<QQQQ")  # version, index, nbytes, generation
+DELTA_HEADER = struct.Struct("<QQQQQ")  # version, index, nbytes, generation, delta.Kind
 STREAM_KINDS = ("sealed", "plain")  # what a grant may name
 MAX_STREAMS = 16  # per transfer: more is refused (a receiver opens this many sockets)
 
@@ -80,6 +90,8 @@ class OpenStream(Message):
 
     version: int
     transport: str = "sealed"  # or "plain" (only from an owner whose pipeline says so)
+    base: int = -1  # the version the receiver holds whole (of this owner's start): deltas
+    after_failed_delta: bool = False  # asked whole again: a delta did not apply (counted)
 
 
 class StreamGrant(Message):
@@ -88,6 +100,15 @@ class StreamGrant(Message):
     tickets: list[bytes]  # one per stream: stream j carries buckets j, j+S, j+2S...
     key: bytes  # b"" for plain
     chunk_bytes: int
+    delta_base: int = -1  # >= 0: buckets come encoded against this version (DELTA_HEADER)
+
+
+class DeltaProvider(Protocol):
+    """Where a streamer takes a version's buckets encoded against a base
+    (``weights/delta_source.py``'s ``VersionDeltas``)."""
+
+    def offers(self, version: int, base: int) -> bool: ...
+    def bucket(self, version: int, base: int, index: int, timeout: float) -> Encoded | None: ...
 
 
 def chunk_nonce(counter: int, stream: int = 0) -> bytes:
@@ -104,6 +125,7 @@ class _Pending:
     stream: int  # this ticket's stream, of
     streams: int
     grant: str  # which grant it belongs to (a receiver's unused grants are counted)
+    delta_base: int = -1
 
 
 class StreamDone:
@@ -156,7 +178,10 @@ class WeightStreamer:
         chunk_bytes: int = CHUNK,
         streams: int = 1,
         source: Callable[[int], Awaitable[StreamSource | None]] | None = None,
+        deltas: DeltaProvider | None = None,
     ) -> None:
+        """``deltas``: where versions encoded against their predecessor are (None: every
+        bucket goes whole)."""
         if not 1 <= streams <= MAX_STREAMS:
             raise ValueError(f"streams must be in 1..{MAX_STREAMS}, not {streams}")
         self.streams = streams
@@ -183,6 +208,12 @@ class WeightStreamer:
         self._tasks = Supervisor("sealed-streamer")
         self.streams_sent = 0
         self._sent = asyncio.Condition()
+        self.deltas = deltas
+        # what the streams sent, and what those buckets whole would have been (step rows)
+        self.wire_bytes = 0
+        self.full_bytes = 0
+        self.delta_fallbacks = 0  # receivers that asked whole after a delta failed them
+        self._counting = threading.Lock()
 
     async def wait_sent(self, count: int, timeout: float) -> bool:
         """Whether ``count`` streams have been sent within ``timeout`` seconds: a
@@ -219,9 +250,17 @@ class WeightStreamer:
             self._listener = None
         self._threads.shutdown(wait=False)
 
-    def grant(self, version: int, receiver: str, transport: str = "sealed") -> StreamGrant:
+    def grant(
+        self,
+        version: int,
+        receiver: str,
+        transport: str = "sealed",
+        base: int = -1,
+        after_failed_delta: bool = False,
+    ) -> StreamGrant:
         """A fresh key (sealed) and a single-use ticket per stream for ``version`` (the
-        caller checked who asks, and that ``transport`` may be sent)."""
+        caller checked who asks, and that ``transport`` may be sent); as deltas on
+        ``base`` where this owner has them."""
         if transport not in STREAM_KINDS:
             raise ValueError(f"transport must be one of {STREAM_KINDS}, not {transport!r}")
         now = time.monotonic()
@@ -237,9 +276,21 @@ class WeightStreamer:
         key = AESGCM.generate_key(256) if transport == "sealed" else b""
         tickets = [secrets.token_bytes(TICKET_BYTES) for _ in range(streams)]
         grant_id = secrets.token_hex(8)
+        if after_failed_delta:
+            self.delta_fallbacks += 1
+        offered = base >= 0 and self.deltas is not None and self.deltas.offers(version, base)
+        delta_base = base if offered else -1
         for stream, ticket in enumerate(tickets):
             self._pending[ticket] = _Pending(
-                version, key, now + self.grant_ttl_s, receiver, transport, stream, streams, grant_id
+                version,
+                key,
+                now + self.grant_ttl_s,
+                receiver,
+                transport,
+                stream,
+                streams,
+                grant_id,
+                delta_base,
             )
         return StreamGrant(
             transport=transport,
@@ -247,6 +298,7 @@ class WeightStreamer:
             tickets=tickets,
             key=key,
             chunk_bytes=self.chunk_bytes,
+            delta_base=delta_base,
         )
 
     async def _accept_loop(self) -> None:
@@ -373,11 +425,23 @@ class WeightStreamer:
             if source.wait_bucket is not None:  # a relay's: it may still be arriving
                 source.wait_bucket(index, max(0.0, deadline - time.monotonic()))
             start, size = layout.bucket_offsets[index], layout.bucket_sizes[index]
-            send(BUCKET_HEADER.pack(*self.bucket_header(pending.version, index, size, generation)))
-            bucket = data[start : start + size]
-            piece = chunk if aead is not None else max(size, 1)
-            for off in range(0, max(size, 1), piece):
-                send(bucket[off : off + piece])
+            header = self.bucket_header(pending.version, index, size, generation)
+            payload: memoryview | bytes = data[start : start + size]
+            if pending.delta_base < 0 or self.deltas is None:
+                send(BUCKET_HEADER.pack(*header))
+            else:  # this bucket encoded, or whole where its encoding is not to be had
+                left = max(0.0, deadline - time.monotonic())
+                encoded = self.deltas.bucket(pending.version, pending.delta_base, index, left)
+                kind = Kind.FULL if encoded is None else encoded.kind
+                payload = payload if encoded is None else encoded.payload
+                send(DELTA_HEADER.pack(header[0], header[1], len(payload), header[3], kind))
+            n = len(payload)
+            piece = chunk if aead is not None else max(n, 1)
+            for off in range(0, max(n, 1), piece):
+                send(payload[off : off + piece])
+            with self._counting:
+                self.wire_bytes += n
+                self.full_bytes += size
 
 
 async def _sock_read(loop: asyncio.AbstractEventLoop, conn: socket.socket, n: int) -> bytes:

@@ -18,6 +18,7 @@ from rlix_async.protocols.cache_ref import Layout
 from rlix_async.protocols.sinks import SyncError
 from rlix_async.weights.stream import (
     BUCKET_HEADER,
+    DELTA_HEADER,
     MAGIC,
     MAX_STREAMS,
     STREAM_KINDS,
@@ -103,22 +104,26 @@ class StreamReceiver:
             ) from None
         self.counter += 1
 
-    def read_bucket(self, expected: int, into: memoryview) -> tuple[int, int, int, int]:
-        """One bucket into ``into[:expected]`` (``into`` has ``TAG`` bytes more); returns
-        its header (version, index, nbytes, generation) for the caller to check."""
-        header = bytearray(BUCKET_HEADER.size + TAG)
-        self._open(memoryview(header), BUCKET_HEADER.size)
-        version, index, nbytes, generation = BUCKET_HEADER.unpack_from(header)
-        if nbytes != expected:
-            # never read a size we did not ask for into our buffer
-            return version, index, nbytes, generation
-        chunk = self.grant.chunk_bytes if self.aead is not None else max(expected, 1)
-        for off in range(0, max(expected, 1), chunk):
-            self._open(into[off:], min(chunk, expected - off))
-        return version, index, nbytes, generation
+    def read_bucket(self, expected: int, into: memoryview) -> tuple[int, ...]:
+        """One bucket into ``into[:nbytes]`` (``into`` has ``TAG`` bytes more than the
+        bucket); returns its header (version, index, nbytes, generation, and for a
+        delta grant its encoding) for the caller to check. A whole bucket's nbytes is
+        ``expected``; an encoded one's at most that."""
+        delta = self.grant.delta_base >= 0
+        layout = DELTA_HEADER if delta else BUCKET_HEADER
+        raw = bytearray(layout.size + TAG)
+        self._open(memoryview(raw), layout.size)
+        header = layout.unpack_from(raw)
+        nbytes = header[2]
+        if nbytes > expected or (nbytes != expected and not delta):
+            return header  # never read a size we did not ask for into our buffer
+        chunk = self.grant.chunk_bytes if self.aead is not None else max(nbytes, 1)
+        for off in range(0, max(nbytes, 1), chunk):
+            self._open(into[off:], min(chunk, nbytes - off))
+        return header
 
 
-OnBucket = Callable[[int, tuple[int, int, int, int], memoryview], None]
+OnBucket = Callable[[int, tuple[int, ...], memoryview], None]
 
 
 def check_grant(grant: StreamGrant, asked: str) -> None:
@@ -199,13 +204,13 @@ async def _receive_one(
     biggest = max(sizes[i] for i in indices)
     pool = [bytearray(biggest + TAG) for _ in range(max(1, min(buffers, len(indices))))]
 
-    def read(k: int) -> asyncio.Future[tuple[int, int, int, int]]:
+    def read(k: int) -> asyncio.Future[tuple[int, ...]]:
         view = memoryview(pool[k % len(pool)])
         return asyncio.ensure_future(
             asyncio.to_thread(receiver.read_bucket, sizes[indices[k]], view)
         )
 
-    pending: asyncio.Future[tuple[int, int, int, int]] | None = None
+    pending: asyncio.Future[tuple[int, ...]] | None = None
     try:
         await asyncio.to_thread(receiver.connect)
         pending = read(0)
@@ -214,9 +219,10 @@ async def _receive_one(
             header = await pending
             pending = None
             more = k + 1 < len(indices)
-            if more and len(pool) > 1 and header[2] == sizes[index]:
+            if more and len(pool) > 1 and header[2] <= sizes[index]:
                 pending = read(k + 1)  # overlaps the load below: another buffer
-            on_bucket(index, header, memoryview(pool[k % len(pool)])[: sizes[index]])
+            got = min(header[2], sizes[index])  # more than the bucket: never read, refused
+            on_bucket(index, header, memoryview(pool[k % len(pool)])[:got])
             if pending is None and more:
                 pending = read(k + 1)
     finally:

@@ -23,17 +23,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import socket
 import uuid
 import zlib
+from functools import partial
 from typing import Literal
 
 import msgspec
 
 from rlix_async.protocol import ErrorCode, Message, RpcError
 from rlix_async.protocols.cache_ref import BadRef, CacheRef, Layout
-from rlix_async.protocols.sinks import SlotOverwritten, SyncError, WeightSink
+from rlix_async.protocols.sinks import (
+    DeltaMismatch,
+    DeltaSink,
+    SlotOverwritten,
+    SyncError,
+    WeightSink,
+)
 from rlix_async.security import ClientKeys, ServerKeys
 from rlix_async.transport import CallContext, Reply, RpcClient, RpcServer, TransportConfig
 from rlix_async.weights.cache import WeightCache
@@ -41,12 +49,15 @@ from rlix_async.weights.manifest import Manifest
 from rlix_async.weights.packing import BucketView
 from rlix_async.weights.stream import (
     STREAM_KINDS,
+    DeltaProvider,
     OpenStream,
     StreamGrant,
     WeightStreamer,
     host_of,
 )
 from rlix_async.weights.stream_receiver import receive_stream
+
+log = logging.getLogger(__name__)
 
 # What a WeightServer speaks to a receiver on another node (CacheRef.transport's tags).
 Transport = Literal["sealed", "plain", "zmq"]
@@ -151,9 +162,13 @@ class WeightServer:
         config: TransportConfig | None = None,
         checksums: bool = False,
         streams: int = 1,
+        deltas: DeltaProvider | None = None,
     ) -> None:
-        """``streams``: tcp streams per transfer (sealed, plain)."""
+        """``streams``: tcp streams per transfer (sealed, plain); ``deltas``: each
+        version encoded against the one before it, for streams to receivers that hold
+        that one (``weights/delta_source.py``; None: always whole)."""
         self.cache = cache
+        self.deltas = deltas
         self.checksums = checksums
         self.streams = streams
         self.server = RpcServer(endpoint, keys=keys, config=config, name="weight-server")
@@ -175,7 +190,7 @@ class WeightServer:
         await self.server.start()
         if self.server.endpoint.startswith("tcp://"):
             self.streamer = await WeightStreamer(
-                self.cache, host_of(self.endpoint), streams=self.streams
+                self.cache, host_of(self.endpoint), streams=self.streams, deltas=self.deltas
             ).start()
         return self
 
@@ -238,7 +253,9 @@ class WeightServer:
             )
         if not self._streamable(msg.version):
             raise RpcError("unknown_version", f"version {msg.version} is not cached")
-        return self.streamer.grant(msg.version, ctx.peer, msg.transport)
+        return self.streamer.grant(
+            msg.version, ctx.peer, msg.transport, msg.base, msg.after_failed_delta
+        )
 
     def _streamable(self, version: int) -> bool:
         """Whether a stream of ``version`` may be granted (a relay: arriving, too)."""
@@ -298,16 +315,20 @@ class WeightServer:
         return Generation(generation=self.cache.ref(msg.version).generation)
 
 
-def check_bucket(meta: BucketMeta, nbytes: int, ref: CacheRef, layout: Layout, index: int) -> None:
+def check_bucket(
+    meta: BucketMeta, nbytes: int, ref: CacheRef, layout: Layout, index: int, encoded: bool = False
+) -> None:
     """Refuse a bucket that is not the one asked for before it reaches the sink: its
     index, version, slot generation and size must match the request and the layout
-    (a confused or hostile owner must not load the wrong bytes into a model)."""
+    (a confused or hostile owner must not load the wrong bytes into a model). An
+    ``encoded`` bucket (a delta) is at most the layout's size."""
     expected = layout.bucket_sizes[index]
+    size_ok = nbytes == meta.nbytes and (nbytes <= expected if encoded else nbytes == expected)
     problems = [
         f"index {meta.index}" if meta.index != index else "",
         f"version {meta.version}" if meta.version != ref.version else "",
         f"{nbytes} bytes ({meta.nbytes} announced, layout says {expected})"
-        if not nbytes == meta.nbytes == expected
+        if not size_ok
         else "",
     ]
     rewritten = meta.generation != ref.generation
@@ -371,7 +392,17 @@ async def sync_remote(
             layout = reply.layout
         sink.start(ref.version, layout)
         if transport in STREAM_KINDS:
-            await _receive_stream(client, ref, endpoint, sink, layout, credits, timeout, transport)
+            base = sink.delta_base() if isinstance(sink, DeltaSink) else None
+            stream = partial(_receive_stream, client, ref, endpoint, sink, layout, credits, timeout)
+            try:
+                await stream(transport, -1 if base is None else base)
+            except DeltaMismatch as exc:  # whole, then: the owner counts it too
+                assert isinstance(sink, DeltaSink)
+                log.warning("%s; taking version %d whole", exc, ref.version)
+                sink.delta_fallbacks += 1
+                sink.abort()
+                sink.start(ref.version, layout)
+                await stream(transport, -1, after_failed_delta=True)
         else:
             await _receive_frames(client, ref, sink, layout, credits, timeout)
         # Seqlock over the wire: the bytes leave the owner's memory without a copy,
@@ -409,16 +440,31 @@ async def _receive_stream(
     credits: int,
     timeout: float,
     transport: str,
+    base: int = -1,
+    *,
+    after_failed_delta: bool = False,
 ) -> None:
-    grant = await client.call(OpenStream(version=ref.version, transport=transport), timeout=timeout)
+    """``base``: the version the sink holds whole (-1: none), which the owner may send
+    this one as deltas on."""
+    ask = OpenStream(
+        version=ref.version, transport=transport, base=base, after_failed_delta=after_failed_delta
+    )
+    grant = await client.call(ask, timeout=timeout)
     if not isinstance(grant, StreamGrant):
         raise SyncError(f"{endpoint} answered a stream request with {type(grant).__name__}")
+    if grant.delta_base not in (-1, base) or (base >= 0 and not isinstance(sink, DeltaSink)):
+        raise SyncError(f"{endpoint} granted deltas on version {grant.delta_base}, not {base}")
+    encoded = grant.delta_base >= 0
 
-    def land(index: int, header: tuple[int, int, int, int], data: memoryview) -> None:
-        version, got_index, nbytes, generation = header
+    def land(index: int, header: tuple[int, ...], data: memoryview) -> None:
+        version, got_index, nbytes, generation = header[:4]
         meta = BucketMeta(version=version, index=got_index, nbytes=nbytes, generation=generation)
-        check_bucket(meta, nbytes, ref, layout, index)
-        sink.load(BucketView(index, data).tensors(layout))
+        check_bucket(meta, len(data), ref, layout, index, encoded=encoded)
+        if encoded:
+            assert isinstance(sink, DeltaSink)
+            sink.load_delta(index, header[4], data)
+        else:
+            sink.load(BucketView(index, data).tensors(layout))
 
     # exactly the transport asked for (the ref's tag): a plain grant is never taken for sealed
     await receive_stream(endpoint, grant, layout, credits, timeout, land, transport=transport)

@@ -15,6 +15,7 @@ from helpers.weights_owner import state
 from rlix_async.security import ServerKeys, keygen
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.sinks import TensorSink
+from rlix_async.weights.stream import DeltaProvider
 from rlix_async.weights.tcp import WeightServer
 
 
@@ -47,12 +48,18 @@ async def serving(
     *,
     streams: int = 1,
     transport: str = "sealed",
+    deltas: DeltaProvider | None = None,
 ) -> AsyncIterator[WeightServer]:
     """Serve ``cache`` as a trainer does (pipeline.Driver._serve_weights): tcp, with its
     driver's key pair, whose public key every ref then carries (and ``transport``, the
     pipeline's weights.transport)."""
     server_keys = ServerKeys.load(keys, "driver-p")
-    server = await cls(cache, "tcp://127.0.0.1:0", keys=server_keys, streams=streams).start()
+    if deltas is None:
+        server = await cls(cache, "tcp://127.0.0.1:0", keys=server_keys, streams=streams).start()
+    else:
+        server = await WeightServer(
+            cache, "tcp://127.0.0.1:0", keys=server_keys, streams=streams, deltas=deltas
+        ).start()
     cache.serve(server.endpoint, server_keys.public.decode(), transport)
     try:
         yield server

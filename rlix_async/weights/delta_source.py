@@ -1,0 +1,165 @@
+"""The owner's deltas: each new version encoded against the version before it, once,
+for every receiver that holds that one (``weights/delta.py`` says how a bucket is
+encoded; ``weights/stream.py`` sends what is here).
+
+After ``build(v)`` the cache's other slot holds ``v-1`` (the promoted version) until
+``build(v+1)``. :meth:`VersionDeltas.encode` starts a thread that encodes ``v``
+against it bucket by bucket, off the training path: the trainer goes on with its
+next step meanwhile, and a stream that asks for bucket ``i`` before it is encoded
+waits for that bucket only (sending overlaps encoding). Both slots are held for the
+thread (the cache's send trackers): the next ``build`` waits for it rather than
+rewrite what it reads. Only the newest version's deltas are kept; a FULL bucket's
+payload is a view of the slot, so the memory held is the encoded buckets alone.
+
+``auto`` switches itself off where deltas do not pay: a version whose encoding came
+to more than ``OFF_ABOVE`` of its full size (a float32 cache, where nearly every
+element moves each step) is followed by ``PROBE_EVERY - 1`` versions not encoded at
+all, then one encoded again to see whether that changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlix_async.weights.cache import WeightCache
+from rlix_async.weights.delta import DeltaStats, Encoded, Kind, encode, stats_of, word_bytes
+from rlix_async.weights.stream import StreamDone
+
+log = logging.getLogger(__name__)
+
+OFF_ABOVE = 0.9  # wire over full: a delta this large is not worth its encoding
+PROBE_EVERY = 10  # versions: how often a switched-off auto encodes one to look again
+
+
+@dataclass
+class _Encoding:
+    version: int
+    base: int
+    buckets: list[Encoded | None]
+    started: float = field(default_factory=time.perf_counter)
+    failed: str = ""
+    done: threading.Condition = field(default_factory=threading.Condition)
+
+
+class VersionDeltas:
+    """The newest version's buckets encoded against the previous version, for the
+    owner's streams (``bucket``) and its step rows (``take_stats``)."""
+
+    def __init__(self, cache: WeightCache, mode: Literal["auto", "off"] = "auto") -> None:
+        self.cache = cache
+        self.mode = mode
+        self._encoding: _Encoding | None = None
+        self._lock = threading.Lock()
+        self._stats: DeltaStats | None = None  # the newest finished, not yet taken
+        self._skip = 0  # versions left unencoded (auto, switched off)
+
+    def encode(self, version: int) -> bool:
+        """Start encoding ``version`` (just built) against the version in the cache's
+        other slot; False where there is none, or deltas are off. Call it before the
+        cache's next build."""
+        cache = self.cache
+        with self._lock:
+            self._encoding = None  # the older version's deltas are of no use from now on
+        bases = [v for v in cache.versions if v != version]
+        if self.mode == "off" or not bases or cache.layout is None:
+            return False
+        with self._lock:
+            if self._skip:
+                self._skip -= 1
+                return False
+        base = max(bases)
+        enc = _Encoding(version, base, [None] * len(cache.layout.bucket_sizes))
+        holds = [StreamDone(), StreamDone()]  # the next build waits for these
+        cache.track(version, holds[0])
+        cache.track(base, holds[1])
+        with self._lock:
+            self._encoding = enc
+        thread = threading.Thread(
+            target=self._run, args=(enc, holds), name=f"delta-{version}", daemon=True
+        )
+        thread.start()
+        return True
+
+    def _run(self, enc: _Encoding, holds: list[StreamDone]) -> None:
+        cache = self.cache
+        try:
+            layout = cache.layout
+            assert layout is not None
+            new, old = cache.buffer(enc.version), cache.buffer(enc.base)
+            for i, (start, size) in enumerate(
+                zip(layout.bucket_offsets, layout.bucket_sizes, strict=True)
+            ):
+                end = start + size
+                encoded = encode(old[start:end], new[start:end], word_bytes(layout, i))
+                with enc.done:
+                    enc.buckets[i] = encoded
+                    enc.done.notify_all()
+            stats = stats_of(
+                enc.version,
+                enc.base,
+                [b for b in enc.buckets if b is not None],
+                layout.total_bytes,
+                time.perf_counter() - enc.started,
+            )
+            off = self.mode == "auto" and stats.wire_per_full > OFF_ABOVE
+            with self._lock:
+                self._stats = stats
+                if off:
+                    self._skip = PROBE_EVERY - 1
+            if off:
+                log.info(
+                    "weight deltas: version %d came to %.2fx its full size (%.0f%% of its "
+                    "elements moved); not encoding the next %d versions",
+                    enc.version, stats.wire_per_full, 100 * stats.changed_fraction,
+                    self._skip,
+                )  # fmt: skip
+        except Exception as exc:  # a stream asking for it sends the full buckets instead
+            log.error("weight deltas: encoding version %d failed: %s", enc.version, exc)
+            with enc.done:
+                enc.failed = str(exc) or type(exc).__name__
+                enc.done.notify_all()
+        finally:
+            for hold in holds:
+                hold.set()
+
+    def offers(self, version: int, base: int) -> bool:
+        """Whether ``version`` can go as deltas on ``base`` (being encoded, or done)."""
+        enc = self._encoding
+        return enc is not None and (enc.version, enc.base) == (version, base) and not enc.failed
+
+    def bucket(self, version: int, base: int, index: int, timeout: float) -> Encoded | None:
+        """Bucket ``index`` of ``version`` encoded against ``base``, waiting for it at
+        most ``timeout`` s (from a sending thread); None if it is not to be had (the
+        encoding failed, moved on to a newer version, or took too long): the stream
+        then sends that bucket whole."""
+        enc = self._encoding
+        if enc is None or (enc.version, enc.base) != (version, base):
+            return None
+        with enc.done:
+            enc.done.wait_for(lambda: enc.buckets[index] is not None or bool(enc.failed), timeout)
+            return enc.buckets[index]
+
+    def take_stats(self) -> DeltaStats | None:
+        """The newest finished encoding's figures, once (None: none since)."""
+        with self._lock:
+            stats, self._stats = self._stats, None
+        return stats
+
+
+def stats_row(stats: DeltaStats | None) -> dict[str, float | int]:
+    """A step row's ``delta_*`` fields (empty: nothing encoded since the last row)."""
+    if stats is None:
+        return {}
+    return {
+        "delta_version": stats.version,
+        "delta_changed_fraction": round(stats.changed_fraction, 6),
+        "delta_wire_per_full": round(stats.wire_per_full, 6),
+        "delta_encode_s": round(stats.encode_s, 4),
+        "delta_buckets_sparse": stats.kinds[Kind.SPARSE],
+        "delta_buckets_xor_zstd": stats.kinds[Kind.XOR_ZSTD],
+        "delta_buckets_full": stats.kinds[Kind.FULL],
+    }

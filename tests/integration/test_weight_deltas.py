@@ -1,0 +1,250 @@
+"""Weight versions as deltas on the wire: a node cache that holds the version before
+takes the next one as deltas (weights/delta_source.py, weights/stream.py) and ends
+with the owner's bytes exactly; a wrong base falls back to the whole version; a delta
+cut halfway never lands; the owner's next build waits for its encoding; auto switches
+itself off where every element moves.
+
+Real tcp sockets, a real CURVE WeightServer and sealed streams, real caches in shared
+memory."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.remote_weights import make_keys, serving
+
+from rlix_async.protocols.sinks import SyncError
+from rlix_async.security import ClientKeys
+from rlix_async.weights import delta_source
+from rlix_async.weights.cache import WeightCache
+from rlix_async.weights.delta import Encoded
+from rlix_async.weights.delta_source import PROBE_EVERY, VersionDeltas
+from rlix_async.weights.tcp import sync_remote
+
+BUCKET = 64 << 10
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    """bf16 parameters (several buckets, one of them a tensor alone) and a float32 norm."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed": (torch.randn(50_000, generator=g) * 0.02).to(torch.bfloat16),
+        "layer.w": (torch.randn(20_000, generator=g) * 0.02).to(torch.bfloat16),
+        "layer.norm": torch.randn(3000, generator=g),
+        "head": (torch.randn(30_000, generator=g) * 0.02).to(torch.bfloat16),
+    }
+
+
+def stepped(w: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    """``w`` after a step that moves about ``fraction`` of its elements by one ulp."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in w.items():
+        bits = t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32).clone()
+        moved = torch.rand(t.shape, generator=g) < fraction
+        bits[moved] ^= 1
+        out[name] = bits.view(t.dtype)
+    return out
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Path:
+    return make_keys(tmp_path)
+
+
+@pytest.fixture
+def owner() -> Iterator[WeightCache]:
+    cache = WeightCache("p", f"o{uuid.uuid4().hex[:6]}", bucket_bytes=BUCKET, send_wait_s=10.0)
+    yield cache
+    cache.close()
+
+
+@pytest.fixture
+def node() -> Iterator[WeightCache]:
+    cache = WeightCache("p", f"n{uuid.uuid4().hex[:6]}", bucket_bytes=BUCKET, send_wait_s=10.0)
+    yield cache
+    cache.close()
+
+
+def publish(owner: WeightCache, deltas: VersionDeltas, version: int, w: dict) -> None:
+    """What the trainer's driver does: build, start the encoding, promote."""
+    owner.build(version, w)
+    deltas.encode(version)
+    owner.promote(version)
+
+
+async def pull(owner: WeightCache, node: WeightCache, keys: Path, version: int):  # type: ignore[no-untyped-def]
+    """The node cache's pull: into its spare slot, checked against the owner's manifest."""
+    sink = node.receive(owner.manifest(version).digests)
+    shard = ClientKeys.load(keys, "shard").for_server(owner.server_key.encode())
+    ref = owner.ref(version)
+    await sync_remote(ref, ref.server, sink, None, keys=shard, transport="sealed")
+    return sink
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+async def test_a_node_holding_the_last_version_takes_the_next_as_deltas(
+    owner: WeightCache, node: WeightCache, keys: Path, streams: int
+) -> None:
+    deltas = VersionDeltas(owner)
+    v1 = weights(1)
+    publish(owner, deltas, 1, v1)
+    async with serving(owner, keys, deltas=deltas, streams=streams) as server:
+        streamer = server.streamer
+        assert streamer is not None
+        first = await pull(owner, node, keys, 1)  # nothing to build on: whole
+        assert first.wire_bytes == streamer.wire_bytes == streamer.full_bytes
+        assert bytes(node.buffer(1)) == bytes(owner.buffer(1))
+        publish(owner, deltas, 2, stepped(v1, 0.01, seed=2))
+        sent = streamer.wire_bytes
+        second = await pull(owner, node, keys, 2)
+        assert node.current == 2 and bytes(node.buffer(2)) == bytes(owner.buffer(2))
+        assert owner.layout is not None
+        wire = streamer.wire_bytes - sent
+        assert wire == second.wire_bytes < 0.1 * owner.layout.total_bytes
+        assert second.delta_fallbacks == 0 and streamer.delta_fallbacks == 0
+        stats = deltas.take_stats()
+        assert stats is not None and stats.version == 2 and stats.base == 1
+        assert stats.wire_bytes == wire  # what the rows say went out is what went out
+        assert 0.005 < stats.changed_fraction < 0.02
+
+
+async def test_a_wrong_base_falls_back_to_the_whole_version(
+    owner: WeightCache, node: WeightCache, keys: Path
+) -> None:
+    """The node holds a version 1 that is not the owner's (its slot bytes differ): the
+    deltas decode to buckets the manifest refuses, and the node takes version 2 whole,
+    exactly, counted on both sides."""
+    deltas = VersionDeltas(owner)
+    v1 = weights(1)
+    publish(owner, deltas, 1, v1)
+    node.build(1, stepped(v1, 0.3, seed=9))  # "version 1", not the owner's
+    node.promote(1)
+    publish(owner, deltas, 2, stepped(v1, 0.01, seed=2))
+    async with serving(owner, keys, deltas=deltas) as server:
+        sink = await pull(owner, node, keys, 2)
+        assert node.current == 2 and bytes(node.buffer(2)) == bytes(owner.buffer(2))
+        assert sink.delta_fallbacks == 1
+        assert server.streamer is not None and server.streamer.delta_fallbacks == 1
+
+
+async def test_an_owner_without_deltas_on_the_nodes_base_sends_whole(
+    owner: WeightCache, node: WeightCache, keys: Path
+) -> None:
+    """The node holds version 1; the owner encoded version 3 on 2: version 3 goes whole."""
+    deltas = VersionDeltas(owner)
+    v1 = weights(1)
+    publish(owner, deltas, 1, v1)
+    async with serving(owner, keys, deltas=deltas) as server:
+        await pull(owner, node, keys, 1)
+        publish(owner, deltas, 2, stepped(v1, 0.01, seed=2))
+        publish(owner, deltas, 3, stepped(v1, 0.02, seed=3))
+        sink = await pull(owner, node, keys, 3)
+        assert owner.layout is not None
+        assert sink.wire_bytes == owner.layout.total_bytes and sink.delta_fallbacks == 0
+        assert bytes(node.buffer(3)) == bytes(owner.buffer(3))
+        assert server.streamer is not None
+
+
+class CutAfterFirst:
+    """The owner's deltas, but the stream dies at its second bucket (an owner that
+    fails mid-version): stands in for a connection cut halfway."""
+
+    def __init__(self, real: VersionDeltas) -> None:
+        self.real = real
+        self.given = 0
+
+    def offers(self, version: int, base: int) -> bool:
+        return self.real.offers(version, base)
+
+    def bucket(self, version: int, base: int, index: int, timeout: float) -> Encoded | None:
+        self.given += 1
+        if self.given > 1:
+            raise ConnectionResetError("cut")
+        return self.real.bucket(version, base, index, timeout)
+
+
+async def test_a_delta_cut_halfway_never_lands(
+    owner: WeightCache, node: WeightCache, keys: Path
+) -> None:
+    deltas = VersionDeltas(owner)
+    v1 = weights(1)
+    publish(owner, deltas, 1, v1)
+    async with serving(owner, keys, deltas=deltas):
+        await pull(owner, node, keys, 1)
+    cut = CutAfterFirst(deltas)
+    publish(owner, deltas, 2, stepped(v1, 0.01, seed=2))
+    async with serving(owner, keys, deltas=cut):
+        with pytest.raises(SyncError):
+            await pull(owner, node, keys, 2)
+    assert cut.given == 2
+    assert node.current == 1 and node.versions == [1]  # the half-written slot: not offered
+    assert bytes(node.buffer(1)) == bytes(owner.buffer(1))
+
+
+def test_the_next_build_waits_for_the_encoding(
+    owner: WeightCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The encoding reads the base's slot: the build that would rewrite it waits."""
+    real = delta_source.encode
+    started = threading.Event()
+
+    def slow(*args):  # type: ignore[no-untyped-def]
+        started.set()
+        time.sleep(0.2)
+        return real(*args)
+
+    monkeypatch.setattr(delta_source, "encode", slow)
+    deltas = VersionDeltas(owner)
+    v1 = weights(1)
+    publish(owner, deltas, 1, v1)
+    publish(owner, deltas, 2, stepped(v1, 0.01, seed=2))
+    assert started.wait(5)
+    t0 = time.monotonic()
+    owner.build(3, stepped(v1, 0.02, seed=3))  # rewrites version 1's slot
+    assert time.monotonic() - t0 > 0.2  # it waited for the buckets still to encode
+    stats = deltas.take_stats()
+    assert stats is not None and stats.version == 2  # done before version 1 went
+
+
+def test_auto_switches_itself_off_while_everything_moves(owner: WeightCache) -> None:
+    """Versions with nothing in common (every bit as likely to move): deltas would be
+    the whole version, so after one such version auto stops encoding for a while."""
+    deltas = VersionDeltas(owner)
+    g = torch.Generator().manual_seed(0)
+
+    def noise(v: int) -> dict[str, torch.Tensor]:
+        return {"w": torch.randn(40_000, generator=g)}
+
+    owner.build(0, noise(0))
+    owner.promote(0)
+    encoded = []
+    for v in range(1, 2 + PROBE_EVERY):
+        owner.build(v, noise(v))
+        encoded.append(deltas.encode(v))
+        owner.promote(v)
+        deadline = time.monotonic() + 10
+        while encoded[-1] and deltas._encoding is not None and time.monotonic() < deadline:
+            enc = deltas._encoding
+            if all(b is not None for b in enc.buckets):
+                break
+            time.sleep(0.01)
+        stats = deltas.take_stats() if encoded[-1] else None
+        if stats is not None:
+            assert stats.wire_per_full > 0.9
+    # encoded once, then not for PROBE_EVERY - 1 versions, then once more to look again
+    assert encoded == [True, *[False] * (PROBE_EVERY - 1), True]
+
+
+def test_off_never_encodes(owner: WeightCache) -> None:
+    deltas = VersionDeltas(owner, "off")
+    v1 = weights(1)
+    publish(owner, deltas, 1, v1)
+    owner.build(2, stepped(v1, 0.01, seed=2))
+    assert not deltas.encode(2) and not deltas.offers(2, 1)
