@@ -7,6 +7,7 @@ import json
 import os
 
 from rlix_async.cli.args import UsageError, positive_int
+from rlix_async.cli.bench_delta import register_delta
 from rlix_async.cli.bench_transparency import register_transparency
 
 
@@ -508,6 +509,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _register_episodes(bsub)
     _register_fuzz(bsub)
     register_transparency(bsub)
+    register_delta(bsub)
 
 
 def _register_fuzz(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -120,13 +120,15 @@ class WeightCache:
         digests: list[bytes] | None = None,
         on_open: Callable[[int, int], None] | None = None,
         on_landed: Callable[[int], None] | None = None,
+        on_delta: Callable[[int, int, memoryview], None] | None = None,
     ) -> SlotWriter:
         """A sink that fills the spare slot with a version as a transport delivers it
         (a node cache's receiver): offered, and promoted, only once it is whole. With
         ``digests`` (the owner's signed manifest) each bucket is checked as it lands;
         ``on_open(slot, generation)`` and ``on_landed(bucket)`` let a relay forward
-        each bucket as soon as it is here and checked (called on the writer's thread)."""
-        return SlotWriter(self, digests, on_open, on_landed)
+        each bucket as soon as it is here and checked, and ``on_delta(bucket, kind,
+        payload)`` the delta it came as, just before (called on the writer's thread)."""
+        return SlotWriter(self, digests, on_open, on_landed, on_delta)
 
     def _open_slot(self, version: int, layout: Layout) -> int:
         """Take the slot that does not hold the promoted version for ``version``: no
@@ -330,11 +332,13 @@ class SlotWriter:
         digests: list[bytes] | None = None,
         on_open: Callable[[int, int], None] | None = None,
         on_landed: Callable[[int], None] | None = None,
+        on_delta: Callable[[int, int, memoryview], None] | None = None,
     ) -> None:
         self.cache = cache
         self.digests = digests
         self.on_open = on_open
         self.on_landed = on_landed
+        self.on_delta = on_delta
         self._slot: int | None = None
         self._raw: torch.Tensor | None = None
         self._layout: Layout | None = None
@@ -415,6 +419,8 @@ class SlotWriter:
         except DeltaError as exc:
             raise error(f"bucket {index} as a delta on version {base}: {exc}") from None
         self.wire_bytes += len(payload)
+        if self.on_delta is not None and kind != Kind.FULL:
+            self.on_delta(index, kind, payload)
         self._check_landed(index, error)
 
     def finish(self, version: int) -> None:

@@ -68,6 +68,8 @@ class Encoded:
     payload: bytes | memoryview  # FULL: a view of the version's own bytes, no copy
     changed: int  # words that differ from the base
     words: int  # words in the bucket
+    sparse_bytes: int  # what each encoding came to (the measurements' per-encoding sizes)
+    xor_zstd_bytes: int  # (nothing changed: not compressed, taken as the sparse size)
 
 
 def word_bytes(layout: Layout, bucket: int) -> int:
@@ -100,17 +102,19 @@ def encode(base: memoryview | bytes, new: memoryview | bytes, word: int) -> Enco
     changed = int(changed_at.size)
     width = index_bytes(words)
     sparse_bytes = _SPARSE_HEAD.size + changed * (width + word)
-    best = Encoded(Kind.FULL, new, changed, words)
+    packed = (
+        zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(xor.tobytes()) if changed else b""
+    )
+    sizes = (sparse_bytes, len(packed) if changed else sparse_bytes)
+    if packed and len(packed) < min(sparse_bytes, len(new)):
+        return Encoded(Kind.XOR_ZSTD, packed, changed, words, *sizes)
     if sparse_bytes < len(new):
         values = _words(new, word)[changed_at]
         head = _SPARSE_HEAD.pack(word, width, changed)
         index = changed_at.astype(_WORD[width], copy=False)
-        best = Encoded(Kind.SPARSE, head + index.tobytes() + values.tobytes(), changed, words)
-    if changed:
-        packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(xor.tobytes())
-        if len(packed) < len(best.payload):
-            best = Encoded(Kind.XOR_ZSTD, packed, changed, words)
-    return best
+        payload = head + index.tobytes() + values.tobytes()
+        return Encoded(Kind.SPARSE, payload, changed, words, *sizes)
+    return Encoded(Kind.FULL, new, changed, words, *sizes)
 
 
 def decode(
@@ -172,6 +176,8 @@ class DeltaStats:
     words: int
     kinds: tuple[int, int, int]  # buckets encoded FULL, SPARSE, XOR_ZSTD
     encode_s: float
+    sparse_bytes: int  # every bucket sparse, and every bucket XOR_ZSTD (the alternatives)
+    xor_zstd_bytes: int
 
     @property
     def changed_fraction(self) -> float:
@@ -197,4 +203,6 @@ def stats_of(
         sum(b.words for b in buckets),
         (kinds[0], kinds[1], kinds[2]),
         encode_s,
+        sum(b.sparse_bytes for b in buckets),
+        sum(b.xor_zstd_bytes for b in buckets),
     )

@@ -131,7 +131,9 @@ class VersionDeltas:
         enc = self._encoding
         return enc is not None and (enc.version, enc.base) == (version, base) and not enc.failed
 
-    def bucket(self, version: int, base: int, index: int, timeout: float) -> Encoded | None:
+    def bucket(
+        self, version: int, base: int, index: int, timeout: float
+    ) -> tuple[int, bytes | memoryview] | None:
         """Bucket ``index`` of ``version`` encoded against ``base``, waiting for it at
         most ``timeout`` s (from a sending thread); None if it is not to be had (the
         encoding failed, moved on to a newer version, or took too long): the stream
@@ -141,7 +143,8 @@ class VersionDeltas:
             return None
         with enc.done:
             enc.done.wait_for(lambda: enc.buckets[index] is not None or bool(enc.failed), timeout)
-            return enc.buckets[index]
+            encoded = enc.buckets[index]
+        return None if encoded is None else (encoded.kind, encoded.payload)
 
     def take_stats(self) -> DeltaStats | None:
         """The newest finished encoding's figures, once (None: none since)."""
@@ -158,6 +161,8 @@ def stats_row(stats: DeltaStats | None) -> dict[str, float | int]:
         "delta_version": stats.version,
         "delta_changed_fraction": round(stats.changed_fraction, 6),
         "delta_wire_per_full": round(stats.wire_per_full, 6),
+        "delta_sparse_per_full": round(stats.sparse_bytes / stats.full_bytes, 6),
+        "delta_xor_zstd_per_full": round(stats.xor_zstd_bytes / stats.full_bytes, 6),
         "delta_encode_s": round(stats.encode_s, 4),
         "delta_buckets_sparse": stats.kinds[Kind.SPARSE],
         "delta_buckets_xor_zstd": stats.kinds[Kind.XOR_ZSTD],

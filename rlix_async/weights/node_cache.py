@@ -198,10 +198,13 @@ class NodeCache:
                     log.warning("%s; taking the version from the owner", exc)
                     failed_relays.append(exc.endpoint)
                     continue
-                assert cache.layout is not None
+                assert cache.layout is not None and self._writer is not None
                 pulled: dict[str, object] = {
                     "version": ref.version,
                     "bytes": cache.layout.total_bytes,
+                    # what crossed the network: less where it came as deltas
+                    "wire_bytes": self._writer.wire_bytes,
+                    "delta_fallbacks": self._writer.delta_fallbacks,
                     "seconds": round(time.perf_counter() - t0, 4),
                     "source": source or "owner",
                 }
@@ -331,6 +334,7 @@ class NodeCache:
                 manifest.digests if manifest is not None else None,
                 on_open=partial(relay.opened, inflight) if relay and inflight else None,
                 on_landed=partial(relay.landed, inflight) if relay and inflight else None,
+                on_delta=partial(relay.delta_landed, inflight) if relay and inflight else None,
             )
             # On a thread with its own loop: receiving and copying into the slot take
             # whole seconds, and this loop must keep answering its workers (their

@@ -10,6 +10,12 @@ and the owner's signed manifest as it received it: the nodes
 behind it check every bucket against that manifest (``weights/manifest.py``), so a relay
 cannot alter what it forwards. A relay that fails a node (its pull broke, it died) makes
 that node ask the owner again, which then sends it the version itself.
+
+Deltas: a relay that takes a version as deltas on the version it held keeps each
+bucket's payload as it lands (:class:`RelayedDeltas`) and forwards the payloads to a node
+behind it that holds the same base, so a delta's few bytes cross every hop, not the
+whole version; a bucket that came whole goes whole. The node behind checks what it
+decodes against the same signed manifest.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import asyncio
 import threading
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlix_async.protocol import Message, RpcError
 from rlix_async.protocols.cache_ref import CacheRef
@@ -64,6 +71,30 @@ class InFlight:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     # the same landings for the streams' sending threads
     arrived: list[threading.Event] = field(default_factory=list)
+    base: int = -1  # the version it may arrive as deltas on (the node's promoted one)
+    payloads: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # bucket: delta
+
+
+class RelayedDeltas:
+    """The deltas a relay received, for the streams it serves (a
+    :class:`~rlix_async.weights.stream.DeltaProvider`): the version in flight or the
+    newest held whole, each bucket's payload as it came (none: it came whole)."""
+
+    def __init__(self) -> None:
+        self.flights: dict[int, InFlight] = {}  # in flight, and the newest kept after
+
+    def offers(self, version: int, base: int) -> bool:
+        fl = self.flights.get(version)
+        return fl is not None and not fl.failed and base >= 0 and fl.base == base
+
+    def bucket(
+        self, version: int, base: int, index: int, timeout: float
+    ) -> tuple[int, bytes | memoryview] | None:
+        # the stream waited for the bucket to land (its source's wait_bucket) first
+        fl = self.flights.get(version)
+        if fl is None or fl.base != base:
+            return None
+        return fl.payloads.get(index)
 
 
 class RelayServer(WeightServer):
@@ -72,7 +103,8 @@ class RelayServer(WeightServer):
     def __init__(
         self, cache: WeightCache, endpoint: str, keys: ServerKeys | None, streams: int = 2
     ) -> None:
-        super().__init__(cache, endpoint, keys=keys, streams=streams)
+        self.relayed_deltas = RelayedDeltas()
+        super().__init__(cache, endpoint, keys=keys, streams=streams, deltas=self.relayed_deltas)
         self.server.on(GetRelayed, self._relayed)
         self.inflight: dict[int, InFlight] = {}
         self.manifests: dict[int, Manifest] = {}  # the owner's, per version held whole
@@ -84,7 +116,11 @@ class RelayServer(WeightServer):
         await self.server.start()
         if self.server.endpoint.startswith("tcp://"):
             self.streamer = await WeightStreamer(
-                self.cache, host_of(self.endpoint), streams=self.streams, source=self._source_of
+                self.cache,
+                host_of(self.endpoint),
+                streams=self.streams,
+                source=self._source_of,
+                deltas=self.relayed_deltas,
             ).start()
         return self
 
@@ -102,10 +138,18 @@ class RelayServer(WeightServer):
         fl.arrived = [threading.Event() for _ in manifest.digests]
 
     def opened(self, fl: InFlight, slot: int, generation: int) -> None:
-        """(The writer's thread.) The slot the version is written into."""
+        """(The writer's thread.) The slot the version is written into; the version the
+        node holds whole beside it is what it may arrive as deltas on."""
         assert self._loop is not None
         fl.slot, fl.generation = slot, generation
+        current = self.cache.current
+        fl.base = current if current is not None and current in self.cache.versions else -1
+        self.relayed_deltas.flights[fl.version] = fl
         self._loop.call_soon_threadsafe(fl.ready.set)
+
+    def delta_landed(self, fl: InFlight, bucket: int, kind: int, payload: Any) -> None:
+        """(The writer's thread.) Bucket ``bucket`` came as a delta: kept to forward."""
+        fl.payloads[bucket] = (kind, bytes(payload))  # the receive buffer is reused
 
     def landed(self, fl: InFlight, bucket: int) -> None:
         """(The writer's thread.) A bucket is here and matched the manifest."""
@@ -120,6 +164,9 @@ class RelayServer(WeightServer):
             self.manifests[fl.version] = fl.manifest
             for old in [v for v in self.manifests if v not in self.cache.versions]:
                 del self.manifests[old]
+        flights = self.relayed_deltas.flights  # the newest whole one's deltas stay
+        for old in [v for v in flights if v != fl.version or not whole]:
+            del flights[old]
         fl.failed = not whole
         for event in (fl.ready, *fl.landed):
             event.set()

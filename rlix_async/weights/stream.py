@@ -71,7 +71,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from rlix_async.aio import Supervisor
 from rlix_async.protocol import Message, RpcError
 from rlix_async.weights.cache import WeightCache
-from rlix_async.weights.delta import Encoded, Kind
+from rlix_async.weights.delta import Kind
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +104,15 @@ class StreamGrant(Message):
 
 
 class DeltaProvider(Protocol):
-    """Where a streamer takes a version's buckets encoded against a base
-    (``weights/delta_source.py``'s ``VersionDeltas``)."""
+    """Where a streamer takes a version's buckets encoded against a base: the owner's
+    ``VersionDeltas`` (``weights/delta_source.py``), a relay's ``RelayedDeltas``."""
 
     def offers(self, version: int, base: int) -> bool: ...
-    def bucket(self, version: int, base: int, index: int, timeout: float) -> Encoded | None: ...
+    def bucket(
+        self, version: int, base: int, index: int, timeout: float
+    ) -> tuple[int, bytes | memoryview] | None:
+        """Bucket ``index``'s encoding and payload (None: send it whole)."""
+        ...
 
 
 def chunk_nonce(counter: int, stream: int = 0) -> bytes:
@@ -432,8 +436,7 @@ class WeightStreamer:
             else:  # this bucket encoded, or whole where its encoding is not to be had
                 left = max(0.0, deadline - time.monotonic())
                 encoded = self.deltas.bucket(pending.version, pending.delta_base, index, left)
-                kind = Kind.FULL if encoded is None else encoded.kind
-                payload = payload if encoded is None else encoded.payload
+                kind, payload = (Kind.FULL, payload) if encoded is None else encoded
                 send(DELTA_HEADER.pack(header[0], header[1], len(payload), header[3], kind))
             n = len(payload)
             piece = chunk if aead is not None else max(n, 1)

@@ -229,3 +229,5 @@ async def _receive_one(
         if pending is not None and not pending.done():
             receiver.close()  # ends the read in flight
             await asyncio.wait([pending])  # its thread has let go of the buffer
+        if pending is not None and pending.done() and not pending.cancelled():
+            pending.exception()  # retrieved: the stream's first failure is what it raises

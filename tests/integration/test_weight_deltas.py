@@ -20,11 +20,11 @@ import torch
 from helpers.remote_weights import make_keys, serving
 
 from rlix_async.protocols.sinks import SyncError
-from rlix_async.security import ClientKeys
+from rlix_async.security import ClientKeys, ServerKeys
 from rlix_async.weights import delta_source
 from rlix_async.weights.cache import WeightCache
-from rlix_async.weights.delta import Encoded
 from rlix_async.weights.delta_source import PROBE_EVERY, VersionDeltas
+from rlix_async.weights.node_cache import NodeCache
 from rlix_async.weights.tcp import sync_remote
 
 BUCKET = 64 << 10
@@ -163,7 +163,9 @@ class CutAfterFirst:
     def offers(self, version: int, base: int) -> bool:
         return self.real.offers(version, base)
 
-    def bucket(self, version: int, base: int, index: int, timeout: float) -> Encoded | None:
+    def bucket(
+        self, version: int, base: int, index: int, timeout: float
+    ) -> tuple[int, bytes | memoryview] | None:
         self.given += 1
         if self.given > 1:
             raise ConnectionResetError("cut")
@@ -248,3 +250,54 @@ def test_off_never_encodes(owner: WeightCache) -> None:
     publish(owner, deltas, 1, v1)
     owner.build(2, stepped(v1, 0.01, seed=2))
     assert not deltas.encode(2) and not deltas.offers(2, 1)
+
+
+async def test_deltas_cross_every_hop_of_a_relay_chain(keys: Path, tmp_path: Path) -> None:
+    """Three node caches on the owner's chain, each holding version 1: version 2 reaches
+    each as deltas (the relays forward the payloads they received), every node ends with
+    the owner's bytes, and a node joining with no base takes it whole from its relay."""
+    owner = WeightCache("p", f"o{uuid.uuid4().hex[:6]}", bucket_bytes=BUCKET, send_wait_s=10.0)
+    deltas = VersionDeltas(owner)
+    dirs = []
+    for i in range(4):
+        d = tmp_path / f"node{i}"
+        d.mkdir(mode=0o700)
+        dirs.append(d)
+
+    def node(shm_dir: Path) -> NodeCache:
+        return NodeCache(
+            "p",
+            keys=ClientKeys.load(keys, "shard"),
+            shm_dir=shm_dir,
+            relay_address="127.0.0.1",
+            server_keys=ServerKeys.load(keys, "shard"),
+        )
+
+    nodes = [node(d) for d in dirs[:3]]
+    try:
+        v1 = weights(1)
+        publish(owner, deltas, 1, v1)
+        async with serving(owner, keys, deltas=deltas) as server:
+            for n in nodes:  # one after another: each takes it from the one before
+                await n.ensure(owner.ref(1))
+            publish(owner, deltas, 2, stepped(v1, 0.01, seed=2))
+            for n in nodes:
+                await n.ensure(owner.ref(2))
+            late = node(dirs[3])
+            nodes.append(late)
+            await late.ensure(owner.ref(2))
+            assert owner.layout is not None
+            total = owner.layout.total_bytes
+            for n in nodes:
+                assert bytes(n.caches[owner.owner].buffer(2)) == bytes(owner.buffer(2))
+            pulls = [n.pulls[-1] for n in nodes]
+            assert [p["source"] == "owner" for p in pulls] == [True, False, False, False]
+            for p in pulls[:3]:  # every hop: the delta's bytes, not the version's
+                assert p["wire_bytes"] < 0.1 * total and p["delta_fallbacks"] == 0, pulls
+            assert pulls[3]["wire_bytes"] == total  # nothing to build on: whole
+            assert server.streamer is not None
+            assert server.streamer.wire_bytes < 2.1 * total  # version 1 once, then a delta
+    finally:
+        for n in nodes:
+            await n.aclose()
+        owner.close()
