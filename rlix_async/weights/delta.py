@@ -102,9 +102,7 @@ def encode(base: memoryview | bytes, new: memoryview | bytes, word: int) -> Enco
     changed = int(changed_at.size)
     width = index_bytes(words)
     sparse_bytes = _SPARSE_HEAD.size + changed * (width + word)
-    packed = (
-        zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(xor.tobytes()) if changed else b""
-    )
+    packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(xor.tobytes()) if changed else b""
     sizes = (sparse_bytes, len(packed) if changed else sparse_bytes)
     if packed and len(packed) < min(sparse_bytes, len(new)):
         return Encoded(Kind.XOR_ZSTD, packed, changed, words, *sizes)

@@ -327,9 +327,7 @@ def check_bucket(
     problems = [
         f"index {meta.index}" if meta.index != index else "",
         f"version {meta.version}" if meta.version != ref.version else "",
-        f"{nbytes} bytes ({meta.nbytes} announced, layout says {expected})"
-        if not size_ok
-        else "",
+        f"{nbytes} bytes ({meta.nbytes} announced, layout says {expected})" if not size_ok else "",
     ]
     rewritten = meta.generation != ref.generation
     if rewritten:
