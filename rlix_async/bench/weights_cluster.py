@@ -37,6 +37,13 @@ every run reports ``torn_loads`` (workers that found part of another version in 
 they loaded: must be 0) and, with node caches, ``seconds_nodes_hold`` (from publishing
 to the last node's cache holding the version). A host's receiver is started again when
 it dies, as ``launch --node`` does.
+
+``--delta F``: versions as a training step makes them, a fraction F of the elements
+moving (the same elements each version: 0.5 elsewhere, the version's number there), and
+the owner serving deltas (``weights.delta: auto``, ``weights/delta_source.py``). Per
+version also ``owner_egress_bytes``; overall ``seconds_nodes_hold_over_bound``: the
+time for every node to hold it over (the bytes that left the owner + one encoded bucket
+per hop) / the link rate.
 """
 
 from __future__ import annotations
@@ -85,23 +92,36 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def owner(
-    d: Path, keys: str, address: str, model_mb: int, bucket_mb: int, transport: str, streams: int
+    d: Path,
+    keys: str,
+    address: str,
+    model_mb: int,
+    bucket_mb: int,
+    transport: str,
+    streams: int,
+    delta: float = 0.0,
 ) -> None:
     """Host 0: build each version when asked (``go-V``), publish its ref (``ref-V``)."""
     import asyncio
 
+    import torch
+
     from rlix_async.bench.weights import model_like
     from rlix_async.security import ServerKeys
     from rlix_async.weights.cache import WeightCache
+    from rlix_async.weights.delta_source import VersionDeltas
     from rlix_async.weights.tcp import WeightServer
 
     tensors = model_like(model_mb * MIB)
+    g = torch.Generator().manual_seed(0)
+    moving = {n: torch.rand(t.shape, generator=g) < delta for n, t in tensors.items()}
 
     async def serve() -> None:
         cache = WeightCache(PIPELINE, "rank0", bucket_bytes=bucket_mb * MIB)
+        deltas = VersionDeltas(cache) if delta else None
         server_keys = ServerKeys.load(keys, f"driver-{PIPELINE}")
         server = await WeightServer(
-            cache, f"tcp://{address}:0", keys=server_keys, streams=streams
+            cache, f"tcp://{address}:0", keys=server_keys, streams=streams, deltas=deltas
         ).start()
         cache.serve(server.endpoint, server_keys.public.decode(), transport=transport)
         try:
@@ -110,11 +130,17 @@ def owner(
                 if not (d / f"go-{version}").exists():
                     await asyncio.sleep(0.005)
                     continue
-                for t in tensors.values():
-                    t.fill_(float(version))
+                for name, t in tensors.items():
+                    if delta:  # the moving elements hold the version, the rest 0.5
+                        t.fill_(0.5).masked_fill_(moving[name], float(version))
+                    else:
+                        t.fill_(float(version))
                 cache.build(version, tensors)
+                if deltas is not None:
+                    deltas.encode(version)
                 ref = cache.promote(version)
-                _write_json(d / f"ref-{version}.json", {"ref": ref, "published": time.time()})
+                published = {"ref": ref, "published": time.time(), "sparse": bool(delta)}
+                _write_json(d / f"ref-{version}.json", published)
                 version += 1
         finally:
             await server.close()
@@ -169,8 +195,13 @@ def worker(
         layout = fetched.layout
         del fetched  # the private copy, where there was one
         finished = time.time()
-        # the owner fills version V with V: anything else is part of another version
-        whole = all(bool((t == float(version)).all()) for t in model.values())
+        # the owner fills version V with V (--delta: V or 0.5): anything else is part of
+        # another version
+        v = float(version)
+        if published.get("sparse"):
+            whole = all(bool(((t == v) | (t == 0.5)).all()) for t in model.values())
+        else:
+            whole = all(bool((t == v).all()) for t in model.values())
         _write_json(
             d / f"done-{version}-{name}.json",
             {
@@ -262,12 +293,13 @@ def run_cluster_bench(
     wake_after_s: float = 0.0,
     prefetch: bool = True,
     fault: str = "",
+    delta: float = 0.0,
     work: Path | None = None,
 ) -> dict[str, Any]:
     """The figures of one configuration (see the module docstring)."""
     tmp = Path(tempfile.mkdtemp(prefix="rlix-bench-", dir=work))
     shape = Shape(hosts_n, shards_per_host, tp, link_mbit, model_mb, bucket_mb, transport,
-                  path, versions, relay, streams, wake_after_s, prefetch, fault)  # fmt: skip
+                  path, versions, relay, streams, wake_after_s, prefetch, fault, delta)  # fmt: skip
     try:
         return _run(tmp, shape)
     finally:
@@ -292,6 +324,7 @@ class Shape:
     wake_after_s: float  # > 0: the shards sleep while a version is published, then wake
     prefetch: bool  # the node caches take each version as published (weights.prefetch)
     fault: str = ""  # one of bench/weights_faults.FAULTS, struck in each timed version
+    delta: float = 0.0  # > 0: this fraction of the elements moves per version, as deltas
 
 
 def _run(tmp: Path, shape: Shape) -> dict[str, Any]:
@@ -313,7 +346,7 @@ def _run(tmp: Path, shape: Shape) -> dict[str, Any]:
         hosts.start(
             hosts[0],
             [*py, "owner", str(d), str(keys), hosts[0].address, str(shape.model_mb),
-             str(shape.bucket_mb), shape.transport, str(shape.streams)],
+             str(shape.bucket_mb), shape.transport, str(shape.streams), str(shape.delta)],
             logs / "owner.log",
         )  # fmt: skip
         model_bytes = _model_bytes(shape.model_mb)
@@ -370,6 +403,16 @@ def _run(tmp: Path, shape: Shape) -> dict[str, Any]:
     for key in keys_:
         result[key] = round(statistics.median(r[key] for r in rows), 3)
     result["seconds_to_all_over_one_link"] = round(result["seconds_to_all"] / one_link, 3)
+    if shape.delta and shape.path == "node":
+        result["delta"] = shape.delta
+        result["owner_egress_bytes"] = statistics.median(r["owner_egress_bytes"] for r in rows)
+        # the bytes that left the owner at the link's rate, and one encoded bucket per hop
+        rate = shape.link_mbit * 1e6 / 8
+        buckets = -(-model_bytes // (shape.bucket_mb * MIB))
+        wire = result["owner_egress_bytes"]
+        bound = wire / rate + shape.hosts * (wire / buckets) / rate
+        result["seconds_nodes_hold_bound"] = round(bound, 3)
+        result["seconds_nodes_hold_over_bound"] = round(result["seconds_nodes_hold"] / bound, 3)
     return result
 
 
@@ -468,6 +511,7 @@ def _one_version(
     row = {
         "version": version,
         "owner_egress_per_model": (tx_bytes(hosts[0]) - sent0) / model_bytes,
+        "owner_egress_bytes": tx_bytes(hosts[0]) - sent0,
         "seconds_to_all": max(x["done"] for x in done) - published,
         "node_extra_mem_per_model": max(m.peak for m in memories) / model_bytes,
         "worker_staged_bytes": max(x["staged_bytes"] for x in done),
@@ -527,6 +571,7 @@ def main(argv: list[str]) -> None:
     o.add_argument("bucket_mb", type=int)
     o.add_argument("transport")
     o.add_argument("streams", type=int)
+    o.add_argument("delta", type=float)
     w = sub.add_parser("worker")
     for name in ("dir", "keys", "name"):
         w.add_argument(name)
@@ -537,7 +582,7 @@ def main(argv: list[str]) -> None:
     if args.role == "owner":
         owner(
             Path(args.dir), args.keys, args.address, args.model_mb, args.bucket_mb,
-            args.transport, args.streams,
+            args.transport, args.streams, args.delta,
         )  # fmt: skip
     else:
         worker(

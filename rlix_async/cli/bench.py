@@ -88,7 +88,7 @@ def _weights(args: argparse.Namespace) -> int:
         if getattr(args, option) is not None and args.receiver != receiver:
             raise UsageError(f"--{option} applies to --receiver {receiver} only")
     cluster = ("shards_per_host", "tp", "link_mbit", "path", "transport", "versions", "wake_after",
-               "fault")  # fmt: skip
+               "fault", "delta")  # fmt: skip
     for flag in ("no_relay", "no_prefetch"):
         if getattr(args, flag) and args.hosts is None:
             raise UsageError(f"--{flag.replace('_', '-')}: only with --hosts N")
@@ -134,6 +134,8 @@ def _weights_cluster(args: argparse.Namespace) -> int:
         raise UsageError("--hosts: the workers load as the rlix_shm backend does; no --receiver")
     if args.fault and args.path == "worker":
         raise UsageError("--fault: node caches only (not --path worker)")
+    if args.delta and args.path == "worker":
+        raise UsageError("--delta: node caches only (a worker holds no version to build on)")
     if args.fault == "kill-relay" and (args.hosts < 2 or args.no_relay or args.no_prefetch):
         raise UsageError(
             "--fault kill-relay: needs a relay (--hosts 2 or more, relayed) and prefetch "
@@ -164,6 +166,7 @@ def _weights_cluster(args: argparse.Namespace) -> int:
             wake_after_s=args.wake_after or 0.0,
             prefetch=not args.no_prefetch,
             fault=args.fault or "",
+            delta=args.delta or 0.0,
         )
     except HostsError as exc:
         raise UsageError(str(exc)) from None
@@ -183,6 +186,7 @@ def _weights_cluster(args: argparse.Namespace) -> int:
         "seconds_to_all",
         "seconds_to_all_over_one_link",
         "seconds_wake_to_all",
+        "seconds_nodes_hold_over_bound",
         "node_extra_mem_per_model",
         "link_utilization",
         "cores_busy",
@@ -250,6 +254,13 @@ def _gpu(args: argparse.Namespace) -> int:
     r = run_gpu_bench(args.gib, args.model_mb, args.repeats)
     print(json.dumps(r, indent=2) if args.json else format_gpu_result(r))
     return 0 if all(r["targets_met"].values()) else 1
+
+
+def _fraction(text: str) -> float:
+    x = _positive_float(text)
+    if x >= 1:
+        raise argparse.ArgumentTypeError(f"a fraction below 1, got {text}")
+    return x
 
 
 def _positive_float(text: str) -> float:
@@ -439,6 +450,11 @@ def _hosts_options(p: argparse.ArgumentParser) -> None:
         "--fault",
         choices=["kill-relay", "link-down"],
         help="--hosts: kill a relaying node's receiver, or take a link down 10 s, mid-version",
+    )
+    p.add_argument(
+        "--delta",
+        type=_fraction,
+        help="--hosts: this fraction of the elements moves per version, sent as deltas",
     )
 
 
