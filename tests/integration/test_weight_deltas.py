@@ -301,3 +301,37 @@ async def test_deltas_cross_every_hop_of_a_relay_chain(keys: Path, tmp_path: Pat
         for n in nodes:
             await n.aclose()
         owner.close()
+
+
+def test_a_real_trainers_consecutive_versions_decode_exactly(owner: WeightCache) -> None:
+    """The torch trainer at bf16 (float32 main weights), lr 1e-5: each version's deltas
+    decode onto the one before to the version's exact bytes, and they are smaller than
+    the version (most bf16 elements keep their value)."""
+    from rlix_async.config import ModelConfig, TorchTrainConfig
+    from rlix_async.protocols.batch import Group
+    from rlix_async.train.trainer import TorchTrainer
+    from rlix_async.weights.delta import decode
+
+    small = ModelConfig(vocab_size=64, layers=1, hidden=64)
+    batch = [Group([1, 2], [[3, 4, 5], [6, 7, 8]], [[-4.0] * 3] * 2, [[0] * 3] * 2, [1.0, 0.0])]
+    trainer = TorchTrainer(
+        TorchTrainConfig(lr=1e-5, dtype="bfloat16", minibatches=1), small, seed=0
+    )
+    deltas = VersionDeltas(owner)
+    publish(owner, deltas, 0, trainer.weights_for_cache())
+    assert owner.layout is not None
+    for version in (1, 2, 3):
+        trainer.train_step(batch * 2)
+        publish(owner, deltas, version, trainer.weights_for_cache())
+        base, new = owner.buffer(version - 1), owner.buffer(version)
+        sent = 0
+        for i, (start, size) in enumerate(
+            zip(owner.layout.bucket_offsets, owner.layout.bucket_sizes, strict=True)
+        ):
+            encoded = deltas.bucket(version, version - 1, i, timeout=30)
+            assert encoded is not None
+            out = bytearray(size)
+            decode(base[start : start + size], encoded[0], encoded[1], memoryview(out))
+            assert bytes(out) == bytes(new[start : start + size])
+            sent += len(encoded[1])
+        assert 0 < sent < owner.layout.total_bytes
