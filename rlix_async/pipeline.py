@@ -232,6 +232,8 @@ class Driver:
     def _build_on_trainer_thread(self, cache: WeightCache) -> None:
         tensors = self.trainer.weights_for_cache()  # a LoRA pipeline's: its adapter only
         self.sync_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.deltas is not None:  # the last version's encoding: ended at its next bucket
+            self.deltas.stop()
         cache.build(self.trainer.step, tensors)
         if self.deltas is not None:  # in a thread of its own: the next step goes on
             self.deltas.encode(self.trainer.step)

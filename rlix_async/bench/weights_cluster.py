@@ -135,6 +135,8 @@ def owner(
                         t.fill_(0.5).masked_fill_(moving[name], float(version))
                     else:
                         t.fill_(float(version))
+                if deltas is not None:
+                    deltas.stop()
                 cache.build(version, tensors)
                 if deltas is not None:
                     deltas.encode(version)

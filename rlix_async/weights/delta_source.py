@@ -7,9 +7,12 @@ After ``build(v)`` the cache's other slot holds ``v-1`` (the promoted version) u
 against it bucket by bucket, off the training path: the trainer goes on with its
 next step meanwhile, and a stream that asks for bucket ``i`` before it is encoded
 waits for that bucket only (sending overlaps encoding). Both slots are held for the
-thread (the cache's send trackers): the next ``build`` waits for it rather than
-rewrite what it reads. Only the newest version's deltas are kept; a FULL bucket's
-payload is a view of the slot, so the memory held is the encoded buckets alone.
+thread (the cache's send trackers), so nothing rewrites what it reads; the owner
+calls :meth:`VersionDeltas.stop` before its next ``build``, which ends an encoding
+still running at its next bucket (the buckets it did not reach go whole): a step
+faster than the encoding never waits more than one bucket's encoding for it. Only the
+newest version's deltas are kept; a FULL bucket's payload is a view of the slot, so
+the memory held is the encoded buckets alone.
 
 ``auto`` switches itself off where deltas do not pay: a version whose encoding came
 to more than ``OFF_ABOVE`` of its full size (a float32 cache, where nearly every
@@ -43,6 +46,13 @@ class _Encoding:
     started: float = field(default_factory=time.perf_counter)
     failed: str = ""
     done: threading.Condition = field(default_factory=threading.Condition)
+    stopping: bool = False  # set by stop(): end at the next bucket
+    ended: bool = False  # the thread is done: a bucket not encoded by now never will be
+    thread: threading.Thread | None = None
+
+
+class _Stopped(Exception):
+    """The encoding was stopped for the cache's next build."""
 
 
 class VersionDeltas:
@@ -78,11 +88,20 @@ class VersionDeltas:
         cache.track(base, holds[1])
         with self._lock:
             self._encoding = enc
-        thread = threading.Thread(
+        enc.thread = threading.Thread(
             target=self._run, args=(enc, holds), name=f"delta-{version}", daemon=True
         )
-        thread.start()
+        enc.thread.start()
         return True
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """End the encoding under way at its next bucket and wait (``timeout`` at most)
+        for its thread to let go of the slots: before the cache's next build."""
+        enc = self._encoding
+        if enc is None or enc.thread is None:
+            return
+        enc.stopping = True
+        enc.thread.join(timeout)
 
     def _run(self, enc: _Encoding, holds: list[StreamDone]) -> None:
         cache = self.cache
@@ -93,6 +112,8 @@ class VersionDeltas:
             for i, (start, size) in enumerate(
                 zip(layout.bucket_offsets, layout.bucket_sizes, strict=True)
             ):
+                if enc.stopping:
+                    raise _Stopped(f"version {enc.version + 1} is being built")
                 end = start + size
                 encoded = encode(old[start:end], new[start:end], word_bytes(layout, i))
                 with enc.done:
@@ -118,11 +139,17 @@ class VersionDeltas:
                     self._skip,
                 )  # fmt: skip
         except Exception as exc:  # a stream asking for it sends the full buckets instead
+            if isinstance(exc, _Stopped):  # what it encoded still goes as deltas
+                log.info("weight deltas: version %d not encoded whole (%s)", enc.version, exc)
+                return
             log.error("weight deltas: encoding version %d failed: %s", enc.version, exc)
             with enc.done:
                 enc.failed = str(exc) or type(exc).__name__
                 enc.done.notify_all()
         finally:
+            with enc.done:
+                enc.ended = True
+                enc.done.notify_all()
             for hold in holds:
                 hold.set()
 
@@ -142,7 +169,7 @@ class VersionDeltas:
         if enc is None or (enc.version, enc.base) != (version, base):
             return None
         with enc.done:
-            enc.done.wait_for(lambda: enc.buckets[index] is not None or bool(enc.failed), timeout)
+            enc.done.wait_for(lambda: enc.buckets[index] is not None or enc.ended, timeout)
             encoded = enc.buckets[index]
         return None if encoded is None else (encoded.kind, encoded.payload)
 

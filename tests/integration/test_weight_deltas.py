@@ -73,7 +73,9 @@ def node() -> Iterator[WeightCache]:
 
 
 def publish(owner: WeightCache, deltas: VersionDeltas, version: int, w: dict) -> None:
-    """What the trainer's driver does: build, start the encoding, promote."""
+    """What the trainer's driver does: end the last encoding, build, start this one's,
+    promote."""
+    deltas.stop()
     owner.build(version, w)
     deltas.encode(version)
     owner.promote(version)
@@ -213,6 +215,34 @@ def test_the_next_build_waits_for_the_encoding(
     assert time.monotonic() - t0 > 0.2  # it waited for the buckets still to encode
     stats = deltas.take_stats()
     assert stats is not None and stats.version == 2  # done before version 1 went
+
+
+def test_stop_ends_an_encoding_at_its_next_bucket(
+    owner: WeightCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step faster than the encoding: the driver's stop() before its build ends the
+    encoding after the bucket under way; the buckets it did not reach go whole."""
+    real = delta_source.encode
+
+    def slow(*args):  # type: ignore[no-untyped-def]
+        time.sleep(0.3)
+        return real(*args)
+
+    monkeypatch.setattr(delta_source, "encode", slow)
+    deltas = VersionDeltas(owner)
+    v1 = weights(1)
+    publish(owner, deltas, 1, v1)
+    publish(owner, deltas, 2, stepped(v1, 0.01, seed=2))
+    assert owner.layout is not None and len(owner.layout.bucket_sizes) >= 3
+    time.sleep(0.1)  # the first bucket under way
+    t0 = time.monotonic()
+    deltas.stop()
+    assert time.monotonic() - t0 < 0.5  # one bucket's encoding, not all of them
+    owner.build(3, stepped(v1, 0.02, seed=3))  # nothing holds version 1's slot now
+    assert deltas.offers(2, 1)  # what it encoded still goes as deltas,
+    assert deltas.bucket(2, 1, 0, timeout=0) is not None
+    assert deltas.bucket(2, 1, len(owner.layout.bucket_sizes) - 1, timeout=5) is None  # not
+    assert deltas.take_stats() is None  # not a whole version's figures
 
 
 def test_auto_switches_itself_off_while_everything_moves(owner: WeightCache) -> None:
