@@ -199,6 +199,8 @@ class Driver:
             ledger.close()
             self.records.close()
             self._trainer_thread.shutdown(wait=False)  # idle unless a failure left a call
+            if self.deltas is not None:  # before the cache closes: it would wait for it
+                self.deltas.stop()
             if weight_server is not None:
                 await weight_server.close()
 
@@ -253,7 +255,7 @@ class Driver:
         }
         self._sent = (wire, full)
         if self.deltas is not None:
-            row.update(stats_row(self.deltas.take_stats()))
+            row.update(stats_row(self.deltas))
         return row
 
     async def _publish(self, hooks: ClusterHooks, cache: WeightCache) -> None:

@@ -46,9 +46,11 @@ class DeltaSink(WeightSink, Protocol):
     (a node cache's slot writer): ``delta_base`` names that version (None: whole,
     please), ``load_delta`` decodes one bucket onto it and checks the result against
     the owner's digest (DeltaMismatch if it is not the owner's bucket);
-    ``delta_fallbacks`` counts the pulls that fell back to whole."""
+    ``retry_whole`` starts the version again, to come whole (and counts it in
+    ``delta_fallbacks``)."""
 
     delta_fallbacks: int
 
     def delta_base(self) -> int | None: ...
     def load_delta(self, index: int, kind: int, payload: memoryview) -> None: ...
+    def retry_whole(self) -> None: ...

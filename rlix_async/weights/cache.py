@@ -345,8 +345,8 @@ class SlotWriter:
         self._places: dict[str, tuple[int, int, int]] = {}  # name -> bucket, start, nbytes
         self._landed: set[int] = set()
         self.stopping = False  # set from another thread: the next bucket ends the pull
-        self.delta_fallbacks = 0  # pulls of this writer that fell back to whole
-        self.wire_bytes = 0  # what arrived: encoded sizes for deltas (a pull's record)
+        self.delta_fallbacks = 0  # deltas of this writer's pulls that fell back to whole
+        self.wire_bytes = 0  # what arrived, every try: encoded sizes for deltas
 
     def start(self, version: int, layout: Layout) -> None:
         if self.digests is not None and len(self.digests) != len(layout.bucket_sizes):
@@ -359,7 +359,6 @@ class SlotWriter:
             e.name: (e.bucket, starts[e.bucket] + e.offset, e.nbytes) for e in layout.entries
         }
         self._landed = set()
-        self.wire_bytes = 0
         if self.on_open is not None:
             # the generation the slot will hold once whole (what a relay's readers check)
             self.on_open(slot, self.cache.generation[slot] + 1)
@@ -383,14 +382,30 @@ class SlotWriter:
         start = HEADER + self._layout.bucket_offsets[bucket]
         return self.cache.slots[slot].buf[start : start + self._layout.bucket_sizes[bucket]]
 
-    def _check_landed(self, bucket: int, error: type[SyncError]) -> None:
+    def _check_landed(
+        self, bucket: int, error: type[SyncError], delta: tuple[int, memoryview] | None = None
+    ) -> None:
+        """The bucket is in the slot: checked against the owner's digest, then counted
+        (and handed on: a relay's ``on_delta`` gets the delta it came as, only once it
+        decoded to the owner's bytes, then ``on_landed``)."""
         assert self._slot is not None
         data = self._bucket(self._slot, bucket)
         if self.digests is not None and bucket_digest(data) != self.digests[bucket]:
             raise error(f"bucket {bucket} does not match the owner's manifest")
+        if delta is not None and self.on_delta is not None:
+            self.on_delta(bucket, *delta)
         self._landed.add(bucket)
         if self.on_landed is not None:
             self.on_landed(bucket)
+
+    def retry_whole(self) -> None:
+        """A delta did not decode to the owner's bytes: the version comes again whole,
+        into the same slot (still unoffered), every bucket checked again as it lands.
+        The slot is kept rather than reopened: a relay's streams wait on it."""
+        if self._slot is None:
+            raise SyncError("retry before start")
+        self._landed = set()
+        self.delta_fallbacks += 1
 
     def delta_base(self) -> int | None:
         """The version this slot's may arrive as deltas on: the promoted one, held whole
@@ -419,9 +434,7 @@ class SlotWriter:
         except DeltaError as exc:
             raise error(f"bucket {index} as a delta on version {base}: {exc}") from None
         self.wire_bytes += len(payload)
-        if self.on_delta is not None and kind != Kind.FULL:
-            self.on_delta(index, kind, payload)
-        self._check_landed(index, error)
+        self._check_landed(index, error, None if kind == Kind.FULL else (kind, payload))
 
     def finish(self, version: int) -> None:
         assert self._slot is not None and self._layout is not None, "finish before start"

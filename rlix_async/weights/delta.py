@@ -132,6 +132,12 @@ def decode(
         _apply_sparse(base, payload, out)
     elif kind == Kind.XOR_ZSTD:
         try:
+            # the frame states its size (encode writes it): anything but the bucket's is
+            # refused before a byte is allocated (max_output_size alone does not bound a
+            # frame that names its own size: a relay could send a bomb)
+            stated = zstandard.frame_content_size(payload)
+            if stated != n:
+                raise DeltaError(f"a zstd delta of {stated} bytes for a {n}-byte bucket")
             xor = zstandard.ZstdDecompressor().decompress(payload, max_output_size=n)
         except zstandard.ZstdError as exc:
             raise DeltaError(f"a corrupt zstd delta: {exc}") from None

@@ -66,6 +66,7 @@ class VersionDeltas:
         self._lock = threading.Lock()
         self._stats: DeltaStats | None = None  # the newest finished, not yet taken
         self._skip = 0  # versions left unencoded (auto, switched off)
+        self.stopped = 0  # encodings the next build stopped before they were whole
 
     def encode(self, version: int) -> bool:
         """Start encoding ``version`` (just built) against the version in the cache's
@@ -91,7 +92,14 @@ class VersionDeltas:
         enc.thread = threading.Thread(
             target=self._run, args=(enc, holds), name=f"delta-{version}", daemon=True
         )
-        enc.thread.start()
+        try:
+            enc.thread.start()
+        except BaseException:  # (no thread to be had): the slots are not held, no deltas
+            for hold in holds:
+                hold.set()
+            with self._lock:
+                self._encoding = None
+            raise
         return True
 
     def stop(self, timeout: float = 60.0) -> None:
@@ -128,6 +136,8 @@ class VersionDeltas:
             )
             off = self.mode == "auto" and stats.wire_per_full > OFF_ABOVE
             with self._lock:
+                if self._encoding is not enc:  # a stop() that timed out: a newer one runs
+                    return
                 self._stats = stats
                 if off:
                     self._skip = PROBE_EVERY - 1
@@ -141,6 +151,8 @@ class VersionDeltas:
         except Exception as exc:  # a stream asking for it sends the full buckets instead
             if isinstance(exc, _Stopped):  # what it encoded still goes as deltas
                 log.info("weight deltas: version %d not encoded whole (%s)", enc.version, exc)
+                with self._lock:
+                    self.stopped += 1
                 return
             log.error("weight deltas: encoding version %d failed: %s", enc.version, exc)
             with enc.done:
@@ -180,11 +192,15 @@ class VersionDeltas:
         return stats
 
 
-def stats_row(stats: DeltaStats | None) -> dict[str, float | int]:
-    """A step row's ``delta_*`` fields (empty: nothing encoded since the last row)."""
+def stats_row(deltas: VersionDeltas) -> dict[str, float | int]:
+    """A step row's ``delta_*`` fields: the encodings the steps outran so far, and the
+    newest whole version's figures (none: nothing encoded whole since the last row)."""
+    row: dict[str, float | int] = {"delta_stopped": deltas.stopped}
+    stats = deltas.take_stats()
     if stats is None:
-        return {}
+        return row
     return {
+        **row,
         "delta_version": stats.version,
         "delta_changed_fraction": round(stats.changed_fraction, 6),
         "delta_wire_per_full": round(stats.wire_per_full, 6),

@@ -164,9 +164,12 @@ class RelayServer(WeightServer):
             self.manifests[fl.version] = fl.manifest
             for old in [v for v in self.manifests if v not in self.cache.versions]:
                 del self.manifests[old]
-        flights = self.relayed_deltas.flights  # the newest whole one's deltas stay
-        for old in [v for v in flights if v != fl.version or not whole]:
-            del flights[old]
+        flights = self.relayed_deltas.flights  # (pulls run one at a time: none newer)
+        if whole:  # its deltas stay, for nodes that come later; the older ones go
+            for old in [v for v, f in flights.items() if f is not fl]:
+                del flights[old]
+        elif flights.get(fl.version) is fl:
+            del flights[fl.version]
         fl.failed = not whole
         for event in (fl.ready, *fl.landed):
             event.set()

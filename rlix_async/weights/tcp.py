@@ -397,9 +397,7 @@ async def sync_remote(
             except DeltaMismatch as exc:  # whole, then: the owner counts it too
                 assert isinstance(sink, DeltaSink)
                 log.warning("%s; taking version %d whole", exc, ref.version)
-                sink.delta_fallbacks += 1
-                sink.abort()
-                sink.start(ref.version, layout)
+                sink.retry_whole()
                 await stream(transport, -1, after_failed_delta=True)
         else:
             await _receive_frames(client, ref, sink, layout, credits, timeout)

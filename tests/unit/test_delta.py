@@ -120,8 +120,16 @@ def test_a_payload_that_does_not_fit_is_refused() -> None:
     import zstandard
 
     bomb = zstandard.ZstdCompressor().compress(bytes(len(base) * 4))
-    with pytest.raises(DeltaError):  # decompresses past the bucket: refused, not allocated
+    with pytest.raises(DeltaError, match="of 4096 bytes for a 1024-byte bucket"):
         decode(base, Kind.XOR_ZSTD, bomb, out)
+    # a frame header that claims 2^44 bytes (magic, descriptor: single segment with an
+    # 8-byte content size): refused before anything is allocated
+    claim = (0xFD2FB528).to_bytes(4, "little") + b"\xe0" + (1 << 44).to_bytes(8, "little")
+    with pytest.raises(DeltaError, match=f"of {1 << 44} bytes for a 1024-byte bucket"):
+        decode(base, Kind.XOR_ZSTD, claim + bytes(16), out)
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(len(base)))
+    with pytest.raises(DeltaError, match="of -1 bytes"):  # no stated size: refused too
+        decode(base, Kind.XOR_ZSTD, unsized, out)
     with pytest.raises(DeltaError, match="a full bucket of 3 bytes"):
         decode(base, Kind.FULL, b"abc", out)
     with pytest.raises(DeltaError, match="unknown delta kind 7"):
