@@ -264,7 +264,8 @@ async def test_a_node_with_a_damaged_base_in_a_relay_chain_takes_it_whole(
             pa, pb, pc = a.pulls[-1], b.pulls[-1], c.pulls[-1]
             assert sorted([pa["source"], pb["source"]]).count("owner") == 1  # a chain
             assert pa["delta_fallbacks"] == 1 and pb["delta_fallbacks"] == 0
-            assert pb["wire_bytes"] < owner.layout.total_bytes  # B's deltas (some, at least)
+            if pb["source"] == "owner":  # B took deltas; from A, what A had decoded by then
+                assert pb["wire_bytes"] < 0.1 * owner.layout.total_bytes
             assert pc["wire_bytes"] == owner.layout.total_bytes and pc["delta_fallbacks"] == 0
     finally:
         for n in (a, b, c):
