@@ -60,8 +60,10 @@ async def test_a_failed_journal_write_aborts_the_plan(ipc_ep: str, tmp_path: Pat
         co.journal.on_error = co._journal_failed
         with pytest.raises(TimeoutError):  # the plan's Granted could not be written
             await grant
-        assert co.fatal is not None and co.fatal.done()
-        assert "journal write failed" in co.fatal.result()
+        assert co.fatal is not None
+        async with asyncio.timeout(10):  # (a loaded host may plan after the grant's 4 s)
+            reason = await co.fatal
+        assert "journal write failed" in reason
         assert co.plans == 0  # nothing was realised
         await a.close()
 
