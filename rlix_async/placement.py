@@ -385,6 +385,12 @@ def trainer_processes(
     with the driver, the pipeline's log and its config file."""
     train = p.clusters[TRAIN].devices
     nodes = sorted({d // gpus_per_node for d in train})
+    if p.weights_endpoint is not None and keys is None:
+        raise NodePlanError(
+            f"pipeline {p.id}: weights_endpoint {p.weights_endpoint} serves other nodes over "
+            "CURVE and needs keys: launch --node K ... --keys DIR (on one node, shards read "
+            "shared memory: leave weights_endpoint unset)"
+        )
     if len(nodes) > 1 and trainer_endpoint is None:
         raise NodePlanError(
             f"pipeline {p.id}: actor_train devices {list(train)} span nodes {nodes}; a "

@@ -355,6 +355,22 @@ def test_a_bad_topology_fails_before_any_process_starts(
     assert not (tmp_path / "out").exists()
 
 
+def test_a_weights_endpoint_without_keys_is_refused_before_any_process_starts(
+    tmp_path: Path,
+) -> None:
+    """On one node a launch has no keys: a pipeline told to serve its weights over tcp
+    would die at its first step (CURVE needs them), so the launch refuses it first."""
+    cfg = tmp_path / "launch.yaml"
+    engine = f"{Path(__file__).parents[1] / 'helpers' / 'pinned_engine.py'}:BACKEND"
+    cfg.write_text(ONE_NODE.format(out=tmp_path / "out", engine=engine, pid="p"))
+    for args in (["--dry-run"], []):
+        out = rlix("launch", str(cfg), *args, "pipelines[0].weights_endpoint=tcp://127.0.0.1:*")
+        assert out.returncode == 2, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert "weights_endpoint tcp://127.0.0.1:* serves other nodes" in out.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_launch_runs_one_node_and_says_how_to_run_more(tmp_path: Path) -> None:
     cfg = tmp_path / "launch.yaml"
     cfg.write_text(TWO_NODES.format(out=tmp_path / "out"))
