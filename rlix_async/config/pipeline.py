@@ -73,8 +73,9 @@ class WeightsConfig(Config, frozen=True):
             "changed elements, or XOR then zstd), once, off the training path, and sends "
             "that to a node cache that holds the one before (checked against the owner's "
             "signed digests; any mismatch takes the version whole). It switches itself "
-            "off while versions change almost everywhere (a float32 cache), looking "
-            "again every 10 versions. off: every version whole."
+            "off for 9 versions, then looks again, after a version whose delta came to "
+            "over 0.9x its size or whose encoding took over a tenth of the time between "
+            "two builds (its cores are the trainer's). off: every version whole."
         ),
     ] = "auto"
 

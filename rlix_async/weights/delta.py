@@ -98,15 +98,17 @@ def encode(base: memoryview | bytes, new: memoryview | bytes, word: int) -> Enco
     words = len(new) // word
     lanes = 8 if len(new) % 8 == 0 else word  # XOR 8 bytes at a time where it can
     xor = np.bitwise_xor(_words(base, lanes), _words(new, lanes))
-    changed_at = np.flatnonzero(xor.view(_WORD[word]))
-    changed = int(changed_at.size)
+    # counted first: the indices are made only where the sparse form wins (for a float32
+    # version where 95% of the words move they were 8 bytes a word, 1 GiB per 540 MB)
+    changed = int(np.count_nonzero(xor.view(_WORD[word])))
     width = index_bytes(words)
     sparse_bytes = _SPARSE_HEAD.size + changed * (width + word)
-    packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(xor.tobytes()) if changed else b""
+    packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(xor.data) if changed else b""
     sizes = (sparse_bytes, len(packed) if changed else sparse_bytes)
     if packed and len(packed) < min(sparse_bytes, len(new)):
         return Encoded(Kind.XOR_ZSTD, packed, changed, words, *sizes)
     if sparse_bytes < len(new):
+        changed_at = np.flatnonzero(xor.view(_WORD[word]))
         values = _words(new, word)[changed_at]
         head = _SPARSE_HEAD.pack(word, width, changed)
         index = changed_at.astype(_WORD[width], copy=False)

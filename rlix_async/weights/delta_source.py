@@ -15,9 +15,12 @@ newest version's deltas are kept; a FULL bucket's payload is a view of the slot,
 the memory held is the encoded buckets alone.
 
 ``auto`` switches itself off where deltas do not pay: a version whose encoding came
-to more than ``OFF_ABOVE`` of its full size (a float32 cache, where nearly every
-element moves each step) is followed by ``PROBE_EVERY - 1`` versions not encoded at
-all, then one encoded again to see whether that changed.
+to more than ``OFF_ABOVE`` of its full size, or took more than ``MAX_COST_SHARE`` of
+the time between two builds (a step: the encoding's cores are the trainer's and the
+rollout's), is followed by ``PROBE_EVERY - 1`` versions not encoded at all, then one
+encoded again to see whether that changed. A float32 cache, where 95% of the
+elements move each step, still encodes to about half its size (XOR leaves the sign,
+exponent and high mantissa bits at zero), at a cost the second rule weighs.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from rlix_async.weights.stream import StreamDone
 log = logging.getLogger(__name__)
 
 OFF_ABOVE = 0.9  # wire over full: a delta this large is not worth its encoding
+MAX_COST_SHARE = 0.1  # of the time between builds: what the encoding may take
 PROBE_EVERY = 10  # versions: how often a switched-off auto encodes one to look again
 
 
@@ -46,6 +50,7 @@ class _Encoding:
     started: float = field(default_factory=time.perf_counter)
     failed: str = ""
     done: threading.Condition = field(default_factory=threading.Condition)
+    interval: float | None = None  # since the build before (a step), where known
     stopping: bool = False  # set by stop(): end at the next bucket
     ended: bool = False  # the thread is done: a bucket not encoded by now never will be
     thread: threading.Thread | None = None
@@ -59,20 +64,31 @@ class VersionDeltas:
     """The newest version's buckets encoded against the previous version, for the
     owner's streams (``bucket``) and its step rows (``take_stats``)."""
 
-    def __init__(self, cache: WeightCache, mode: Literal["auto", "off"] = "auto") -> None:
+    def __init__(
+        self,
+        cache: WeightCache,
+        mode: Literal["auto", "off"] = "auto",
+        max_cost_share: float | None = MAX_COST_SHARE,
+    ) -> None:
+        """``max_cost_share``: auto's second rule (None: only the size decides)."""
         self.cache = cache
         self.mode = mode
+        self.max_cost_share = max_cost_share
         self._encoding: _Encoding | None = None
         self._lock = threading.Lock()
         self._stats: DeltaStats | None = None  # the newest finished, not yet taken
         self._skip = 0  # versions left unencoded (auto, switched off)
         self.stopped = 0  # encodings the next build stopped before they were whole
+        self._last_build: float | None = None  # when encode() was last called
 
     def encode(self, version: int) -> bool:
         """Start encoding ``version`` (just built) against the version in the cache's
         other slot; False where there is none, or deltas are off. Call it before the
         cache's next build."""
         cache = self.cache
+        now = time.perf_counter()
+        interval = None if self._last_build is None else now - self._last_build
+        self._last_build = now
         with self._lock:
             self._encoding = None  # the older version's deltas are of no use from now on
         bases = [v for v in cache.versions if v != version]
@@ -84,6 +100,7 @@ class VersionDeltas:
                 return False
         base = max(bases)
         enc = _Encoding(version, base, [None] * len(cache.layout.bucket_sizes))
+        enc.interval = interval
         holds = [StreamDone(), StreamDone()]  # the next build waits for these
         cache.track(version, holds[0])
         cache.track(base, holds[1])
@@ -100,6 +117,14 @@ class VersionDeltas:
             with self._lock:
                 self._encoding = None
             raise
+        return True
+
+    def join(self, timeout: float) -> bool:
+        """Wait (``timeout`` at most) for the encoding under way to end; whether it did."""
+        enc = self._encoding
+        if enc is not None and enc.thread is not None:
+            enc.thread.join(timeout)
+            return not enc.thread.is_alive()
         return True
 
     def stop(self, timeout: float = 60.0) -> None:
@@ -134,7 +159,13 @@ class VersionDeltas:
                 layout.total_bytes,
                 time.perf_counter() - enc.started,
             )
-            off = self.mode == "auto" and stats.wire_per_full > OFF_ABOVE
+            share = self.max_cost_share
+            costly = (
+                share is not None
+                and enc.interval is not None
+                and stats.encode_s > share * enc.interval
+            )
+            off = self.mode == "auto" and (stats.wire_per_full > OFF_ABOVE or costly)
             with self._lock:
                 if self._encoding is not enc:  # a stop() that timed out: a newer one runs
                     return
@@ -144,9 +175,11 @@ class VersionDeltas:
             if off:
                 log.info(
                     "weight deltas: version %d came to %.2fx its full size (%.0f%% of its "
-                    "elements moved); not encoding the next %d versions",
+                    "elements moved) in %.1f s (%s s between builds); not encoding the "
+                    "next %d versions",
                     enc.version, stats.wire_per_full, 100 * stats.changed_fraction,
-                    self._skip,
+                    stats.encode_s, f"{enc.interval:.1f}" if enc.interval else "?",
+                    PROBE_EVERY - 1,
                 )  # fmt: skip
         except Exception as exc:  # a stream asking for it sends the full buckets instead
             if isinstance(exc, _Stopped):  # what it encoded still goes as deltas

@@ -304,7 +304,7 @@ def test_stop_ends_an_encoding_at_its_next_bucket(
 def test_auto_switches_itself_off_while_everything_moves(owner: WeightCache) -> None:
     """Versions with nothing in common (every bit as likely to move): deltas would be
     the whole version, so after one such version auto stops encoding for a while."""
-    deltas = VersionDeltas(owner)
+    deltas = VersionDeltas(owner, max_cost_share=None)  # the size alone decides here
     g = torch.Generator().manual_seed(0)
 
     def noise(v: int) -> dict[str, torch.Tensor]:
@@ -318,11 +318,34 @@ def test_auto_switches_itself_off_while_everything_moves(owner: WeightCache) -> 
         encoded.append(deltas.encode(v))
         owner.promote(v)
         if encoded[-1]:
-            deltas.stop(timeout=30)  # (stop only ends an encoding between buckets)
+            assert deltas.join(timeout=30)
             stats = deltas.take_stats()
             assert stats is not None and stats.wire_per_full > 0.9
     # encoded once, then not for PROBE_EVERY - 1 versions, then once more to look again
     assert encoded == [True, *[False] * (PROBE_EVERY - 1), True]
+
+
+def test_auto_switches_itself_off_where_encoding_costs_over_a_tenth_of_a_step(
+    owner: WeightCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small deltas, but each took longer than a tenth of the time between two builds:
+    auto stops encoding for the next PROBE_EVERY - 1 versions."""
+    real = delta_source.encode
+
+    def slow(*args):  # type: ignore[no-untyped-def]
+        time.sleep(0.1)
+        return real(*args)
+
+    monkeypatch.setattr(delta_source, "encode", slow)
+    deltas = VersionDeltas(owner)
+    v1 = weights(1)
+    publish(owner, deltas, 1, v1)  # nothing before it: not encoded, the clock starts
+    publish(owner, deltas, 2, stepped(v1, 0.01, seed=2))  # builds 0.0x s apart
+    assert deltas.join(timeout=30)
+    stats = deltas.take_stats()
+    assert stats is not None and stats.wire_per_full < 0.1  # worth it on the wire...
+    owner.build(3, stepped(v1, 0.01, seed=3))
+    assert not deltas.encode(3)  # ...but not at that price
 
 
 def test_off_never_encodes(owner: WeightCache) -> None:
@@ -392,7 +415,7 @@ def test_a_real_trainers_consecutive_versions_decode_exactly(owner: WeightCache)
     trainer = TorchTrainer(
         TorchTrainConfig(lr=1e-5, dtype="bfloat16", minibatches=1), small, seed=0
     )
-    deltas = VersionDeltas(owner)
+    deltas = VersionDeltas(owner, max_cost_share=None)  # (steps of milliseconds here)
     publish(owner, deltas, 0, trainer.weights_for_cache())
     assert owner.layout is not None
     for version in (1, 2, 3):
