@@ -72,7 +72,7 @@ from rlix_async.train.rendezvous import (
     trainer_store_secret,
 )
 from rlix_async.weights.cache import WeightCache
-from rlix_async.weights.delta_source import VersionDeltas, stats_row
+from rlix_async.weights.delta_source import VersionDeltas, WireRows
 from rlix_async.weights.tcp import WeightServer
 
 log = logging.getLogger("rlix_async.pipeline")
@@ -108,8 +108,7 @@ class Driver:
         self.sync_bytes = 0  # the bytes of the last version published (metrics.jsonl)
         # with a weight server: each version encoded against the last, for other nodes
         self.deltas: VersionDeltas | None = None
-        self.weight_server: WeightServer | None = None
-        self._sent = (0, 0)  # the server's streamed (wire, whole) bytes at the last row
+        self.wire_rows: WireRows | None = None  # with a weight server: what it sent
         self._train_times: dict[str, float] = {}  # the last step's reload and group times
         self.ckpt = ckpt  # the checkpoint resumed from: buffer and collector state
         self.resumed = resumed  # --resume (with or without a checkpoint to resume from)
@@ -218,7 +217,7 @@ class Driver:
         server = await WeightServer(
             cache, endpoint, keys=keys, streams=self.cfg.weights.streams, deltas=self.deltas
         ).start()
-        self.weight_server = server
+        self.wire_rows = WireRows(server.streamer, self.deltas)
         public = keys.public.decode() if keys is not None else ""
         cache.serve(server.endpoint, public, self.cfg.weights.transport)
         log.info("%s: serving weights at %s", self.cfg.id, server.endpoint)
@@ -239,24 +238,6 @@ class Driver:
         cache.build(self.trainer.step, tensors)
         if self.deltas is not None:  # in a thread of its own: the next step goes on
             self.deltas.encode(self.trainer.step)
-
-    def _delta_row(self) -> dict[str, float | int]:
-        """What went to other nodes since the last row (``sync_bytes_wire``: as sent,
-        ``sync_bytes_full``: those buckets whole), the receivers that fell back to
-        whole versions so far, and the newest encoded version's figures."""
-        streamer = self.weight_server.streamer if self.weight_server is not None else None
-        if streamer is None:
-            return {}
-        wire, full = streamer.wire_bytes, streamer.full_bytes
-        row: dict[str, float | int] = {
-            "sync_bytes_wire": wire - self._sent[0],
-            "sync_bytes_full": full - self._sent[1],
-            "delta_fallbacks": streamer.delta_fallbacks,
-        }
-        self._sent = (wire, full)
-        if self.deltas is not None:
-            row.update(stats_row(self.deltas))
-        return row
 
     async def _publish(self, hooks: ClusterHooks, cache: WeightCache) -> None:
         v = self.trainer.step
@@ -318,7 +299,7 @@ class Driver:
             "reprefill_tokens": hooks.router.reprefill_tokens,  # preemption's recompute, so far
             # what this step's version moves to each shard that syncs it (0: not published)
             "sync_bytes": self.sync_bytes,
-            **self._delta_row(),
+            **(self.wire_rows.row() if self.wire_rows is not None else {}),
             **self.records.response_stats(batch, collector.env_failed, collector.reward_failed),
             "active_shards": len(hooks.client.active_ranks),
             "time": time.time(),

@@ -33,7 +33,7 @@ from typing import Literal
 
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.delta import DeltaStats, Encoded, Kind, encode, stats_of, word_bytes
-from rlix_async.weights.stream import StreamDone
+from rlix_async.weights.stream import StreamDone, WeightStreamer
 
 log = logging.getLogger(__name__)
 
@@ -244,3 +244,28 @@ def stats_row(deltas: VersionDeltas) -> dict[str, float | int]:
         "delta_buckets_xor_zstd": stats.kinds[Kind.XOR_ZSTD],
         "delta_buckets_full": stats.kinds[Kind.FULL],
     }
+
+
+class WireRows:
+    """A trainer's step-row fields for what its weight server sent other nodes."""
+
+    def __init__(self, streamer: WeightStreamer | None, deltas: VersionDeltas | None) -> None:
+        self.streamer, self.deltas = streamer, deltas
+        self._sent = (0, 0)  # the streamer's (wire, whole) bytes at the last row
+
+    def row(self) -> dict[str, float | int]:
+        """Since the last row ``sync_bytes_wire`` (as sent) and ``sync_bytes_full``
+        (those buckets whole); so far ``delta_fallbacks`` (receivers that asked whole
+        after a delta failed them); the newest encoded version's ``delta_*``."""
+        if self.streamer is None:  # (an ipc endpoint: no streams)
+            return {}
+        wire, full = self.streamer.wire_bytes, self.streamer.full_bytes
+        row: dict[str, float | int] = {
+            "sync_bytes_wire": wire - self._sent[0],
+            "sync_bytes_full": full - self._sent[1],
+            "delta_fallbacks": self.streamer.delta_fallbacks,
+        }
+        self._sent = (wire, full)
+        if self.deltas is not None:
+            row.update(stats_row(self.deltas))
+        return row
