@@ -256,7 +256,9 @@ class WireRows:
     def row(self) -> dict[str, float | int]:
         """Since the last row ``sync_bytes_wire`` (as sent) and ``sync_bytes_full``
         (those buckets whole); so far ``delta_fallbacks`` (receivers that asked whole
-        after a delta failed them); the newest encoded version's ``delta_*``."""
+        after a delta failed them) and ``delta_whole_grants`` (versions sent whole with
+        deltas on: the receiver held no base, or another); the newest encoding's
+        ``delta_*``."""
         if self.streamer is None:  # (an ipc endpoint: no streams)
             return {}
         wire, full = self.streamer.wire_bytes, self.streamer.full_bytes
@@ -264,6 +266,7 @@ class WireRows:
             "sync_bytes_wire": wire - self._sent[0],
             "sync_bytes_full": full - self._sent[1],
             "delta_fallbacks": self.streamer.delta_fallbacks,
+            "delta_whole_grants": self.streamer.whole_grants,
         }
         self._sent = (wire, full)
         if self.deltas is not None:

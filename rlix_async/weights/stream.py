@@ -217,6 +217,7 @@ class WeightStreamer:
         self.wire_bytes = 0
         self.full_bytes = 0
         self.delta_fallbacks = 0  # receivers that asked whole after a delta failed them
+        self.whole_grants = 0  # with deltas on: streams granted whole (no base, or another)
         self._counting = threading.Lock()
 
     async def wait_sent(self, count: int, timeout: float) -> bool:
@@ -284,6 +285,8 @@ class WeightStreamer:
             self.delta_fallbacks += 1
         offered = base >= 0 and self.deltas is not None and self.deltas.offers(version, base)
         delta_base = base if offered else -1
+        if self.deltas is not None and not offered:
+            self.whole_grants += 1
         for stream, ticket in enumerate(tickets):
             self._pending[ticket] = _Pending(
                 version,

@@ -115,6 +115,7 @@ async def test_a_node_holding_the_last_version_takes_the_next_as_deltas(
         assert streamer is not None
         first = await pull(owner, node, keys, 1)  # nothing to build on: whole
         assert first.wire_bytes == streamer.wire_bytes == streamer.full_bytes
+        assert streamer.whole_grants == 1  # (counted: it held no base)
         assert bytes(node.buffer(1)) == bytes(owner.buffer(1))
         publish(owner, deltas, 2, stepped(v1, 0.01, seed=2))
         sent = streamer.wire_bytes
@@ -124,6 +125,7 @@ async def test_a_node_holding_the_last_version_takes_the_next_as_deltas(
         wire = streamer.wire_bytes - sent
         assert wire == second.wire_bytes < 0.1 * owner.layout.total_bytes
         assert second.delta_fallbacks == 0 and streamer.delta_fallbacks == 0
+        assert streamer.whole_grants == 1
         stats = deltas.take_stats()
         assert stats is not None and stats.version == 2 and stats.base == 1
         assert stats.wire_bytes == wire  # what the rows say went out is what went out
