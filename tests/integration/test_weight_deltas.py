@@ -24,7 +24,7 @@ from rlix_async.protocols.sinks import SyncError
 from rlix_async.security import ClientKeys, ServerKeys
 from rlix_async.weights import delta_source
 from rlix_async.weights.cache import WeightCache
-from rlix_async.weights.delta_source import PROBE_EVERY, VersionDeltas
+from rlix_async.weights.delta_source import PROBE_EVERY, VersionDeltas, WireRows
 from rlix_async.weights.node_cache import NodeCache
 from rlix_async.weights.tcp import sync_remote
 
@@ -126,10 +126,18 @@ async def test_a_node_holding_the_last_version_takes_the_next_as_deltas(
         assert wire == second.wire_bytes < 0.1 * owner.layout.total_bytes
         assert second.delta_fallbacks == 0 and streamer.delta_fallbacks == 0
         assert streamer.whole_grants == 1
-        stats = deltas.take_stats()
-        assert stats is not None and stats.version == 2 and stats.base == 1
-        assert stats.wire_bytes == wire  # what the rows say went out is what went out
-        assert 0.005 < stats.changed_fraction < 0.02
+        rows = WireRows(streamer, deltas)  # what the trainer's step rows read
+        row = rows.row()
+        assert row["sync_bytes_wire"] == streamer.wire_bytes  # since the start: both pulls
+        assert row["sync_bytes_full"] == 2 * owner.layout.total_bytes
+        assert row["delta_version"] == 2 and row["delta_whole_grants"] == 1
+        assert row["delta_wire_per_full"] == pytest.approx(
+            wire / owner.layout.total_bytes, abs=1e-6
+        )
+        assert 0.005 < row["delta_changed_fraction"] < 0.02
+        again = rows.row()  # the next row: nothing sent since, no new encoding
+        assert again["sync_bytes_wire"] == again["sync_bytes_full"] == 0
+        assert "delta_version" not in again
 
 
 async def test_a_wrong_base_falls_back_to_the_whole_version(
