@@ -235,9 +235,10 @@ class EpisodeRunner:
         busy: list[concurrent.futures.Future[Any]] = []  # the env's call still in a thread
         try:
             assert self.env is not None
-            build = self.env.make if self.processes is None else self.processes.build
+            build = self.env.make
             if self.processes is not None:
                 await self.processes.started()  # the clock is the env's, not Python's start
+                build = self.processes.build
             env = await self._call("__init__", clock, busy, build, row)
             first = await self._call("reset", clock, busy, env.reset)
             episode = Episode(self.chat.first(first))

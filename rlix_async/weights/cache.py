@@ -421,8 +421,6 @@ class SlotWriter:
             raise SyncError("the node's receiver is stopping")
         base = self.delta_base()
         assert base is not None and self._slot is not None, "load_delta without a base"
-        if not 0 <= index < len(self.digests or ()):
-            raise SyncError(f"bucket {index} is not in the layout")
         error = SyncError if kind == Kind.FULL else DeltaMismatch
         try:
             decode(

@@ -32,19 +32,8 @@ import numpy as np
 import zstandard
 
 from rlix_async.protocols.cache_ref import Layout
+from rlix_async.weights.packing import _DTYPES
 
-ITEM_BYTES = {
-    "float64": 8,
-    "int64": 8,
-    "float32": 4,
-    "int32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-}
 _WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SPARSE_HEAD = struct.Struct("<BBQ")  # word bytes, index bytes, changed words
 ZSTD_LEVEL = 1  # level 3 packed these deltas 1% smaller at 30% of the speed
@@ -75,7 +64,7 @@ class Encoded:
 def word_bytes(layout: Layout, bucket: int) -> int:
     """The bucket's word: its smallest element (a float32 tensor beside a bf16 one is
     two words an element; never a word straddling two elements)."""
-    sizes = [ITEM_BYTES[e.dtype] for e in layout.entries if e.bucket == bucket]
+    sizes = [_DTYPES[e.dtype].itemsize for e in layout.entries if e.bucket == bucket]
     return min(sizes, default=1)
 
 

@@ -47,17 +47,13 @@ class _Encoding:
     version: int
     base: int
     buckets: list[Encoded | None]
+    interval: float | None  # since the build before (a step), where known
     started: float = field(default_factory=time.perf_counter)
-    failed: str = ""
+    failed: bool = False  # an error, not a stop: offered to no new stream
     done: threading.Condition = field(default_factory=threading.Condition)
-    interval: float | None = None  # since the build before (a step), where known
     stopping: bool = False  # set by stop(): end at the next bucket
     ended: bool = False  # the thread is done: a bucket not encoded by now never will be
     thread: threading.Thread | None = None
-
-
-class _Stopped(Exception):
-    """The encoding was stopped for the cache's next build."""
 
 
 class VersionDeltas:
@@ -89,18 +85,16 @@ class VersionDeltas:
         now = time.perf_counter()
         interval = None if self._last_build is None else now - self._last_build
         self._last_build = now
+        bases = [v for v in cache.versions if v != version]
         with self._lock:
             self._encoding = None  # the older version's deltas are of no use from now on
-        bases = [v for v in cache.versions if v != version]
-        if self.mode == "off" or not bases or cache.layout is None:
-            return False
-        with self._lock:
+            if self.mode == "off" or not bases or cache.layout is None:
+                return False
             if self._skip:
                 self._skip -= 1
                 return False
         base = max(bases)
-        enc = _Encoding(version, base, [None] * len(cache.layout.bucket_sizes))
-        enc.interval = interval
+        enc = _Encoding(version, base, [None] * len(cache.layout.bucket_sizes), interval)
         holds = [StreamDone(), StreamDone()]  # the next build waits for these
         cache.track(version, holds[0])
         cache.track(base, holds[1])
@@ -130,11 +124,9 @@ class VersionDeltas:
     def stop(self, timeout: float = 60.0) -> None:
         """End the encoding under way at its next bucket and wait (``timeout`` at most)
         for its thread to let go of the slots: before the cache's next build."""
-        enc = self._encoding
-        if enc is None or enc.thread is None:
-            return
-        enc.stopping = True
-        enc.thread.join(timeout)
+        if self._encoding is not None:
+            self._encoding.stopping = True
+        self.join(timeout)
 
     def _run(self, enc: _Encoding, holds: list[StreamDone]) -> None:
         cache = self.cache
@@ -145,8 +137,11 @@ class VersionDeltas:
             for i, (start, size) in enumerate(
                 zip(layout.bucket_offsets, layout.bucket_sizes, strict=True)
             ):
-                if enc.stopping:
-                    raise _Stopped(f"version {enc.version + 1} is being built")
+                if enc.stopping:  # what it encoded still goes as deltas
+                    log.info("weight deltas: version %d not encoded whole", enc.version)
+                    with self._lock:
+                        self.stopped += 1
+                    return
                 end = start + size
                 encoded = encode(old[start:end], new[start:end], word_bytes(layout, i))
                 with enc.done:
@@ -182,15 +177,8 @@ class VersionDeltas:
                     PROBE_EVERY - 1,
                 )  # fmt: skip
         except Exception as exc:  # a stream asking for it sends the full buckets instead
-            if isinstance(exc, _Stopped):  # what it encoded still goes as deltas
-                log.info("weight deltas: version %d not encoded whole (%s)", enc.version, exc)
-                with self._lock:
-                    self.stopped += 1
-                return
             log.error("weight deltas: encoding version %d failed: %s", enc.version, exc)
-            with enc.done:
-                enc.failed = str(exc) or type(exc).__name__
-                enc.done.notify_all()
+            enc.failed = True
         finally:
             with enc.done:
                 enc.ended = True

@@ -448,17 +448,17 @@ async def _receive_stream(
     grant = await client.call(ask, timeout=timeout)
     if not isinstance(grant, StreamGrant):
         raise SyncError(f"{endpoint} answered a stream request with {type(grant).__name__}")
-    if grant.delta_base not in (-1, base) or (base >= 0 and not isinstance(sink, DeltaSink)):
+    if grant.delta_base not in (-1, base):  # (base >= 0 only from a DeltaSink)
         raise SyncError(f"{endpoint} granted deltas on version {grant.delta_base}, not {base}")
-    encoded = grant.delta_base >= 0
+    deltas = sink if grant.delta_base >= 0 else None
+    assert deltas is None or isinstance(deltas, DeltaSink)
 
     def land(index: int, header: tuple[int, ...], data: memoryview) -> None:
         version, got_index, nbytes, generation = header[:4]
         meta = BucketMeta(version=version, index=got_index, nbytes=nbytes, generation=generation)
-        check_bucket(meta, len(data), ref, layout, index, encoded=encoded)
-        if encoded:
-            assert isinstance(sink, DeltaSink)
-            sink.load_delta(index, header[4], data)
+        check_bucket(meta, len(data), ref, layout, index, encoded=deltas is not None)
+        if deltas is not None:
+            deltas.load_delta(index, header[4], data)
         else:
             sink.load(BucketView(index, data).tensors(layout))
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 
 from helpers.weights_owner import state
-from rlix_async.security import ServerKeys, keygen
+from rlix_async.security import ClientKeys, ServerKeys, keygen
 from rlix_async.weights.cache import WeightCache
+from rlix_async.weights.node_cache import NodeCache
 from rlix_async.weights.sinks import TensorSink
 from rlix_async.weights.stream import DeltaProvider
 from rlix_async.weights.tcp import WeightServer
@@ -40,6 +41,28 @@ def make_cache(send_wait_s: float = 5.0) -> WeightCache:
     return cache
 
 
+def machine_dirs(tmp_path: Path, n: int) -> list[Path]:
+    """``n`` shared-memory directories, one per node (as ``n`` machines)."""
+    out = []
+    for i in range(n):
+        d = tmp_path / f"node{i}"
+        d.mkdir(mode=0o700)
+        out.append(d)
+    return out
+
+
+def relaying_node(keys: Path, shm_dir: Path, cls: type[NodeCache] = NodeCache) -> NodeCache:
+    """Pipeline ``p``'s node cache that relays (as ``launch --node`` starts one), its
+    shared memory in ``shm_dir``."""
+    return cls(
+        "p",
+        keys=ClientKeys.load(keys, "shard"),
+        shm_dir=shm_dir,
+        relay_address="127.0.0.1",
+        server_keys=ServerKeys.load(keys, "shard"),
+    )
+
+
 @contextlib.asynccontextmanager
 async def serving(
     cache: WeightCache,
@@ -54,12 +77,10 @@ async def serving(
     driver's key pair, whose public key every ref then carries (and ``transport``, the
     pipeline's weights.transport)."""
     server_keys = ServerKeys.load(keys, "driver-p")
-    if deltas is None:
-        server = await cls(cache, "tcp://127.0.0.1:0", keys=server_keys, streams=streams).start()
-    else:
-        server = await WeightServer(
-            cache, "tcp://127.0.0.1:0", keys=server_keys, streams=streams, deltas=deltas
-        ).start()
+    extra = {} if deltas is None else {"deltas": deltas}  # (a relay takes no deltas of ours)
+    server = await cls(
+        cache, "tcp://127.0.0.1:0", keys=server_keys, streams=streams, **extra
+    ).start()
     cache.serve(server.endpoint, server_keys.public.decode(), transport)
     try:
         yield server

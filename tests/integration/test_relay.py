@@ -6,11 +6,10 @@ relay servers on loopback."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.remote_weights import make_cache, make_keys, serving
+from helpers.remote_weights import machine_dirs, make_cache, make_keys, relaying_node, serving
 from helpers.weights_owner import state
 
 from rlix_async.security import ClientKeys, ServerKeys
@@ -77,23 +76,8 @@ def keys(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def dirs(tmp_path: Path) -> Iterator[list[Path]]:
-    out = []
-    for i in range(3):
-        d = tmp_path / f"node{i}"
-        d.mkdir(mode=0o700)
-        out.append(d)
-    yield out
-
-
-def _node(keys: Path, shm_dir: Path, cls: type[NodeCache] = NodeCache) -> NodeCache:
-    return cls(
-        "p",
-        keys=ClientKeys.load(keys, "shard"),
-        shm_dir=shm_dir,
-        relay_address="127.0.0.1",
-        server_keys=ServerKeys.load(keys, "shard"),
-    )
+def dirs(tmp_path: Path) -> list[Path]:
+    return machine_dirs(tmp_path, 3)
 
 
 async def _close(nodes: list[NodeCache]) -> None:
@@ -103,7 +87,7 @@ async def _close(nodes: list[NodeCache]) -> None:
 
 async def test_three_nodes_take_a_version_the_owner_sent_once(keys: Path, dirs: list[Path]) -> None:
     owner = make_cache()
-    nodes = [_node(keys, d) for d in dirs]
+    nodes = [relaying_node(keys, d) for d in dirs]
     try:
         async with serving(owner, keys, CountingServer) as server:
             assert isinstance(server, CountingServer)
@@ -136,7 +120,7 @@ async def test_a_relay_that_alters_a_bucket_is_caught_and_the_owner_sends_instea
     """Through the relay's streams (the owner's pipeline streams) or its frames."""
     owner = make_cache()
     bad = _node_with(FlippingRelay, keys, dirs[0])
-    good = _node(keys, dirs[1])
+    good = relaying_node(keys, dirs[1])
     try:
         async with serving(owner, keys, CountingServer, transport=transport) as server:
             assert isinstance(server, CountingServer)
@@ -237,7 +221,7 @@ def _node_with(relay_cls: type[RelayServer], keys: Path, shm_dir: Path) -> NodeC
                 self.relays[owner] = relay
             return relay
 
-    return _node(keys, shm_dir, Node)
+    return relaying_node(keys, shm_dir, Node)
 
 
 @pytest.mark.parametrize("relay_cls", [ForgingRelay, LyingRelay])
@@ -248,7 +232,7 @@ async def test_a_relay_forging_the_manifest_or_the_version_is_refused(
     manifest a node accepts, and only the owner's ref names the version."""
     owner = make_cache()
     bad = _node_with(relay_cls, keys, dirs[0])
-    good = _node(keys, dirs[1])
+    good = relaying_node(keys, dirs[1])
     try:
         async with serving(owner, keys):
             ref = owner.ref(1)

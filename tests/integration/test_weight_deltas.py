@@ -18,14 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.remote_weights import make_keys, serving
+from helpers.remote_weights import machine_dirs, make_keys, relaying_node, serving
 
 from rlix_async.protocols.sinks import SyncError
-from rlix_async.security import ClientKeys, ServerKeys
+from rlix_async.security import ClientKeys
 from rlix_async.weights import delta_source
 from rlix_async.weights.cache import WeightCache
 from rlix_async.weights.delta_source import PROBE_EVERY, VersionDeltas, WireRows
-from rlix_async.weights.node_cache import NodeCache
 from rlix_async.weights.tcp import sync_remote
 
 BUCKET = 64 << 10
@@ -54,16 +53,18 @@ def stepped(w: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str,
     return out
 
 
-def relaying(keys: Path, shm_dir: Path) -> NodeCache:
-    """A node cache that relays (as ``launch --node`` starts one), its shared memory in
-    a directory of its own (a machine of its own)."""
-    return NodeCache(
-        "p",
-        keys=ClientKeys.load(keys, "shard"),
-        shm_dir=shm_dir,
-        relay_address="127.0.0.1",
-        server_keys=ServerKeys.load(keys, "shard"),
-    )
+def slow_encoding(monkeypatch: pytest.MonkeyPatch, seconds: float) -> threading.Event:
+    """Each bucket's encoding takes ``seconds`` longer (a model larger than these, a
+    busier host); the event is set when the first one starts."""
+    real, started = delta_source.encode, threading.Event()
+
+    def slow(*args):  # type: ignore[no-untyped-def]
+        started.set()
+        time.sleep(seconds)
+        return real(*args)
+
+    monkeypatch.setattr(delta_source, "encode", slow)
+    return started
 
 
 @pytest.fixture
@@ -219,15 +220,7 @@ def test_the_next_build_waits_for_the_encoding(
     owner: WeightCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The encoding reads the base's slot: the build that would rewrite it waits."""
-    real = delta_source.encode
-    started = threading.Event()
-
-    def slow(*args):  # type: ignore[no-untyped-def]
-        started.set()
-        time.sleep(0.2)
-        return real(*args)
-
-    monkeypatch.setattr(delta_source, "encode", slow)
+    started = slow_encoding(monkeypatch, 0.2)
     deltas = VersionDeltas(owner)
     v1 = weights(1)
     publish(owner, deltas, 1, v1)
@@ -241,21 +234,15 @@ def test_the_next_build_waits_for_the_encoding(
 
 
 async def test_a_node_with_a_damaged_base_in_a_relay_chain_takes_it_whole(
-    keys: Path, tmp_path: Path
+    owner: WeightCache, keys: Path, tmp_path: Path
 ) -> None:
     """Node A's version 1 is damaged in one bucket. Version 2 goes down the chain to A
     and B at once: A's delta for that bucket does not decode to the owner's bytes, so A
     takes the version again whole, into the same slot (counted), without holding up
     the node relaying to or from it; both end with the owner's bytes. Node C, which
     holds nothing, then takes it whole from its relay."""
-    owner = WeightCache("p", f"o{uuid.uuid4().hex[:6]}", bucket_bytes=BUCKET, send_wait_s=10.0)
     deltas = VersionDeltas(owner)
-    dirs = []
-    for i in range(3):
-        d = tmp_path / f"node{i}"
-        d.mkdir(mode=0o700)
-        dirs.append(d)
-    a, b, c = (relaying(keys, d) for d in dirs)
+    a, b, c = (relaying_node(keys, d) for d in machine_dirs(tmp_path, 3))
     try:
         v1 = weights(1)
         publish(owner, deltas, 1, v1)
@@ -280,7 +267,6 @@ async def test_a_node_with_a_damaged_base_in_a_relay_chain_takes_it_whole(
     finally:
         for n in (a, b, c):
             await n.aclose()
-        owner.close()
 
 
 def test_stop_ends_an_encoding_at_its_next_bucket(
@@ -288,13 +274,7 @@ def test_stop_ends_an_encoding_at_its_next_bucket(
 ) -> None:
     """A step faster than the encoding: the driver's stop() before its build ends the
     encoding after the bucket under way; the buckets it did not reach go whole."""
-    real = delta_source.encode
-
-    def slow(*args):  # type: ignore[no-untyped-def]
-        time.sleep(0.3)
-        return real(*args)
-
-    monkeypatch.setattr(delta_source, "encode", slow)
+    slow_encoding(monkeypatch, 0.3)
     deltas = VersionDeltas(owner)
     v1 = weights(1)
     publish(owner, deltas, 1, v1)
@@ -340,13 +320,7 @@ def test_auto_switches_itself_off_where_encoding_costs_over_a_tenth_of_a_step(
 ) -> None:
     """Small deltas, but each took longer than a tenth of the time between two builds:
     auto stops encoding for the next PROBE_EVERY - 1 versions."""
-    real = delta_source.encode
-
-    def slow(*args):  # type: ignore[no-untyped-def]
-        time.sleep(0.1)
-        return real(*args)
-
-    monkeypatch.setattr(delta_source, "encode", slow)
+    slow_encoding(monkeypatch, 0.1)
     deltas = VersionDeltas(owner)
     v1 = weights(1)
     publish(owner, deltas, 1, v1)  # nothing before it: not encoded, the clock starts
@@ -366,22 +340,15 @@ def test_off_never_encodes(owner: WeightCache) -> None:
     assert not deltas.encode(2) and not deltas.offers(2, 1)
 
 
-async def test_deltas_cross_every_hop_of_a_relay_chain(keys: Path, tmp_path: Path) -> None:
+async def test_deltas_cross_every_hop_of_a_relay_chain(
+    owner: WeightCache, keys: Path, tmp_path: Path
+) -> None:
     """Three node caches on the owner's chain, each holding version 1: version 2 reaches
     each as deltas (the relays forward the payloads they received), every node ends with
     the owner's bytes, and a node joining with no base takes it whole from its relay."""
-    owner = WeightCache("p", f"o{uuid.uuid4().hex[:6]}", bucket_bytes=BUCKET, send_wait_s=10.0)
     deltas = VersionDeltas(owner)
-    dirs = []
-    for i in range(4):
-        d = tmp_path / f"node{i}"
-        d.mkdir(mode=0o700)
-        dirs.append(d)
-
-    def node(shm_dir: Path) -> NodeCache:
-        return relaying(keys, shm_dir)
-
-    nodes = [node(d) for d in dirs[:3]]
+    dirs = machine_dirs(tmp_path, 4)
+    nodes = [relaying_node(keys, d) for d in dirs[:3]]
     try:
         v1 = weights(1)
         publish(owner, deltas, 1, v1)
@@ -391,7 +358,7 @@ async def test_deltas_cross_every_hop_of_a_relay_chain(keys: Path, tmp_path: Pat
             publish(owner, deltas, 2, stepped(v1, 0.01, seed=2))
             for n in nodes:
                 await n.ensure(owner.ref(2))
-            late = node(dirs[3])
+            late = relaying_node(keys, dirs[3])
             nodes.append(late)
             await late.ensure(owner.ref(2))
             assert owner.layout is not None
@@ -408,7 +375,6 @@ async def test_deltas_cross_every_hop_of_a_relay_chain(keys: Path, tmp_path: Pat
     finally:
         for n in nodes:
             await n.aclose()
-        owner.close()
 
 
 def test_a_real_trainers_consecutive_versions_decode_exactly(owner: WeightCache) -> None:
